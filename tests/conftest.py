@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny randomly initialised models of every supported family, and the real
+default model (SmolLM2-135M-Instruct). The tiny models borrow the default model's tokenizer."""
+
+import pytest
+import torch
+
+from ragblend import BlendEngine
+from ragblend.core.model import load_model, resolve_model_dir
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, vocab_size=49152,
+            tie_word_embeddings=False)
+
+
+def tiny_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if arch == "llama":  # RoPE scaling variant, through the model's own rotary module
+        return LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    if arch == "mistral":  # a sliding window shorter than the test prompts
+        return MistralConfig(**TINY, sliding_window=48)
+    if arch == "qwen2":  # biased Q/K/V projections
+        return Qwen2Config(**TINY)
+    if arch == "qwen3":  # per-head q/k RMSNorm
+        return Qwen3Config(**TINY)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def make_tiny_engine(arch, tokenizer, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="sdpa").eval()
+    # Random init at std 0.02 makes attention nearly uniform; a larger spread makes the
+    # fusion strategies actually differ from each other.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return BlendEngine(model, tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny_engine(request, tokenizer):
+    return make_tiny_engine(request.param, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smol_engine():
+    return BlendEngine.from_pretrained()
+
+
+@pytest.fixture(scope="session")
+def smol_model(default_model_dir):
+    model, _ = load_model(default_model_dir)
+    return model
+
+
+PASSAGES = [
+    "The lighthouse at Cape Orrin was first lit in 1871 and burned whale oil until 1903.",
+    "Mara Tellis ran the ferry between the two islands for thirty-one years without a single accident.",
+    "In the village bakery, rye loaves are proofed overnight in baskets lined with linen.",
+    "The council voted seven to two to replace the old stone bridge with a wider steel one.",
+]
+
+
+@pytest.fixture(scope="session")
+def bench_prompt():
+    """The benchmark's 6 chunks of ~500 tokens and its question."""
+    from ragblend.data import load_sample
+
+    sample = load_sample()
+    return sample["chunks"], sample["question"]

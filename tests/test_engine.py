@@ -1,0 +1,164 @@
+"""Correctness of the fused prefill on tiny random models of every supported family."""
+
+import math
+
+import pytest
+import torch
+
+from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend.core.fusion import isolated_kv
+from ragblend.core.kv import ChunkKV
+
+from .conftest import PASSAGES
+
+
+def forward_logits(engine, token_ids):
+    with torch.no_grad():
+        out = engine.hf_model(torch.tensor([token_ids]), use_cache=True)
+    return out.logits[0, -1], out.past_key_values
+
+
+def segments(order=(0, 1, 2)):
+    return [Chunk(PASSAGES[i]) for i in order] + ["Question: who ran the ferry?"]
+
+
+def test_full_recompute_equals_model_forward(tiny_engine):
+    pre = tiny_engine.prefill(segments(), system="Answer briefly.", strategy=FullRecompute())
+    ref, _ = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+    assert pre.stats.recomputed_tokens == pre.stats.prompt_tokens == len(pre.token_ids)
+
+
+def test_long_prompt_crosses_sliding_window(tiny_engine):
+    # Longer than the tiny Mistral's 48-token window, so the window mask really matters there.
+    segs = [Chunk(p) for p in PASSAGES] + ["Question: which bridge was replaced?"]
+    pre = tiny_engine.prefill(segs, strategy=FullRecompute())
+    assert len(pre.token_ids) > 2 * 48
+    ref, _ = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+
+
+def test_cacheblend_ratio_one_equals_full_prefill_and_its_cache(tiny_engine):
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=CacheBlend(ratio=1.0))
+    assert pre.stats.chunks_reused == 3
+    ref, cache = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+    for layer in range(tiny_engine.adapter.shape.num_layers):
+        k_ref, v_ref = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+        n = k_ref.shape[1]  # a sliding-window layer keeps only its window
+        assert torch.allclose(pre.keys[layer][:, -n:], k_ref, atol=1e-4), f"K differs at layer {layer}"
+        assert torch.allclose(pre.values[layer][:, -n:], v_ref, atol=1e-4), f"V differs at layer {layer}"
+
+
+def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
+    """Chunks precomputed in exactly the context they appear in: FullReuse must be exact.
+
+    This proves the stored pre-RoPE K is rotated to the right positions and that fresh
+    tokens attend through an exact causal mask (they never see later keys).
+    """
+    from ragblend.core.store import MemoryStore
+
+    engine = tiny_engine
+    saved = engine.store
+    engine.store = MemoryStore()
+    try:
+        layout = engine.prompts.build(segments(), system=None)
+        for span in layout.chunk_spans:
+            keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
+            engine.store.put(ChunkKV(engine.key_for(span.token_ids), list(span.token_ids), keys, values))
+        pre = engine.prefill(segments(), strategy=FullReuse())
+        assert pre.token_ids == layout.token_ids
+        assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
+        ref, _ = forward_logits(engine, pre.token_ids)
+        assert (pre.logits - ref).abs().max() <= 1e-4
+    finally:
+        engine.store = saved
+
+
+def kl_to(ref_logits, logits):
+    return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1),
+                                      log_target=True, reduction="sum").item()
+
+
+@pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),))])
+def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, strategy):
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=strategy)
+    n = len(pre.token_ids)
+    chunk_tokens = sum(s.end - s.start for s in pre.layout.chunk_spans)
+    fresh = n - chunk_tokens
+    assert pre.stats.prompt_tokens == n
+    assert pre.stats.reused_tokens + pre.stats.recomputed_tokens == n
+    assert pre.recomputed[-1]  # the last token always runs (it gives the logits)
+    if isinstance(strategy, FullReuse):
+        assert pre.stats.recomputed_tokens == fresh
+    elif isinstance(strategy, LegoLink):
+        assert pre.stats.recomputed_tokens == fresh + 2 * 4  # every chunk but the first
+    else:
+        kept = pre.stats.recomputed_tokens - fresh
+        final_ratio = strategy.gradual[-1][1] if strategy.gradual else strategy.ratio
+        assert kept == math.ceil(final_ratio * chunk_tokens - 1e-9)
+    assert torch.isfinite(pre.logits).all()
+    assert len(pre.keys) == tiny_engine.adapter.shape.num_layers
+    assert all(k.shape[1] == n for k in pre.keys)
+
+
+def test_compute_scales_with_selected_tokens(tiny_engine):
+    """After the check layer, only the kept tokens run through the layer."""
+    from ragblend.core.fusion import ReusedSpan, fused_prefill
+    from ragblend.core.pipeline import SequentialSource
+
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    layout = engine.prompts.build(segments())
+    spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
+    chunks = [engine.store.get(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
+    n = len(layout.token_ids)
+    reused = sum(s.num_tokens for s in spans)
+    fused = fused_prefill(engine.adapter, layout.token_ids, spans,
+                          SequentialSource(chunks, engine.adapter.dtype), CacheBlend(0.25, check_layer=1))
+    kept = n - reused + -(-reused // 4)
+    assert fused.layer_selected[0] == n and fused.layer_selected[1] == n
+    assert fused.layer_selected[2:] == [kept] * (engine.adapter.shape.num_layers - 2)
+
+
+def test_later_text_never_changes_earlier_tokens(tiny_engine):
+    """Exact causal mask: recomputed tokens see only keys at or before their position."""
+    tiny_engine.precompute(PASSAGES[:3])
+    a = tiny_engine.prefill([Chunk(PASSAGES[0]), "Some fresh text here.", Chunk(PASSAGES[1]), "Question A?"],
+                            strategy=FullReuse())
+    b = tiny_engine.prefill([Chunk(PASSAGES[0]), "Some fresh text here.", Chunk(PASSAGES[1]),
+                             "A quite different and longer final question B?"], strategy=FullReuse())
+    start = a.layout.chunk_spans[1].end  # everything before the final question is shared
+    assert a.token_ids[:start] == b.token_ids[:start]
+    for ka, kb, va, vb in zip(a.keys, b.keys, a.values, b.values):
+        assert torch.equal(ka[:, :start], kb[:, :start])
+        assert torch.equal(va[:, :start], vb[:, :start])
+
+
+def test_any_order_repeats_and_unknown_chunks(tiny_engine):
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk("A chunk that was never stored."),
+            "Question?"]
+    pre = engine.prefill(segs, strategy=FullReuse())
+    assert pre.stats.chunks_reused == 3 and pre.stats.chunks_missing == 1
+    spans = pre.layout.chunk_spans
+    assert pre.token_ids[spans[0].start:spans[0].end] == pre.token_ids[spans[2].start:spans[2].end]
+    unknown = spans[3]
+    assert pre.recomputed[unknown.start:unknown.end].all()  # computed as plain text
+    assert not pre.recomputed[spans[0].start:spans[0].end].any()
+    ref = engine.prefill(segs, strategy=FullRecompute())
+    assert ref.token_ids == pre.token_ids
+
+
+def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engine):
+    from .conftest import make_tiny_engine
+
+    refs = tiny_engine.precompute(PASSAGES[:2])
+    assert [r.num_tokens for r in refs] == [len(tiny_engine.prompts.tokenize(p)) for p in PASSAGES[:2]]
+    again = tiny_engine.precompute(PASSAGES[:2])
+    assert again == refs
+    other = make_tiny_engine("qwen3" if tiny_engine.adapter.arch != "qwen3" else "llama", tokenizer)
+    assert other.precompute(PASSAGES[:1])[0].key != refs[0].key
