@@ -149,7 +149,15 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     else:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     hf_model.to(device).eval()
     return hf_model, tokenizer
 
