@@ -61,8 +61,8 @@ def tiny_engine(request, tokenizer):
 
 
 @pytest.fixture(scope="session")
-def smol_engine():
-    return BlendEngine.from_pretrained()
+def smol_engine(tmp_path_factory):
+    return BlendEngine.from_pretrained(kv_dir=tmp_path_factory.mktemp("kv"))
 
 
 @pytest.fixture(scope="session")

@@ -109,5 +109,14 @@ def test_missing_model_path(tmp_path):
 
 
 def test_full_reuse_without_any_stored_chunk_is_a_full_prefill(engine):
-    pre = engine.prefill([Chunk("never stored anywhere"), "q?"], strategy=FullReuse())
+    engine.write_back = False
+    try:
+        pre = engine.prefill([Chunk("never stored anywhere"), "q?"], strategy=FullReuse())
+    finally:
+        engine.write_back = True
     assert pre.stats.reused_tokens == 0 and pre.stats.chunks_missing == 1
+
+
+def test_bad_kv_dtype(tokenizer):
+    with pytest.raises(InvalidInputError, match="kv_dtype"):
+        make_tiny_engine("llama", tokenizer, kv_dtype="int8")

@@ -140,10 +140,14 @@ def test_later_text_never_changes_earlier_tokens(tiny_engine):
 def test_any_order_repeats_and_unknown_chunks(tiny_engine):
     engine = tiny_engine
     engine.precompute(PASSAGES[:3])
-    segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk("A chunk that was never stored."),
-            "Question?"]
-    pre = engine.prefill(segs, strategy=FullReuse())
-    assert pre.stats.chunks_reused == 3 and pre.stats.chunks_missing == 1
+    unknown_text = f"A chunk that was never stored ({engine.adapter.arch})."
+    segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk(unknown_text), "Question?"]
+    engine.write_back = False  # unknown chunks are then computed as plain text
+    try:
+        pre = engine.prefill(segs, strategy=FullReuse())
+    finally:
+        engine.write_back = True
+    assert pre.stats.chunks_reused == 3 and pre.stats.chunks_missing == 1 and pre.stats.chunks_computed == 0
     spans = pre.layout.chunk_spans
     assert pre.token_ids[spans[0].start:spans[0].end] == pre.token_ids[spans[2].start:spans[2].end]
     unknown = spans[3]
@@ -151,6 +155,23 @@ def test_any_order_repeats_and_unknown_chunks(tiny_engine):
     assert not pre.recomputed[spans[0].start:spans[0].end].any()
     ref = engine.prefill(segs, strategy=FullRecompute())
     assert ref.token_ids == pre.token_ids
+
+
+def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:2])
+    text = f"Another chunk nobody precomputed ({engine.adapter.arch})."
+    key = engine.key_for(engine.prompts.tokenize(text))
+    segs = [Chunk(PASSAGES[0]), Chunk(text), Chunk(PASSAGES[1]), "Question?"]
+    first = engine.prefill(segs, strategy=FullReuse())
+    assert first.stats.chunks_missing == 1 and first.stats.chunks_computed == 1
+    span = first.layout.chunk_spans[1]
+    assert not first.recomputed[span.start:span.end].any()  # its isolated KV was used
+    engine.flush()
+    assert key in engine.store  # saved off the TTFT path
+    second = engine.prefill(segs, strategy=FullReuse())
+    assert second.stats.chunks_missing == 0 and second.stats.chunks_reused == 3
+    assert torch.equal(first.logits, second.logits)
 
 
 def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engine):

@@ -19,19 +19,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Sequence
 
 import torch
 
 from .errors import InvalidInputError, PromptTooLongError
-from .fusion import CacheBlend, ReusedSpan, Strategy, check_strategy, fused_prefill, isolated_kv
+from .fusion import CacheBlend, FullRecompute, ReusedSpan, Strategy, check_strategy, fused_prefill, isolated_kv
 from .generate import Decoding, SamplingParams, build_cache
 from .kv import ChunkKV, ChunkRef, chunk_key
-from .model import ModelAdapter, load_model
-from .pipeline import SequentialSource
-from .prompt import Chunk, PromptBuilder, PromptLayout, Segment
-from .store import KVStore, MemoryStore
+from .model import ModelAdapter, cache_dir, load_model
+from .pipeline import PrefetchSource, SequentialSource
+from .prompt import PromptBuilder, PromptLayout, Segment
+from .store import (STORAGE_DTYPES, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader, MemoryStore,
+                    TieredStore)
 
 
 @dataclass
@@ -42,11 +44,16 @@ class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0         # prompt tokens whose KV came from the store
     recomputed_tokens: int = 0     # prompt tokens computed through every layer
-    load_s: float = 0.0            # reading cached KV
+    load_s: float = 0.0            # reading cached KV (in the background when pipelined)
+    load_wait_s: float = 0.0       # of which the fusion had to wait for
     compute_s: float = 0.0         # running layers
     strategy: str = ""
-    chunks_reused: int = 0         # chunks found in the store
-    chunks_missing: int = 0        # Chunk segments with no stored KV (computed as text)
+    ratio: float | None = None     # CacheBlend's recompute ratio (resolved when "auto")
+    chunks_reused: int = 0         # chunks whose KV came from the store
+    chunks_missing: int = 0        # Chunk segments with no (usable) stored KV
+    chunks_computed: int = 0       # of those, computed in isolation now and written back
+    isolate_s: float = 0.0         # time spent computing those
+    tiers: dict = field(default_factory=dict)   # chunks served per tier, e.g. {"memory": 5, "disk": 1}
     generated_tokens: int = 0
     decode_s: float = 0.0
     finish_reason: str | None = None
@@ -54,6 +61,11 @@ class Stats:
     @property
     def recompute_fraction(self) -> float:
         return self.recomputed_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def load_hidden_fraction(self) -> float:
+        """Share of the KV load time that overlapped compute (1.0 = fully hidden)."""
+        return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
 
 
 @dataclass
@@ -83,13 +95,14 @@ class Generation:
 class BlendEngine:
     """Fusion engine over one local model: precompute chunk KV, then prefill/generate with reuse.
 
-    Build it with :meth:`from_pretrained`. Not safe for concurrent prefill calls from
-    several threads; a lock serialises them.
+    Build it with :meth:`from_pretrained`. Prefill calls are serialised by a lock; KV
+    write-back runs in a background thread (:meth:`flush` waits for it).
     """
 
     def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None,
                  strategy: Strategy | None = None, separator: str = "\n\n",
                  sink_prefix: str | None = None, use_chat_template: bool | None = None,
+                 kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
                  name: str | None = None):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
@@ -100,9 +113,15 @@ class BlendEngine:
         self.sink_ids = (self.prompts.tokenize(sink_prefix) if sink_prefix is not None
                          else self.prompts.sink_ids())
         self.fingerprint = self.adapter.fingerprint(tokenizer)
+        self.kv_dtype = _storage_dtype(kv_dtype)
+        self.prefetch = prefetch
+        self.write_back = write_back
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self._lock = threading.RLock()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
+        self._pending_writes: list[Future] = []
+        self._controller = None
         eos = hf_model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -110,26 +129,39 @@ class BlendEngine:
         self.eos_ids = frozenset(eos)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, kv_dir: str | os.PathLike | None = None,
+                        memory_bytes: int = 2 << 30, disk_bytes: int = 8 << 30, strategy: Strategy | None = None,
                         dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                        memory_bytes: int = 2 << 30, store: KVStore | None = None, **kwargs) -> "BlendEngine":
+                        store: KVStore | None = None, **kwargs) -> "BlendEngine":
         """Load a model and wrap it.
 
         ``model`` is None (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a local
-        Hugging Face directory. ``memory_bytes`` bounds the in-memory KV store.
+        Hugging Face directory. KV entries live in memory (LRU, ``memory_bytes``) in front of
+        a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; LRU, ``disk_bytes``).
+        Pass ``kv_dir=False`` for memory only. Other keyword arguments go to the constructor
+        (``kv_dtype``, ``prefetch``, ``write_back``, ``separator``, ``sink_prefix``...).
         """
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
         name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(str(model).rstrip("/"))
-        store = store if store is not None else MemoryStore(memory_bytes)
-        return cls(hf_model, tokenizer, store=store, strategy=strategy, name=name, **kwargs)
+        engine = cls(hf_model, tokenizer, store=store or MemoryStore(memory_bytes), strategy=strategy,
+                     name=name, **kwargs)
+        if store is None and kv_dir is not False:
+            disk = DiskStore(kv_dir or cache_dir() / "kv", engine.entry_spec, disk_bytes)
+            engine.store = TieredStore(engine.store, disk)
+        return engine
 
     # ------------------------------------------------------------------ properties
 
     @property
     def context_window(self) -> int:
         return self.adapter.shape.context_window
+
+    @property
+    def entry_spec(self) -> EntrySpec:
+        shape = self.adapter.shape
+        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim)
 
     def count_tokens(self, text: str) -> int:
         return len(self.prompts.tokenize(text))
@@ -160,23 +192,49 @@ class BlendEngine:
                     f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context window "
                     f"({self.context_window}) after the sink prefix. Split it into smaller chunks.")
         refs = []
-        items = zip(texts, tokenized)
+        items = tokenized
         if progress:
             from tqdm.auto import tqdm
             items = tqdm(items, total=len(texts), desc="Precomputing KV", unit="chunk")
-        for _, ids in items:
-            refs.append(self._ensure_stored(ids))
+        for ids in items:
+            key = self.key_for(ids)
+            if key not in self.store:
+                self.store.put(self.compute_entry(ids))
+            refs.append(ChunkRef(key, len(ids)))
         return refs
 
-    def _ensure_stored(self, token_ids: list[int]) -> ChunkRef:
-        key = self.key_for(token_ids)
-        if key not in self.store:
-            with self._lock:
-                keys, values = isolated_kv(self.adapter, self.sink_ids, token_ids)
-            self.store.put(ChunkKV(key, list(token_ids), keys, values))
-        return ChunkRef(key, len(token_ids))
+    def compute_entry(self, token_ids: list[int]) -> ChunkKV:
+        """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
+        with self._lock:
+            keys, values = isolated_kv(self.adapter, self.sink_ids, token_ids)
+        stored_k, stored_v = keys.to(self.kv_dtype), values.to(self.kv_dtype)
+        if not (torch.isfinite(stored_k).all() and torch.isfinite(stored_v).all()):
+            stored_k, stored_v = keys.float(), values.float()  # out of the storage dtype's range
+        return ChunkKV(self.key_for(token_ids), list(token_ids), stored_k.cpu(), stored_v.cpu())
+
+    def flush(self) -> None:
+        """Wait for background KV write-backs to finish (re-raises a failed write)."""
+        pending, self._pending_writes = self._pending_writes, []
+        for future in pending:
+            future.result()
+
+    def _write_back(self, entry: ChunkKV) -> None:
+        self._pending_writes = [f for f in self._pending_writes if not f.done()]
+        self._pending_writes.append(self._writer.submit(self.store.put, entry))
 
     # ------------------------------------------------------------------ prefill
+
+    def plan(self, prompt_tokens: int, reused_tokens: int, tier: str | None = None):
+        """What the loading controller would do for such a prompt (see :mod:`.controller`)."""
+        return self.controller.plan(prompt_tokens, reused_tokens, tier)
+
+    @property
+    def controller(self):
+        if self._controller is None:
+            from .controller import LoadingController
+
+            self._controller = LoadingController(self)
+        return self._controller
 
     def prefill(self, segments: Sequence[Segment], *, system: str | None = None,
                 strategy: Strategy | None = None) -> Prefill:
@@ -189,26 +247,68 @@ class BlendEngine:
             raise PromptTooLongError(
                 f"The prompt has {n} tokens but the model's context window is {self.context_window}; "
                 "pass fewer or shorter chunks.")
-        spans, chunks, missing = [], [], 0
-        for span in layout.chunk_spans:
-            entry = self.store.get(self.key_for(span.token_ids)) if span.token_ids else None
-            if entry is None:
-                missing += bool(span.token_ids)
-                continue
-            spans.append(ReusedSpan(span.start, span.end - span.start))
-            chunks.append(entry)
-        source = SequentialSource(chunks, self.adapter.dtype, self.adapter.device)
-        with self._lock:
-            fused = fused_prefill(self.adapter, layout.token_ids, spans, source, strategy)
+        stats = Stats(prompt_tokens=n, strategy=strategy.name)
+        computed: dict[str, ChunkKV] = {}  # chunks computed during this call, by key
+        # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
+        # prefill restarts, at most once per chunk.
+        for _ in range(len(layout.chunk_spans) + 1):
+            try:
+                fused, source = self._fuse(layout, strategy, stats, computed)
+                break
+            except CorruptEntryError as err:
+                self.store.delete(err.key)
+        self._promote(source)
         recomputed = int(fused.recomputed.sum())
-        stats = Stats(
-            ttft_s=time.perf_counter() - t0, prompt_tokens=n, reused_tokens=n - recomputed,
-            recomputed_tokens=recomputed, load_s=source.load_s, compute_s=fused.compute_s,
-            strategy=strategy.name, chunks_reused=len(chunks), chunks_missing=missing,
-        )
+        stats.ttft_s = time.perf_counter() - t0
+        stats.reused_tokens, stats.recomputed_tokens = n - recomputed, recomputed
+        stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         self.last_stats = stats
         return Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                        fused.recomputed, layout)
+
+    def _fuse(self, layout: PromptLayout, strategy: Strategy, stats: Stats, computed: dict):
+        spans, readers, tiers = [], [], {}
+        stats.chunks_missing = stats.chunks_computed = 0
+        reuse = not isinstance(strategy, FullRecompute)
+        for span in layout.chunk_spans:
+            if not span.token_ids or not reuse:
+                continue
+            key = self.key_for(span.token_ids)
+            reader = MemoryReader(computed[key], "computed") if key in computed else self.store.open(key)
+            if reader is None:
+                stats.chunks_missing += 1
+                if not self.write_back:
+                    continue  # computed as plain text inside the prompt
+                t = time.perf_counter()
+                computed[key] = self.compute_entry(list(span.token_ids))
+                stats.isolate_s += time.perf_counter() - t
+                stats.chunks_computed += 1
+                self._write_back(computed[key])
+                reader = MemoryReader(computed[key], "computed")
+            spans.append(ReusedSpan(span.start, span.end - span.start))
+            readers.append(reader)
+            tiers[reader.tier] = tiers.get(reader.tier, 0) + 1
+        stats.chunks_reused, stats.tiers = len(readers) - tiers.get("computed", 0), tiers
+        if isinstance(strategy, CacheBlend) and strategy.ratio == "auto":
+            tier = "disk" if "disk" in tiers else "memory"
+            reused = sum(sp.num_tokens for sp in spans)
+            strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
+        stats.ratio = strategy.ratio if isinstance(strategy, CacheBlend) else None
+        source_type = PrefetchSource if self.prefetch else SequentialSource
+        keep = isinstance(self.store, TieredStore) and "disk" in tiers
+        source = source_type(readers, self.adapter.dtype, self.adapter.device, keep_layers=keep)
+        try:
+            with self._lock:
+                fused = fused_prefill(self.adapter, layout.token_ids, spans, source, strategy)
+        finally:
+            source.close()
+        return fused, source
+
+    def _promote(self, source) -> None:
+        """Chunks read whole from disk also go to the memory tier, for the next query."""
+        if isinstance(self.store, TieredStore):
+            for entry in source.entries(self.adapter.shape.num_layers):
+                self.store.promote(entry)
 
     # ------------------------------------------------------------------ generation
 
@@ -246,3 +346,11 @@ class BlendEngine:
         stats.decode_s = decoding.decode_s
         stats.finish_reason = decoding.finish_reason
         self.last_stats = stats
+
+
+def _storage_dtype(kv_dtype) -> torch.dtype:
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in STORAGE_DTYPES.values():
+        return kv_dtype
+    if kv_dtype in STORAGE_DTYPES:
+        return STORAGE_DTYPES[kv_dtype]
+    raise InvalidInputError(f"kv_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {kv_dtype!r}.")

@@ -70,21 +70,24 @@ class CacheBlend:
     ``((layer, ratio), ...)`` that rescore the still-selected tokens and shrink the set
     (the paper's gradual filtering); ratios are fractions of all reused tokens.
 
-    ``ratio=1.0`` recomputes everything and equals :class:`FullRecompute`.
+    ``ratio=1.0`` recomputes everything and equals :class:`FullRecompute`. ``ratio="auto"``
+    lets the engine's loading controller pick it (:meth:`BlendEngine.plan`): the larger of
+    the quality floor (0.15) and the ratio whose recompute time equals the KV load time.
     """
 
-    ratio: float = 0.15
+    ratio: float | str = 0.15
     check_layer: int = 1
     gradual: tuple[tuple[int, float], ...] = ()
     name = "cacheblend"
 
     def __post_init__(self):
-        _check_ratio(self.ratio)
+        if self.ratio != "auto":
+            _check_ratio(self.ratio)
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1:
             raise InvalidInputError(f"CacheBlend check_layer must be an integer >= 1, got {self.check_layer!r}.")
         gradual = tuple((int(layer), float(r)) for layer, r in self.gradual)
         object.__setattr__(self, "gradual", gradual)
-        previous_layer, previous_ratio = self.check_layer, self.ratio
+        previous_layer, previous_ratio = self.check_layer, (1.0 if self.ratio == "auto" else self.ratio)
         for layer, r in gradual:
             _check_ratio(r)
             if layer <= previous_layer or r > previous_ratio:
@@ -135,10 +138,13 @@ class LayerSource:
     :mod:`ragblend.core.pipeline` provides implementations (sequential and prefetching).
     """
 
+    load_s: float = 0.0
+
+    def prepare(self, layers: list[int]) -> None:
+        """Announce the layers that will be asked for, in order (lets a source read ahead)."""
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
-
-    load_s: float = 0.0
 
 
 @dataclass
@@ -247,6 +253,9 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 
     selected = initial_selection(strategy, n, spans).to(device)
     sel_pos = selected.nonzero().squeeze(1)
+    if num_reused:
+        first = min(schedule) if schedule else (0 if sel_pos.numel() < n else adapter.shape.num_layers)
+        source.prepare(list(range(first, adapter.shape.num_layers)))
     cos, sin = adapter.rope_tables(n)
     cos_reused, sin_reused = cos[reused_pos], sin[reused_pos]
     hidden = adapter.embed(ids[sel_pos])

@@ -1,33 +1,142 @@
 """Layer sources: how the fusion gets layer i of every reused chunk's cached KV.
 
-The fusion asks for layers in order (0, 1, 2, ...). :class:`SequentialSource` reads each
-layer when asked; a prefetching source (reading layer i+1 while layer i is computed) plugs
-in behind the same :class:`~ragblend.core.fusion.LayerSource` interface.
+The fusion asks for layers in increasing order and says up front which ones it will need
+(:meth:`LayerSource.prepare`). Two sources:
+
+* :class:`SequentialSource` reads a layer when it is asked for (load, then compute).
+* :class:`PrefetchSource` reads ahead in a background thread, so layer i+1 is loaded from
+  its tier while layer i is being fused (CacheBlend §5, CachedAttention §3.2). On CUDA the
+  copy to the device runs on a side stream from pinned host buffers.
+
+Both return K (before RoPE) and V as ``[kv_heads, reused_tokens, head_dim]`` in the compute
+dtype, the chunks concatenated in prompt order, and both keep ``load_s`` (time spent
+reading and converting) and ``wait_s`` (time the fusion waited for a layer).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .fusion import LayerSource
 from .kv import ChunkKV
+from .store import ChunkReader
 
 
 class SequentialSource(LayerSource):
-    """Concatenates layer ``i`` of the chunks (in prompt order) on demand."""
+    """Reads layer ``i`` of every chunk when asked."""
 
-    def __init__(self, chunks: list[ChunkKV], dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.chunks = chunks
+    def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 keep_layers: bool = False):
+        self.readers = readers
         self.dtype = dtype
-        self.device = device
+        self.device = torch.device(device)
         self.load_s = 0.0
+        self.wait_s = 0.0
+        # Layers read from disk, kept (in storage dtype) so the caller can promote the
+        # chunks to the memory tier without reading them twice.
+        self.keep_layers = keep_layers
+        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def prepare(self, layers: list[int]) -> None:
+        pass
+
+    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        parts = [reader.layer(index) for reader in self.readers]
+        if self.keep_layers:
+            self._kept[index] = parts
+        k = torch.cat([p[0] for p in parts], dim=1)
+        v = torch.cat([p[1] for p in parts], dim=1)
+        k, v = self._to_device(k, v)
+        self.load_s += time.perf_counter() - t0
+        return k, v
+
+    def _to_device(self, k, v):
+        return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        ks, vs = zip(*(chunk.layer(index) for chunk in self.chunks))
-        k = torch.cat(ks, dim=1).to(self.device, self.dtype)
-        v = torch.cat(vs, dim=1).to(self.device, self.dtype)
-        self.load_s += time.perf_counter() - t0
-        return k, v
+        out = self._read(index)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def entries(self, num_layers: int) -> list[ChunkKV]:
+        """Whole entries of the chunks, if every layer was read (for promotion to memory)."""
+        if not self.keep_layers or sorted(self._kept) != list(range(num_layers)):
+            return []
+        out = []
+        for j, reader in enumerate(self.readers):
+            keys = torch.stack([self._kept[i][j][0] for i in range(num_layers)])
+            values = torch.stack([self._kept[i][j][1] for i in range(num_layers)])
+            out.append(ChunkKV(reader.key, list(reader.token_ids), keys, values))
+        return out
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
+class PrefetchSource(SequentialSource):
+    """Reads the needed layers ahead, ``depth`` layers at most, in a background thread."""
+
+    def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
+                 keep_layers: bool = False, depth: int = 2):
+        super().__init__(readers, dtype, device, keep_layers)
+        self.depth = depth
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
+        self._futures: dict[int, Future] = {}
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def prepare(self, layers: list[int]) -> None:
+        self._pending = list(layers)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        with self._lock:
+            while self._pending and len(self._futures) < self.depth:
+                index = self._pending.pop(0)
+                self._futures[index] = self._pool.submit(self._read, index)
+
+    def _to_device(self, k, v):
+        if self._stream is None:
+            return super()._to_device(k, v)
+        # Pinned host buffers let the copy run asynchronously on the side stream; the
+        # event makes the compute stream wait for exactly this layer, nothing more.
+        k, v = k.to(self.dtype).pin_memory(), v.to(self.dtype).pin_memory()
+        with torch.cuda.stream(self._stream):
+            k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        return k, v, ready
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        with self._lock:
+            future = self._futures.pop(index, None)
+        if future is None:  # not announced: read it now
+            out = self._read(index)
+        else:
+            out = future.result()  # re-raises a CorruptEntryError from the reader thread
+        self._schedule()
+        if self._stream is not None:
+            k, v, ready = out
+            torch.cuda.current_stream(self.device).wait_event(ready)
+            out = (k, v)
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._pending.clear()
+            futures = list(self._futures.values())
+            self._futures.clear()
+        for future in futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        super().close()

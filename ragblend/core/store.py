@@ -1,23 +1,232 @@
-"""KV stores: where precomputed :class:`~ragblend.core.kv.ChunkKV` entries live.
+"""KV store tiers and the on-disk format.
 
-The engine only talks to the small :class:`KVStore` interface, so tiers can be swapped or
-stacked without touching the fusion code. :class:`MemoryStore` is an LRU bounded in bytes.
+The engine talks to the small :class:`KVStore` interface. Two tiers implement it:
+
+* :class:`MemoryStore` — an in-process LRU bounded in bytes.
+* :class:`DiskStore` — a ``diskcache`` directory: LRU eviction under a size limit,
+  process-safe (SQLite), each entry one file written before its row is committed, so a
+  killed writer never leaves a torn entry.
+
+:class:`TieredStore` puts memory in front of disk. Reads go layer by layer through
+:class:`ChunkReader` so the fusion can load layer i+1 while it computes layer i.
+
+Entry format (no pickle anywhere; all integers little-endian)::
+
+    b"RBKV"                    magic
+    u32  header_len
+    header                     UTF-8 JSON: format, fingerprint, key, dtype, layers, kv_heads,
+                               tokens, head_dim, token_ids, token_ids_sha256, layer_crc32[]
+    u32  header_crc32
+    layer 0: K bytes, V bytes  each [kv_heads, tokens, head_dim] in ``dtype``
+    layer 1: ...               (layer-major: one layer of a chunk is one seek + one read)
+
+Every read checks the header (magic, CRCs, format version, fingerprint, shape, token ids,
+file length) and each layer's CRC32. A failing entry raises :class:`CorruptEntryError`
+(layer reads) or is reported missing (open); either way it is deleted so the caller
+recomputes it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import os
+import struct
 import threading
+import zlib
 from collections import OrderedDict
-from typing import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
 
-from .kv import ChunkKV
+import numpy as np
+import torch
+
+from .errors import RagblendError
+from .kv import KV_FORMAT_VERSION, ChunkKV
+
+MAGIC = b"RBKV"
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CorruptEntryError(RagblendError):
+    """A stored KV entry failed verification. The store drops it; the engine recomputes it."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"KV entry {key[:12]}... is unusable ({reason}); it is dropped and recomputed.")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What every entry of one engine must match: model fingerprint and KV shape."""
+
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _token_hash(token_ids) -> str:
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    # bfloat16 has no numpy dtype: reinterpret its bits as int16.
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _tensor_from(buf: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    t = torch.frombuffer(bytearray(buf), dtype=raw_dtype).reshape(shape)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def encode_entry(entry: ChunkKV, fingerprint: str) -> bytes:
+    """Serialise ``entry`` (in its own dtype) to the binary format above."""
+    dtype_name = next(n for n, d in STORAGE_DTYPES.items() if d == entry.keys.dtype)
+    layers = [_tensor_bytes(entry.keys[i]) + _tensor_bytes(entry.values[i]) for i in range(entry.keys.shape[0])]
+    num_layers, kv_heads, tokens, head_dim = entry.keys.shape
+    header = json.dumps({
+        "format": KV_FORMAT_VERSION, "fingerprint": fingerprint, "key": entry.key, "dtype": dtype_name,
+        "layers": num_layers, "kv_heads": kv_heads, "tokens": tokens, "head_dim": head_dim,
+        "token_ids": list(entry.token_ids), "token_ids_sha256": _token_hash(entry.token_ids),
+        "layer_crc32": [zlib.crc32(b) for b in layers],
+    }).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(header)), header, struct.pack("<I", zlib.crc32(header)), *layers])
+
+
+class ChunkReader:
+    """Layer-wise access to one stored chunk. ``layer(i)`` returns ``(K, V)`` as
+    ``[kv_heads, tokens, head_dim]`` in the storage dtype."""
+
+    key: str
+    token_ids: list[int]
+    tier: str
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryReader(ChunkReader):
+    def __init__(self, entry: ChunkKV, tier: str = "memory"):
+        self.entry, self.key, self.token_ids, self.tier = entry, entry.key, entry.token_ids, tier
+
+    def layer(self, index: int):
+        return self.entry.layer(index)
+
+
+class FileReader(ChunkReader):
+    """Reads an entry from an open binary file, verifying as it goes."""
+
+    tier = "disk"
+
+    def __init__(self, handle: BinaryIO, key: str, spec: EntrySpec, size: int):
+        self.handle, self.key = handle, key
+        try:
+            header = self._read_header(handle, key, spec, size)
+        except BaseException:
+            handle.close()
+            raise
+        self.dtype = STORAGE_DTYPES[header["dtype"]]
+        self.token_ids = header["token_ids"]
+        self.shape = (header["kv_heads"], header["tokens"], header["head_dim"])
+        self.crcs = header["layer_crc32"]
+        self.layer_bytes = 2 * self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize
+        self.data_start = handle.tell()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _read_header(handle: BinaryIO, key: str, spec: EntrySpec, size: int) -> dict:
+        def bad(reason):
+            return CorruptEntryError(key, reason)
+
+        start = handle.read(8)
+        if len(start) < 8 or start[:4] != MAGIC:
+            raise bad("not a ragblend KV entry")
+        (header_len,) = struct.unpack("<I", start[4:])
+        if header_len > size:
+            raise bad("truncated header")
+        raw = handle.read(header_len + 4)
+        if len(raw) < header_len + 4 or struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
+            raise bad("header checksum mismatch")
+        try:
+            header = json.loads(raw[:-4])
+        except ValueError:
+            raise bad("unreadable header") from None
+        if header.get("format") != KV_FORMAT_VERSION:
+            raise bad(f"format version {header.get('format')} != {KV_FORMAT_VERSION}")
+        if header.get("fingerprint") != spec.fingerprint:
+            raise bad("written for another model or tokenizer")
+        if header.get("key") != key:
+            raise bad("stored under another key")
+        if header.get("dtype") not in STORAGE_DTYPES:
+            raise bad(f"unknown dtype {header.get('dtype')!r}")
+        if (header["layers"], header["kv_heads"], header["head_dim"]) != (
+                spec.num_layers, spec.num_kv_heads, spec.head_dim):
+            raise bad("KV shape does not match the model")
+        if header["tokens"] != len(header["token_ids"]) or _token_hash(header["token_ids"]) != header["token_ids_sha256"]:
+            raise bad("token ids do not match their hash")
+        if len(header["layer_crc32"]) != header["layers"]:
+            raise bad("missing layer checksums")
+        itemsize = STORAGE_DTYPES[header["dtype"]].itemsize
+        expected = 8 + header_len + 4 + header["layers"] * 2 * header["kv_heads"] * header["tokens"] * header["head_dim"] * itemsize
+        if size != expected:
+            raise bad(f"file is {size} bytes, expected {expected} (truncated or padded)")
+        return header
+
+    def layer(self, index: int):
+        with self._lock:  # one handle, possibly read from a prefetch thread
+            self.handle.seek(self.data_start + index * self.layer_bytes)
+            buf = self.handle.read(self.layer_bytes)
+        if len(buf) != self.layer_bytes or zlib.crc32(buf) != self.crcs[index]:
+            raise CorruptEntryError(self.key, f"layer {index} checksum mismatch")
+        half = self.layer_bytes // 2
+        return _tensor_from(buf[:half], self.dtype, self.shape), _tensor_from(buf[half:], self.dtype, self.shape)
+
+    def read_all(self) -> ChunkKV:
+        layers = [self.layer(i) for i in range(len(self.crcs))]
+        keys = torch.stack([k for k, _ in layers])
+        values = torch.stack([v for _, v in layers])
+        return ChunkKV(self.key, list(self.token_ids), keys, values)
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+# ---------------------------------------------------------------------------- interface
 
 
 class KVStore:
-    """Interface of a KV store tier. Implementations must be thread-safe."""
+    """Interface of a KV store tier. Implementations are thread-safe."""
 
     def get(self, key: str) -> ChunkKV | None:
-        """The entry for ``key``, or None when absent (or unusable)."""
+        """The whole entry for ``key``, or None when absent or unusable (then dropped)."""
+        reader = self.open(key)
+        if reader is None:
+            return None
+        try:
+            return reader.read_all() if isinstance(reader, FileReader) else reader.entry
+        except CorruptEntryError:
+            self.delete(key)
+            return None
+        finally:
+            reader.close()
+
+    def open(self, key: str) -> ChunkReader | None:
+        """A layer-wise reader for ``key``, or None when absent or unusable (then dropped)."""
         raise NotImplementedError
 
     def put(self, entry: ChunkKV) -> None:
@@ -45,6 +254,8 @@ class MemoryStore(KVStore):
     store never exceeds its bound.
     """
 
+    tier = "memory"
+
     def __init__(self, max_bytes: int = 2 << 30):
         if max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
@@ -53,12 +264,17 @@ class MemoryStore(KVStore):
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> ChunkKV | None:
+    def open(self, key: str) -> ChunkReader | None:
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-            return entry
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+        return MemoryReader(entry)
+
+    def get(self, key: str) -> ChunkKV | None:
+        reader = self.open(key)
+        return None if reader is None else reader.entry
 
     def put(self, entry: ChunkKV) -> None:
         size = entry.nbytes
@@ -93,3 +309,135 @@ class MemoryStore(KVStore):
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+
+def _safe_disk_class():
+    """A diskcache ``Disk`` that refuses pickled keys and values, so a tampered cache
+    database can never make ragblend unpickle anything."""
+    import diskcache
+    from diskcache.core import MODE_BINARY
+
+    class SafeDisk(diskcache.Disk):
+        def get(self, key, raw):
+            if not raw:
+                raise CorruptEntryError(str(key), "non-string key in the cache database")
+            return super().get(key, raw)
+
+        def fetch(self, mode, filename, value, read):
+            if mode != MODE_BINARY:
+                raise CorruptEntryError(str(filename), "value not stored as a plain binary file")
+            return super().fetch(mode, filename, value, read)
+
+    return SafeDisk
+
+
+class DiskStore(KVStore):
+    """KV entries as files in a ``diskcache`` directory, LRU-evicted under ``max_bytes``."""
+
+    tier = "disk"
+
+    def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30):
+        import diskcache
+
+        self.directory = Path(directory).expanduser()
+        self.spec = spec
+        self.max_bytes = max_bytes
+        self.cache = diskcache.Cache(
+            str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
+            cull_limit=64, disk=_safe_disk_class(), statistics=1,
+        )
+
+    def open(self, key: str) -> ChunkReader | None:
+        try:
+            handle = self.cache.get(key, read=True)
+        except CorruptEntryError:
+            self.delete(key)
+            return None
+        except OSError:  # the file vanished under us (evicted or deleted by another process)
+            return None
+        if handle is None:
+            return None
+        try:
+            size = os.fstat(handle.fileno()).st_size if hasattr(handle, "fileno") else len(handle.getvalue())
+            return FileReader(handle, key, self.spec, size)
+        except CorruptEntryError:
+            self.delete(key)
+            return None
+
+    def put(self, entry: ChunkKV) -> None:
+        self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
+
+    def delete(self, key: str) -> bool:
+        return bool(self.cache.delete(key))
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self.cache.iterkeys()))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.cache
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of entry files (what the size limit is about), without the SQLite index."""
+        return int(self.cache._sql("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchone()[0])
+
+    def verify(self, key: str) -> str | None:
+        """Fully check one entry; the reason it fails, or None when it is sound."""
+        try:
+            handle = self.cache.get(key, read=True)
+        except CorruptEntryError as err:
+            return err.reason
+        if handle is None:
+            return "missing"
+        try:
+            reader = FileReader(handle, key, self.spec, os.fstat(handle.fileno()).st_size)
+            for i in range(self.spec.num_layers):
+                reader.layer(i)
+        except CorruptEntryError as err:
+            return err.reason
+        finally:
+            handle.close()
+        return None
+
+    def hit_rate(self) -> tuple[int, int]:
+        """(hits, misses) counted by diskcache since statistics were enabled."""
+        return self.cache.stats()
+
+    def clear(self) -> int:
+        return self.cache.clear()
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class TieredStore(KVStore):
+    """Memory in front of disk. Writes go to both; a disk hit is promoted to memory."""
+
+    def __init__(self, memory: MemoryStore, disk: DiskStore):
+        self.memory, self.disk = memory, disk
+
+    def open(self, key: str) -> ChunkReader | None:
+        reader = self.memory.open(key)
+        if reader is not None:
+            return reader
+        return self.disk.open(key)
+
+    def promote(self, entry: ChunkKV) -> None:
+        self.memory.put(entry)
+
+    def put(self, entry: ChunkKV) -> None:
+        self.disk.put(entry)
+        self.memory.put(entry)
+
+    def delete(self, key: str) -> bool:
+        in_memory = self.memory.delete(key)
+        return self.disk.delete(key) or in_memory
+
+    def keys(self) -> Iterator[str]:
+        return iter(set(self.memory.keys()) | set(self.disk.keys()))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.memory or key in self.disk

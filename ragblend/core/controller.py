@@ -1,0 +1,181 @@
+"""Loading controller (CacheBlend §5.1): pick the recompute ratio and the storage tier from
+measured costs.
+
+Two costs are measured once per model, device and storage dtype, and cached as JSON under
+``<cache>/controller/``:
+
+* the prefill cost per token and layer (a full prefill of a few hundred tokens), and
+* each tier's read throughput for KV: memory (copy + dtype conversion) and disk (entry files
+  read with the page cache dropped, through the same reader the fusion uses).
+
+From them, for a prompt of ``N`` tokens of which ``R`` are reused:
+
+* recompute time of one layer at ratio r: ``(r * R + (N - R)) * cost_per_token_layer``
+* load time of one layer from a tier: ``R * bytes_per_token_layer / throughput(tier)``
+* the ratio: the larger of the quality floor (default 0.15) and the r whose recompute time
+  equals the load time. With pipelining, recomputing up to that ratio costs no extra TTFT.
+* the tier: the cheapest one (disk before memory) whose load time at the floor ratio is not
+  more than the recompute time, i.e. that adds no delay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .fusion import FullRecompute, fused_prefill
+from .kv import ChunkKV
+from .model import cache_dir
+from .store import DiskStore, FileReader, MemoryReader
+
+TIERS_BY_COST = ("disk", "memory")  # cheapest storage first
+
+
+@dataclass
+class Measurements:
+    device: str
+    compute_s_per_token_layer: float
+    bytes_per_token_layer: int
+    read_bytes_per_s: dict[str, float]
+
+
+@dataclass
+class LoadingPlan:
+    """What the controller picks for one prompt."""
+
+    ratio: float                          # CacheBlend recompute ratio to use
+    tier: str                             # cheapest tier that adds no delay
+    quality_floor: float
+    recompute_s_per_layer: float          # at ``ratio``
+    load_s_per_layer: dict[str, float]    # per tier, for the reused tokens
+
+
+class LoadingController:
+    def __init__(self, engine, quality_floor: float = 0.15, probe_tokens: int = 512):
+        self.engine = engine
+        self.quality_floor = quality_floor
+        self.probe_tokens = probe_tokens
+        self._measured: Measurements | None = None
+
+    @property
+    def cache_file(self) -> Path:
+        e = self.engine
+        name = f"{e.fingerprint[:16]}-{e.adapter.device.type}-{str(e.kv_dtype).split('.')[-1]}.json"
+        return cache_dir() / "controller" / name
+
+    def measurements(self, refresh: bool = False) -> Measurements:
+        if self._measured is not None and not refresh:
+            return self._measured
+        path = self.cache_file
+        if path.exists() and not refresh:
+            try:
+                self._measured = Measurements(**json.loads(path.read_text()))
+                return self._measured
+            except (ValueError, TypeError):
+                pass  # unreadable: measure again
+        self._measured = self._measure()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self._measured), indent=2))
+        os.replace(tmp, path)
+        return self._measured
+
+    def plan(self, prompt_tokens: int, reused_tokens: int, tier: str | None = None) -> LoadingPlan:
+        """Ratio and tier for a prompt of ``prompt_tokens`` with ``reused_tokens`` from cache.
+
+        ``tier`` is where the KV is now; the ratio is computed for it (default: the tier
+        the controller would pick).
+        """
+        m = self.measurements()
+        fresh = prompt_tokens - reused_tokens
+        load = {t: reused_tokens * m.bytes_per_token_layer / bw for t, bw in m.read_bytes_per_s.items()}
+
+        def recompute(r):
+            return (r * reused_tokens + fresh) * m.compute_s_per_token_layer
+
+        at_floor = recompute(self.quality_floor)
+        no_delay = [t for t in TIERS_BY_COST if t in load and load[t] <= at_floor]
+        best = no_delay[0] if no_delay else min(load, key=load.get)
+        tier = tier or best
+        ratio = self.quality_floor
+        if reused_tokens:
+            ratio_hidden = (load[tier] / m.compute_s_per_token_layer - fresh) / reused_tokens
+            ratio = min(1.0, max(self.quality_floor, ratio_hidden))
+        return LoadingPlan(round(ratio, 4), best, self.quality_floor, recompute(ratio), load)
+
+    # ------------------------------------------------------------------ measuring
+
+    def _measure(self) -> Measurements:
+        e = self.engine
+        shape = e.adapter.shape
+        ids = torch.randint(0, e.tokenizer.vocab_size, (self.probe_tokens,)).tolist()
+        fused_prefill(e.adapter, ids[:32], [], None, FullRecompute())  # warm-up
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            fused_prefill(e.adapter, ids, [], None, FullRecompute())
+            best = min(best, time.perf_counter() - t0)
+        per_token_layer = best / (self.probe_tokens * shape.num_layers)
+
+        tokens = 2048
+        kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim).to(e.kv_dtype)
+        entry = ChunkKV("0" * 64, list(range(tokens)), kv, kv.clone())
+        bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * kv.element_size()
+        layer_bytes = bytes_per_token_layer * tokens
+        return Measurements(
+            device=str(e.adapter.device), compute_s_per_token_layer=per_token_layer,
+            bytes_per_token_layer=bytes_per_token_layer,
+            read_bytes_per_s={"memory": self._memory_throughput(entry, layer_bytes),
+                              "disk": self._disk_throughput(entry, layer_bytes)},
+        )
+
+    def _read_all_layers(self, reader) -> float:
+        e = self.engine
+        t0 = time.perf_counter()
+        for i in range(e.adapter.shape.num_layers):
+            k, v = reader.layer(i)
+            k.to(e.adapter.device, e.adapter.dtype), v.to(e.adapter.device, e.adapter.dtype)
+        return time.perf_counter() - t0
+
+    def _memory_throughput(self, entry: ChunkKV, layer_bytes: int) -> float:
+        seconds = min(self._read_all_layers(MemoryReader(entry)) for _ in range(2))
+        return layer_bytes * self.engine.adapter.shape.num_layers / seconds
+
+    def _disk_throughput(self, entry: ChunkKV, layer_bytes: int) -> float:
+        """Read a freshly written entry with its pages dropped from the OS cache, where the
+        OS allows it; otherwise this measures the page cache (reported as is)."""
+        e = self.engine
+        store = getattr(e.store, "disk", e.store)
+        parent = store.directory.parent if isinstance(store, DiskStore) else cache_dir()
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=parent, prefix="probe-") as tmp:
+            probe = DiskStore(tmp, e.entry_spec, max_bytes=1 << 40)
+            probe.put(entry)
+            for path in Path(tmp).rglob("*.val"):
+                drop_page_cache(path)
+            handle = probe.cache.get(entry.key, read=True)
+            reader = FileReader(handle, entry.key, e.entry_spec, os.fstat(handle.fileno()).st_size)
+            try:
+                seconds = self._read_all_layers(reader)
+            finally:
+                reader.close()
+                probe.close()
+        return layer_bytes * e.adapter.shape.num_layers / seconds
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the OS to forget a file's cached pages, so the next read comes from the device."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
