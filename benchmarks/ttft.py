@@ -7,7 +7,13 @@ in one process, so machine noise hits all of them alike; each figure is the medi
 a full prefill, whether 32 greedy tokens match full prefill's, and, as the yardstick for
 fidelity, the same two numbers for a full prefill of the chunks in reversed order.
 
-    python -m benchmarks.ttft            # prints a markdown table
+The storage section runs CacheBlend(0.15) on the same prompt with the chunks' KV (fp16) in
+the memory tier, on disk with the pipelined loader, and on disk loaded layer by layer before
+each layer's compute (no overlap). Before every disk run the entry files' pages are dropped
+from the OS cache, so reads come from the device.
+
+    python -m benchmarks.ttft                     # both sections, markdown tables
+    python -m benchmarks.ttft --section storage
 """
 
 from __future__ import annotations
@@ -16,11 +22,15 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend.core.controller import drop_page_cache
+from ragblend.core.store import DiskStore, MemoryStore
 from ragblend.data import load_sample
 
 STRATEGIES = {
@@ -48,16 +58,8 @@ def cold_start_load_s() -> tuple[float, float]:
     return float(import_s), float(load_s)
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5, help="rounds; the median is reported")
-    parser.add_argument("--greedy-tokens", type=int, default=32)
-    args = parser.parse_args(argv)
-
-    engine = BlendEngine.from_pretrained()
+def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args) -> None:
     import_s, load_s = cold_start_load_s()
-    sample = load_sample()
-    chunks, question = sample["chunks"], sample["question"]
     t0 = time.perf_counter()
     engine.precompute(chunks)
     precompute_s = time.perf_counter() - t0
@@ -93,7 +95,8 @@ def main(argv=None) -> None:
     rev_out = engine.generate(reversed_segments, strategy=FullRecompute(), **greedy)
 
     print(f"Prompt: {len(token_ids)} tokens (6 chunks of {[len(engine.prompts.tokenize(c)) for c in chunks]} "
-          f"tokens + question), {torch.get_num_threads()} threads, median of {args.runs} interleaved runs.\n")
+          f"tokens + question), {torch.get_num_threads()} threads, KV stored as {str(engine.kv_dtype)[6:]}, "
+          f"median of {args.runs} interleaved runs.\n")
     print("| strategy | TTFT (s) | speed-up vs HF forward | recomputed | first-token KL | 32 greedy tokens = full prefill |")
     print("|---|---:|---:|---:|---:|:---:|")
     for name, ttft, speedup, frac, kl_value, same in rows:
@@ -102,7 +105,82 @@ def main(argv=None) -> None:
           f"greedy tokens identical: {'yes' if rev_out.token_ids == ref_out.token_ids else 'no'}")
     print(f"Full prefill answer: {ref_out.text!r}")
     print(f"Precompute of the 6 chunks: {precompute_s:.2f} s. Default model, already converted, in a fresh "
-          f"process: `import ragblend` {import_s:.2f} s, then `BlendEngine.from_pretrained()` {load_s:.2f} s")
+          f"process: `import ragblend` {import_s:.2f} s, then `BlendEngine.from_pretrained()` {load_s:.2f} s\n")
+
+
+def storage_section(engine: BlendEngine, chunks: list[str], question: str, args) -> None:
+    segments = [Chunk(c) for c in chunks] + [question]
+    strategy = CacheBlend(0.15)
+    with tempfile.TemporaryDirectory(prefix="ragblend-bench-kv-") as tmp:
+        disk = DiskStore(tmp, engine.entry_spec)
+        memory = MemoryStore()
+        engine.store = memory
+        refs = engine.precompute(chunks)
+        for ref in refs:
+            disk.put(memory.get(ref.key))
+        files = list(Path(tmp).rglob("*.val"))
+        stored_bytes = sum(f.stat().st_size for f in files)
+        stored_tokens = sum(r.num_tokens for r in refs)
+
+        def run(store, prefetch, cold):
+            engine.store, engine.prefetch = store, prefetch
+            if cold:
+                for f in files:
+                    drop_page_cache(f)
+            return engine.prefill(segments, strategy=strategy)
+
+        configs = {"KV in memory": (memory, True, False),
+                   "KV on disk, pipelined": (disk, True, True),
+                   "KV on disk, sequential (load, then compute)": (disk, False, True)}
+        results = {name: [] for name in configs}
+        for _ in range(args.runs):
+            for name, config in configs.items():
+                results[name].append(run(*config).stats)
+        engine.store, engine.prefetch = memory, True
+
+        base = statistics.median(s.ttft_s for s in results["KV in memory"])
+        print(f"CacheBlend(0.15), {results['KV in memory'][0].prompt_tokens} "
+              f"prompt tokens, median of {args.runs} interleaved runs; disk runs start with the entry files "
+              "dropped from the page cache.\n")
+        print("| KV location | TTFT (s) | vs memory | KV load (s) | load hidden behind compute | compute (s) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, stats in results.items():
+            ttft = statistics.median(s.ttft_s for s in stats)
+            load = statistics.median(s.load_s for s in stats)
+            hidden = statistics.median(s.load_hidden_fraction for s in stats)
+            compute = statistics.median(s.compute_s for s in stats)
+            print(f"| {name} | {ttft:.3f} | {ttft / base:.2f}x | {load:.3f} | {hidden:.0%} | {compute:.3f} |")
+
+        controller = engine.controller
+        measured = controller.measurements(refresh=True)
+        reused = stored_tokens
+        plan = controller.plan(len(engine.prefill(segments).token_ids), reused)
+        plan_disk = controller.plan(len(engine.prefill(segments).token_ids), reused, tier="disk")
+        print(f"\nStored: {stored_bytes / stored_tokens:.0f} bytes per token on disk "
+              f"({measured.bytes_per_token_layer} bytes per token and layer, {str(engine.kv_dtype)[6:]}, "
+              f"{engine.adapter.shape.num_layers} layers, plus a header).")
+        print(f"Controller measurements: prefill {measured.compute_s_per_token_layer * 1e6:.1f} us per token and layer; "
+              f"read throughput memory {measured.read_bytes_per_s['memory'] / 1e9:.2f} GB/s, "
+              f"disk {measured.read_bytes_per_s['disk'] / 1e9:.2f} GB/s.")
+        print(f"Controller plan for this prompt: tier '{plan.tier}' (cheapest without delay), ratio {plan.ratio} "
+              f"(with KV on disk: {plan_disk.ratio}); per layer: recompute {plan.recompute_s_per_layer * 1e3:.1f} ms, "
+              f"load from disk {plan.load_s_per_layer['disk'] * 1e3:.2f} ms, "
+              f"from memory {plan.load_s_per_layer['memory'] * 1e3:.2f} ms.")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="rounds; the median is reported")
+    parser.add_argument("--greedy-tokens", type=int, default=32)
+    parser.add_argument("--section", choices=["all", "strategies", "storage"], default="all")
+    args = parser.parse_args(argv)
+
+    engine = BlendEngine.from_pretrained(kv_dir=False)
+    sample = load_sample()
+    if args.section in ("all", "strategies"):
+        strategy_section(engine, sample["chunks"], sample["question"], args)
+    if args.section in ("all", "storage"):
+        storage_section(engine, sample["chunks"], sample["question"], args)
 
 
 if __name__ == "__main__":

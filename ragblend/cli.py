@@ -1,4 +1,4 @@
-"""Command line: ``ragblend demo``.
+"""Command line: ``ragblend demo`` and ``ragblend cache stats|clear|verify``.
 
 ``ragblend demo`` loads the embedded default model, precomputes the KV of the six sample
 passages, and answers the sample question twice, with CacheBlend fusion and with a full
@@ -33,6 +33,47 @@ def _demo(args) -> int:
     return 0
 
 
+def _disk_store(args, spec=None):
+    from ragblend.core.model import cache_dir
+    from ragblend.core.store import DiskStore, EntrySpec
+
+    directory = args.kv_dir or cache_dir() / "kv"
+    return DiskStore(directory, spec or EntrySpec("", 0, 0, 0))
+
+
+def _cache(args) -> int:
+    if args.action == "stats":
+        disk = _disk_store(args).stats()["disk"]
+        lookups = disk["hits"] + disk["misses"]
+        rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
+        print(f"KV store: {disk['directory']}")
+        print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
+              f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+        print("  memory tier: lives inside each process (see engine.store.stats())")
+        return 0
+    if args.action == "clear":
+        removed = _disk_store(args).clear()
+        print(f"Removed {removed} entries.")
+        return 0
+    # verify: needs the model to know which fingerprint and shape entries must have
+    from ragblend import BlendEngine
+
+    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    store = _disk_store(args, engine.entry_spec)
+    bad = {}
+    for key in store.keys():
+        reason = store.verify(key)
+        if reason is not None:
+            bad[key] = reason
+    for key, reason in bad.items():
+        print(f"  {key[:16]}...  {reason}")
+        if args.fix:
+            store.delete(key)
+    print(f"{len(store) if args.fix else len(store) - len(bad)} entries verified, {len(bad)} failing"
+          + (" (removed)" if args.fix and bad else ""))
+    return 1 if bad and not args.fix else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.set_defaults(func=_demo)
+
+    cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
+    cache.add_argument("action", choices=["stats", "clear", "verify"],
+                       help="stats: entries, bytes, hit rate; clear: delete every entry; "
+                            "verify: check every entry against the model (exit 1 if any fails)")
+    cache.add_argument("--kv-dir", default=None, help="KV store directory (default: <user cache>/ragblend/kv)")
+    cache.add_argument("--model", default=None, help="model whose entries to verify (default: embedded SmolLM2)")
+    cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
+    cache.set_defaults(func=_cache)
     return parser
 
 

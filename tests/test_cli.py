@@ -18,3 +18,30 @@ def test_demo_prints_both_answers_and_ttfts(capsys):
 def test_cli_reports_bad_input_as_an_error(capsys):
     assert main(["demo", "--ratio", "2", "--max-new-tokens", "4"]) == 2
     assert "ratio must be a number in (0, 1]" in capsys.readouterr().err
+
+
+def test_cache_stats_verify_and_clear(tmp_path, capsys):
+    from ragblend import BlendEngine
+
+    from .test_store import entry_path, flip_byte
+
+    engine = BlendEngine.from_pretrained(kv_dir=tmp_path)
+    refs = engine.precompute(["First chunk for the cache command.", "Second chunk for the cache command."])
+    engine.store.memory.max_bytes = 1  # so the next lookup is served by (and counted on) disk
+    engine.store.memory.delete(refs[0].key)
+    assert engine.store.open(refs[0].key) is not None
+
+    assert main(["cache", "stats", "--kv-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "hit rate" in out
+
+    assert main(["cache", "verify", "--kv-dir", str(tmp_path)]) == 0
+    assert "2 entries verified, 0 failing" in capsys.readouterr().out
+    path = entry_path(engine.store.disk, refs[1].key)
+    flip_byte(path, path.stat().st_size - 10)
+    assert main(["cache", "verify", "--kv-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "1 entries verified, 1 failing" in out and "checksum" in out
+    assert main(["cache", "verify", "--fix", "--kv-dir", str(tmp_path)]) == 0
+    assert main(["cache", "clear", "--kv-dir", str(tmp_path)]) == 0
+    assert "Removed 1 entries" in capsys.readouterr().out.splitlines()[-1]

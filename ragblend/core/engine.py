@@ -32,8 +32,8 @@ from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import PromptBuilder, PromptLayout, Segment
-from .store import (STORAGE_DTYPES, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader, MemoryStore,
-                    TieredStore)
+from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader,
+                    MemoryStore, TieredStore)
 
 
 @dataclass
@@ -274,7 +274,7 @@ class BlendEngine:
             if not span.token_ids or not reuse:
                 continue
             key = self.key_for(span.token_ids)
-            reader = MemoryReader(computed[key], "computed") if key in computed else self.store.open(key)
+            reader = MemoryReader(computed[key], "computed") if key in computed else self._open(key, span.token_ids)
             if reader is None:
                 stats.chunks_missing += 1
                 if not self.write_back:
@@ -303,6 +303,15 @@ class BlendEngine:
         finally:
             source.close()
         return fused, source
+
+    def _open(self, key: str, token_ids) -> ChunkReader | None:
+        """A reader for a stored chunk, or None; an entry for other tokens is dropped."""
+        reader = self.store.open(key)
+        if reader is not None and list(reader.token_ids) != list(token_ids):
+            reader.close()
+            self.store.delete(key)
+            return None
+        return reader
 
     def _promote(self, source) -> None:
         """Chunks read whole from disk also go to the memory tier, for the next query."""

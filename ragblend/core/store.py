@@ -310,6 +310,9 @@ class MemoryStore(KVStore):
         with self._lock:
             return len(self._entries)
 
+    def stats(self) -> dict:
+        return {"memory": {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes}}
+
 
 def _safe_disk_class():
     """A diskcache ``Disk`` that refuses pickled keys and values, so a tampered cache
@@ -342,9 +345,11 @@ class DiskStore(KVStore):
         self.directory = Path(directory).expanduser()
         self.spec = spec
         self.max_bytes = max_bytes
+        # diskcache's own culling drops entries in batches of 10, far more than needed when
+        # entries are megabytes each; eviction is done here instead, one entry at a time.
         self.cache = diskcache.Cache(
             str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
-            cull_limit=64, disk=_safe_disk_class(), statistics=1,
+            cull_limit=0, disk=_safe_disk_class(), statistics=1,
         )
 
     def open(self, key: str) -> ChunkReader | None:
@@ -366,6 +371,15 @@ class DiskStore(KVStore):
 
     def put(self, entry: ChunkKV) -> None:
         self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop least-recently-used entries until the store (files + index) fits its limit."""
+        while self.cache.volume() > self.max_bytes:
+            row = self.cache._sql("SELECT key FROM Cache ORDER BY access_time LIMIT 1").fetchone()
+            if row is None:
+                break
+            self.cache.delete(row[0])
 
     def delete(self, key: str) -> bool:
         return bool(self.cache.delete(key))
@@ -402,9 +416,10 @@ class DiskStore(KVStore):
             handle.close()
         return None
 
-    def hit_rate(self) -> tuple[int, int]:
-        """(hits, misses) counted by diskcache since statistics were enabled."""
-        return self.cache.stats()
+    def stats(self) -> dict:
+        hits, misses = self.cache.stats()  # counted across processes since the store was created
+        return {"disk": {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+                         "hits": hits, "misses": misses, "directory": str(self.directory)}}
 
     def clear(self) -> int:
         return self.cache.clear()
@@ -441,3 +456,6 @@ class TieredStore(KVStore):
 
     def __contains__(self, key: str) -> bool:
         return key in self.memory or key in self.disk
+
+    def stats(self) -> dict:
+        return {**self.memory.stats(), **self.disk.stats()}

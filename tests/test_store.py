@@ -1,0 +1,357 @@
+"""KV store tiers, the binary format, integrity, process safety, eviction and pipelining."""
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ragblend import CacheBlend, Chunk, FullReuse
+from ragblend.core.kv import ChunkKV
+from ragblend.core.store import (CorruptEntryError, DiskStore, EntrySpec, MemoryStore, TieredStore,
+                                 encode_entry)
+
+from .conftest import PASSAGES, make_tiny_engine
+
+SPEC = EntrySpec("f" * 64, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def synthetic_entry(i: int, tokens: int = 16, dtype=torch.float16, spec=SPEC) -> ChunkKV:
+    g = torch.Generator().manual_seed(i)
+    shape = (spec.num_layers, spec.num_kv_heads, tokens, spec.head_dim)
+    keys = torch.randn(shape, generator=g).to(dtype)
+    values = torch.randn(shape, generator=g).to(dtype)
+    return ChunkKV(f"{i:064x}", list(range(i, i + tokens)), keys, values)
+
+
+def entry_path(store: DiskStore, key: str) -> Path:
+    (filename,) = store.cache._sql("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
+    return store.directory / filename
+
+
+# ---------------------------------------------------------------------------- format
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_per_dtype(tmp_path, dtype):
+    store = DiskStore(tmp_path, SPEC)
+    entry = synthetic_entry(1, dtype=dtype)
+    store.put(entry)
+    back = store.get(entry.key)
+    assert back.token_ids == entry.token_ids and back.keys.dtype == dtype
+    assert torch.equal(back.keys, entry.keys) and torch.equal(back.values, entry.values)
+    reader = store.open(entry.key)
+    k, v = reader.layer(2)  # one layer, read on its own
+    reader.close()
+    assert torch.equal(k, entry.keys[2]) and torch.equal(v, entry.values[2])
+    assert store.verify(entry.key) is None
+
+
+def test_layout_is_layer_major_with_one_read_per_layer(tmp_path):
+    entry = synthetic_entry(2)
+    blob = encode_entry(entry, SPEC.fingerprint)
+    layer_bytes = 2 * 2 * 16 * 8 * 2  # K and V, [2 heads, 16 tokens, 8 dims], fp16
+    data = blob[len(blob) - 3 * layer_bytes:]
+    layer1 = data[layer_bytes:2 * layer_bytes]
+    assert layer1[:layer_bytes // 2] == entry.keys[1].numpy().tobytes()
+    assert layer1[layer_bytes // 2:] == entry.values[1].numpy().tobytes()
+
+
+# ---------------------------------------------------------------------------- integrity
+
+
+@pytest.fixture
+def disk_engine(tokenizer, tmp_path):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
+    return engine
+
+
+SEGMENTS = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[2]), "Question: who ran the ferry?"]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def corrupt(kind: str, engine, store: DiskStore, key: str) -> None:
+    path = entry_path(store, key)
+    entry = store.get(key)
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "bit flip in the last layer":
+        flip_byte(path, path.stat().st_size - 3)
+    elif kind == "bit flip in the header":
+        flip_byte(path, 30)
+    elif kind == "foreign model":
+        path.write_bytes(encode_entry(entry, "0" * 64))
+    elif kind == "wrong shape":
+        narrow = ChunkKV(key, entry.token_ids, entry.keys[:, :1].contiguous(), entry.values[:, :1].contiguous())
+        path.write_bytes(encode_entry(narrow, engine.fingerprint))
+    elif kind == "other token ids":
+        other = ChunkKV(key, [t + 1 for t in entry.token_ids], entry.keys, entry.values)
+        path.write_bytes(encode_entry(other, engine.fingerprint))
+    elif kind == "garbage":
+        path.write_bytes(os.urandom(path.stat().st_size))
+    elif kind == "file deleted":
+        path.unlink()
+    else:
+        raise ValueError(kind)
+
+
+KINDS = ["truncated", "bit flip in the last layer", "bit flip in the header", "foreign model", "wrong shape",
+         "other token ids", "garbage", "file deleted"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_corrupt_entry_is_dropped_recomputed_and_answer_unchanged(disk_engine, kind):
+    engine, store = disk_engine, disk_engine.store
+    refs = engine.precompute(PASSAGES[:3])
+    clean = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
+    clean_text = engine.generate(SEGMENTS, strategy=CacheBlend(0.3), max_new_tokens=8).text
+    assert clean.stats.chunks_reused == 3 and clean.stats.tiers == {"disk": 3}
+
+    victim = refs[1].key
+    corrupt(kind, engine, store, victim)
+    again = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
+    assert torch.equal(again.logits, clean.logits)
+    assert again.stats.chunks_computed == 1 and again.stats.chunks_reused == 2
+    engine.flush()
+    assert store.verify(victim) is None  # written back, sound
+    assert engine.generate(SEGMENTS, strategy=CacheBlend(0.3), max_new_tokens=8).text == clean_text
+
+
+def test_corrupt_layer_raises_from_reader(tmp_path):
+    store = DiskStore(tmp_path, SPEC)
+    entry = synthetic_entry(3)
+    store.put(entry)
+    flip_byte(entry_path(store, entry.key), entry_path(store, entry.key).stat().st_size - 1)
+    reader = store.open(entry.key)  # the header is fine
+    assert reader.layer(0)[0].shape == (2, 16, 8)
+    with pytest.raises(CorruptEntryError, match="layer 2 checksum"):
+        reader.layer(2)
+    reader.close()
+    assert store.verify(entry.key) == "layer 2 checksum mismatch"
+    assert store.get(entry.key) is None and entry.key not in store  # dropped
+
+
+def test_pickled_values_are_never_unpickled(tmp_path):
+    import diskcache
+
+    raw = diskcache.Cache(str(tmp_path))
+    raw.set("a" * 64, Exploit())  # stored pickled by plain diskcache
+    raw.close()
+    store = DiskStore(tmp_path, SPEC)
+    assert store.open("a" * 64) is None
+    assert EXPLOITED == []
+    assert "a" * 64 not in store
+
+
+EXPLOITED = []
+
+
+def _exploit():
+    EXPLOITED.append(True)
+
+
+class Exploit:
+    def __reduce__(self):
+        return (_exploit, ())
+
+
+def test_no_pickle_or_torch_load_in_the_package():
+    package = Path(__file__).resolve().parents[1] / "ragblend"
+    offenders = []
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        for needle in ("import pickle", "pickle.load", "torch.load(", "cPickle", "dill"):
+            if needle in text:
+                offenders.append(f"{path.name}: {needle}")
+    assert offenders == []
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _write_entries(directory: str, order: list[int]) -> None:
+    store = DiskStore(directory, SPEC)
+    for i in order:
+        store.put(synthetic_entry(i, tokens=64))
+    store.close()
+
+
+def test_two_processes_writing_the_same_50_chunks(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_entries, args=(str(tmp_path), order))
+             for order in (list(range(50)), list(reversed(range(50))))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    store = DiskStore(tmp_path, SPEC)
+    assert len(store) == 50
+    assert all(store.verify(f"{i:064x}") is None for i in range(50))
+    assert torch.equal(store.get(f"{7:064x}").keys, synthetic_entry(7, tokens=64).keys)
+
+
+WRITER = """
+import sys, torch
+from tests.test_store import DiskStore, SPEC, synthetic_entry
+store = DiskStore(sys.argv[1], SPEC)
+i = 0
+while True:
+    store.put(synthetic_entry(i, tokens=20000))
+    i += 1
+    print(i, flush=True)
+"""
+
+
+def test_process_killed_mid_write_leaves_store_readable(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True)
+    written = 0
+    deadline = time.time() + 60
+    while written < 3 and time.time() < deadline:
+        written = int(proc.stdout.readline() or 0)
+    time.sleep(0.05)  # most likely in the middle of the next write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert written >= 3
+    store = DiskStore(tmp_path, SPEC)
+    keys = list(store.keys())
+    assert len(keys) >= 3
+    assert all(store.verify(k) is None for k in keys)  # no torn entry
+    store.put(synthetic_entry(999))
+    assert store.verify(f"{999:064x}") is None
+
+
+# ---------------------------------------------------------------------------- tiers
+
+
+def test_memory_tier_stays_under_its_limit():
+    entry_bytes = synthetic_entry(0).nbytes
+    store = MemoryStore(max_bytes=3 * entry_bytes + 10)
+    for i in range(10):
+        store.put(synthetic_entry(i))
+        assert store.nbytes <= store.max_bytes
+    assert len(store) == 3
+    assert f"{9:064x}" in store and f"{0:064x}" not in store  # least recently used went first
+
+
+def test_disk_tier_stays_under_its_limit(tmp_path):
+    big = synthetic_entry(0, tokens=4000)
+    limit = 5 * big.nbytes
+    store = DiskStore(tmp_path, SPEC, max_bytes=limit)
+    for i in range(20):
+        store.put(synthetic_entry(i, tokens=4000))
+        assert store.nbytes <= limit
+    assert 0 < len(store) < 20
+    assert f"{19:064x}" in store
+
+
+def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.store = TieredStore(MemoryStore(), DiskStore(tmp_path, engine.entry_spec))
+    engine.precompute(PASSAGES[:3])
+    engine.store.memory = MemoryStore()  # a new process: memory empty, disk full
+    first = engine.prefill(SEGMENTS, strategy=FullReuse())
+    assert first.stats.tiers == {"disk": 3}
+    second = engine.prefill(SEGMENTS, strategy=FullReuse())
+    assert second.stats.tiers == {"memory": 3}
+    assert torch.equal(first.logits, second.logits)
+    stats = engine.store.stats()
+    assert stats["memory"]["entries"] == 3 and stats["disk"]["entries"] == 3
+
+
+@pytest.mark.parametrize("strategy", [CacheBlend(0.2), FullReuse()])
+def test_pipelined_and_sequential_loading_give_identical_logits(disk_engine, strategy):
+    engine = disk_engine
+    engine.precompute(PASSAGES[:3])
+    engine.prefetch = True
+    piped = engine.prefill(SEGMENTS, strategy=strategy)
+    engine.prefetch = False
+    sequential = engine.prefill(SEGMENTS, strategy=strategy)
+    engine.prefetch = True
+    assert torch.equal(piped.logits, sequential.logits)
+    assert all(torch.equal(a, b) for a, b in zip(piped.keys, sequential.keys))
+    assert piped.stats.load_s > 0 and 0.0 <= piped.stats.load_hidden_fraction <= 1.0
+
+
+def test_fp16_storage_halves_bytes_and_stays_close(tokenizer, tmp_path):
+    e32 = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    e16 = make_tiny_engine("llama", tokenizer, kv_dtype="float16")
+    r32, r16 = e32.precompute(PASSAGES[:3]), e16.precompute(PASSAGES[:3])
+    assert r32 == r16  # same key: the storage dtype is not part of what a chunk *is*
+    b32 = sum(e32.store.get(r.key).nbytes for r in r32)
+    b16 = sum(e16.store.get(r.key).nbytes for r in r16)
+    assert b16 * 2 == b32
+    l32 = e32.prefill(SEGMENTS, strategy=FullReuse()).logits
+    l16 = e16.prefill(SEGMENTS, strategy=FullReuse()).logits
+    assert (l32 - l16).abs().max() < 0.05
+
+
+# ---------------------------------------------------------------------------- controller
+
+
+def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
+    from ragblend.core.controller import LoadingController, Measurements
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
+    plan = engine.plan(3000, 2900)
+    m = engine.controller.measurements()
+    assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
+    assert m.bytes_per_token_layer == 2 * 2 * 16 * 2  # K+V, 2 kv heads, 16 dims, fp16
+    assert engine.controller.cache_file.exists()
+    assert LoadingController(engine).measurements() == m  # read back from the cache file
+    assert 0.15 <= plan.ratio <= 1.0 and plan.tier in ("disk", "memory")
+
+    # A slow disk: it would delay the prompt, so memory is the cheapest tier without delay,
+    # and with the KV on disk the ratio rises until recompute hides the load.
+    engine.controller._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e7})
+    slow = engine.plan(3000, 2900)
+    assert slow.tier == "memory"
+    on_disk = engine.plan(3000, 2900, tier="disk")
+    assert on_disk.ratio > 0.15
+    assert on_disk.recompute_s_per_layer == pytest.approx(on_disk.load_s_per_layer["disk"], rel=1e-3)
+    fast = Measurements("cpu", 1e-5, 128, {"memory": 1e12, "disk": 1e11})
+    engine.controller._measured = fast
+    assert engine.plan(3000, 2900).ratio == 0.15 and engine.plan(3000, 2900).tier == "disk"
+
+
+def test_cacheblend_auto_uses_the_controller(disk_engine):
+    from ragblend.core.controller import Measurements
+
+    engine = disk_engine
+    engine.precompute(PASSAGES[:3])
+    engine.controller._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e6})
+    pre = engine.prefill(SEGMENTS, strategy=CacheBlend("auto"))
+    reused = sum(s.end - s.start for s in pre.layout.chunk_spans)
+    expected = engine.plan(len(pre.token_ids), reused, "disk").ratio
+    assert pre.stats.ratio == expected > 0.15
+    assert pre.stats.recomputed_tokens >= int(expected * reused)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side-stream prefetch with pinned buffers)")
+def test_cuda_prefetch_matches_sequential_and_cpu(tokenizer, tmp_path):
+    engine = make_tiny_engine("qwen3", tokenizer)
+    engine.precompute(PASSAGES[:3])
+    cpu = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
+    engine.hf_model.to("cuda")
+    engine.prefetch = True
+    piped = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
+    engine.prefetch = False
+    sequential = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
+    assert torch.equal(piped.logits, sequential.logits)
+    assert (piped.logits.cpu() - cpu.logits).abs().max() < 1e-3
+    assert piped.keys[0].device.type == "cuda"
