@@ -113,7 +113,7 @@ def test_compute_scales_with_selected_tokens(tiny_engine):
     engine.precompute(PASSAGES[:3])
     layout = engine.prompts.build(segments())
     spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
-    chunks = [engine.store.get(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
+    chunks = [engine.store.open(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
     n = len(layout.token_ids)
     reused = sum(s.num_tokens for s in spans)
     fused = fused_prefill(engine.adapter, layout.token_ids, spans,

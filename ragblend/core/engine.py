@@ -65,7 +65,8 @@ class Stats:
     @property
     def load_hidden_fraction(self) -> float:
         """Share of the KV load time that overlapped compute (1.0 = fully hidden)."""
-        return 1.0 - self.load_wait_s / self.load_s if self.load_s > 0 else 1.0
+        # The wait also holds thread hand-off latency, so it can exceed a tiny load.
+        return min(1.0, max(0.0, 1.0 - self.load_wait_s / self.load_s)) if self.load_s > 0 else 1.0
 
 
 @dataclass
@@ -294,7 +295,8 @@ class BlendEngine:
             reused = sum(sp.num_tokens for sp in spans)
             strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
         stats.ratio = strategy.ratio if isinstance(strategy, CacheBlend) else None
-        source_type = PrefetchSource if self.prefetch else SequentialSource
+        # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
+        source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
         keep = isinstance(self.store, TieredStore) and "disk" in tiers
         source = source_type(readers, self.adapter.dtype, self.adapter.device, keep_layers=keep)
         try:

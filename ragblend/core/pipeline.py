@@ -4,9 +4,11 @@ The fusion asks for layers in increasing order and says up front which ones it w
 (:meth:`LayerSource.prepare`). Two sources:
 
 * :class:`SequentialSource` reads a layer when it is asked for (load, then compute).
-* :class:`PrefetchSource` reads ahead in a background thread, so layer i+1 is loaded from
-  its tier while layer i is being fused (CacheBlend §5, CachedAttention §3.2). On CUDA the
-  copy to the device runs on a side stream from pinned host buffers.
+* :class:`PrefetchSource` reads ahead in a background thread, so layer i+1 comes off its
+  tier while layer i is being fused (CacheBlend §5, CachedAttention §3.2). The thread does
+  only the I/O, which waits on the device and leaves the cores to the compute; checking
+  and converting a layer (cheap) happens when the fusion takes it. On CUDA the copy to the
+  device runs on a side stream from pinned host buffers.
 
 Both return K (before RoPE) and V as ``[kv_heads, reused_tokens, head_dim]`` in the compute
 dtype, the chunks concatenated in prompt order, and both keep ``load_s`` (time spent
@@ -44,9 +46,15 @@ class SequentialSource(LayerSource):
     def prepare(self, layers: list[int]) -> None:
         pass
 
-    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fetch(self, index: int) -> list:
         t0 = time.perf_counter()
-        parts = [reader.layer(index) for reader in self.readers]
+        raw = [reader.fetch(index) for reader in self.readers]
+        self.load_s += time.perf_counter() - t0
+        return raw
+
+    def _decode(self, index: int, raw: list) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
         if self.keep_layers:
             self._kept[index] = parts
         k = torch.cat([p[0] for p in parts], dim=1)
@@ -60,7 +68,7 @@ class SequentialSource(LayerSource):
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        out = self._read(index)
+        out = self._decode(index, self._fetch(index))
         self.wait_s += time.perf_counter() - t0
         return out
 
@@ -101,33 +109,26 @@ class PrefetchSource(SequentialSource):
         with self._lock:
             while self._pending and len(self._futures) < self.depth:
                 index = self._pending.pop(0)
-                self._futures[index] = self._pool.submit(self._read, index)
+                self._futures[index] = self._pool.submit(self._fetch, index)
 
     def _to_device(self, k, v):
         if self._stream is None:
             return super()._to_device(k, v)
         # Pinned host buffers let the copy run asynchronously on the side stream; the
-        # event makes the compute stream wait for exactly this layer, nothing more.
+        # compute stream then waits for exactly this copy, nothing more.
         k, v = k.to(self.dtype).pin_memory(), v.to(self.dtype).pin_memory()
         with torch.cuda.stream(self._stream):
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self._stream)
-        return k, v, ready
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return k, v
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
         with self._lock:
             future = self._futures.pop(index, None)
-        if future is None:  # not announced: read it now
-            out = self._read(index)
-        else:
-            out = future.result()  # re-raises a CorruptEntryError from the reader thread
+        raw = self._fetch(index) if future is None else future.result()
         self._schedule()
-        if self._stream is not None:
-            k, v, ready = out
-            torch.cuda.current_stream(self.device).wait_event(ready)
-            out = (k, v)
+        out = self._decode(index, raw)  # raises CorruptEntryError for a bad layer
         self.wait_s += time.perf_counter() - t0
         return out
 

@@ -113,8 +113,16 @@ class ChunkReader:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def fetch(self, index: int):
+        """The raw data of one layer: the I/O part of a read, safe to run in another thread."""
         raise NotImplementedError
+
+    def decode(self, index: int, raw) -> tuple[torch.Tensor, torch.Tensor]:
+        """Verify and unpack what :meth:`fetch` returned (the CPU part of a read)."""
+        raise NotImplementedError
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode(index, self.fetch(index))
 
     def close(self) -> None:
         pass
@@ -124,8 +132,11 @@ class MemoryReader(ChunkReader):
     def __init__(self, entry: ChunkKV, tier: str = "memory"):
         self.entry, self.key, self.token_ids, self.tier = entry, entry.key, entry.token_ids, tier
 
-    def layer(self, index: int):
+    def fetch(self, index: int):
         return self.entry.layer(index)
+
+    def decode(self, index: int, raw):
+        return raw
 
 
 class FileReader(ChunkReader):
@@ -187,10 +198,12 @@ class FileReader(ChunkReader):
             raise bad(f"file is {size} bytes, expected {expected} (truncated or padded)")
         return header
 
-    def layer(self, index: int):
+    def fetch(self, index: int) -> bytes:
         with self._lock:  # one handle, possibly read from a prefetch thread
             self.handle.seek(self.data_start + index * self.layer_bytes)
-            buf = self.handle.read(self.layer_bytes)
+            return self.handle.read(self.layer_bytes)
+
+    def decode(self, index: int, buf: bytes):
         if len(buf) != self.layer_bytes or zlib.crc32(buf) != self.crcs[index]:
             raise CorruptEntryError(self.key, f"layer {index} checksum mismatch")
         half = self.layer_bytes // 2
