@@ -132,9 +132,10 @@ class ReusedSpan:
 
 
 class LayerSource:
-    """Gives the cached K/V of one layer for all reused spans, concatenated in prompt order.
+    """Gives the cached K/V of one layer for every reused span, in prompt order.
 
-    Returns ``(K, V)`` each ``[kv_heads, reused_tokens, head_dim]`` with K before RoPE.
+    ``layer(i)`` returns a list with one ``(K, V)`` per span, each ``[kv_heads, tokens,
+    head_dim]`` on the compute device (any float dtype), K before RoPE.
     :mod:`ragblend.core.pipeline` provides implementations (sequential and prefetching).
     """
 
@@ -143,7 +144,7 @@ class LayerSource:
     def prepare(self, layers: list[int]) -> None:
         """Announce the layers that will be asked for, in order (lets a source read ahead)."""
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
 
@@ -257,7 +258,6 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         first = min(schedule) if schedule else (0 if sel_pos.numel() < n else adapter.shape.num_layers)
         source.prepare(list(range(first, adapter.shape.num_layers)))
     cos, sin = adapter.rope_tables(n)
-    cos_reused, sin_reused = cos[reused_pos], sin[reused_pos]
     hidden = adapter.embed(ids[sel_pos])
     shape = adapter.shape
     keys, values, layer_selected = [], [], []
@@ -272,15 +272,19 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         all_selected = sel_pos.numel() == n
         if num_reused and (not all_selected or layer in schedule):
             t_wait = time.perf_counter()
-            cached_k, cached_v = source.layer(layer)
+            cached = source.layer(layer)
             load_wait += time.perf_counter() - t_wait
         if all_selected:
             layer_k, layer_v = k, v  # every token is fresh at this layer
         else:
+            # Cached K/V go in span by span (K rotated to where the chunk now sits), then
+            # the fresh K/V of the selected tokens overwrite their positions.
             layer_k = torch.empty(shape.num_kv_heads, n, shape.head_dim, dtype=k.dtype, device=device)
             layer_v = torch.empty_like(layer_k)
-            layer_k[:, reused_pos] = adapter.rope(cached_k.to(k.dtype), cos_reused, sin_reused)
-            layer_v[:, reused_pos] = cached_v.to(v.dtype)
+            for span, (cached_k, cached_v) in zip(spans, cached):
+                where = slice(span.start, span.start + span.num_tokens)
+                layer_k[:, where] = adapter.rope(cached_k.to(k.dtype), cos[where], sin[where])
+                layer_v[:, where] = cached_v
             layer_k[:, sel_pos], layer_v[:, sel_pos] = k, v
         keys.append(layer_k)
         values.append(layer_v)
@@ -292,7 +296,8 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
             cand = reused[sel_pos.cpu()].to(device)
             cand_pos = sel_pos[cand]
             reused_rank = torch.searchsorted(reused_pos, cand_pos)
-            deviation = (v[:, cand] - cached_v[:, reused_rank].to(v.dtype)).pow(2).sum(dim=(0, 2))
+            cached_v = torch.cat([cv for _, cv in cached], dim=1).to(v.dtype)
+            deviation = (v[:, cand] - cached_v[:, reused_rank]).pow(2).sum(dim=(0, 2))
             keep = math.ceil(schedule[layer] * num_reused - 1e-9)
             kept = _keep_top_deviation(deviation, cand_pos, keep)
             new_selected = ~reused.to(device)

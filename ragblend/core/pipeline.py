@@ -10,9 +10,9 @@ The fusion asks for layers in increasing order and says up front which ones it w
   and converting a layer (cheap) happens when the fusion takes it. On CUDA the copy to the
   device runs on a side stream from pinned host buffers.
 
-Both return K (before RoPE) and V as ``[kv_heads, reused_tokens, head_dim]`` in the compute
-dtype, the chunks concatenated in prompt order, and both keep ``load_s`` (time spent
-reading and converting) and ``wait_s`` (time the fusion waited for a layer).
+Both return one ``(K, V)`` per chunk, ``[kv_heads, tokens, head_dim]`` on the compute device
+in the storage dtype (the fusion converts while placing them), K before RoPE, and both keep
+``load_s`` (time spent reading and checking) and ``wait_s`` (time the fusion waited).
 """
 
 from __future__ import annotations
@@ -52,21 +52,19 @@ class SequentialSource(LayerSource):
         self.load_s += time.perf_counter() - t0
         return raw
 
-    def _decode(self, index: int, raw: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
         if self.keep_layers:
             self._kept[index] = parts
-        k = torch.cat([p[0] for p in parts], dim=1)
-        v = torch.cat([p[1] for p in parts], dim=1)
-        k, v = self._to_device(k, v)
+        parts = [self._to_device(k, v) for k, v in parts]
         self.load_s += time.perf_counter() - t0
-        return k, v
+        return parts
 
     def _to_device(self, k, v):
-        return k.to(self.device, self.dtype), v.to(self.device, self.dtype)
+        return k.to(self.device), v.to(self.device)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
         out = self._decode(index, self._fetch(index))
         self.wait_s += time.perf_counter() - t0
@@ -116,13 +114,13 @@ class PrefetchSource(SequentialSource):
             return super()._to_device(k, v)
         # Pinned host buffers let the copy run asynchronously on the side stream; the
         # compute stream then waits for exactly this copy, nothing more.
-        k, v = k.to(self.dtype).pin_memory(), v.to(self.dtype).pin_memory()
+        k, v = k.pin_memory(), v.pin_memory()
         with torch.cuda.stream(self._stream):
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return k, v
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
         with self._lock:
             future = self._futures.pop(index, None)
