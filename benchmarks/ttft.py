@@ -1,6 +1,6 @@
 """TTFT benchmark on the embedded default model (CPU).
 
-A prompt of 6 chunks of ~500 tokens (ragblend/data/lowenmark.json) plus a question. Every
+A prompt of 6 chunks of ~500 tokens (ragblend/data/lowenmark/*.md) plus a question. Every
 strategy runs interleaved with the model's own forward pass (sdpa attention, same token ids)
 in one process, so machine noise hits all of them alike; each figure is the median of
 ``--runs`` rounds. Also reported: the fraction of tokens recomputed, the first-token KL to

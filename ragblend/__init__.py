@@ -9,8 +9,26 @@ from .core.prompt import Chunk
 
 __version__ = "0.1.0"
 
+# Framework integrations are optional extras: imported on first use, so `import ragblend`
+# needs neither LlamaIndex nor LangChain.
+_LAZY = {
+    "BlendLLM": "ragblend.integrations.llamaindex_llm",
+    "BlendSynthesizer": "ragblend.integrations.llamaindex_synthesizer",
+    "KVPrecompute": "ragblend.vectorstore_hooks.llamaindex",
+    "BlendChatModel": "ragblend.integrations.langchain_chat",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ragblend' has no attribute {name!r}")
+
 __all__ = [
     "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "LegoLink", "FullReuse", "FullRecompute",
     "Generation", "Prefill", "Stats", "RagblendError", "InvalidInputError", "SegmentTypeError",
     "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError",
+    "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",
 ]

@@ -1,35 +1,75 @@
-"""Command line: ``ragblend demo`` and ``ragblend cache stats|clear|verify``.
+"""Command line.
 
-``ragblend demo`` loads the embedded default model, precomputes the KV of the six sample
-passages, and answers the sample question twice, with CacheBlend fusion and with a full
-prefill, printing both answers and their time to first token.
+    ragblend ingest PATH...          add text/markdown files or folders to the default index
+    ragblend ask "question"          answer from the index with BlendLLM (--compare: also full prefill)
+    ragblend demo                    ingest the sample documents, ask the sample questions both ways
+    ragblend cache stats|clear|verify
+
+The default index (Chroma + KV store) lives under ``<user cache>/ragblend/index``; ``--index``
+points elsewhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+
+
+def _open_index(args):
+    from ragblend.integrations.local_index import LocalIndex
+
+    print("Loading the model and the index...", file=sys.stderr, flush=True)
+    return LocalIndex(args.index)
+
+
+def _ingest(args) -> int:
+    rag = _open_index(args)
+    report = rag.ingest(args.paths)
+    for path, reason in report.skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+    print(f"Ingested {len(report.files)} file(s) as {report.nodes} new or changed chunk(s); "
+          f"the index at {rag.path} holds {len(rag)} chunk(s).")
+    return 0 if report.files or not report.skipped else 1
+
+
+def _print_answer(label: str, answer) -> None:
+    s = answer.stats
+    if s is None:
+        print(f"[{label}] {answer.text}\n  (no chunk was retrieved, so the model was not called)")
+        return
+    print(f"[{label}] TTFT {s.ttft_s:.2f} s | {s.prompt_tokens} prompt tokens: {s.reused_tokens} reused, "
+          f"{s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
+    print(f"  {answer.text}\n")
+
+
+def _ask(args) -> int:
+    rag = _open_index(args)
+    options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
+    _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
+    if args.compare:
+        _print_answer("full prefill", rag.ask(args.question, strategy="full_recompute", **options))
+    return 0
 
 
 def _demo(args) -> int:
-    from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
-    from ragblend.data import load_sample
+    from ragblend.data import load_sample, sample_dir
+    from ragblend.integrations.local_index import LocalIndex
 
-    print("Loading the default model (the first run converts it once, ~20 s)...", flush=True)
-    engine = BlendEngine.from_pretrained(args.model)
-    sample = load_sample()
-    chunks = sample["chunks"]
-    question = args.question or sample["question"]
-    engine.precompute(chunks, progress=True)
-    segments = [Chunk(c) for c in chunks] + [question]
-    print(f"\n{question}\n")
-    for label, strategy in (("CacheBlend(ratio=%.2f)" % args.ratio, CacheBlend(args.ratio)),
-                            ("full prefill", FullRecompute())):
-        out = engine.generate(segments, strategy=strategy, max_new_tokens=args.max_new_tokens)
-        s = out.stats
-        print(f"[{label}] TTFT {s.ttft_s:.2f} s | {s.prompt_tokens} prompt tokens: "
-              f"{s.reused_tokens} reused, {s.recomputed_tokens} recomputed")
-        print(f"  {out.text.strip()}\n")
+    folder = args.index or os.path.join(tempfile.gettempdir(), "ragblend-demo-index")
+    print(f"Loading the default model (the first run converts it once, ~20 s) and the index in {folder}...",
+          flush=True)
+    rag = LocalIndex(folder)
+    report = rag.ingest([sample_dir()])
+    print(f"Ingested {len(report.files)} sample documents from {sample_dir()} "
+          f"({len(rag)} chunks in the index, KV precomputed for each).\n")
+    for item in load_sample()["demo"][: args.questions]:
+        print(f"Q: {item['question']}   (the documents say: {item['answer']})")
+        for label, strategy in ((f"BlendLLM, CacheBlend({args.ratio})", "cacheblend"), ("full prefill", "full_recompute")):
+            answer = rag.ask(item["question"], strategy=strategy, ratio=args.ratio, top_k=args.top_k,
+                             max_new_tokens=args.max_new_tokens)
+            _print_answer(label, answer)
     return 0
 
 
@@ -77,11 +117,35 @@ def _cache(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="answer the sample question with fusion and with a full prefill")
-    demo.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
-    demo.add_argument("--question", default=None, help="ask this instead of the sample question")
-    demo.add_argument("--ratio", type=float, default=0.15, help="CacheBlend recompute ratio")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    def add_index(p):
+        p.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/index)")
+
+    ingest = sub.add_parser("ingest", help="add text/markdown files or folders to the index")
+    ingest.add_argument("paths", nargs="+", help="files or folders (searched recursively)")
+    add_index(ingest)
+    ingest.set_defaults(func=_ingest)
+
+    def add_answer_options(p, ratio=0.15):
+        p.add_argument("--top-k", type=int, default=4, help="chunks to retrieve")
+        p.add_argument("--ratio", type=float, default=ratio, help="CacheBlend recompute ratio")
+        p.add_argument("--max-new-tokens", type=int, default=128)
+
+    ask = sub.add_parser("ask", help="answer a question from the index")
+    ask.add_argument("question")
+    ask.add_argument("--strategy", default="cacheblend",
+                     choices=["cacheblend", "legolink", "full_reuse", "full_recompute"])
+    ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
+                     help="LlamaIndex response mode, or blend for BlendSynthesizer")
+    ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
+    add_answer_options(ask)
+    add_index(ask)
+    ask.set_defaults(func=_ask)
+
+    demo = sub.add_parser("demo", help="ingest the sample documents and answer sample questions, "
+                                       "with fusion and with a full prefill")
+    demo.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
+    add_answer_options(demo)
+    demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
     demo.set_defaults(func=_demo)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
@@ -101,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except RagblendError as err:
+    except (RagblendError, ValueError) as err:
         print(f"ragblend: error: {err}", file=sys.stderr)
         return 2
 

@@ -31,7 +31,7 @@ from .generate import Decoding, SamplingParams, build_cache
 from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
 from .pipeline import PrefetchSource, SequentialSource
-from .prompt import PromptBuilder, PromptLayout, Segment
+from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment
 from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader,
                     MemoryStore, TieredStore)
 
@@ -123,6 +123,8 @@ class BlendEngine:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
         self._pending_writes: list[Future] = []
         self._controller = None
+        self.chunks = ChunkFinder()   # token ids of known chunks, for finding them in flat prompts
+        self._indexed_keys: set[str] = set()
         eos = hf_model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -201,8 +203,44 @@ class BlendEngine:
             key = self.key_for(ids)
             if key not in self.store:
                 self.store.put(self.compute_entry(ids))
+            self._index_chunk(key, ids)
             refs.append(ChunkRef(key, len(ids)))
         return refs
+
+    def forget(self, keys: Iterable[str]) -> int:
+        """Drop the stored KV of these chunk keys (e.g. when their document is deleted)."""
+        return sum(bool(self.store.delete(key)) for key in keys)
+
+    # ------------------------------------------------------------------ finding chunks in flat prompts
+
+    def _index_chunk(self, key: str, token_ids: Sequence[int]) -> None:
+        if key not in self._indexed_keys:
+            self._indexed_keys.add(key)
+            self.chunks.add(token_ids)
+
+    def _index_store(self) -> None:
+        """Learn the token ids of entries other processes stored (reads only new headers)."""
+        for key in self.store.keys():
+            if key in self._indexed_keys:
+                continue
+            reader = self.store.open(key)
+            if reader is not None:
+                self._index_chunk(key, reader.token_ids)
+                reader.close()
+
+    def find_chunks(self, prompt: str, *, system: str | None = None,
+                    history: Sequence[tuple[str, str]] = ()) -> PromptLayout:
+        """Lay out a flat prompt (one user message) and mark the known chunks inside it.
+
+        The prompt is tokenized whole, so ``layout.token_ids`` are exactly those of a plain
+        full prefill of the same text; a known chunk is marked where its token ids appear
+        unchanged. Pass the layout to :meth:`prefill`, :meth:`generate` or :meth:`stream`.
+        """
+        if not isinstance(prompt, str):
+            raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
+        self._index_store()
+        layout = self.prompts.build([prompt], system, history=history)
+        return PromptLayout(layout.token_ids, self.chunks.find(layout.token_ids))
 
     def compute_entry(self, token_ids: list[int]) -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
@@ -237,12 +275,16 @@ class BlendEngine:
             self._controller = LoadingController(self)
         return self._controller
 
-    def prefill(self, segments: Sequence[Segment], *, system: str | None = None,
+    def prefill(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                 strategy: Strategy | None = None) -> Prefill:
-        """Run the fused prefill of ``segments`` (the user turn) under ``system``."""
+        """Run the fused prefill of ``segments`` (the user turn) under ``system``.
+
+        ``segments`` may also be a :class:`PromptLayout` from :meth:`find_chunks` (then
+        ``system`` is already part of it).
+        """
         t0 = time.perf_counter()
         strategy = check_strategy(strategy or self.strategy, self.adapter.shape.num_layers)
-        layout = self.prompts.build(segments, system)
+        layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         n = len(layout.token_ids)
         if n > self.context_window:
             raise PromptTooLongError(
@@ -282,6 +324,7 @@ class BlendEngine:
                     continue  # computed as plain text inside the prompt
                 t = time.perf_counter()
                 computed[key] = self.compute_entry(list(span.token_ids))
+                self._index_chunk(key, span.token_ids)
                 stats.isolate_s += time.perf_counter() - t
                 stats.chunks_computed += 1
                 self._write_back(computed[key])

@@ -81,14 +81,18 @@ class PromptBuilder:
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def template_parts(self, system: str | None) -> tuple[list[int], list[int]]:
-        """Token ids the template puts before and after the user message."""
+    def template_parts(self, system: str | None, history: Sequence[tuple[str, str]] = ()) -> tuple[list[int], list[int]]:
+        """Token ids the template puts before and after the (last) user message.
+
+        ``history`` holds earlier turns as ``(role, text)`` with role "user" or "assistant".
+        """
         if not self.use_chat_template:
             prefix = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-            if system:
-                prefix += self.tokenize(system) + self._separator_ids
+            for text in ([system] if system else []) + [text for _, text in history]:
+                prefix += self.tokenize(text) + self._separator_ids
             return prefix, []
         messages = [] if system is None else [{"role": "system", "content": system}]
+        messages += [{"role": role, "content": text} for role, text in history]
         messages.append({"role": "user", "content": _MARKER})
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         before, marker, after = text.partition(_MARKER)
@@ -111,20 +115,60 @@ class PromptBuilder:
         return [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
 
     def build(self, segments: Sequence[Segment], system: str | None = None,
-              chunk_ids: dict[str, list[int]] | None = None) -> PromptLayout:
-        """Lay out ``segments`` as the user turn. ``chunk_ids`` may carry already-tokenized chunks."""
+              history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
+        """Lay out ``segments`` as the user turn, after ``history``, under ``system``."""
         segments = check_segments(segments)
-        prefix, suffix = self.template_parts(system)
+        prefix, suffix = self.template_parts(system, history)
+        separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         ids = list(prefix)
         spans = []
         for i, seg in enumerate(segments):
             if i:
-                ids += self._separator_ids
+                ids += separator_ids
             if isinstance(seg, Chunk):
-                tokens = (chunk_ids or {}).get(seg.text) or self.tokenize(seg.text)
+                tokens = self.tokenize(seg.text)
                 spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), i, tuple(tokens)))
                 ids += tokens
             else:
                 ids += self.tokenize(seg)
         ids += suffix
         return PromptLayout(ids, spans)
+
+
+class ChunkFinder:
+    """Finds known chunks inside a prompt's token ids.
+
+    Frameworks hand the LLM one flat prompt. Tokenizing that prompt whole gives exactly the
+    ids a plain prefill would use; wherever a known chunk's token ids appear in them
+    unchanged, the chunk's cached KV can be reused. Chunks are indexed by their first
+    ``MIN_TOKENS`` ids, so a scan costs one dictionary lookup per prompt position.
+    """
+
+    MIN_TOKENS = 8  # shorter chunks are not worth a cache entry
+
+    def __init__(self):
+        self._by_prefix: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+
+    def add(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) >= self.MIN_TOKENS:
+            ids = tuple(token_ids)
+            self._by_prefix.setdefault(ids[:self.MIN_TOKENS], set()).add(ids)
+
+    def __len__(self) -> int:
+        return sum(len(c) for c in self._by_prefix.values())
+
+    def find(self, token_ids: Sequence[int]) -> list[ChunkSpan]:
+        """Non-overlapping spans of known chunks, left to right, the longest match first."""
+        ids, k, spans, i = list(token_ids), self.MIN_TOKENS, [], 0
+        while i <= len(ids) - k:
+            candidates = self._by_prefix.get(tuple(ids[i:i + k]))
+            match = None
+            if candidates:
+                fitting = [c for c in candidates if tuple(ids[i:i + len(c)]) == c]
+                match = max(fitting, key=len, default=None)
+            if match is None:
+                i += 1
+                continue
+            spans.append(ChunkSpan(i, i + len(match), -1, match))
+            i += len(match)
+        return spans

@@ -1,0 +1,1 @@
+"""Framework integrations. Each module imports its framework; import the one you use."""

@@ -1,0 +1,1 @@
+"""Ingestion hooks that precompute chunk KV as chunks enter a vector store."""

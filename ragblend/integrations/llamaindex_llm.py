@@ -1,0 +1,241 @@
+"""BlendLLM: a LlamaIndex LLM that answers with ragblend's fusion engine.
+
+Drop it into any query engine; chunks whose KV was precomputed at ingestion
+(:class:`ragblend.KVPrecompute`) are found inside the prompt the synthesizer builds and
+their KV reused::
+
+    from llama_index.core import VectorStoreIndex
+    from ragblend import BlendLLM
+
+    index = VectorStoreIndex.from_vector_store(vector_store, embed_model=embed_model)
+    query_engine = index.as_query_engine(llm=BlendLLM(engine=engine))
+    response = query_engine.query("When was the lighthouse first lit?")
+    print(response, engine.last_stats.reused_tokens)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
+                                              CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
+                                              LLMMetadata, MessageRole)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink
+
+STRATEGY_NAMES = ("cacheblend", "legolink", "full_reuse", "full_recompute")
+
+
+def make_strategy(name: str, ratio: float | str = 0.15, legolink_k: int = 16):
+    """A strategy object from its name (as used in configuration and the CLI)."""
+    if name == "cacheblend":
+        return CacheBlend(ratio=ratio)
+    if name == "legolink":
+        return LegoLink(legolink_k)
+    if name == "full_reuse":
+        return FullReuse()
+    if name == "full_recompute":
+        return FullRecompute()
+    raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
+
+
+def usage_of(stats: Stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "cached_prompt_tokens": stats.reused_tokens}
+
+
+async def iterate_in_thread(make_iterator):
+    """Consume a blocking iterator in a worker thread, yielding its items to the event loop."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    def pump():
+        try:
+            for item in make_iterator():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+        except BaseException as err:  # handed to the consumer below
+            loop.call_soon_threadsafe(queue.put_nowait, err)
+        loop.call_soon_threadsafe(queue.put_nowait, done)
+
+    threading.Thread(target=pump, daemon=True, name="ragblend-stream").start()
+    while True:
+        item = await queue.get()
+        if item is done:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+@dataclass
+class CallRecord:
+    """One call of the LLM: the prompt text it was given, the exact prompt token ids, what
+    the fusion reused, and the engine's stats."""
+
+    prompt: str
+    layout: Any
+    stats: Stats
+
+
+class BlendLLM(CustomLLM):
+    """LlamaIndex LLM running a local model through ragblend's KV-fusion engine.
+
+    Pass ``engine=`` to share a :class:`~ragblend.BlendEngine` (then ``engine.last_stats``
+    shows what the last call reused), or let BlendLLM build one from the fields below.
+    The system prompt goes into the model's chat template, not in front of the text.
+    """
+
+    model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
+    kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
+    strategy: str = Field(default="cacheblend", description=f"Fusion strategy: one of {', '.join(STRATEGY_NAMES)}.")
+    ratio: float | str = Field(default=0.15, description="CacheBlend recompute ratio in (0, 1], or 'auto' for the loading controller.")
+    legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
+    max_new_tokens: int = Field(default=256, description="Most tokens to generate per call.")
+    temperature: float = Field(default=0.0, description="0 = greedy decoding.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    seed: Optional[int] = Field(default=None, description="Seed for sampling.")
+    context_window: Optional[int] = Field(default=None, description="Report a smaller window than the model's to synthesizers (None = the model's).")
+
+    _engine: BlendEngine = PrivateAttr()
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    _calls: deque = PrivateAttr(default_factory=lambda: deque(maxlen=64))
+
+    def __init__(self, engine: BlendEngine | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        make_strategy(self.strategy, self.ratio, self.legolink_k)  # validate early
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "BlendLLM"
+
+    @property
+    def engine(self) -> BlendEngine:
+        """The fusion engine (loaded on first use when not given)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = BlendEngine.from_pretrained(self.model_path, kv_dir=self.kv_dir)
+        return self._engine
+
+    @property
+    def last_stats(self) -> Stats | None:
+        return self.engine.last_stats
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        """The most recent calls (up to 64), oldest first; a refine query makes several."""
+        return list(self._calls)
+
+    def _record(self, prompt: str, layout, stats: Stats) -> None:
+        self._calls.append(CallRecord(prompt, layout, stats))
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        engine = self.engine
+        window = min(self.context_window or engine.context_window, engine.context_window)
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
+                           is_chat_model=False, model_name=engine.name, system_role=MessageRole.SYSTEM)
+
+    def _extend_prompt(self, formatted_prompt: str) -> str:
+        # The system prompt is given to the chat template in `complete`, not glued onto the text.
+        if self.query_wrapper_prompt:
+            return self.query_wrapper_prompt.format(query_str=formatted_prompt)
+        return formatted_prompt
+
+    def _options(self, kwargs: dict) -> dict:
+        return dict(strategy=make_strategy(kwargs.pop("strategy", self.strategy), self.ratio, self.legolink_k),
+                    max_new_tokens=kwargs.pop("max_new_tokens", kwargs.pop("max_tokens", self.max_new_tokens)),
+                    temperature=kwargs.pop("temperature", self.temperature),
+                    top_p=kwargs.pop("top_p", self.top_p), seed=kwargs.pop("seed", self.seed),
+                    stop=kwargs.pop("stop", None))
+
+    def _layout(self, prompt: str, history: Sequence[tuple[str, str]] = (), system: str | None = None):
+        return self.engine.find_chunks(prompt, system=system or self.system_prompt or None, history=history)
+
+    def _response(self, text: str, stats: Stats, delta: str | None = None) -> CompletionResponse:
+        return CompletionResponse(text=text, delta=delta, raw={"usage": usage_of(stats), "ragblend": stats.__dict__},
+                                  additional_kwargs={"ragblend_stats": stats})
+
+    # ------------------------------------------------------------------ completion
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        options = self._options(kwargs)
+        layout = self._layout(prompt)
+        out = self.engine.generate(layout, **options)
+        self._record(prompt, layout, out.stats)
+        return self._response(out.text, out.stats)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        options = self._options(kwargs)
+        engine, layout = self.engine, self._layout(prompt)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for delta in engine.stream(layout, **options):
+                text += delta
+                yield self._response(text, engine.last_stats, delta)
+            self._record(prompt, layout, engine.last_stats)
+            yield self._response(text, engine.last_stats, "")  # final usage, after decoding
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return iterate_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+
+    # ------------------------------------------------------------------ chat
+
+    def _chat_layout(self, messages: Sequence[ChatMessage]):
+        system = "\n\n".join(m.content or "" for m in messages if m.role == MessageRole.SYSTEM) or None
+        turns = [m for m in messages if m.role != MessageRole.SYSTEM]
+        if not turns or turns[-1].role != MessageRole.USER:
+            raise ValueError("BlendLLM.chat needs the last message to be from the user.")
+        history = [("assistant" if m.role == MessageRole.ASSISTANT else "user", m.content or "") for m in turns[:-1]]
+        return self._layout(turns[-1].content or "", history, system)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        options = self._options(kwargs)
+        layout = self._chat_layout(messages)
+        out = self.engine.generate(layout, **options)
+        self._record(messages[-1].content or "", layout, out.stats)
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text),
+                            raw={"usage": usage_of(out.stats)}, additional_kwargs={"ragblend_stats": out.stats})
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        options = self._options(kwargs)
+        engine, layout = self.engine, self._chat_layout(messages)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for delta in engine.stream(layout, **options):
+                text += delta
+                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                                   raw={"usage": usage_of(engine.last_stats)})
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return iterate_in_thread(lambda: self.stream_chat(messages, **kwargs))

