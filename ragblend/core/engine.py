@@ -329,7 +329,7 @@ class BlendEngine:
                 stats.chunks_computed += 1
                 self._write_back(computed[key])
                 reader = MemoryReader(computed[key], "computed")
-            spans.append(ReusedSpan(span.start, span.end - span.start))
+            spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
             readers.append(reader)
             tiers[reader.tier] = tiers.get(reader.tier, 0) + 1
         stats.chunks_reused, stats.tiers = len(readers) - tiers.get("computed", 0), tiers
@@ -341,7 +341,8 @@ class BlendEngine:
         # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
         source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
         keep = isinstance(self.store, TieredStore) and "disk" in tiers
-        source = source_type(readers, self.adapter.dtype, self.adapter.device, keep_layers=keep)
+        windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
+        source = source_type(readers, self.adapter.dtype, self.adapter.device, keep_layers=keep, windows=windows)
         try:
             with self._lock:
                 fused = fused_prefill(self.adapter, layout.token_ids, spans, source, strategy)

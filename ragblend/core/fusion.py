@@ -129,6 +129,7 @@ class ReusedSpan:
 
     start: int
     num_tokens: int
+    offset: int = 0  # where the run starts inside its cached chunk
 
 
 class LayerSource:

