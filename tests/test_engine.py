@@ -183,3 +183,21 @@ def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engi
     assert again == refs
     other = make_tiny_engine("qwen3" if tiny_engine.adapter.arch != "qwen3" else "llama", tokenizer)
     assert other.precompute(PASSAGES[:1])[0].key != refs[0].key
+
+
+def test_chunk_finder_finds_whole_and_partial_chunks():
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    a, b = tuple(range(100, 160)), tuple(range(500, 540))
+    finder.add(a)
+    finder.add(b)
+    finder.add(range(7))  # too short to index
+    prompt = [1, 2, 3] + list(a) + [9, 9] + list(b[5:30]) + [7] + list(b[:10])
+    spans = finder.find(prompt)
+    assert [(s.start, s.end, s.offset, s.token_ids) for s in spans] == [
+        (3, 63, 0, a),           # whole chunk
+        (65, 90, 5, b),          # a middle part of a chunk
+    ]                            # a 10-token tail match is below MIN_RUN
+    assert all(prompt[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start]) for s in spans)
+    assert finder.find([1, 2, 3]) == [] and len(finder) == 2

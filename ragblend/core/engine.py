@@ -228,6 +228,12 @@ class BlendEngine:
                 self._index_chunk(key, reader.token_ids)
                 reader.close()
 
+    def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
+                     history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
+        """Lay out segments as the last user turn after ``history`` (``(role, text)`` pairs,
+        role "user" or "assistant"), joined by ``separator`` (default: the engine's)."""
+        return self.prompts.build(segments, system, history=history, separator=separator)
+
     def find_chunks(self, prompt: str, *, system: str | None = None,
                     history: Sequence[tuple[str, str]] = ()) -> PromptLayout:
         """Lay out a flat prompt (one user message) and mark the known chunks inside it.
@@ -239,7 +245,7 @@ class BlendEngine:
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         self._index_store()
-        layout = self.prompts.build([prompt], system, history=history)
+        layout = self.build_prompt([prompt], system=system, history=history)
         return PromptLayout(layout.token_ids, self.chunks.find(layout.token_ids))
 
     def compute_entry(self, token_ids: list[int]) -> ChunkKV:

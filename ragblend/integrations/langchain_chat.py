@@ -1,0 +1,225 @@
+"""BlendChatModel: a LangChain chat model that answers with ragblend's fusion engine.
+
+Chunks whose KV is stored are reused three ways:
+
+* text content blocks marked with ``cache_control`` (the convention of Anthropic prompt
+  caching, top-level or under ``extras``) are fused as chunks;
+* ``kv_chunks=[...]`` at call time marks those texts inside the last user message;
+* otherwise stored chunks are found inside the plain prompt text, as in ``BlendLLM``.
+
+Example::
+
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from ragblend import BlendChatModel
+
+    chat = BlendChatModel(max_tokens=64)          # the model loads on first use
+    doc = "The Sanderling ferry crosses from the north pier to Hallow Holm."
+    reply = chat.invoke([
+        SystemMessage("Answer from the context."),
+        HumanMessage(content=[{"type": "text", "text": doc, "cache_control": {"type": "ephemeral"}},
+                              {"type": "text", "text": "Which ferry goes to Hallow Holm?"}]),
+    ])
+    print(reply.content, reply.usage_metadata["input_token_details"]["cache_read"])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import Field, PrivateAttr, SecretStr
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.prompt import Chunk
+
+from .llamaindex_llm import iterate_in_thread, make_strategy
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def _marked(block: dict) -> bool:
+    return bool(block.get("cache_control") or (block.get("extras") or {}).get("cache_control"))
+
+
+def _text(content) -> str:
+    """Plain text of a message's content (string, or the text of its text blocks)."""
+    if isinstance(content, str):
+        return content
+    return "".join(b if isinstance(b, str) else b.get("text", "") for b in content
+                   if isinstance(b, str) or b.get("type") == "text")
+
+
+def usage_metadata(stats: Stats) -> UsageMetadata:
+    return UsageMetadata(input_tokens=stats.prompt_tokens, output_tokens=stats.generated_tokens,
+                         total_tokens=stats.prompt_tokens + stats.generated_tokens,
+                         input_token_details={"cache_read": stats.reused_tokens})
+
+
+class BlendChatModel(BaseChatModel):
+    """LangChain chat model running a local model through ragblend's KV-fusion engine.
+
+    Pass ``engine=`` to share a :class:`~ragblend.BlendEngine`; otherwise one is loaded
+    from ``model_path``/``kv_dir`` on first use, so constructing the class is cheap.
+    """
+
+    model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
+    kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
+    strategy: str = Field(default="cacheblend", description="Fusion strategy: cacheblend, legolink, full_reuse or full_recompute.")
+    ratio: float | str = Field(default=0.15, description="CacheBlend recompute ratio in (0, 1], or 'auto'.")
+    legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
+    max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate.")
+    temperature: float = Field(default=0.0, description="0 = greedy decoding.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    seed: Optional[int] = Field(default=None, description="Seed for sampling.")
+    stop: Optional[list[str]] = Field(default=None, description="Stop strings.")
+    streaming: bool = Field(default=False, description="Stream by default in invoke (LangChain convention).")
+    # Standard LangChain parameters with no meaning for a local model; accepted so generic
+    # code that passes them keeps working.
+    timeout: Optional[float] = Field(default=None, description="Accepted for compatibility; unused locally.")
+    max_retries: int = Field(default=2, description="Accepted for compatibility; unused locally.")
+    api_key: Optional[SecretStr] = Field(default=None, description="Accepted for compatibility; unused locally.")
+
+    _engine: Optional[BlendEngine] = PrivateAttr(default=None)
+    _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    def __init__(self, engine: BlendEngine | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        make_strategy(self.strategy, self.ratio, self.legolink_k)  # validate early, load nothing
+        self._engine = engine
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def _llm_type(self) -> str:
+        return "ragblend"
+
+    @property
+    def model_name(self) -> str:
+        if self._engine is not None:
+            return self._engine.name
+        return os.path.basename(self.model_path.rstrip("/")) if self.model_path else DEFAULT_NAME
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "strategy": self.strategy, "ratio": self.ratio,
+                "max_tokens": self.max_tokens, "temperature": self.temperature}
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="ragblend", ls_model_name=kwargs.get("model", self.model_name),
+                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature))
+        max_tokens = kwargs.get("max_tokens", self.max_tokens)
+        if max_tokens is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    @property
+    def engine(self) -> BlendEngine:
+        """The fusion engine (loaded on first use when not given)."""
+        with self._lock:
+            if self._engine is None:
+                self._engine = BlendEngine.from_pretrained(self.model_path, kv_dir=self.kv_dir)
+        return self._engine
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return self.engine.prompts.tokenize(text)
+
+    # ------------------------------------------------------------------ prompt
+
+    def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
+        engine = self.engine
+        system = "\n\n".join(_text(m.content) for m in messages if isinstance(m, SystemMessage)) or None
+        turns = [m for m in messages if not isinstance(m, SystemMessage)]
+        if not turns or not isinstance(turns[-1], HumanMessage):
+            raise InvalidInputError("BlendChatModel needs the last message to be a HumanMessage.")
+        history = [("assistant" if isinstance(m, AIMessage) else "user", _text(m.content)) for m in turns[:-1]]
+        content = turns[-1].content
+        if isinstance(content, list) and any(isinstance(b, dict) and _marked(b) for b in content):
+            segments = [Chunk(b["text"]) if isinstance(b, dict) and _marked(b) else _text([b])
+                        for b in content if isinstance(b, str) or b.get("type") == "text"]
+            return engine.build_prompt(segments, system=system, history=history)
+        text = _text(content)
+        if kv_chunks:
+            return engine.build_prompt(_split_on(text, kv_chunks), system=system, history=history, separator="")
+        return engine.find_chunks(text, system=system, history=history)
+
+    def _options(self, stop: Optional[list[str]], kwargs: dict) -> dict:
+        kwargs.pop("model", None)  # one local model: a per-call override only names it
+        strategy = make_strategy(kwargs.pop("strategy", self.strategy), kwargs.pop("ratio", self.ratio), self.legolink_k)
+        return dict(strategy=strategy, max_new_tokens=kwargs.pop("max_tokens", self.max_tokens) or 256,
+                    temperature=kwargs.pop("temperature", self.temperature), top_p=kwargs.pop("top_p", self.top_p),
+                    seed=kwargs.pop("seed", self.seed), stop=stop or kwargs.pop("stop", None) or self.stop)
+
+    def _metadata(self, stats: Stats) -> dict:
+        return {"model_name": self.model_name, "finish_reason": stats.finish_reason,
+                "model_provider": "ragblend", "ragblend": dict(stats.__dict__)}
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        kv_chunks = kwargs.pop("kv_chunks", None)
+        options = self._options(stop, kwargs)
+        out = self.engine.generate(self._layout(messages, kv_chunks), **options)
+        message = AIMessage(content=out.text, usage_metadata=usage_metadata(out.stats),
+                            response_metadata=self._metadata(out.stats))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        kv_chunks = kwargs.pop("kv_chunks", None)
+        options = self._options(stop, kwargs)
+        engine = self.engine
+        for delta in engine.stream(self._layout(messages, kv_chunks), **options):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        stats = engine.last_stats
+        yield ChatGenerationChunk(message=AIMessageChunk(
+            content="", usage_metadata=usage_metadata(stats), response_metadata=self._metadata(stats),
+            chunk_position="last"))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager and chunk.message.content:
+                await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
+            yield chunk
+
+
+def _split_on(text: str, chunks: Sequence[str]) -> list:
+    """``text`` as segments with every occurrence of the given chunk texts marked as Chunk."""
+    for chunk in chunks:
+        if not isinstance(chunk, str) or not chunk or chunk not in text:
+            raise InvalidInputError("Every kv_chunks text must occur verbatim in the last user message; "
+                                    f"{str(chunk)[:60]!r} does not.")
+    segments: list = [text]
+    for chunk in sorted(set(chunks), key=len, reverse=True):
+        out = []
+        for seg in segments:
+            if isinstance(seg, Chunk):
+                out.append(seg)
+                continue
+            parts = seg.split(chunk)
+            for i, part in enumerate(parts):
+                if i:
+                    out.append(Chunk(chunk))
+                if part:
+                    out.append(part)
+        segments = out
+    return segments
