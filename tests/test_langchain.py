@@ -109,3 +109,107 @@ class TestBlendChatModelIntegration(ChatModelIntegrationTests):
                 reply = chunk if reply is None else reply + chunk
         assert reply.usage_metadata["input_token_details"]["cache_read"] > 0
         return reply
+
+
+# ---------------------------------------------------------------------------- RAG on Chroma
+
+
+@pytest.fixture(scope="module")
+def chroma_store(tmp_path_factory):
+    pytest.importorskip("langchain_chroma")
+    import chromadb
+    from langchain_chroma import Chroma
+
+    from ragblend.data import load_sample
+    from ragblend.vectorstore_hooks.langchain import KVPrecomputeVectorStore, MiniLMEmbeddings
+
+    chroma = Chroma("lowenmark", embedding_function=MiniLMEmbeddings(),
+                    persist_directory=str(tmp_path_factory.mktemp("chroma")),
+                    client_settings=chromadb.Settings(anonymized_telemetry=False, is_persistent=True))
+    store = KVPrecomputeVectorStore(chroma, shared_engine())
+    paragraphs = [p.strip() for doc in load_sample()["chunks"] for p in doc.split("\n\n") if len(p.strip()) > 200]
+    store.add_texts(paragraphs, metadatas=[{"n": i} for i in range(len(paragraphs))],
+                    ids=[f"p{i}" for i in range(len(paragraphs))])
+    return store
+
+
+def rag_chain(store, chat):
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnablePassthrough
+
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "Answer the question using only the context."),
+        ("human", "Context:\n{context}\n\nQuestion: {question}"),
+    ])
+
+    def format_docs(docs):
+        return "\n\n".join(doc.page_content for doc in docs)  # the standard stuff-documents separator
+
+    retriever = store.as_retriever(search_kwargs={"k": 3})
+    return retriever, {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | chat
+
+
+@pytest.mark.slow
+def test_adding_documents_precomputes_their_kv(chroma_store):
+    engine = shared_engine()
+    docs = chroma_store.get_by_ids(["p0", "p1"])
+    for doc in docs:
+        assert doc.metadata["ragblend_kv_key"] == engine.key_for(engine.prompts.tokenize(doc.page_content))
+        assert doc.metadata["ragblend_kv_key"] in engine.store
+
+
+@pytest.mark.slow
+def test_stuff_documents_chain_reuses_the_retrieved_chunks(chroma_store):
+    engine = shared_engine()
+    chat = BlendChatModel(engine=engine, max_tokens=32)
+    retriever, chain = rag_chain(chroma_store, chat)
+    question = "What is the name of the passenger ferry that goes to Hallow Holm?"
+    docs = retriever.invoke(question)
+    reply = chain.invoke(question)
+    chunk_tokens = sum(engine.count_tokens(d.page_content) for d in docs)
+    usage = reply.usage_metadata
+    assert usage["input_token_details"]["cache_read"] >= 0.8 * chunk_tokens
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert reply.response_metadata["model_name"] == "SmolLM2-135M-Instruct"
+    assert reply.response_metadata["finish_reason"] in ("stop", "length")
+    assert "Sanderling" in reply.content
+    streamed = "".join(chunk.content for chunk in chain.stream(question))
+    assert streamed == reply.content
+
+
+@pytest.mark.slow
+def test_deleting_documents_drops_their_kv(chroma_store):
+    engine = shared_engine()
+    ids = chroma_store.add_texts(["A short-lived note about the harbour crane, repainted red in the spring of 2019 "
+                                  "after twenty years of rust."], ids=["tmp-note"])
+    key = chroma_store.get_by_ids(ids)[0].metadata["ragblend_kv_key"]
+    assert key in engine.store
+    chroma_store.delete(ids)
+    assert key not in engine.store and chroma_store.get_by_ids(ids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["top-level", "extras"])
+def test_cache_control_blocks_and_kv_chunks_are_fused_as_chunks(where):
+    engine = shared_engine()
+    chat = BlendChatModel(engine=engine, max_tokens=16)
+    marker = {"cache_control": {"type": "ephemeral"}}
+    block = {"type": "text", "text": PASSAGE, **(marker if where == "top-level" else {"extras": marker})}
+    reply = chat.invoke([HumanMessage(content=[block, {"type": "text", "text": "Which ferry goes to Hallow Holm?"}])])
+    passage_tokens = engine.count_tokens(PASSAGE)
+    assert reply.usage_metadata["input_token_details"]["cache_read"] >= 0.8 * passage_tokens
+
+    text = f"Context: {PASSAGE}\n\nWhich ferry goes to Hallow Holm?"
+    plain = chat.invoke(text, kv_chunks=[PASSAGE])
+    assert plain.usage_metadata["input_token_details"]["cache_read"] >= 0.8 * passage_tokens
+    with pytest.raises(ValueError, match="kv_chunks"):
+        chat.invoke(text, kv_chunks=["not in the message"])
+
+
+def test_constructing_the_model_loads_nothing():
+    chat = BlendChatModel(model_path="/no/such/model", max_tokens=8, temperature=0.5, stop=["\n"])
+    assert chat._engine is None and chat.model_name == "model"
+    params = chat._get_ls_params()
+    assert params["ls_provider"] == "ragblend" and params["ls_max_tokens"] == 8 and params["ls_stop"] == ["\n"]
+    with pytest.raises(ValueError, match="strategy"):
+        BlendChatModel(strategy="nope")
