@@ -44,7 +44,15 @@ def _print_answer(label: str, answer) -> None:
     print(f"  {answer.text}\n")
 
 
+def _check_options(args) -> None:
+    """Fail on bad options before spending seconds loading the model."""
+    from ragblend.integrations.llamaindex_llm import make_strategy
+
+    make_strategy(getattr(args, "strategy", "cacheblend"), args.ratio)
+
+
 def _ask(args) -> int:
+    _check_options(args)
     rag = _open_index(args)
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
@@ -57,6 +65,7 @@ def _demo(args) -> int:
     from ragblend.data import load_sample, sample_dir
     from ragblend.integrations.local_index import LocalIndex
 
+    _check_options(args)
     folder = args.index or os.path.join(tempfile.gettempdir(), "ragblend-demo-index")
     print(f"Loading the default model (the first run converts it once, ~20 s) and the index in {folder}...",
           flush=True)
