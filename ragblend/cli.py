@@ -3,6 +3,7 @@
     ragblend ingest PATH...          add text/markdown files or folders to the default index
     ragblend ask "question"          answer from the index with BlendLLM (--compare: also full prefill)
     ragblend demo                    ingest the sample documents, ask the sample questions both ways
+    ragblend app                     the Streamlit demo app
     ragblend cache stats|clear|verify
 
 The default index (Chroma + KV store) lives under ``<user cache>/ragblend/index``; ``--index``
@@ -123,6 +124,24 @@ def _cache(args) -> int:
     return 1 if bad and not args.fix else 0
 
 
+def _app(args) -> int:
+    """Start the Streamlit demo app (apps/streamlit_app.py of the source checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    app = Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py"
+    if not app.exists():
+        print(f"ragblend: error: the app is not in this installation ({app}); run it from a source checkout.",
+              file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if args.index:
+        env["RAGBLEND_INDEX_DIR"] = args.index
+    command = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port),
+               "--browser.gatherUsageStats", "false"]
+    return subprocess.call(command, env=env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_answer_options(demo)
     demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
     demo.set_defaults(func=_demo)
+
+    app = sub.add_parser("app", help="start the Streamlit demo app")
+    app.add_argument("--port", type=int, default=8501)
+    app.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/app-index)")
+    app.set_defaults(func=_app)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
     cache.add_argument("action", choices=["stats", "clear", "verify"],

@@ -83,6 +83,16 @@ class Prefill:
 
 
 @dataclass
+class PromptTrace:
+    """The last prompt an engine prefilled, for display: its ids, which tokens were
+    recomputed, and where the reused chunks sit."""
+
+    token_ids: list[int]
+    recomputed: torch.Tensor          # bool [N]
+    chunk_spans: list                 # ChunkSpan, in prompt order
+
+
+@dataclass
 class Generation:
     """Result of :meth:`BlendEngine.generate`."""
 
@@ -119,6 +129,7 @@ class BlendEngine:
         self.write_back = write_back
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
+        self.last_prompt: PromptTrace | None = None
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
         self._pending_writes: list[Future] = []
@@ -312,6 +323,7 @@ class BlendEngine:
         stats.reused_tokens, stats.recomputed_tokens = n - recomputed, recomputed
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         self.last_stats = stats
+        self.last_prompt = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
         return Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                        fused.recomputed, layout)
 

@@ -1,0 +1,175 @@
+"""ragblend demo RAG app.
+
+    ragblend app                          # or: streamlit run apps/streamlit_app.py
+
+Ingest text/markdown files into a persistent Chroma index (their KV is precomputed), ask
+questions, and see what fusion does: the streamed answer and its time to first token, the
+same for a full prefill of the same prompt, which chunks were reused, the prompt with the
+recomputed tokens highlighted, and TTFT over the session. ``RAGBLEND_INDEX_DIR`` and
+``RAGBLEND_MODEL`` set the defaults of the index folder and the model path.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+
+import streamlit as st
+
+from ragblend.core.model import cache_dir
+from ragblend.data import load_sample, sample_dir
+
+STRATEGIES = {"cacheblend": "CacheBlend (selective recompute)", "legolink": "LegoLink (first k tokens)",
+              "full_reuse": "Full reuse (no recompute)", "full_recompute": "Full recompute (plain prefill)"}
+
+st.set_page_config(page_title="ragblend", layout="wide")
+
+
+@st.cache_resource(show_spinner="Loading the model and the index...")
+def open_index(index_dir: str, model_path: str):
+    from ragblend import BlendEngine
+    from ragblend.integrations.local_index import LocalIndex
+
+    engine = BlendEngine.from_pretrained(model_path or None, kv_dir=Path(index_dir) / "kv")
+    return LocalIndex(index_dir, engine=engine)
+
+
+def highlighted_prompt(engine, trace) -> str:
+    """The prompt as HTML: recomputed tokens highlighted, reused chunk tokens plain."""
+    recomputed = trace.recomputed.tolist()
+    in_chunk = [False] * len(trace.token_ids)
+    for span in trace.chunk_spans:
+        in_chunk[span.start:span.end] = [True] * (span.end - span.start)
+    pieces = []
+    for token, fresh, chunk in zip(trace.token_ids, recomputed, in_chunk):
+        text = html.escape(engine.tokenizer.decode([token]))
+        if fresh:
+            color = "#ffd166" if chunk else "#e9ecef"
+            text = f'<span style="background:{color}">{text}</span>'
+        pieces.append(text)
+    return ('<div style="white-space:pre-wrap;font-family:monospace;font-size:0.8em;max-height:22em;'
+            'overflow-y:auto;border:1px solid #ddd;padding:0.5em">' + "".join(pieces) + "</div>")
+
+
+def answer(rag, question: str, strategy: str, ratio: float, top_k: int, placeholder) -> dict:
+    """Stream one answer into ``placeholder``; return what the page shows about it."""
+    query_engine = rag.query_engine(strategy=strategy, ratio=ratio, top_k=top_k, streaming=True, max_new_tokens=128)
+    response = query_engine.query(question)
+    text = ""
+    for delta in response.response_gen:
+        text += delta
+        placeholder.markdown(text + " ▌")
+    placeholder.markdown(text)
+    stats, trace = rag.engine.last_stats, rag.engine.last_prompt
+    return {"text": text.strip(), "stats": stats, "trace": trace, "sources": response.source_nodes}
+
+
+# ---------------------------------------------------------------------------- settings
+
+with st.sidebar:
+    st.header("Settings")
+    model_path = st.text_input("Model path", value=os.environ.get("RAGBLEND_MODEL", ""),
+                               help="A local Hugging Face model folder or .gguf file; empty = embedded SmolLM2-135M-Instruct.")
+    index_dir = st.text_input("Index folder", value=os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index")))
+    strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
+    ratio = st.slider("CacheBlend recompute ratio", 0.01, 1.0, 0.15, 0.01)
+    top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
+    compare = st.checkbox("Also answer with a full prefill", value=True)
+
+rag = open_index(index_dir, model_path)
+history = st.session_state.setdefault("history", [])
+
+st.title("ragblend")
+st.caption("Retrieval-augmented generation that reuses each chunk's precomputed KV cache (CacheBlend).")
+
+# ---------------------------------------------------------------------------- ingest
+
+st.subheader("1. Ingest documents")
+uploads = st.file_uploader("Upload text or markdown files", accept_multiple_files=True)
+folder = st.text_input("…or a file or folder on this machine", key="folder", placeholder=str(sample_dir()))
+if st.button("Ingest", key="ingest"):
+    paths = []
+    if uploads:
+        upload_dir = Path(index_dir) / "uploads"
+        upload_dir.mkdir(parents=True, exist_ok=True)
+        for upload in uploads:
+            target = upload_dir / Path(upload.name).name
+            target.write_bytes(upload.getvalue())
+            paths.append(target)
+    if folder.strip():
+        paths.append(Path(folder.strip()).expanduser())
+    if not paths:
+        st.warning("Choose files to upload or type a folder path first.")
+    else:
+        from ragblend.integrations.local_index import read_text_files
+
+        _, listing = read_text_files(paths)
+        files = [Path(f) for f in listing.files]
+        progress = st.progress(0.0, text="Ingesting…")
+        new_chunks = 0
+        for i, path in enumerate(files, 1):
+            new_chunks += rag.ingest([path], show_progress=False).nodes
+            progress.progress(i / len(files), text=f"Ingested {path.name} ({i}/{len(files)})")
+        for path, reason in listing.skipped:
+            st.warning(f"Skipped {Path(path).name}: {reason}")
+        if files:
+            st.success(f"Ingested {len(files)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
+        else:
+            st.error("Nothing was ingested: no readable text or markdown file among those given.")
+st.caption(f"The index in {index_dir} holds {len(rag)} chunk(s).")
+
+# ---------------------------------------------------------------------------- ask
+
+st.subheader("2. Ask")
+question = st.text_input("Question", key="question", placeholder=load_sample()["demo"][0]["question"])
+if st.button("Ask", key="ask"):
+    if len(rag) == 0:
+        st.info(f"The index is empty. Ingest documents first: upload files or type a folder above, "
+                f"for instance the sample documents in {sample_dir()}.")
+    elif not question.strip():
+        st.warning("Type a question first.")
+    else:
+        left, right = st.columns(2)
+        with left:
+            st.markdown(f"**ragblend: {STRATEGIES[strategy]}**")
+            fused = answer(rag, question, strategy, ratio, top_k, st.empty())
+        full = None
+        if compare:
+            with right:
+                st.markdown("**Full prefill of the same prompt**")
+                full = answer(rag, question, "full_recompute", ratio, top_k, st.empty())
+        st.session_state["last"] = {"question": question, "fused": fused, "full": full}
+        history.append({"query": f"Q{len(history) + 1}", "TTFT with fusion (s)": fused["stats"].ttft_s,
+                        "TTFT full prefill (s)": full["stats"].ttft_s if full else None})
+
+last = st.session_state.get("last")
+if last:
+    fused, full = last["fused"], last["full"]
+    s = fused["stats"]
+    cols = st.columns(4)
+    cols[0].metric("TTFT with fusion", f"{s.ttft_s:.2f} s",
+                   delta=f"{full['stats'].ttft_s / s.ttft_s:.1f}x faster" if full and s.ttft_s else None)
+    cols[1].metric("TTFT full prefill", f"{full['stats'].ttft_s:.2f} s" if full else "–")
+    cols[2].metric("Prompt tokens reused", f"{s.reused_tokens} / {s.prompt_tokens}")
+    cols[3].metric("Recomputed", f"{s.recomputed_tokens} ({s.recompute_fraction:.0%})")
+    st.caption(f"KV load {s.load_s * 1000:.0f} ms · compute {s.compute_s * 1000:.0f} ms · "
+               f"{s.chunks_reused} chunk(s) from the KV store {s.tiers} · {s.chunks_computed} computed now")
+    with st.expander("Retrieved chunks", expanded=True):
+        from ragblend.vectorstore_hooks.llamaindex import llm_text
+
+        in_prompt = {sp.token_ids: sp.end - sp.start for sp in fused["trace"].chunk_spans}
+        for node in fused["sources"]:
+            ids = tuple(rag.engine.prompts.tokenize(llm_text(node.node)))
+            found = in_prompt.get(ids, 0)
+            status = (f"KV reused for {found} of {len(ids)} tokens" if found else "computed as text")
+            st.markdown(f"- **{node.node.metadata.get('file_name', '?')}** (score {node.score:.2f}, {status}): "
+                        f"{' '.join(node.node.get_content().split())[:160]}…")
+    with st.expander("Prompt: recomputed tokens highlighted"):
+        st.caption("Yellow: chunk tokens recomputed (high KV deviation); grey: template and question, always "
+                   "computed; plain: reused from the KV cache.")
+        st.markdown(highlighted_prompt(rag.engine, fused["trace"]), unsafe_allow_html=True)
+
+if history:
+    st.subheader("TTFT over this session")
+    st.bar_chart(history, x="query", y=["TTFT with fusion (s)", "TTFT full prefill (s)"], stack=False)
