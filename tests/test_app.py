@@ -143,10 +143,14 @@ def test_app_in_headless_chromium(tmp_path):
         def click_button(label):
             wait.until(EC.element_to_be_clickable((By.XPATH, f"//button[.//p[text()='{label}']]"))).click()
 
+        upload = tmp_path / "uploaded-note.md"
+        upload.write_text("The old lighthouse keeper of Lowenmark retired in 1968 and moved inland.\n")
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "input[type='file']"))).send_keys(str(upload))
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "uploaded-note.md"))
         folder = text_input("a file or folder on this machine")
         folder.send_keys(str(sample_dir()), Keys.ENTER)
         click_button("Ingest")
-        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Ingested 6 file(s)"))
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Ingested 7 file(s)"))
 
         question = text_input("Question")
         question.send_keys(QUESTION, Keys.ENTER)

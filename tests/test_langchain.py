@@ -213,3 +213,32 @@ def test_constructing_the_model_loads_nothing():
     assert params["ls_provider"] == "ragblend" and params["ls_max_tokens"] == 8 and params["ls_stop"] == ["\n"]
     with pytest.raises(ValueError, match="strategy"):
         BlendChatModel(strategy="nope")
+
+
+@pytest.mark.slow
+def test_async_calls_do_not_block_the_event_loop():
+    import asyncio
+    import time
+
+    chat = BlendChatModel(engine=shared_engine(), max_tokens=16)
+
+    async def main():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        reply = await chat.ainvoke("Name a colour.")
+        chunks = [c async for c in chat.astream("Name a fruit.")]
+        elapsed = time.perf_counter() - t0
+        task.cancel()
+        return reply, chunks, ticks, elapsed
+
+    reply, chunks, ticks, elapsed = asyncio.run(main())
+    assert reply.content and len(chunks) > 1
+    assert ticks >= 0.3 * elapsed / 0.01
