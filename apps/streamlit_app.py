@@ -61,7 +61,7 @@ def answer(rag, question: str, strategy: str, ratio: float, top_k: int, placehol
         text += delta
         placeholder.markdown(text + " ▌")
     placeholder.markdown(text)
-    stats, trace = rag.engine.last_stats, rag.engine.last_prompt
+    stats, trace = query_engine.blend_llm.last_stats, rag.engine.last_prompt
     return {"text": text.strip(), "stats": stats, "trace": trace, "sources": response.source_nodes}
 
 

@@ -96,6 +96,7 @@ class TestBlendChatModelIntegration(ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
+        shared_engine().precompute([PASSAGE])  # so its KV is read from the store
         model = BlendChatModel(engine=shared_engine(), max_tokens=16)
         message = HumanMessage(content=[
             {"type": "text", "text": PASSAGE, "cache_control": {"type": "ephemeral"}},
@@ -192,6 +193,7 @@ def test_deleting_documents_drops_their_kv(chroma_store):
 @pytest.mark.parametrize("where", ["top-level", "extras"])
 def test_cache_control_blocks_and_kv_chunks_are_fused_as_chunks(where):
     engine = shared_engine()
+    engine.precompute([PASSAGE])
     chat = BlendChatModel(engine=engine, max_tokens=16)
     marker = {"cache_control": {"type": "ephemeral"}}
     block = {"type": "text", "text": PASSAGE, **(marker if where == "top-level" else {"extras": marker})}
@@ -242,3 +244,19 @@ def test_async_calls_do_not_block_the_event_loop():
     reply, chunks, ticks, elapsed = asyncio.run(main())
     assert reply.content and len(chunks) > 1
     assert ticks >= 0.3 * elapsed / 0.01
+
+
+@pytest.mark.slow
+def test_a_marked_chunk_without_stored_kv_is_computed_and_saved():
+    engine = shared_engine()
+    text = "The tide gauge on the south mole was replaced in 2017 after a winter storm bent its mast."
+    key = engine.key_for(engine.prompts.tokenize(text))
+    engine.forget([key])
+    chat = BlendChatModel(engine=engine, max_tokens=8)
+    block = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+    first = chat.invoke([HumanMessage(content=[block, {"type": "text", "text": "When was it replaced?"}])])
+    assert first.usage_metadata["input_token_details"]["cache_read"] == 0  # nothing was read from a cache
+    assert first.response_metadata["ragblend"]["chunks_computed"] == 1
+    engine.flush()
+    second = chat.invoke([HumanMessage(content=[block, {"type": "text", "text": "When was it replaced?"}])])
+    assert second.usage_metadata["input_token_details"]["cache_read"] > 0

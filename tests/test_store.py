@@ -262,9 +262,11 @@ def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):
     engine.store = TieredStore(MemoryStore(), DiskStore(tmp_path, engine.entry_spec))
     engine.precompute(PASSAGES[:3])
     engine.store.memory = MemoryStore()  # a new process: memory empty, disk full
-    first = engine.prefill(SEGMENTS, strategy=FullReuse())
+    # CacheBlend never reads layer 0 from the store; promotion must still copy whole entries
+    first = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
     assert first.stats.tiers == {"disk": 3}
-    second = engine.prefill(SEGMENTS, strategy=FullReuse())
+    engine.flush()  # promotion runs in the background
+    second = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
     assert second.stats.tiers == {"memory": 3}
     assert torch.equal(first.logits, second.logits)
     stats = engine.store.stats()
@@ -355,3 +357,38 @@ def test_cuda_prefetch_matches_sequential_and_cpu(tokenizer, tmp_path):
     assert torch.equal(piped.logits, sequential.logits)
     assert (piped.logits.cpu() - cpu.logits).abs().max() < 1e-3
     assert piped.keys[0].device.type == "cuda"
+
+
+def test_scanning_a_shared_directory_never_deletes_other_models_entries(tokenizer, tmp_path):
+    llama = make_tiny_engine("llama", tokenizer)
+    qwen = make_tiny_engine("qwen3", tokenizer)
+    llama.store = DiskStore(tmp_path, llama.entry_spec)
+    qwen.store = DiskStore(tmp_path, qwen.entry_spec)
+    llama.precompute(PASSAGES[:2])
+    layout = qwen.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?")  # scans every entry's header
+    assert layout.chunk_spans == [] and len(llama.store) == 2
+    assert llama.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?").chunk_spans
+
+
+def test_reused_tokens_count_only_kv_from_the_store(disk_engine):
+    engine = disk_engine
+    engine.precompute(PASSAGES[:1])
+    fresh = f"A chunk this engine never stored, long enough to matter ({len(PASSAGES)})."
+    pre = engine.prefill([Chunk(PASSAGES[0]), Chunk(fresh), "Question?"], strategy=FullReuse())
+    stored = pre.layout.chunk_spans[0]
+    assert pre.stats.chunks_reused == 1 and pre.stats.chunks_computed == 1 and pre.stats.chunks_missing == 1
+    assert pre.stats.reused_tokens == stored.end - stored.start
+
+
+def test_stream_does_not_hold_the_engine_across_yields(disk_engine):
+    import threading
+
+    engine = disk_engine
+    stream = engine.stream(["Say something long."], max_new_tokens=6)
+    next(stream)
+    other = threading.Thread(target=lambda: engine.prefill(["Another prompt."]))
+    other.start()
+    other.join(30)
+    assert not other.is_alive()  # a second caller is not blocked by a paused stream
+    rest = list(stream)
+    assert engine.last_stats.generated_tokens >= 1 + len(rest) - 1

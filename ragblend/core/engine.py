@@ -103,11 +103,31 @@ class Generation:
     prompt_token_ids: list[int] = field(repr=False)
 
 
+class TextStream:
+    """Text deltas of one :meth:`BlendEngine.stream` call, with that call's ``stats``
+    (set once the prefill is done, complete when the stream ends)."""
+
+    def __init__(self):
+        self.stats: Stats | None = None
+        self._deltas: Iterator[str] = iter(())
+
+    def __iter__(self) -> "TextStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+
+
 class BlendEngine:
     """Fusion engine over one local model: precompute chunk KV, then prefill/generate with reuse.
 
-    Build it with :meth:`from_pretrained`. Prefill calls are serialised by a lock; KV
-    write-back runs in a background thread (:meth:`flush` waits for it).
+    Build it with :meth:`from_pretrained`. Model computations (prefill layers, each decoding
+    step) are serialised by a lock, so threads may share an engine; ``last_stats`` and
+    ``last_prompt`` then describe whichever call finished last. KV write-back and promotion
+    to memory run in a background thread (:meth:`flush` waits for them).
     """
 
     def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None,
@@ -136,6 +156,8 @@ class BlendEngine:
         self._controller = None
         self.chunks = ChunkFinder()   # token ids of known chunks, for finding them in flat prompts
         self._indexed_keys: set[str] = set()
+        self._indexed_store_size = -1
+        self._writes_lock = threading.Lock()
         eos = hf_model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -230,14 +252,24 @@ class BlendEngine:
             self.chunks.add(token_ids)
 
     def _index_store(self) -> None:
-        """Learn the token ids of entries other processes stored (reads only new headers)."""
+        """Learn the token ids of entries other processes stored (reads only new headers).
+
+        Never deletes: a KV directory may be shared with other models, whose entries this
+        engine cannot use but must leave alone.
+        """
+        size = len(self.store)
+        if size == self._indexed_store_size:
+            return
         for key in self.store.keys():
             if key in self._indexed_keys:
                 continue
-            reader = self.store.open(key)
-            if reader is not None:
-                self._index_chunk(key, reader.token_ids)
-                reader.close()
+            reader = self.store.open(key, drop_unusable=False)
+            if reader is None:
+                self._indexed_keys.add(key)  # foreign or unreadable: do not look again
+                continue
+            self._index_chunk(key, reader.token_ids)
+            reader.close()
+        self._indexed_store_size = size
 
     def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
                      history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
@@ -269,14 +301,18 @@ class BlendEngine:
         return ChunkKV(self.key_for(token_ids), list(token_ids), stored_k.cpu(), stored_v.cpu())
 
     def flush(self) -> None:
-        """Wait for background KV write-backs to finish (re-raises a failed write)."""
-        pending, self._pending_writes = self._pending_writes, []
+        """Wait for background KV writes to finish; re-raises the first one that failed."""
+        with self._writes_lock:
+            pending, self._pending_writes = self._pending_writes, []
         for future in pending:
             future.result()
 
-    def _write_back(self, entry: ChunkKV) -> None:
-        self._pending_writes = [f for f in self._pending_writes if not f.done()]
-        self._pending_writes.append(self._writer.submit(self.store.put, entry))
+    def _in_background(self, fn, *args) -> None:
+        """Run a store write off the TTFT path; a failure is kept for :meth:`flush`."""
+        with self._writes_lock:
+            # keep unfinished and failed writes; finished good ones need no more attention
+            self._pending_writes = [f for f in self._pending_writes if not f.done() or f.exception()]
+            self._pending_writes.append(self._writer.submit(fn, *args))
 
     # ------------------------------------------------------------------ prefill
 
@@ -311,16 +347,20 @@ class BlendEngine:
         computed: dict[str, ChunkKV] = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per chunk.
-        for _ in range(len(layout.chunk_spans) + 1):
+        attempts = len(layout.chunk_spans) + 1
+        for attempt in range(attempts):
             try:
-                fused, source = self._fuse(layout, strategy, stats, computed)
+                fused, source, from_store = self._fuse(layout, strategy, stats, computed)
                 break
             except CorruptEntryError as err:
                 self.store.delete(err.key)
-        self._promote(source)
+                if attempt == attempts - 1:
+                    raise
         recomputed = int(fused.recomputed.sum())
         stats.ttft_s = time.perf_counter() - t0
-        stats.reused_tokens, stats.recomputed_tokens = n - recomputed, recomputed
+        stats.recomputed_tokens = recomputed
+        stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
+        stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         self.last_stats = stats
         self.last_prompt = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
@@ -328,45 +368,55 @@ class BlendEngine:
                        fused.recomputed, layout)
 
     def _fuse(self, layout: PromptLayout, strategy: Strategy, stats: Stats, computed: dict):
-        spans, readers, tiers = [], [], {}
-        stats.chunks_missing = stats.chunks_computed = 0
+        """One fusion attempt. Returns the fused prefill, its source, and a mask of the
+        prompt tokens whose KV came from the store (not computed during this call)."""
+        spans, readers, tiers, missing = [], [], {}, 0
+        from_store = torch.zeros(len(layout.token_ids), dtype=torch.bool)
         reuse = not isinstance(strategy, FullRecompute)
-        for span in layout.chunk_spans:
-            if not span.token_ids or not reuse:
-                continue
-            key = self.key_for(span.token_ids)
-            reader = MemoryReader(computed[key], "computed") if key in computed else self._open(key, span.token_ids)
-            if reader is None:
-                stats.chunks_missing += 1
-                if not self.write_back:
-                    continue  # computed as plain text inside the prompt
-                t = time.perf_counter()
-                computed[key] = self.compute_entry(list(span.token_ids))
-                self._index_chunk(key, span.token_ids)
-                stats.isolate_s += time.perf_counter() - t
-                stats.chunks_computed += 1
-                self._write_back(computed[key])
-                reader = MemoryReader(computed[key], "computed")
-            spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
-            readers.append(reader)
-            tiers[reader.tier] = tiers.get(reader.tier, 0) + 1
-        stats.chunks_reused, stats.tiers = len(readers) - tiers.get("computed", 0), tiers
-        if isinstance(strategy, CacheBlend) and strategy.ratio == "auto":
-            tier = "disk" if "disk" in tiers else "memory"
-            reused = sum(sp.num_tokens for sp in spans)
-            strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
-        stats.ratio = strategy.ratio if isinstance(strategy, CacheBlend) else None
-        # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
-        source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
-        keep = isinstance(self.store, TieredStore) and "disk" in tiers
-        windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
-        source = source_type(readers, self.adapter.dtype, self.adapter.device, keep_layers=keep, windows=windows)
+        try:
+            for span in layout.chunk_spans:
+                if not span.token_ids or not reuse:
+                    continue
+                key = self.key_for(span.token_ids)
+                reader = MemoryReader(computed[key], "computed") if key in computed else self._open(key, span.token_ids)
+                if reader is None:
+                    if not self.write_back:
+                        missing += 1
+                        continue  # computed as plain text inside the prompt
+                    t = time.perf_counter()
+                    computed[key] = self.compute_entry(list(span.token_ids))
+                    self._index_chunk(key, span.token_ids)
+                    stats.isolate_s += time.perf_counter() - t
+                    self._in_background(self.store.put, computed[key])
+                    reader = MemoryReader(computed[key], "computed")
+                spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
+                readers.append(reader)
+                tiers[reader.tier] = tiers.get(reader.tier, 0) + 1
+                if reader.tier != "computed":
+                    from_store[span.start:span.end] = True
+            stats.chunks_reused = len(readers) - tiers.get("computed", 0)
+            stats.chunks_missing = missing + tiers.get("computed", 0)
+            stats.tiers = tiers
+            if isinstance(strategy, CacheBlend) and strategy.ratio == "auto":
+                tier = "disk" if "disk" in tiers else "memory"
+                reused = sum(sp.num_tokens for sp in spans)
+                strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
+            stats.ratio = strategy.ratio if isinstance(strategy, CacheBlend) else None
+            windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
+            # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
+            source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
+            source = source_type(readers, self.adapter.dtype, self.adapter.device, windows=windows)
+        except BaseException:
+            for reader in readers:
+                reader.close()
+            raise
         try:
             with self._lock:
                 fused = fused_prefill(self.adapter, layout.token_ids, spans, source, strategy)
         finally:
             source.close()
-        return fused, source
+        self._promote([r.key for r in readers if r.tier == "disk"])
+        return fused, source, from_store
 
     def _open(self, key: str, token_ids) -> ChunkReader | None:
         """A reader for a stored chunk, or None; an entry for other tokens is dropped."""
@@ -377,11 +427,16 @@ class BlendEngine:
             return None
         return reader
 
-    def _promote(self, source) -> None:
-        """Chunks read whole from disk also go to the memory tier, for the next query."""
+    def _promote(self, keys: list[str]) -> None:
+        """Chunks served from disk also go to the memory tier, in the background."""
         if isinstance(self.store, TieredStore):
-            for entry in source.entries(self.adapter.shape.num_layers):
-                self.store.promote(entry)
+            for key in dict.fromkeys(keys):
+                self._in_background(self._promote_one, key)
+
+    def _promote_one(self, key: str) -> None:
+        entry = self.store.disk.get(key)
+        if entry is not None:
+            self.store.promote(entry)
 
     # ------------------------------------------------------------------ generation
 
@@ -389,18 +444,25 @@ class BlendEngine:
         pre = self.prefill(segments, system=system, strategy=strategy)
         cache = build_cache(self.hf_model, pre.keys, pre.values)
         decoding = Decoding(self.hf_model, self.tokenizer, cache, pre.logits.to(self.adapter.device),
-                            len(pre.token_ids), params, self.eos_ids, self.context_window)
+                            len(pre.token_ids), params, self.eos_ids, self.context_window, lock=self._lock)
         return pre, decoding
 
     def stream(self, segments: Sequence[Segment], *, system: str | None = None,
                strategy: Strategy | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> Iterator[str]:
-        """Yield the answer's text as it is decoded; ``engine.last_stats`` has the totals at the end."""
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> "TextStream":
+        """Iterate the answer's text as it is decoded. The returned stream's ``stats`` are
+        this call's (complete once the stream is exhausted), whatever other threads do."""
         params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
-        pre, decoding = self._decoding(segments, system, strategy, params)
-        with self._lock:
-            yield from decoding
-        self._finish_stats(pre.stats, decoding)
+        text_stream = TextStream()
+
+        def run():
+            pre, decoding = self._decoding(segments, system, strategy, params)
+            text_stream.stats = pre.stats
+            yield from decoding  # the engine lock is taken per decoding step, never across a yield
+            self._finish_stats(pre.stats, decoding)
+
+        text_stream._deltas = run()
+        return text_stream
 
     def generate(self, segments: Sequence[Segment], *, system: str | None = None,
                  strategy: Strategy | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -408,9 +470,8 @@ class BlendEngine:
         """Prefill with fusion, then decode. ``temperature=0`` is greedy."""
         params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
         pre, decoding = self._decoding(segments, system, strategy, params)
-        with self._lock:
-            for _ in decoding:
-                pass
+        for _ in decoding:
+            pass
         self._finish_stats(pre.stats, decoding)
         return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids)
 

@@ -8,6 +8,7 @@ token at a time. So with a full prefill, greedy decoding is exactly transformers
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -86,6 +87,7 @@ class Decoding:
     params: SamplingParams
     eos_ids: frozenset[int]
     context_window: int
+    lock: object = None   # held around each model step (never across a yield)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -122,11 +124,12 @@ class Decoding:
                 if len(self.token_ids) >= params.max_new_tokens or position + 1 >= self.context_window:
                     self.finish_reason = "length"
                     break
-                out = self.hf_model(
-                    input_ids=torch.tensor([[token]], device=logits.device),
-                    position_ids=torch.tensor([[position]], device=logits.device),
-                    past_key_values=self.cache, use_cache=True,
-                )
+                with self.lock or contextlib.nullcontext():
+                    out = self.hf_model(
+                        input_ids=torch.tensor([[token]], device=logits.device),
+                        position_ids=torch.tensor([[position]], device=logits.device),
+                        past_key_values=self.cache, use_cache=True,
+                    )
                 logits = out.logits[0, -1]
         self.decode_s = time.perf_counter() - t0
         if len(self.text) > emitted:

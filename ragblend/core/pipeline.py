@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .fusion import LayerSource
-from .kv import ChunkKV
 from .store import ChunkReader
 
 
@@ -32,7 +31,7 @@ class SequentialSource(LayerSource):
     """Reads layer ``i`` of every chunk when asked."""
 
     def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 keep_layers: bool = False, windows: list[slice] | None = None):
+                 windows: list[slice] | None = None):
         self.readers = readers
         # The token range of each chunk that the prompt uses (all of it, usually).
         self.windows = windows or [slice(None)] * len(readers)
@@ -40,10 +39,6 @@ class SequentialSource(LayerSource):
         self.device = torch.device(device)
         self.load_s = 0.0
         self.wait_s = 0.0
-        # Layers read from disk, kept (in storage dtype) so the caller can promote the
-        # chunks to the memory tier without reading them twice.
-        self.keep_layers = keep_layers
-        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def prepare(self, layers: list[int]) -> None:
         pass
@@ -57,8 +52,6 @@ class SequentialSource(LayerSource):
     def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
-        if self.keep_layers:
-            self._kept[index] = parts
         parts = [self._to_device(k[:, w], v[:, w]) for (k, v), w in zip(parts, self.windows)]
         self.load_s += time.perf_counter() - t0
         return parts
@@ -72,20 +65,6 @@ class SequentialSource(LayerSource):
         self.wait_s += time.perf_counter() - t0
         return out
 
-    def entries(self, num_layers: int) -> list[ChunkKV]:
-        """Whole entries of the chunks, if every layer was read (for promotion to memory)."""
-        if not self.keep_layers or sorted(self._kept) != list(range(num_layers)):
-            return []
-        out, seen = [], set()
-        for j, reader in enumerate(self.readers):
-            if reader.key in seen:
-                continue
-            seen.add(reader.key)
-            keys = torch.stack([self._kept[i][j][0] for i in range(num_layers)])
-            values = torch.stack([self._kept[i][j][1] for i in range(num_layers)])
-            out.append(ChunkKV(reader.key, list(reader.token_ids), keys, values))
-        return out
-
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
@@ -95,8 +74,8 @@ class PrefetchSource(SequentialSource):
     """Reads the needed layers ahead, ``depth`` layers at most, in a background thread."""
 
     def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
-                 keep_layers: bool = False, windows: list[slice] | None = None, depth: int = 2):
-        super().__init__(readers, dtype, device, keep_layers, windows)
+                 windows: list[slice] | None = None, depth: int = 2):
+        super().__init__(readers, dtype, device, windows)
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
         self._futures: dict[int, Future] = {}
@@ -122,7 +101,12 @@ class PrefetchSource(SequentialSource):
         k, v = k.pin_memory(), v.pin_memory()
         with torch.cuda.stream(self._stream):
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self._stream)
+        # The tensors were allocated on the side stream but are used on the compute stream:
+        # tell the allocator, so their memory is not reused before the compute is done.
+        k.record_stream(compute)
+        v.record_stream(compute)
         return k, v
 
     def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

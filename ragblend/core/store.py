@@ -175,8 +175,12 @@ class FileReader(ChunkReader):
             raise bad("header checksum mismatch")
         try:
             header = json.loads(raw[:-4])
-        except ValueError:
+            return FileReader._check_header(header, key, spec, size, header_len, bad)
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise bad("unreadable header") from None
+
+    @staticmethod
+    def _check_header(header: dict, key: str, spec: EntrySpec, size: int, header_len: int, bad) -> dict:
         if header.get("format") != KV_FORMAT_VERSION:
             raise bad(f"format version {header.get('format')} != {KV_FORMAT_VERSION}")
         if header.get("fingerprint") != spec.fingerprint:
@@ -238,8 +242,9 @@ class KVStore:
         finally:
             reader.close()
 
-    def open(self, key: str) -> ChunkReader | None:
-        """A layer-wise reader for ``key``, or None when absent or unusable (then dropped)."""
+    def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
+        """A layer-wise reader for ``key``, or None when absent or unusable (then dropped,
+        unless ``drop_unusable`` is False)."""
         raise NotImplementedError
 
     def put(self, entry: ChunkKV) -> None:
@@ -277,7 +282,7 @@ class MemoryStore(KVStore):
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
         self._lock = threading.Lock()
 
-    def open(self, key: str) -> ChunkReader | None:
+    def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -365,11 +370,14 @@ class DiskStore(KVStore):
             cull_limit=0, disk=_safe_disk_class(), statistics=1,
         )
 
-    def open(self, key: str) -> ChunkReader | None:
+    def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
+        """A reader for ``key``, or None. An unusable entry is deleted unless
+        ``drop_unusable`` is False (e.g. when scanning a directory other models share)."""
         try:
             handle = self.cache.get(key, read=True)
         except CorruptEntryError:
-            self.delete(key)
+            if drop_unusable:
+                self.delete(key)
             return None
         except OSError:  # the file vanished under us (evicted or deleted by another process)
             return None
@@ -379,7 +387,8 @@ class DiskStore(KVStore):
             size = os.fstat(handle.fileno()).st_size if hasattr(handle, "fileno") else len(handle.getvalue())
             return FileReader(handle, key, self.spec, size)
         except CorruptEntryError:
-            self.delete(key)
+            if drop_unusable:
+                self.delete(key)
             return None
 
     def put(self, entry: ChunkKV) -> None:
@@ -389,7 +398,8 @@ class DiskStore(KVStore):
     def _evict(self) -> None:
         """Drop least-recently-used entries until the store (files + index) fits its limit."""
         while self.cache.volume() > self.max_bytes:
-            row = self.cache._sql("SELECT key FROM Cache ORDER BY access_time LIMIT 1").fetchone()
+            # raw = 1: string keys only (ragblend's); a foreign pickled key is never touched
+            row = self.cache._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY access_time LIMIT 1").fetchone()
             if row is None:
                 break
             self.cache.delete(row[0])
@@ -398,7 +408,7 @@ class DiskStore(KVStore):
         return bool(self.cache.delete(key))
 
     def keys(self) -> Iterator[str]:
-        return iter(list(self.cache.iterkeys()))
+        return iter([row[0] for row in self.cache._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY rowid")])
 
     def __contains__(self, key: str) -> bool:
         return key in self.cache
@@ -447,11 +457,11 @@ class TieredStore(KVStore):
     def __init__(self, memory: MemoryStore, disk: DiskStore):
         self.memory, self.disk = memory, disk
 
-    def open(self, key: str) -> ChunkReader | None:
+    def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
         reader = self.memory.open(key)
         if reader is not None:
             return reader
-        return self.disk.open(key)
+        return self.disk.open(key, drop_unusable)
 
     def promote(self, entry: ChunkKV) -> None:
         self.memory.put(entry)

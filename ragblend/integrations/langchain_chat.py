@@ -178,13 +178,13 @@ class BlendChatModel(BaseChatModel):
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         kv_chunks = kwargs.pop("kv_chunks", None)
         options = self._options(stop, kwargs)
-        engine = self.engine
-        for delta in engine.stream(self._layout(messages, kv_chunks), **options):
+        stream = self.engine.stream(self._layout(messages, kv_chunks), **options)
+        for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        stats = engine.last_stats
+        stats = stream.stats
         yield ChatGenerationChunk(message=AIMessageChunk(
             content="", usage_metadata=usage_metadata(stats), response_metadata=self._metadata(stats),
             chunk_position="last"))

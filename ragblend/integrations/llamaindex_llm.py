@@ -129,7 +129,8 @@ class BlendLLM(CustomLLM):
 
     @property
     def last_stats(self) -> Stats | None:
-        return self.engine.last_stats
+        """Stats of this LLM's most recent call (``engine.last_stats`` is the engine's, across users)."""
+        return self._calls[-1].stats if self._calls else None
 
     @property
     def calls(self) -> list[CallRecord]:
@@ -167,37 +168,42 @@ class BlendLLM(CustomLLM):
                                   additional_kwargs={"ragblend_stats": stats})
 
     # ------------------------------------------------------------------ completion
+    # The decorated public methods fire LlamaIndex's callbacks; the async ones call the
+    # undecorated helpers in a worker thread, so each call is reported once.
 
-    @llm_completion_callback()
-    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+    def _complete(self, prompt: str, **kwargs: Any) -> CompletionResponse:
         options = self._options(kwargs)
         layout = self._layout(prompt)
         out = self.engine.generate(layout, **options)
         self._record(prompt, layout, out.stats)
         return self._response(out.text, out.stats)
 
+    def _stream_complete(self, prompt: str, **kwargs: Any) -> CompletionResponseGen:
+        options = self._options(kwargs)
+        layout = self._layout(prompt)
+        stream = self.engine.stream(layout, **options)
+        text = ""
+        for delta in stream:
+            text += delta
+            yield self._response(text, stream.stats, delta)
+        self._record(prompt, layout, stream.stats)
+        yield self._response(text, stream.stats, "")  # final usage, after decoding
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, **kwargs)
+
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        options = self._options(kwargs)
-        engine, layout = self.engine, self._layout(prompt)
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for delta in engine.stream(layout, **options):
-                text += delta
-                yield self._response(text, engine.last_stats, delta)
-            self._record(prompt, layout, engine.last_stats)
-            yield self._response(text, engine.last_stats, "")  # final usage, after decoding
-
-        return gen()
+        return self._stream_complete(prompt, **kwargs)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        return await asyncio.to_thread(self._complete, prompt, **kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return iterate_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+        return iterate_in_thread(lambda: self._stream_complete(prompt, **kwargs))
 
     # ------------------------------------------------------------------ chat
 
@@ -209,8 +215,7 @@ class BlendLLM(CustomLLM):
         history = [("assistant" if m.role == MessageRole.ASSISTANT else "user", m.content or "") for m in turns[:-1]]
         return self._layout(turns[-1].content or "", history, system)
 
-    @llm_chat_callback()
-    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         options = self._options(kwargs)
         layout = self._chat_layout(messages)
         out = self.engine.generate(layout, **options)
@@ -218,24 +223,31 @@ class BlendLLM(CustomLLM):
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=out.text),
                             raw={"usage": usage_of(out.stats)}, additional_kwargs={"ragblend_stats": out.stats})
 
+    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        options = self._options(kwargs)
+        layout = self._chat_layout(messages)
+        stream = self.engine.stream(layout, **options)
+        text = ""
+        for delta in stream:
+            text += delta
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
+                               raw={"usage": usage_of(stream.stats)})
+        self._record(messages[-1].content or "", layout, stream.stats)
+        yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta="",
+                           raw={"usage": usage_of(stream.stats)}, additional_kwargs={"ragblend_stats": stream.stats})
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._chat(messages, **kwargs)
+
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        options = self._options(kwargs)
-        engine, layout = self.engine, self._chat_layout(messages)
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            for delta in engine.stream(layout, **options):
-                text += delta
-                yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text), delta=delta,
-                                   raw={"usage": usage_of(engine.last_stats)})
-
-        return gen()
+        return self._stream_chat(messages, **kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
+        return await asyncio.to_thread(self._chat, messages, **kwargs)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return iterate_in_thread(lambda: self.stream_chat(messages, **kwargs))
+        return iterate_in_thread(lambda: self._stream_chat(messages, **kwargs))

@@ -66,8 +66,16 @@ class BlendSynthesizer(BaseSynthesizer):
         segments = self.segments(query_str, text_chunks)
         system = llm.system_prompt or None
         if self._streaming:
-            return llm.engine.stream(segments, system=system, **options)
-        return llm.engine.generate(segments, system=system, **options).text
+            return self._stream(llm, segments, system, options)
+        out = llm.engine.generate(segments, system=system, **options)
+        llm._record(query_str, None, out.stats)
+        return out.text
+
+    @staticmethod
+    def _stream(llm: BlendLLM, segments, system, options):
+        stream = llm.engine.stream(segments, system=system, **options)
+        yield from stream
+        llm._record("", None, stream.stats)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> RESPONSE_TEXT_TYPE:
         import asyncio

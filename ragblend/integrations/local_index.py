@@ -202,8 +202,10 @@ class LocalIndex:
             helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.prompts.tokenize)
             synthesizer = get_response_synthesizer(llm=llm, response_mode=mode, prompt_helper=helper,
                                                    streaming=streaming)
-        return RetrieverQueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
-                                    response_synthesizer=synthesizer)
+        query_engine = RetrieverQueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
+                                            response_synthesizer=synthesizer)
+        query_engine.blend_llm = llm  # for callers that want this query's per-call stats
+        return query_engine
 
     def ask(self, question: str, **options) -> Answer:
         """Retrieve and answer. With nothing ingested, raises a clear error."""
@@ -212,7 +214,7 @@ class LocalIndex:
         if len(self) == 0:
             raise InvalidInputError(f"The index at {self.path} is empty: ingest documents first "
                                     "(ragblend ingest PATH...).")
-        before = self.engine.last_stats
-        response = self.query_engine(**options).query(question)
-        stats = self.engine.last_stats
-        return Answer(str(response).strip(), stats if stats is not before else None, response.source_nodes)
+        query_engine = self.query_engine(**options)
+        response = query_engine.query(question)
+        calls = query_engine.blend_llm.calls  # this query's own LLM calls (none if nothing was retrieved)
+        return Answer(str(response).strip(), calls[-1].stats if calls else None, response.source_nodes)
