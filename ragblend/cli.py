@@ -84,10 +84,13 @@ def _demo(args) -> int:
 
 
 def _disk_store(args, spec=None):
+    from pathlib import Path
+
     from ragblend.core.model import cache_dir
     from ragblend.core.store import DiskStore, EntrySpec
 
-    directory = args.kv_dir or cache_dir() / "kv"
+    # The KV that `ragblend ingest/ask` use lives in the index folder.
+    directory = args.kv_dir or Path(args.index or cache_dir() / "index") / "kv"
     return DiskStore(directory, spec or EntrySpec("", 0, 0, 0))
 
 
@@ -185,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["stats", "clear", "verify"],
                        help="stats: entries, bytes, hit rate; clear: delete every entry; "
                             "verify: check every entry against the model (exit 1 if any fails)")
-    cache.add_argument("--kv-dir", default=None, help="KV store directory (default: <user cache>/ragblend/kv)")
+    cache.add_argument("--index", default=None, help="index folder whose KV store to use (default: the default index)")
+    cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
     cache.add_argument("--model", default=None, help="model whose entries to verify (default: embedded SmolLM2)")
     cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
     cache.set_defaults(func=_cache)

@@ -232,3 +232,25 @@ def test_cli_ingest_and_ask(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[cacheblend] TTFT" in out and "[full prefill] TTFT" in out and "1987" in out
     assert "reused" in out
+
+
+def test_chunk_hints_let_an_unknown_node_be_computed_and_written_back(smol_engine, tmp_path):
+    """A fresh engine (another process) whose store lost a node's KV: with KVChunkHints the
+    node is still treated as a chunk, computed in isolation, and saved."""
+    from ragblend import BlendEngine
+    from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
+
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine)
+    rag.ingest([sample_dir()], show_progress=False)
+    fresh = BlendEngine.from_pretrained(kv_dir=tmp_path / "other-kv")  # knows no chunk at all
+    llm = BlendLLM(engine=fresh, max_new_tokens=8)
+    plain = rag.index.as_query_engine(llm=llm, similarity_top_k=2)
+    plain.query(QUESTION)
+    assert llm.calls[-1].stats.chunks_missing == 0 and llm.calls[-1].layout.chunk_spans == []
+    hinted = rag.index.as_query_engine(llm=llm, similarity_top_k=2, node_postprocessors=[KVChunkHints(fresh)])
+    hinted.query(QUESTION)
+    stats = llm.calls[-1].stats
+    assert stats.chunks_computed == 2 and stats.reused_tokens == 0
+    fresh.flush()
+    hinted.query(QUESTION)
+    assert llm.calls[-1].stats.chunks_reused == 2 and llm.calls[-1].stats.reused_tokens > 0

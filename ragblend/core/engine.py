@@ -246,6 +246,15 @@ class BlendEngine:
 
     # ------------------------------------------------------------------ finding chunks in flat prompts
 
+    def remember_chunk(self, text: str) -> str:
+        """Declare ``text`` a chunk, so :meth:`find_chunks` marks it in flat prompts even
+        when its KV is not stored (it is then computed in isolation and written back).
+        Returns its key."""
+        ids = self.prompts.tokenize(text)
+        key = self.key_for(ids)
+        self._index_chunk(key, ids)
+        return key
+
     def _index_chunk(self, key: str, token_ids: Sequence[int]) -> None:
         if key not in self._indexed_keys:
             self._indexed_keys.add(key)

@@ -202,8 +202,11 @@ class LocalIndex:
             helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.prompts.tokenize)
             synthesizer = get_response_synthesizer(llm=llm, response_mode=mode, prompt_helper=helper,
                                                    streaming=streaming)
+        from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
+
         query_engine = RetrieverQueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
-                                            response_synthesizer=synthesizer)
+                                            response_synthesizer=synthesizer,
+                                            node_postprocessors=[KVChunkHints(self.engine)])
         query_engine.blend_llm = llm  # for callers that want this query's per-call stats
         return query_engine
 

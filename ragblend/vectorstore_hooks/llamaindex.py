@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any, List, Optional, Sequence
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
-from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
 from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilter, MetadataFilters,
                                                   VectorStoreQuery, VectorStoreQueryResult)
 
@@ -73,6 +74,36 @@ class KVPrecompute(TransformComponent):
                 node.metadata.pop(KV_KEY, None)
                 continue
             node.metadata[KV_KEY] = engine.precompute([text])[0].key
+        return nodes
+
+
+class KVChunkHints(BaseNodePostprocessor):
+    """Query-time node postprocessor: tells the engine that the retrieved nodes are chunks.
+
+    BlendLLM finds chunks in the synthesizer's flat prompt by their token ids. It knows the
+    chunks in the store; with this postprocessor it also knows the retrieved nodes whose KV
+    is missing (evicted, deleted, never precomputed), which are then computed in isolation,
+    used, and written back instead of being computed as plain text::
+
+        index.as_query_engine(llm=BlendLLM(engine=engine), node_postprocessors=[KVChunkHints(engine)])
+    """
+
+    _engine: BlendEngine = PrivateAttr()
+
+    def __init__(self, engine: BlendEngine, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVChunkHints"
+
+    def _postprocess_nodes(self, nodes: List[NodeWithScore],
+                           query_bundle: Optional[QueryBundle] = None) -> List[NodeWithScore]:
+        for node in nodes:
+            text = llm_text(node.node)
+            if text:
+                self._engine.remember_chunk(text)
         return nodes
 
 
