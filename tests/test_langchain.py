@@ -219,44 +219,14 @@ def test_constructing_the_model_loads_nothing():
 
 @pytest.mark.slow
 def test_async_calls_do_not_block_the_event_loop():
-    import asyncio
-    import time
+    from .conftest import run_with_ticker
 
     chat = BlendChatModel(engine=shared_engine(), max_tokens=16)
 
-    async def main():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        t0 = time.perf_counter()
+    async def both():
         reply = await chat.ainvoke("Name a colour.")
-        chunks = [c async for c in chat.astream("Name a fruit.")]
-        elapsed = time.perf_counter() - t0
-        task.cancel()
-        return reply, chunks, ticks, elapsed
+        return reply, [c async for c in chat.astream("Name a fruit.")]
 
-    reply, chunks, ticks, elapsed = asyncio.run(main())
+    (reply, chunks), ticks, elapsed = run_with_ticker(both)
     assert reply.content and len(chunks) > 1
     assert ticks >= 0.3 * elapsed / 0.01
-
-
-@pytest.mark.slow
-def test_a_marked_chunk_without_stored_kv_is_computed_and_saved():
-    engine = shared_engine()
-    text = "The tide gauge on the south mole was replaced in 2017 after a winter storm bent its mast."
-    key = engine.key_for(engine.prompts.tokenize(text))
-    engine.forget([key])
-    chat = BlendChatModel(engine=engine, max_tokens=8)
-    block = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
-    first = chat.invoke([HumanMessage(content=[block, {"type": "text", "text": "When was it replaced?"}])])
-    assert first.usage_metadata["input_token_details"]["cache_read"] == 0  # nothing was read from a cache
-    assert first.response_metadata["ragblend"]["chunks_computed"] == 1
-    engine.flush()
-    second = chat.invoke([HumanMessage(content=[block, {"type": "text", "text": "When was it replaced?"}])])
-    assert second.usage_metadata["input_token_details"]["cache_read"] > 0

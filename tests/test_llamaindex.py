@@ -1,8 +1,5 @@
 """LlamaIndex end to end: real default model, real Chroma directory, stock query engines."""
 
-import asyncio
-import time
-
 import pytest
 
 pytest.importorskip("llama_index.core")
@@ -88,27 +85,17 @@ def test_streaming_matches_non_streaming(rag):
 
 
 def test_async_query_does_not_block_the_event_loop(rag):
+    from .conftest import run_with_ticker
+
     llm = BlendLLM(engine=rag.engine, max_new_tokens=24)
     query_engine = rag.index.as_query_engine(llm=llm, similarity_top_k=3)
 
-    async def main():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
-        t0 = time.perf_counter()
+    async def both():
         response = await query_engine.aquery(QUESTION)
-        elapsed = time.perf_counter() - t0
         chunks = [r.delta async for r in await llm.astream_complete("Say hello.")]
-        task.cancel()
-        return response, ticks, elapsed, chunks
+        return response, chunks
 
-    response, ticks, elapsed, chunks = asyncio.run(main())
+    (response, chunks), ticks, elapsed = run_with_ticker(both)
     assert "Sanderling" in str(response)
     assert ticks >= 0.3 * elapsed / 0.01  # the loop kept running while the model worked
     assert len(chunks) > 1
