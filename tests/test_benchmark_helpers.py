@@ -1,0 +1,21 @@
+"""The benchmark helpers that need no download: SQuAD metrics and model names."""
+
+import pytest
+
+from benchmarks.models import model_path
+from benchmarks.squad import best_over_answers, exact_match, f1_score, normalize_answer
+
+
+def test_squad_normalisation_and_scores():
+    assert normalize_answer("The  Rollo, of Normandy!") == "rollo of normandy"
+    assert exact_match("the Rollo.", "Rollo") == 1.0 and exact_match("Rollo the Walker", "Rollo") == 0.0
+    assert f1_score("Super Bowl LI", "Super Bowl LI") == 1.0
+    assert f1_score("peat swamps", "peat swamps or small ponds") == pytest.approx(2 * 1 * 0.4 / 1.4)
+    assert f1_score("nothing alike", "Rollo") == 0.0
+    assert best_over_answers(exact_match, "In 999", ["999", "In 999"]) == 1.0
+
+
+def test_model_names():
+    assert model_path("smollm2") is None
+    with pytest.raises(ValueError, match="smollm2"):
+        model_path("gpt-5")
