@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks.models import model_path
+from benchmarks.run import rouge_l
 from benchmarks.squad import best_over_answers, exact_match, f1_score, normalize_answer
 
 
@@ -19,3 +20,10 @@ def test_model_names():
     assert model_path("smollm2") is None
     with pytest.raises(ValueError, match="smollm2"):
         model_path("gpt-5")
+
+
+def test_rouge_l():
+    assert rouge_l("the ferry is the Sanderling", "the ferry is the Sanderling") == 1.0
+    assert rouge_l("", "") == 1.0 and rouge_l("a", "") == 0.0 and rouge_l("x y", "a b") == 0.0
+    # LCS "the Sanderling" (2 of 3 candidate tokens, 2 of 4 reference tokens)
+    assert rouge_l("the Sanderling ferry", "it is the Sanderling") == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))

@@ -101,6 +101,7 @@ class Generation:
     finish_reason: str
     stats: Stats
     prompt_token_ids: list[int] = field(repr=False)
+    logits: torch.Tensor = field(default=None, repr=False)   # [vocab] logits after the prompt (first token)
 
 
 class TextStream:
@@ -482,7 +483,8 @@ class BlendEngine:
         for _ in decoding:
             pass
         self._finish_stats(pre.stats, decoding)
-        return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids)
+        return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids,
+                          pre.logits)
 
     def _finish_stats(self, stats: Stats, decoding: Decoding) -> None:
         stats.generated_tokens = len(decoding.token_ids)
