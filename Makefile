@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip --disable-pip-version-check
 TORCH  ?= torch==2.13.0
 STAMP   = $(VENV)/.ragblend-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: install
 
 bench: install
 	$(PY) -m benchmarks.ttft
+
+bench-quick: install
+	$(PIP) install -q 'matplotlib>=3.7'
+	$(PY) -m benchmarks.run --quick
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
