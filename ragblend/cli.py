@@ -47,7 +47,7 @@ def _print_answer(label: str, answer) -> None:
 
 def _check_options(args) -> None:
     """Fail on bad options before spending seconds loading the model."""
-    from ragblend.integrations.llamaindex_llm import make_strategy
+    from ragblend.integrations.common import make_strategy
 
     make_strategy(getattr(args, "strategy", "cacheblend"), args.ratio)
 

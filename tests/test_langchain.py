@@ -230,3 +230,13 @@ def test_async_calls_do_not_block_the_event_loop():
     (reply, chunks), ticks, elapsed = run_with_ticker(both)
     assert reply.content and len(chunks) > 1
     assert ticks >= 0.3 * elapsed / 0.01
+
+
+def test_langchain_integration_needs_no_llamaindex():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['llama_index'] = None; sys.modules['llama_index.core'] = None\n"
+            "from ragblend import BlendChatModel; BlendChatModel(max_tokens=4)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-500:]

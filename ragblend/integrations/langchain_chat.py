@@ -40,7 +40,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
 
-from .llamaindex_llm import iterate_in_thread, make_strategy
+from .common import iterate_in_thread, lazy_engine, make_strategy
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -125,10 +125,7 @@ class BlendChatModel(BaseChatModel):
     @property
     def engine(self) -> BlendEngine:
         """The fusion engine (loaded on first use when not given)."""
-        with self._lock:
-            if self._engine is None:
-                self._engine = BlendEngine.from_pretrained(self.model_path, kv_dir=self.kv_dir)
-        return self._engine
+        return lazy_engine(self)
 
     def get_token_ids(self, text: str) -> list[int]:
         return self.engine.prompts.tokenize(text)

@@ -29,52 +29,13 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragblend.core.engine import BlendEngine, Stats
-from ragblend.core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink
 
-STRATEGY_NAMES = ("cacheblend", "legolink", "full_reuse", "full_recompute")
-
-
-def make_strategy(name: str, ratio: float | str = 0.15, legolink_k: int = 16):
-    """A strategy object from its name (as used in configuration and the CLI)."""
-    if name == "cacheblend":
-        return CacheBlend(ratio=ratio)
-    if name == "legolink":
-        return LegoLink(legolink_k)
-    if name == "full_reuse":
-        return FullReuse()
-    if name == "full_recompute":
-        return FullRecompute()
-    raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
-
+from .common import STRATEGY_NAMES, iterate_in_thread, lazy_engine, make_strategy
 
 def usage_of(stats: Stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
             "cached_prompt_tokens": stats.reused_tokens}
-
-
-async def iterate_in_thread(make_iterator):
-    """Consume a blocking iterator in a worker thread, yielding its items to the event loop."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    def pump():
-        try:
-            for item in make_iterator():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-        except BaseException as err:  # handed to the consumer below
-            loop.call_soon_threadsafe(queue.put_nowait, err)
-        loop.call_soon_threadsafe(queue.put_nowait, done)
-
-    threading.Thread(target=pump, daemon=True, name="ragblend-stream").start()
-    while True:
-        item = await queue.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
 
 
 @dataclass
@@ -122,10 +83,7 @@ class BlendLLM(CustomLLM):
     @property
     def engine(self) -> BlendEngine:
         """The fusion engine (loaded on first use when not given)."""
-        with self._lock:
-            if self._engine is None:
-                self._engine = BlendEngine.from_pretrained(self.model_path, kv_dir=self.kv_dir)
-        return self._engine
+        return lazy_engine(self)
 
     @property
     def last_stats(self) -> Stats | None:

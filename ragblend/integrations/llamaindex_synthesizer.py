@@ -81,7 +81,7 @@ class BlendSynthesizer(BaseSynthesizer):
         import asyncio
 
         if self._streaming:
-            from .llamaindex_llm import iterate_in_thread
+            from .common import iterate_in_thread
 
             return iterate_in_thread(lambda: self.get_response(query_str, text_chunks, **kwargs))
         return await asyncio.to_thread(self.get_response, query_str, text_chunks, **kwargs)
