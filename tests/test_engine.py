@@ -117,7 +117,7 @@ def test_compute_scales_with_selected_tokens(tiny_engine):
     n = len(layout.token_ids)
     reused = sum(s.num_tokens for s in spans)
     fused = fused_prefill(engine.adapter, layout.token_ids, spans,
-                          SequentialSource(chunks, engine.adapter.dtype), CacheBlend(0.25, check_layer=1))
+                          SequentialSource(chunks), CacheBlend(0.25, check_layer=1))
     kept = n - reused + -(-reused // 4)
     assert fused.layer_selected[0] == n and fused.layer_selected[1] == n
     assert fused.layer_selected[2:] == [kept] * (engine.adapter.shape.num_layers - 2)

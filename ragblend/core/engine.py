@@ -415,7 +415,7 @@ class BlendEngine:
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
             source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
-            source = source_type(readers, self.adapter.dtype, self.adapter.device, windows=windows)
+            source = source_type(readers, self.adapter.device, windows=windows)
         except BaseException:
             for reader in readers:
                 reader.close()

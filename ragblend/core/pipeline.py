@@ -30,12 +30,11 @@ from .store import ChunkReader
 class SequentialSource(LayerSource):
     """Reads layer ``i`` of every chunk when asked."""
 
-    def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
+    def __init__(self, readers: list[ChunkReader], device: torch.device | str = "cpu",
                  windows: list[slice] | None = None):
         self.readers = readers
         # The token range of each chunk that the prompt uses (all of it, usually).
         self.windows = windows or [slice(None)] * len(readers)
-        self.dtype = dtype
         self.device = torch.device(device)
         self.load_s = 0.0
         self.wait_s = 0.0
@@ -73,9 +72,9 @@ class SequentialSource(LayerSource):
 class PrefetchSource(SequentialSource):
     """Reads the needed layers ahead, ``depth`` layers at most, in a background thread."""
 
-    def __init__(self, readers: list[ChunkReader], dtype: torch.dtype, device: torch.device | str = "cpu",
+    def __init__(self, readers: list[ChunkReader], device: torch.device | str = "cpu",
                  windows: list[slice] | None = None, depth: int = 2):
-        super().__init__(readers, dtype, device, windows)
+        super().__init__(readers, device, windows)
         self.depth = depth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
         self._futures: dict[int, Future] = {}
