@@ -100,6 +100,25 @@ def exact_match(prediction: str, gold: str) -> float:
     return float(normalize_answer(prediction) == normalize_answer(gold))
 
 
+def answer_contained(prediction: str, gold: str) -> float:
+    """1.0 when the normalised gold answer appears, as whole words, in the normalised prediction.
+
+    Small chat models answer in sentences ("The Broncos won Super Bowl 50."), which exact
+    match scores 0 even when right; this "has answer" accuracy is the usual RAG yardstick
+    for free-form answers.
+    """
+    pred, ref = normalize_answer(prediction), normalize_answer(gold)
+    return float(bool(ref) and f" {ref} " in f" {pred} ")
+
+
+def extract_answer(text: str) -> str:
+    """The answer part of a generation: its first non-empty line, without an ``Answer:``
+    label, cut after the first sentence (later sentences only dilute F1)."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    line = re.sub(r"^(answer|a)\s*:\s*", "", line, flags=re.IGNORECASE)
+    return re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0]
+
+
 def best_over_answers(metric, prediction: str, answers: list[str]) -> float:
     """SQuAD scores a prediction against the closest of the gold answers."""
     return max(metric(prediction, answer) for answer in answers)

@@ -36,6 +36,7 @@ from ragblend.data import load_sample
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
     "CacheBlend(0.15)": CacheBlend(0.15),
+    "CacheBlend(0.15, K deviation)": CacheBlend(0.15, deviation="key"),
     "CacheBlend(0.05)": CacheBlend(0.05),
     "CacheBlend(0.30)": CacheBlend(0.30),
     "LegoLink(16)": LegoLink(16),

@@ -58,6 +58,7 @@ def test_precompute_rejects_empty_and_non_text(engine):
                                   lambda: CacheBlend(ratio=-0.1), lambda: CacheBlend(check_layer=0),
                                   lambda: CacheBlend(gradual=((0, 0.1),)),
                                   lambda: CacheBlend(0.15, gradual=((3, 0.5),)),
+                                  lambda: CacheBlend(deviation="query"),
                                   lambda: LegoLink(-1), lambda: LegoLink(2.5)])
 def test_bad_strategy_parameters(make):
     with pytest.raises(InvalidInputError):

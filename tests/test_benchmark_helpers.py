@@ -4,7 +4,8 @@ import pytest
 
 from benchmarks.models import model_path
 from benchmarks.run import rouge_l
-from benchmarks.squad import best_over_answers, exact_match, f1_score, normalize_answer
+from benchmarks.squad import (answer_contained, best_over_answers, exact_match, extract_answer, f1_score,
+                              normalize_answer)
 
 
 def test_squad_normalisation_and_scores():
@@ -14,6 +15,14 @@ def test_squad_normalisation_and_scores():
     assert f1_score("peat swamps", "peat swamps or small ponds") == pytest.approx(2 * 1 * 0.4 / 1.4)
     assert f1_score("nothing alike", "Rollo") == 0.0
     assert best_over_answers(exact_match, "In 999", ["999", "In 999"]) == 1.0
+
+
+def test_answer_extraction_and_containment():
+    assert extract_answer("\n  Answer: The Broncos won. They beat the Panthers.\nmore") == "The Broncos won."
+    assert extract_answer("Rollo") == "Rollo" and extract_answer("") == ""
+    assert answer_contained("The Denver Broncos won Super Bowl 50.", "Denver Broncos") == 1.0
+    assert answer_contained("Denverite fans", "Denver") == 0.0  # whole words only
+    assert answer_contained("anything", "the") == 0.0  # an answer that normalises to nothing never matches
 
 
 def test_model_names():

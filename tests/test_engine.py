@@ -81,7 +81,8 @@ def kl_to(ref_logits, logits):
                                       log_target=True, reduction="sum").item()
 
 
-@pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),))])
+@pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),)),
+                                      CacheBlend(0.3, deviation="value"), CacheBlend(0.3, deviation="key_value")])
 def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, strategy):
     tiny_engine.precompute(PASSAGES[:3])
     pre = tiny_engine.prefill(segments(), strategy=strategy)
@@ -121,6 +122,51 @@ def test_compute_scales_with_selected_tokens(tiny_engine):
     kept = n - reused + -(-reused // 4)
     assert fused.layer_selected[0] == n and fused.layer_selected[1] == n
     assert fused.layer_selected[2:] == [kept] * (engine.adapter.shape.num_layers - 2)
+
+
+def test_compute_fraction_counts_token_layers(tiny_engine):
+    tiny_engine.precompute(PASSAGES[:3])
+    full = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    blend = tiny_engine.prefill(segments(), strategy=CacheBlend(0.25))
+    layers = tiny_engine.adapter.shape.num_layers
+    assert full.stats.compute_fraction == 1.0
+    n, kept = blend.stats.prompt_tokens, blend.stats.recomputed_tokens
+    assert blend.stats.compute_fraction == pytest.approx((2 * n + (layers - 2) * kept) / (layers * n))
+
+
+@pytest.mark.parametrize("kind", ["key", "value", "key_value"])
+def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
+    """The kept tokens are exactly the top scorers of the chosen deviation at the check layer,
+    and the three scores disagree on this prompt (so the choice matters)."""
+    from ragblend.core.fusion import kv_deviation
+    from ragblend.core.pipeline import SequentialSource
+
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    layout = engine.prompts.build(segments())
+    # Layers 0 and 1 run over every token, so the fresh K/V at the check layer are a plain prefill's.
+    hidden = _hidden_before(engine, layout.token_ids, 1)
+    with torch.inference_mode():
+        fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
+    reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
+    source = SequentialSource([engine.store.open(engine.key_for(s.token_ids)) for s in layout.chunk_spans])
+    source.prepare([1])
+    cached = source.layer(1)
+    scores = {k: kv_deviation(k, fresh_k[:, reused_pos], fresh_v[:, reused_pos], cached,
+                              torch.arange(reused_pos.numel())) for k in ("key", "value", "key_value")}
+    keep = math.ceil(0.2 * reused_pos.numel() - 1e-9)
+    top = {k: set(reused_pos[s.topk(keep).indices].tolist()) for k, s in scores.items()}
+    assert top["key"] != top["value"]
+    blend = engine.prefill(segments(), strategy=CacheBlend(0.2, deviation=kind))
+    kept = set(blend.recomputed.nonzero().squeeze(1).tolist()) & set(reused_pos.tolist())
+    assert kept == top[kind]
+
+
+def _hidden_before(engine, token_ids, layer):
+    """Hidden states entering ``layer`` in a plain prefill (from the HF model)."""
+    with torch.inference_mode():
+        out = engine.hf_model(torch.tensor([token_ids]), output_hidden_states=True)
+    return out.hidden_states[layer][0].to(engine.adapter.dtype)
 
 
 def test_later_text_never_changes_earlier_tokens(tiny_engine):

@@ -44,6 +44,7 @@ class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0         # prompt tokens whose KV came from the store
     recomputed_tokens: int = 0     # prompt tokens computed through every layer
+    compute_fraction: float = 0.0  # token-layers computed, as a share of a full prefill's
     load_s: float = 0.0            # reading cached KV (in the background when pipelined)
     load_wait_s: float = 0.0       # of which the fusion had to wait for
     compute_s: float = 0.0         # running layers
@@ -369,6 +370,7 @@ class BlendEngine:
         recomputed = int(fused.recomputed.sum())
         stats.ttft_s = time.perf_counter() - t0
         stats.recomputed_tokens = recomputed
+        stats.compute_fraction = sum(fused.layer_selected) / (len(layout.token_ids) * len(fused.layer_selected))
         stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
         stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s

@@ -9,7 +9,7 @@ strategy's business:
 * :class:`FullReuse` — only tokens without a cache (template, question, unknown text).
 * :class:`LegoLink` — those, plus the first ``k`` tokens of every chunk but the first (Epic).
 * :class:`CacheBlend` — every token up to the check layer; there, the reused tokens whose
-  fresh V deviates most from the cached V are kept (top ``ratio``), the rest drop out.
+  fresh V (or K) deviates most from the cached one are kept (top ``ratio``), the rest drop out.
 
 Attention uses an exact causal mask: a selected token at position p sees keys at
 positions <= p, whether those keys are fresh or cached, and nothing after p.
@@ -64,11 +64,16 @@ class CacheBlend:
     """Selective recompute of the reused tokens with the highest KV deviation (CacheBlend).
 
     Layers before ``check_layer`` run over all tokens. At ``check_layer`` every reused token
-    is scored by the squared L2 distance between its fresh and cached V (summed over heads
-    and dims); the top ``ratio`` of reused tokens, plus every token that was not reused,
-    continue through the later layers. ``gradual`` optionally adds later check layers as
+    is scored by how far its fresh K/V are from the cached ones (``deviation``, see
+    :func:`kv_deviation`); the top ``ratio`` of reused tokens, plus every token that was not
+    reused, continue through the later layers. ``gradual`` optionally adds later check layers as
     ``((layer, ratio), ...)`` that rescore the still-selected tokens and shrink the set
     (the paper's gradual filtering); ratios are fractions of all reused tokens.
+
+    ``deviation="value"`` (the default) is the paper's score; ``"key"`` scores K before RoPE
+    and ``"key_value"`` the sum of both. ``benchmarks/selection.py`` compares them at equal
+    compute (``docs/benchmarks.md``): K lowers the mean first-token KL a little on both
+    benchmark models but changed more demo answers, so V stays the default.
 
     ``ratio=1.0`` recomputes everything and equals :class:`FullRecompute`. ``ratio="auto"``
     lets the engine's loading controller pick it (:meth:`BlendEngine.plan`): the larger of
@@ -78,11 +83,14 @@ class CacheBlend:
     ratio: float | str = 0.15
     check_layer: int = 1
     gradual: tuple[tuple[int, float], ...] = ()
+    deviation: str = "value"
     name = "cacheblend"
 
     def __post_init__(self):
         if self.ratio != "auto":
             _check_ratio(self.ratio)
+        if self.deviation not in DEVIATIONS:
+            raise InvalidInputError(f"CacheBlend deviation must be one of {DEVIATIONS}, got {self.deviation!r}.")
         if isinstance(self.check_layer, bool) or not isinstance(self.check_layer, int) or self.check_layer < 1:
             raise InvalidInputError(f"CacheBlend check_layer must be an integer >= 1, got {self.check_layer!r}.")
         gradual = tuple((int(layer), float(r)) for layer, r in self.gradual)
@@ -99,6 +107,9 @@ class CacheBlend:
     def schedule(self) -> dict[int, float]:
         """Check layers and the fraction of reused tokens kept after each."""
         return {self.check_layer: self.ratio, **dict(self.gradual)}
+
+
+DEVIATIONS = ("key", "value", "key_value")
 
 
 def _check_ratio(ratio) -> None:
@@ -233,6 +244,27 @@ def _keep_top_deviation(deviation: torch.Tensor, candidates: torch.Tensor, keep:
     return candidates[top]
 
 
+def kv_deviation(kind: str, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                 cached: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance between fresh and cached K (before RoPE) and/or V.
+
+    ``fresh_k``/``fresh_v`` are ``[kv_heads, tokens, head_dim]`` for the candidate tokens;
+    ``rows`` are those tokens' indices into the reused tokens, whose cached K/V are the
+    concatenation of ``cached`` (one pair per span). ``"key_value"`` adds the two distances,
+    each divided by its mean over the candidates, since K and V live on different scales.
+    """
+    def distance(fresh: torch.Tensor, which: int) -> torch.Tensor:
+        old = torch.cat([pair[which] for pair in cached], dim=1)[:, rows].to(fresh.dtype)
+        return (fresh - old).pow(2).sum(dim=(0, 2))
+
+    if kind == "key":
+        return distance(fresh_k, 0)
+    if kind == "value":
+        return distance(fresh_v, 1)
+    dk, dv = distance(fresh_k, 0), distance(fresh_v, 1)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+
+
 @torch.inference_mode()
 def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[ReusedSpan],
                   source: LayerSource | None, strategy: Strategy) -> FusedPrefill:
@@ -268,8 +300,8 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     last_layer = shape.num_layers - 1
     for layer in range(shape.num_layers):
         x = adapter.attn_input(layer, hidden)
-        k, v = adapter.kv(layer, x)
-        k = adapter.rope(k, cos[sel_pos], sin[sel_pos])
+        k_raw, v = adapter.kv(layer, x)
+        k = adapter.rope(k_raw, cos[sel_pos], sin[sel_pos])
         all_selected = sel_pos.numel() == n
         if num_reused and (not all_selected or layer in schedule):
             t_wait = time.perf_counter()
@@ -293,12 +325,11 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         final_pos = sel_pos  # tokens whose K/V this layer computed fresh
 
         if layer in schedule:
-            # Score the selected reused tokens by how far their fresh V is from the cached V.
+            # Score the selected reused tokens by how far their fresh K/V are from the cached ones.
             cand = reused[sel_pos.cpu()].to(device)
             cand_pos = sel_pos[cand]
             reused_rank = torch.searchsorted(reused_pos, cand_pos)
-            cached_v = torch.cat([cv for _, cv in cached], dim=1).to(v.dtype)
-            deviation = (v[:, cand] - cached_v[:, reused_rank]).pow(2).sum(dim=(0, 2))
+            deviation = kv_deviation(strategy.deviation, k_raw[:, cand], v[:, cand], cached, reused_rank)
             keep = math.ceil(schedule[layer] * num_reused - 1e-9)
             kept = _keep_top_deviation(deviation, cand_pos, keep)
             new_selected = ~reused.to(device)
