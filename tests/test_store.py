@@ -1,6 +1,5 @@
 """KV store tiers, the binary format, integrity, process safety, eviction and pipelining."""
 
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -180,22 +179,25 @@ def test_no_pickle_or_torch_load_in_the_package():
 # ---------------------------------------------------------------------------- processes
 
 
-def _write_entries(directory: str, order: list[int]) -> None:
-    store = DiskStore(directory, SPEC)
-    for i in order:
-        store.put(synthetic_entry(i, tokens=64))
-    store.close()
+ORDERED_WRITER = """
+import sys
+from tests.test_store import DiskStore, SPEC, synthetic_entry
+store = DiskStore(sys.argv[1], SPEC)
+for i in (range(50) if sys.argv[2] == "up" else reversed(range(50))):
+    store.put(synthetic_entry(i, tokens=64))
+store.close()
+"""
 
 
 def test_two_processes_writing_the_same_50_chunks(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_write_entries, args=(str(tmp_path), order))
-             for order in (list(range(50)), list(reversed(range(50))))]
+    # Plain interpreters rather than multiprocessing's spawn, which re-runs whatever
+    # sys.modules["__main__"] is (the Streamlit app, if an app test's script thread is alive).
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", ORDERED_WRITER, str(tmp_path), order], cwd=root,
+                              stderr=subprocess.PIPE, text=True) for order in ("up", "down")]
     for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
     store = DiskStore(tmp_path, SPEC)
     assert len(store) == 50
     assert all(store.verify(f"{i:064x}") is None for i in range(50))
