@@ -33,6 +33,7 @@ from ragblend.data import load_sample
 
 from .models import MODELS, model_path
 from .squad import answer_contained, best_over_answers, exact_match, extract_answer, f1_score, rag_samples
+from .ttft import first_token_kl
 
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
@@ -49,11 +50,6 @@ STRATEGIES = {
 }
 SYSTEM = "Answer the question from the passages, briefly."
 GREEDY_TOKENS = 32
-
-
-def first_token_kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
-    return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(ref, -1),
-                                      log_target=True, reduction="sum").item()
 
 
 def rouge_l(candidate: str, reference: str) -> float:

@@ -23,7 +23,8 @@ import torch
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
 
 from .models import MODELS, model_path
-from .run import GREEDY_TOKENS, SYSTEM, first_token_kl, fidelity_prompts, rouge_l, squad_prompts
+from .run import GREEDY_TOKENS, SYSTEM, fidelity_prompts, rouge_l, squad_prompts
+from .ttft import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
     "V deviation, r=0.15 (paper; ragblend default)": CacheBlend(0.15, deviation="value"),
@@ -38,21 +39,22 @@ VARIANTS = {  # CacheBlend selections; "compute" in the report makes them compar
 def measure(engine: BlendEngine, prompt, greedy_tokens: int) -> dict:
     engine.precompute(prompt.chunks)
     segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
-    def run(strategy):
-        if greedy_tokens:
-            return engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
-        out = engine.prefill(segments, system=SYSTEM, strategy=strategy)
-        out.text = ""
-        return out
 
-    ref = run(FullRecompute())
+    def run(strategy):
+        """(first-token logits, stats, greedy answer or "" when not generating)"""
+        if greedy_tokens:
+            out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
+            return out.logits, out.stats, out.text
+        out = engine.prefill(segments, system=SYSTEM, strategy=strategy)
+        return out.logits, out.stats, ""
+
+    ref_logits, _, ref_text = run(FullRecompute())
     rows = {}
     for name, strategy in VARIANTS.items():
-        out = run(strategy)
-        rows[name] = {"compute": out.stats.compute_fraction, "recomputed": out.stats.recompute_fraction,
-                      "kl": first_token_kl(ref.logits, out.logits),
-                      "top1": float(out.logits.argmax() == ref.logits.argmax()),
-                      "rouge": rouge_l(out.text, ref.text), "ttft": out.stats.ttft_s}
+        logits, stats, text = run(strategy)
+        rows[name] = {"compute": stats.compute_fraction, "recomputed": stats.recompute_fraction,
+                      "kl": first_token_kl(ref_logits, logits), "top1": float(logits.argmax() == ref_logits.argmax()),
+                      "rouge": rouge_l(text, ref_text), "ttft": stats.ttft_s}
     return rows
 
 
