@@ -1,11 +1,20 @@
-"""The benchmark helpers that need no download: SQuAD metrics and model names."""
+"""The benchmark helpers that need no download: SQuAD metrics, model names, and the
+selection-bounds study's scores (on a tiny model)."""
+
+import math
 
 import pytest
+import torch
 
+import ragblend.core.fusion as fusion
+from benchmarks.bounds import check_layer_scores, true_v_deviation, whole_chunk_scores
 from benchmarks.models import model_path
 from benchmarks.run import rouge_l
 from benchmarks.squad import (answer_contained, best_over_answers, exact_match, extract_answer, f1_score,
                               normalize_answer)
+from ragblend import CacheBlend, Chunk
+
+from .conftest import PASSAGES, make_tiny_engine
 
 
 def test_squad_normalisation_and_scores():
@@ -36,3 +45,44 @@ def test_rouge_l():
     assert rouge_l("", "") == 1.0 and rouge_l("a", "") == 0.0 and rouge_l("x y", "a b") == 0.0
     # LCS "the Sanderling" (2 of 3 candidate tokens, 2 of 4 reference tokens)
     assert rouge_l("the Sanderling ferry", "it is the Sanderling") == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))
+
+
+def test_whole_chunk_scores_rank_chunks_before_tokens():
+    # Chunk 0 holds the single largest deviation, chunk 1 the largest mean.
+    deviation = torch.tensor([9.0, 0.0, 0.0, 5.0, 4.0, 1.0, 2.0, 0.5])
+    scores = whole_chunk_scores(torch.arange(8), deviation, [3, 2, 3])
+    assert set(scores.topk(2).indices.tolist()) == {3, 4}          # all of chunk 1
+    assert set(scores.topk(4).indices.tolist()) == {3, 4, 0, 1}    # then chunk 0's top tokens
+    # Candidates can be a subset of the reused tokens (rows index into all of them).
+    sub = whole_chunk_scores(torch.tensor([0, 5, 6]), torch.tensor([9.0, 1.0, 2.0]), [3, 2, 3])
+    assert sub.argmax() == 0
+
+
+def test_true_v_deviation_sums_normalised_layers_after_the_check_layer():
+    torch.manual_seed(0)
+    full = [torch.randn(2, 6, 4) for _ in range(3)]
+    positions = torch.tensor([1, 2, 4])
+    cached = torch.stack([v[:, positions] for v in full])
+    cached[1, :, 0] += 1.0    # token 0 off at layer 1 only
+    cached[2, :, 2] += 10.0   # token 2 off at layer 2 only, on a larger scale
+    cached[0, :, 1] += 100.0  # layer 0 (before the check layer) does not count
+    dev = true_v_deviation(full, cached, positions, check_layer=1)
+    # Each layer is divided by its mean, so the two off tokens weigh the same.
+    assert dev.tolist() == pytest.approx([3.0, 0.0, 3.0])
+
+
+def test_check_layer_scores_drive_the_selection_and_are_restored(tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer)
+    engine.precompute(PASSAGES[:3])
+    segments = [Chunk(c) for c in PASSAGES[:3]] + ["Question: who ran the ferry?"]
+    spans = engine.prompts.build(segments).chunk_spans
+    reused = torch.cat([torch.arange(s.start, s.end) for s in spans])
+    keep = math.ceil(0.2 * reused.numel() - 1e-9)  # as the engine counts
+    own = engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused]
+    # Favour the last reused tokens: exactly those are recomputed.
+    with check_layer_scores(lambda rows, deviation, sizes: rows.float()):
+        forced = engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused]
+    assert forced.nonzero().squeeze(1).tolist() == list(range(reused.numel() - keep, reused.numel()))
+    assert not torch.equal(forced, own)
+    assert fusion.kv_deviation.__name__ == "kv_deviation"
+    assert torch.equal(engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused], own)
