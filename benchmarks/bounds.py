@@ -163,11 +163,12 @@ def main(argv=None) -> None:
         lines.append("")
         print("\n".join(lines), flush=True)
         del engine
-    command = " ".join(["python -m benchmarks.bounds", *(sys.argv[1:] if argv is None else argv)])
-    text = "\n".join([f"# Selection bounds: `{command}` ({(time.perf_counter() - t0) / 60:.1f} min, "
-                      f"{torch.get_num_threads()} threads)", "", *lines])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bounds-run.md").write_text(text)
+        # Written after each model, so a long run that is stopped keeps what it measured.
+        command = " ".join(["python -m benchmarks.bounds", *(sys.argv[1:] if argv is None else argv)])
+        text = "\n".join([f"# Selection bounds: `{command}` ({(time.perf_counter() - t0) / 60:.1f} min, "
+                          f"{torch.get_num_threads()} threads)", "", *lines])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bounds-run.md").write_text(text)
 
 
 if __name__ == "__main__":
