@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -37,7 +35,7 @@ import ragblend.core.fusion as fusion
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
 
 from .models import MODELS, model_path
-from .run import SYSTEM, fidelity_prompts, squad_prompts
+from .run import SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
 from .ttft import first_token_kl
 
 DEFAULT = CacheBlend(0.15)
@@ -164,11 +162,8 @@ def main(argv=None) -> None:
         print("\n".join(lines), flush=True)
         del engine
         # Written after each model, so a long run that is stopped keeps what it measured.
-        command = " ".join(["python -m benchmarks.bounds", *(sys.argv[1:] if argv is None else argv)])
-        text = "\n".join([f"# Selection bounds: `{command}` ({(time.perf_counter() - t0) / 60:.1f} min, "
-                          f"{torch.get_num_threads()} threads)", "", *lines])
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "bounds-run.md").write_text(text)
+        write_report(args.out, "bounds-run.md", "Selection bounds", command_line("benchmarks.bounds", argv),
+                     time.perf_counter() - t0, lines)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,19 @@ SYSTEM = "Answer the question from the passages, briefly."
 GREEDY_TOKENS = 32
 
 
+def command_line(module: str, argv) -> str:
+    """The command that reproduces this run, for its report."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_report(out_dir, file_name: str, title: str, command: str, seconds: float, lines: list[str]) -> None:
+    """Write a study's markdown report under a title line with its command and duration."""
+    text = "\n".join([f"# {title}: `{command}` ({seconds / 60:.1f} min, {torch.get_num_threads()} threads)",
+                      "", *lines])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / file_name).write_text(text)
+
+
 def rouge_l(candidate: str, reference: str) -> float:
     """ROUGE-L F-measure over whitespace tokens (longest common subsequence)."""
     a, b = candidate.split(), reference.split()
@@ -234,7 +247,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, help="TTFT runs per prompt and strategy (median)")
     parser.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # harness check: 1 tiny prompt each
     args = parser.parse_args(argv)
-    args.command = " ".join(["python -m benchmarks.run", *(sys.argv[1:] if argv is None else argv)])
+    args.command = command_line("benchmarks.run", argv)
     if args.repeats is None:
         args.repeats = 1 if args.quick or args.smoke else 3
     plan = {  # (fidelity prompts, SQuAD samples, context lengths) per model

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
 
 from .models import MODELS, model_path
-from .run import GREEDY_TOKENS, SYSTEM, fidelity_prompts, rouge_l, squad_prompts
+from .run import GREEDY_TOKENS, SYSTEM, command_line, fidelity_prompts, rouge_l, squad_prompts, write_report
 from .ttft import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
@@ -93,11 +89,8 @@ def main(argv=None) -> None:
         lines.append("")
         print("\n".join(lines), flush=True)
         del engine
-    command = " ".join(["python -m benchmarks.selection", *(sys.argv[1:] if argv is None else argv)])
-    text = "\n".join([f"# Selection variants: `{command}` ({(time.perf_counter() - t0) / 60:.1f} min, "
-                      f"{torch.get_num_threads()} threads)", "", *lines])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "selection-run.md").write_text(text)
+    write_report(args.out, "selection-run.md", "Selection variants", command_line("benchmarks.selection", argv),
+                 time.perf_counter() - t0, lines)
 
 
 if __name__ == "__main__":
