@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 
-import ragblend.core.fusion as fusion
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
+from ragblend.core.fusion import TopScoreSelection, kv_deviation
 
 from .models import MODELS, model_path
 from .run import SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
@@ -49,26 +48,19 @@ REAL = {  # selections a real run can make
 }
 
 
-@contextmanager
-def check_layer_scores(score):
-    """Replace CacheBlend's score at the check layer with ``score(rows, deviation, chunk_sizes)``.
+def with_score(score, base: CacheBlend = DEFAULT) -> TopScoreSelection:
+    """``base``'s selection with its check-layer score replaced by ``score(rows, deviation, chunk_sizes)``.
 
     ``rows`` index the candidate tokens among the prompt's reused tokens (in prompt order),
     ``deviation`` is the engine's own score for them and ``chunk_sizes`` the reused tokens of
     each chunk. The engine keeps the top scorers, exactly as with its own score.
     """
-    engine_score = fusion.kv_deviation
-
-    def replaced(kind, fresh_k, fresh_v, cached, rows):
-        own = engine_score(kind, fresh_k, fresh_v, cached, rows).float().cpu()
+    def replaced(rows, fresh_k, fresh_v, cached):
+        own = kv_deviation(base.deviation, fresh_k, fresh_v, cached, rows).float().cpu()
         sizes = [pair[1].shape[1] for pair in cached]
-        return score(rows.cpu(), own, sizes).to(own.dtype).to(fresh_v.device)
+        return score(rows.cpu(), own, sizes).to(fresh_v.device)
 
-    fusion.kv_deviation = replaced
-    try:
-        yield
-    finally:
-        fusion.kv_deviation = engine_score
+    return TopScoreSelection(base.schedule(), replaced)
 
 
 def whole_chunk_scores(rows: torch.Tensor, deviation: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -111,10 +103,8 @@ def measure(engine: BlendEngine, prompt) -> dict[str, tuple[float, float]]:
     cached = torch.cat([engine.compute_entry(list(s.token_ids)).values[:, :, s.offset:s.offset + s.end - s.start]
                         for s in spans], dim=2)
     oracle = true_v_deviation(full.values, cached, positions, DEFAULT.check_layer)
-    with check_layer_scores(lambda rows_, deviation, sizes: oracle[rows_]):
-        rows["V oracle (true deviation), r=0.15"] = run(DEFAULT)
-    with check_layer_scores(whole_chunk_scores):
-        rows["whole chunks by mean V deviation, r=0.15"] = run(DEFAULT)
+    rows["V oracle (true deviation), r=0.15"] = run(with_score(lambda rows_, deviation, sizes: oracle[rows_]))
+    rows["whole chunks by mean V deviation, r=0.15"] = run(with_score(whole_chunk_scores))
 
     # One chunk passed as plain text is recomputed in context; the others are reused as is.
     one_fresh = [run(FullReuse(), [c if j == i else Chunk(c) for j, c in enumerate(prompt.chunks)] + [prompt.question])

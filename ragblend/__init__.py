@@ -3,7 +3,7 @@
 from .core.engine import BlendEngine, Generation, Prefill, Stats
 from .core.errors import (InvalidInputError, ModelNotFoundError, PromptTooLongError, RagblendError,
                           SegmentTypeError, UnsupportedModelError)
-from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink
+from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 from .core.kv import ChunkRef
 from .core.prompt import Chunk
 
@@ -27,7 +27,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ragblend' has no attribute {name!r}")
 
 __all__ = [
-    "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "LegoLink", "FullReuse", "FullRecompute",
+    "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
     "Generation", "Prefill", "Stats", "RagblendError", "InvalidInputError", "SegmentTypeError",
     "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError",
     "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-import ragblend.core.fusion as fusion
-from benchmarks.bounds import check_layer_scores, true_v_deviation, whole_chunk_scores
+from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
 from benchmarks.models import model_path
 from benchmarks.run import rouge_l
 from benchmarks.squad import (answer_contained, best_over_answers, exact_match, extract_answer, f1_score,
@@ -71,7 +70,7 @@ def test_true_v_deviation_sums_normalised_layers_after_the_check_layer():
     assert dev.tolist() == pytest.approx([3.0, 0.0, 3.0])
 
 
-def test_check_layer_scores_drive_the_selection_and_are_restored(tokenizer):
+def test_a_replaced_score_drives_the_selection(tokenizer):
     engine = make_tiny_engine("qwen2", tokenizer)
     engine.precompute(PASSAGES[:3])
     segments = [Chunk(c) for c in PASSAGES[:3]] + ["Question: who ran the ferry?"]
@@ -80,9 +79,9 @@ def test_check_layer_scores_drive_the_selection_and_are_restored(tokenizer):
     keep = math.ceil(0.2 * reused.numel() - 1e-9)  # as the engine counts
     own = engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused]
     # Favour the last reused tokens: exactly those are recomputed.
-    with check_layer_scores(lambda rows, deviation, sizes: rows.float()):
-        forced = engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused]
+    favour_last = with_score(lambda rows, deviation, sizes: rows.float(), CacheBlend(0.2))
+    forced = engine.prefill(segments, strategy=favour_last).recomputed[reused]
     assert forced.nonzero().squeeze(1).tolist() == list(range(reused.numel() - keep, reused.numel()))
     assert not torch.equal(forced, own)
-    assert fusion.kv_deviation.__name__ == "kv_deviation"
+    # The engine's own score is untouched.
     assert torch.equal(engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused], own)

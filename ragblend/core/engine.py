@@ -370,7 +370,7 @@ class BlendEngine:
         recomputed = int(fused.recomputed.sum())
         stats.ttft_s = time.perf_counter() - t0
         stats.recomputed_tokens = recomputed
-        stats.compute_fraction = sum(fused.layer_selected) / (len(layout.token_ids) * len(fused.layer_selected))
+        stats.compute_fraction = fused.token_layers / (n * self.adapter.shape.num_layers)
         stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
         stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
@@ -413,7 +413,7 @@ class BlendEngine:
                 tier = "disk" if "disk" in tiers else "memory"
                 reused = sum(sp.num_tokens for sp in spans)
                 strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
-            stats.ratio = strategy.ratio if isinstance(strategy, CacheBlend) else None
+            stats.ratio = getattr(strategy, "ratio", None)
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
             source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource

@@ -2,17 +2,24 @@
 
 The fused prefill walks the layers once. At each layer only the *selected* tokens run
 through Q/K/V, attention and the MLP; every other token's K/V for that layer comes from its
-chunk's cache, rotated to its position in this prompt. Which tokens are selected is the
-strategy's business:
+chunk's cache, rotated to its position in this prompt. Which tokens are selected is decided
+by a :class:`Selection`, which each strategy provides:
 
 * :class:`FullRecompute` — every token, every layer: a normal prefill.
 * :class:`FullReuse` — only tokens without a cache (template, question, unknown text).
 * :class:`LegoLink` — those, plus the first ``k`` tokens of every chunk but the first (Epic).
 * :class:`CacheBlend` — every token up to the check layer; there, the reused tokens whose
   fresh V (or K) deviates most from the cached one are kept (top ``ratio``), the rest drop out.
+* :class:`QueryAware` — two stages (ProphetKV, QCFuse): first the question alone reads the
+  cached chunks through every layer, and the reused tokens it attends to most are chosen;
+  then those tokens, and every token without a cache, are computed from layer 0 on.
 
 Attention uses an exact causal mask: a selected token at position p sees keys at
 positions <= p, whether those keys are fresh or cached, and nothing after p.
+
+Reading :func:`fused_prefill` top to bottom: lay out the prompt, let the selection choose
+the first tokens, then per layer: assemble K/V (fresh for the selected tokens, cached for
+the rest), let the selection refine at its check layers, attention, MLP.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,12 +43,18 @@ class FullRecompute:
 
     name = "full_recompute"
 
+    def selection(self) -> "Selection":
+        return EveryToken()
+
 
 @dataclass(frozen=True)
 class FullReuse:
     """Reuse every cached chunk as is; recompute only tokens that have no cache."""
 
     name = "full_reuse"
+
+    def selection(self) -> "Selection":
+        return UncachedTokens()
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,9 @@ class LegoLink:
     def __post_init__(self):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
             raise InvalidInputError(f"LegoLink k must be an integer >= 0, got {self.k!r}.")
+
+    def selection(self) -> "Selection":
+        return UncachedTokens(head=self.k)
 
 
 @dataclass(frozen=True)
@@ -108,6 +125,35 @@ class CacheBlend:
         """Check layers and the fraction of reused tokens kept after each."""
         return {self.check_layer: self.ratio, **dict(self.gradual)}
 
+    def selection(self) -> "Selection":
+        if self.ratio == "auto":
+            raise InvalidInputError("CacheBlend(ratio='auto') is resolved by the engine; run it through "
+                                    "BlendEngine.prefill, or pass a number.")
+        return TopScoreSelection(self.schedule(), self.deviation)
+
+
+@dataclass(frozen=True)
+class QueryAware:
+    """Recompute the reused tokens the question attends to most (ProphetKV, QCFuse).
+
+    Two stages. First the tokens without a cache (the question, the template) run through
+    every layer over the cached chunks as they are, and each reused token is scored by the
+    attention the question pays it, summed over layers. Then those tokens and the top
+    ``ratio`` of reused tokens are computed from layer 0 on, the rest reused. Unlike
+    :class:`CacheBlend`, no layer runs over every token. ``whole_chunks=True`` spends the
+    budget on whole chunks first (the most attended ones that fit), then on single tokens.
+    """
+
+    ratio: float = 0.15
+    whole_chunks: bool = False
+    name = "query_aware"
+
+    def __post_init__(self):
+        _check_ratio(self.ratio)
+
+    def selection(self) -> "Selection":
+        return QuestionAttention(self.ratio, self.whole_chunks)
+
 
 DEVIATIONS = ("key", "value", "key_value")
 
@@ -117,13 +163,15 @@ def _check_ratio(ratio) -> None:
         raise InvalidInputError(f"ratio must be a number in (0, 1], got {ratio!r}.")
 
 
-Strategy = FullRecompute | FullReuse | LegoLink | CacheBlend
+Strategy = FullRecompute | FullReuse | LegoLink | CacheBlend | QueryAware
+STRATEGIES = (FullRecompute, FullReuse, LegoLink, CacheBlend, QueryAware)
 
 
 def check_strategy(strategy, num_layers: int) -> Strategy:
-    if not isinstance(strategy, (FullRecompute, FullReuse, LegoLink, CacheBlend)):
+    if not isinstance(strategy, (*STRATEGIES, Selection)):
         raise InvalidInputError(
-            f"Unknown strategy {strategy!r}: use CacheBlend(), LegoLink(k), FullReuse() or FullRecompute().")
+            f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), FullReuse() "
+            "or FullRecompute().")
     if isinstance(strategy, CacheBlend) and max(strategy.schedule()) >= num_layers:
         raise InvalidInputError(
             f"CacheBlend check layers {sorted(strategy.schedule())} must be below the model's "
@@ -161,6 +209,55 @@ class LayerSource:
 
 
 @dataclass
+class FusionPrompt:
+    """The prompt as the selection sees it: which positions are reused, in which chunk."""
+
+    num_tokens: int
+    spans: list[ReusedSpan]
+    reused: torch.Tensor        # bool [N] (on the CPU)
+    reused_pos: torch.Tensor    # positions of the reused tokens, in prompt order (compute device)
+    chunk_of: torch.Tensor      # for each reused token, the index of its span (compute device)
+
+    @classmethod
+    def build(cls, num_tokens: int, spans: list[ReusedSpan], device) -> "FusionPrompt":
+        reused = torch.zeros(num_tokens, dtype=torch.bool)
+        for span in spans:
+            reused[span.start:span.start + span.num_tokens] = True
+        sizes = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)
+        chunk_of = torch.repeat_interleave(torch.arange(len(spans)), sizes)
+        return cls(num_tokens, spans, reused, reused.nonzero().squeeze(1).to(device), chunk_of.to(device))
+
+    @property
+    def num_reused(self) -> int:
+        return self.reused_pos.numel()
+
+    @property
+    def question_start(self) -> int:
+        """First position after the last reused span: the question and the template's end."""
+        end = max((s.start + s.num_tokens for s in self.spans), default=0)
+        return min(end, self.num_tokens - 1)
+
+    def with_reused(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Bool [N] on the compute device: every token without a cache, the ``chosen``
+        positions, and the last token (its hidden state gives the logits)."""
+        selected = ~self.reused.to(self.reused_pos.device)
+        selected[chosen] = True
+        selected[-1] = True
+        return selected
+
+
+@dataclass
+class CheckStep:
+    """What a selection sees at one of its check layers."""
+
+    layer: int
+    positions: torch.Tensor          # prompt positions computed fresh at this layer (sorted)
+    fresh_k: torch.Tensor            # [kv_heads, len(positions), head_dim], K before RoPE
+    fresh_v: torch.Tensor
+    cached: list[tuple[torch.Tensor, torch.Tensor]]   # this layer's cached K/V, one pair per span
+
+
+@dataclass
 class FusedPrefill:
     """Result of :func:`fused_prefill`."""
 
@@ -169,24 +266,165 @@ class FusedPrefill:
     values: list[torch.Tensor]                # per layer [kv_heads, N, head_dim]
     recomputed: torch.Tensor                  # bool [N]: tokens whose last-layer K/V was recomputed
     compute_s: float = 0.0
-    layer_selected: list[int] = field(default_factory=list)  # tokens computed at each layer
+    layer_positions: list[torch.Tensor] = field(default_factory=list)  # positions computed at each layer
+    probe_token_layers: int = 0               # token-layers spent choosing (QueryAware's first stage)
+    load_wait_s: float = 0.0                  # time spent waiting for cached layers
+
+    @property
+    def layer_selected(self) -> list[int]:
+        """How many tokens were computed at each layer."""
+        return [p.numel() for p in self.layer_positions]
+
+    @property
+    def token_layers(self) -> int:
+        """All token-layers computed, choosing included (a full prefill computes N x layers)."""
+        return sum(self.layer_selected) + self.probe_token_layers
 
 
-# ---------------------------------------------------------------------------- the fused prefill
+# ---------------------------------------------------------------------------- selections
 
 
-def initial_selection(strategy: Strategy, num_tokens: int, spans: list[ReusedSpan]) -> torch.Tensor:
-    """Boolean mask of the tokens computed from layer 0 on."""
-    if isinstance(strategy, (FullRecompute, CacheBlend)) or not spans:
-        return torch.ones(num_tokens, dtype=torch.bool)
-    selected = torch.ones(num_tokens, dtype=torch.bool)
-    for span in spans:
-        selected[span.start:span.start + span.num_tokens] = False
-    if isinstance(strategy, LegoLink):
-        for span in spans[1:]:
-            selected[span.start:span.start + min(strategy.k, span.num_tokens)] = True
-    selected[-1] = True  # the last token always runs: its hidden state gives the logits
-    return selected
+Probe = Callable[[], torch.Tensor]   # stage one of QueryAware: relevance of each reused token
+
+
+class Selection:
+    """Decides which tokens a fused prefill computes at each layer.
+
+    :meth:`first` gives the tokens computed from layer 0 on. At each layer of
+    ``check_layers``, once that layer's fresh K/V are known, :meth:`refine` may narrow the
+    set (never widen it: a token dropped once has no hidden state to continue from).
+    A selection is also accepted wherever a strategy is, so benchmarks can try their own.
+    """
+
+    name = "selection"
+    check_layers: frozenset[int] = frozenset()
+
+    def selection(self) -> "Selection":
+        return self
+
+    def first(self, prompt: FusionPrompt, probe: Probe) -> torch.Tensor:
+        """Bool [N]: the tokens computed from layer 0. ``probe()`` runs the question
+        alone over the cached chunks and returns each reused token's relevance (costly:
+        call it only when needed)."""
+        raise NotImplementedError
+
+    def refine(self, prompt: FusionPrompt, step: CheckStep) -> torch.Tensor:
+        """Bool [N]: the tokens that go on after ``step.layer`` (a subset of ``step.positions``)."""
+        raise NotImplementedError
+
+
+class EveryToken(Selection):
+    """A normal prefill: every token at every layer."""
+
+    def first(self, prompt, probe):
+        return torch.ones(prompt.num_tokens, dtype=torch.bool, device=prompt.reused_pos.device)
+
+
+class UncachedTokens(Selection):
+    """Only the tokens without a cache, plus the first ``head`` tokens of every chunk but the first."""
+
+    def __init__(self, head: int = 0):
+        self.head = head
+
+    def first(self, prompt, probe):
+        chosen = [torch.arange(s.start, s.start + min(self.head, s.num_tokens)) for s in prompt.spans[1:]]
+        chosen = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+        return prompt.with_reused(chosen.to(prompt.reused_pos.device))
+
+
+def kv_deviation(kind: str, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                 cached: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance between fresh and cached K (before RoPE) and/or V.
+
+    ``fresh_k``/``fresh_v`` are ``[kv_heads, tokens, head_dim]`` for the candidate tokens;
+    ``rows`` are those tokens' indices into the reused tokens, whose cached K/V are the
+    concatenation of ``cached`` (one pair per span). ``"key_value"`` adds the two distances,
+    each divided by its mean over the candidates, since K and V live on different scales.
+    """
+    def distance(fresh: torch.Tensor, which: int) -> torch.Tensor:
+        old = torch.cat([pair[which] for pair in cached], dim=1)[:, rows].to(fresh.dtype)
+        return (fresh - old).pow(2).sum(dim=(0, 2))
+
+    if kind == "key":
+        return distance(fresh_k, 0)
+    if kind == "value":
+        return distance(fresh_v, 1)
+    dk, dv = distance(fresh_k, 0), distance(fresh_v, 1)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+
+
+# score(rows, fresh_k, fresh_v, cached) -> one score per candidate (higher = keep)
+Score = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list], torch.Tensor]
+
+
+class TopScoreSelection(Selection):
+    """CacheBlend's selection: every token up to the first check layer; at each check layer,
+    keep the reused tokens with the highest ``score`` (``ratio`` of all reused tokens).
+
+    ``schedule`` maps check layers to ratios. ``score`` is the name of a K/V deviation
+    (see :func:`kv_deviation`) or any function ``(rows, fresh_k, fresh_v, cached) ->
+    scores``, where ``rows`` index the candidates among the prompt's reused tokens.
+    """
+
+    name = "cacheblend"
+
+    def __init__(self, schedule: dict[int, float], score: str | Score = "value"):
+        self.schedule = dict(schedule)
+        self.check_layers = frozenset(self.schedule)
+        if isinstance(score, str):
+            kind = score
+            score = lambda rows, k, v, cached: kv_deviation(kind, k, v, cached, rows)  # noqa: E731
+        self.score = score
+
+    def first(self, prompt, probe):
+        return torch.ones(prompt.num_tokens, dtype=torch.bool, device=prompt.reused_pos.device)
+
+    def refine(self, prompt, step):
+        selected_reused = prompt.reused.to(step.positions.device)[step.positions]
+        candidates = step.positions[selected_reused]
+        rows = torch.searchsorted(prompt.reused_pos, candidates)
+        scores = self.score(rows, step.fresh_k[:, selected_reused], step.fresh_v[:, selected_reused], step.cached)
+        keep = math.ceil(self.schedule[step.layer] * prompt.num_reused - 1e-9)
+        if keep < candidates.numel():
+            candidates = candidates[torch.topk(scores, keep, sorted=False).indices]
+        return prompt.with_reused(candidates)
+
+
+class QuestionAttention(Selection):
+    """QueryAware's selection: computed from layer 0 are the tokens without a cache and the
+    reused tokens the question attends to most (``ratio`` of the reused tokens).
+
+    With ``whole_chunks``, chunks are taken whole in order of the question's total attention
+    while they fit the budget; what remains of it goes to the most attended single tokens.
+    """
+
+    name = "query_aware"
+
+    def __init__(self, ratio: float, whole_chunks: bool = False):
+        self.ratio, self.whole_chunks = ratio, whole_chunks
+
+    def first(self, prompt, probe):
+        budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
+        if budget == 0:
+            return prompt.with_reused(prompt.reused_pos[:0])
+        relevance = probe()
+        chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
+        if self.whole_chunks:
+            per_chunk = torch.zeros(len(prompt.spans), device=relevance.device).index_add_(
+                0, prompt.chunk_of, relevance)
+            for chunk in torch.argsort(per_chunk, descending=True).tolist():
+                members = prompt.chunk_of == chunk
+                if int(chosen.sum() + members.sum()) > budget:
+                    break
+                chosen |= members
+        remaining = budget - int(chosen.sum())
+        if remaining > 0:
+            rest = relevance.masked_fill(chosen, float("-inf"))
+            chosen[torch.topk(rest, remaining, sorted=False).indices] = True
+        return prompt.with_reused(prompt.reused_pos[chosen])
+
+
+# ---------------------------------------------------------------------------- attention
 
 
 def _causal_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor:
@@ -236,129 +474,150 @@ def _attend(adapter: ModelAdapter, q, k, v, plan: list[_QueryGroup]) -> torch.Te
     return torch.cat([adapter.attention(q[:, g.rows], k[:, g.keys], v[:, g.keys], g.mask) for g in plan])
 
 
-def _keep_top_deviation(deviation: torch.Tensor, candidates: torch.Tensor, keep: int) -> torch.Tensor:
-    """Positions of the ``keep`` candidates with the largest deviation."""
-    if keep >= candidates.numel():
-        return candidates
-    top = torch.topk(deviation, keep, sorted=False).indices
-    return candidates[top]
+def attention_weights(adapter: ModelAdapter, q: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor,
+                      window: int | None) -> torch.Tensor:
+    """Softmax attention ``[heads, queries, keys]`` of (rotated) ``q`` over (rotated) ``keys``."""
+    group = adapter.shape.num_heads // adapter.shape.num_kv_heads
+    k = keys.repeat_interleave(group, dim=0).to(q.dtype)
+    scores = (q @ k.transpose(1, 2)).float() * adapter.scaling
+    scores.masked_fill_(~_causal_mask(query_pos, keys.shape[1], window), float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
-def kv_deviation(kind: str, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
-                 cached: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
-    """Per-token squared L2 distance between fresh and cached K (before RoPE) and/or V.
+# ---------------------------------------------------------------------------- the fused prefill
 
-    ``fresh_k``/``fresh_v`` are ``[kv_heads, tokens, head_dim]`` for the candidate tokens;
-    ``rows`` are those tokens' indices into the reused tokens, whose cached K/V are the
-    concatenation of ``cached`` (one pair per span). ``"key_value"`` adds the two distances,
-    each divided by its mean over the candidates, since K and V live on different scales.
-    """
-    def distance(fresh: torch.Tensor, which: int) -> torch.Tensor:
-        old = torch.cat([pair[which] for pair in cached], dim=1)[:, rows].to(fresh.dtype)
-        return (fresh - old).pow(2).sum(dim=(0, 2))
 
-    if kind == "key":
-        return distance(fresh_k, 0)
-    if kind == "value":
-        return distance(fresh_v, 1)
-    dk, dv = distance(fresh_k, 0), distance(fresh_v, 1)
-    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+class _KeptLayers(LayerSource):
+    """Remembers every layer read from ``source``, so a second walk does not read again."""
+
+    def __init__(self, source: LayerSource):
+        self.source, self.kept = source, {}
+
+    def prepare(self, layers):
+        self.source.prepare([i for i in layers if i not in self.kept])
+
+    def layer(self, index):
+        if index not in self.kept:
+            self.kept[index] = self.source.layer(index)
+        return self.kept[index]
 
 
 @torch.inference_mode()
 def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[ReusedSpan],
-                  source: LayerSource | None, strategy: Strategy) -> FusedPrefill:
-    """Prefill ``token_ids`` reusing cached KV for ``spans`` as ``strategy`` says.
-
-    With no spans (or :class:`FullRecompute`) this is an ordinary causal prefill.
-    """
+                  source: LayerSource | None, strategy) -> FusedPrefill:
+    """Prefill ``token_ids`` reusing cached KV for ``spans`` as ``strategy`` (or a
+    :class:`Selection`) says. With no spans (or :class:`FullRecompute`) this is an
+    ordinary causal prefill."""
     t0 = time.perf_counter()
-    device = adapter.device
-    n = len(token_ids)
-    ids = torch.tensor(token_ids, device=device)
-    if isinstance(strategy, FullRecompute):
+    selection = strategy.selection()
+    if isinstance(selection, EveryToken):
         spans = []
-    reused = torch.zeros(n, dtype=torch.bool)
-    for span in spans:
-        reused[span.start:span.start + span.num_tokens] = True
-    reused_pos = reused.nonzero().squeeze(1).to(device)
-    num_reused = reused_pos.numel()
-    schedule = strategy.schedule() if isinstance(strategy, CacheBlend) and num_reused else {}
+    prompt = FusionPrompt.build(len(token_ids), spans, adapter.device)
+    ids = torch.tensor(token_ids, device=adapter.device)
+    cos, sin = adapter.rope_tables(prompt.num_tokens)
+    layers = _KeptLayers(source) if prompt.num_reused else None
+    probe_runs = []
 
-    selected = initial_selection(strategy, n, spans).to(device)
+    def probe() -> torch.Tensor:
+        # Stage one: the question reads the cached chunks as they are (FullReuse), and its
+        # attention to each reused token, summed over layers, says what matters to it.
+        relevance = torch.zeros(prompt.num_reused, device=adapter.device)
+        run = _walk(adapter, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
+                    None, cos, sin, observe=_question_attention(adapter, prompt, relevance))
+        probe_runs.append(run)
+        return relevance
+
+    selected = selection.first(prompt, probe) if prompt.num_reused else torch.ones(
+        prompt.num_tokens, dtype=torch.bool, device=adapter.device)
+    fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
+                  selection, cos, sin)
+    fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
+    fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
+    fused.compute_s = time.perf_counter() - t0 - fused.load_wait_s
+    return fused
+
+
+def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor):
+    """An observer for :func:`_walk` that adds, at every layer, the question's attention to
+    each reused token (mean over heads and question tokens, each layer normalised to sum 1)."""
+    start = prompt.question_start
+
+    def observe(layer: int, q: torch.Tensor, layer_k: torch.Tensor, positions: torch.Tensor) -> None:
+        rows = positions >= start
+        if not rows.any():
+            return
+        weights = attention_weights(adapter, q[:, rows], layer_k, positions[rows], adapter.window(layer))
+        on_reused = weights.mean(dim=(0, 1))[prompt.reused_pos]
+        relevance.add_(on_reused / on_reused.sum().clamp_min(1e-12))
+
+    return observe
+
+
+def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers: LayerSource | None,
+          selected: torch.Tensor, check_layers, selection: Selection | None, cos, sin,
+          observe=None) -> FusedPrefill:
+    """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers)."""
+    n, shape, device = prompt.num_tokens, adapter.shape, adapter.device
     sel_pos = selected.nonzero().squeeze(1)
-    if num_reused:
-        first = min(schedule) if schedule else (0 if sel_pos.numel() < n else adapter.shape.num_layers)
-        source.prepare(list(range(first, adapter.shape.num_layers)))
-    cos, sin = adapter.rope_tables(n)
+    if prompt.num_reused:
+        first = min(check_layers) if check_layers and sel_pos.numel() == n else 0
+        layers.prepare(list(range(first, shape.num_layers)))
     hidden = adapter.embed(ids[sel_pos])
-    shape = adapter.shape
-    keys, values, layer_selected = [], [], []
+    keys, values, layer_positions = [], [], []
     plans: dict[int | None, list[_QueryGroup]] = {}
     load_wait = 0.0
-
     last_layer = shape.num_layers - 1
     for layer in range(shape.num_layers):
+        # 1. K/V of this layer: fresh for the selected tokens, cached (rotated) for the rest.
         x = adapter.attn_input(layer, hidden)
         k_raw, v = adapter.kv(layer, x)
         k = adapter.rope(k_raw, cos[sel_pos], sin[sel_pos])
         all_selected = sel_pos.numel() == n
-        if num_reused and (not all_selected or layer in schedule):
+        if prompt.num_reused and (not all_selected or layer in check_layers):
             t_wait = time.perf_counter()
-            cached = source.layer(layer)
+            cached = layers.layer(layer)
             load_wait += time.perf_counter() - t_wait
         if all_selected:
-            layer_k, layer_v = k, v  # every token is fresh at this layer
+            layer_k, layer_v = k, v
         else:
-            # Cached K/V go in span by span (K rotated to where the chunk now sits), then
-            # the fresh K/V of the selected tokens overwrite their positions.
             layer_k = torch.empty(shape.num_kv_heads, n, shape.head_dim, dtype=k.dtype, device=device)
             layer_v = torch.empty_like(layer_k)
-            for span, (cached_k, cached_v) in zip(spans, cached):
+            for span, (cached_k, cached_v) in zip(prompt.spans, cached):
                 where = slice(span.start, span.start + span.num_tokens)
                 layer_k[:, where] = adapter.rope(cached_k.to(k.dtype), cos[where], sin[where])
                 layer_v[:, where] = cached_v
             layer_k[:, sel_pos], layer_v[:, sel_pos] = k, v
         keys.append(layer_k)
         values.append(layer_v)
-        layer_selected.append(sel_pos.numel())
-        final_pos = sel_pos  # tokens whose K/V this layer computed fresh
+        layer_positions.append(sel_pos)
 
-        if layer in schedule:
-            # Score the selected reused tokens by how far their fresh K/V are from the cached ones.
-            cand = reused[sel_pos.cpu()].to(device)
-            cand_pos = sel_pos[cand]
-            reused_rank = torch.searchsorted(reused_pos, cand_pos)
-            deviation = kv_deviation(strategy.deviation, k_raw[:, cand], v[:, cand], cached, reused_rank)
-            keep = math.ceil(schedule[layer] * num_reused - 1e-9)
-            kept = _keep_top_deviation(deviation, cand_pos, keep)
-            new_selected = ~reused.to(device)
-            new_selected[kept] = True
-            new_selected[-1] = True
-            rows = new_selected[sel_pos]  # which of the current rows stay
+        # 2. Selection: at a check layer, the strategy narrows the tokens that go on.
+        if layer in check_layers:
+            step = CheckStep(layer, sel_pos, k_raw, v, cached)
+            rows = selection.refine(prompt, step)[sel_pos]
             sel_pos, x, hidden = sel_pos[rows], x[rows], hidden[rows]
-            plans.clear()  # the selection changed
-
+            plans.clear()
         if layer == last_layer:
             # Only the last token's output is used (for the logits); every selected token's
             # K/V of this layer is already in the cache above.
             sel_pos, x, hidden = sel_pos[-1:], x[-1:], hidden[-1:]
             plans.clear()
 
+        # 3. Attention over the assembled K/V, then the MLP.
         window = adapter.window(layer)
         if window not in plans:
             plans[window] = attention_plan(sel_pos, n, window, x.dtype)
         q = adapter.rope(adapter.q(layer, x), cos[sel_pos], sin[sel_pos])
+        if observe is not None:
+            observe(layer, q, layer_k, sel_pos)
         attn = _attend(adapter, q, layer_k, layer_v, plans[window])
         hidden = adapter.finish(layer, hidden, attn)
 
     logits = adapter.logits(hidden[-1:])[0]
     recomputed = torch.zeros(n, dtype=torch.bool)
-    recomputed[final_pos.cpu()] = True
-    return FusedPrefill(
-        logits=logits.float(), keys=keys, values=values, recomputed=recomputed,
-        compute_s=time.perf_counter() - t0 - load_wait, layer_selected=layer_selected,
-    )
+    recomputed[layer_positions[-1].cpu()] = True
+    return FusedPrefill(logits=logits.float(), keys=keys, values=values, recomputed=recomputed,
+                        layer_positions=layer_positions, load_wait_s=load_wait)
 
 
 @torch.inference_mode()

@@ -1,0 +1,129 @@
+"""The fused prefill at any ratio equals a plain dense computation with the same selection.
+
+For the tokens the engine selected at each layer, a dense reference built from the model's
+own modules (every token computed at every layer, then the K/V of the tokens *not* selected
+at that layer replaced by their cached K/V) must give the fused logits and the fused K/V of
+the selected tokens. This rules out the classic bug of selection indices computed on one
+slice and applied to another, which shows up only between ratio 0 and 1.
+"""
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ragblend import CacheBlend, QueryAware
+from ragblend.core.fusion import ReusedSpan, fused_prefill
+from ragblend.core.pipeline import SequentialSource
+
+from .conftest import PASSAGES, make_tiny_engine
+
+STRATEGIES = [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), CacheBlend(0.3, gradual=((3, 0.1),)),
+              QueryAware(0.05), QueryAware(0.3), QueryAware(0.7)]
+
+
+def flat_prompt(passages):
+    """Chunks out of order, one of them twice, and the second half of another (a partial chunk)."""
+    words = passages[3].split()
+    return "\n\n".join([passages[2], passages[0], passages[2], " ".join(words[len(words) // 2:]),
+                        "Question: who ran the ferry?"])
+
+
+def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, dtype=torch.float32):
+    """Logits and per-layer K (after RoPE) / V of a dense pass in which, at each layer, only
+    the tokens in ``layer_positions[layer]`` keep their fresh K/V; every other token's K/V
+    is its cached one (``cached_k``/``cached_v``: per layer ``[kv_heads, N, dim]``, K before RoPE)."""
+    base, n = hf_model.model, len(token_ids)
+    ids = torch.tensor([token_ids])
+    hidden = base.embed_tokens(ids)
+    cos, sin = base.rotary_emb(hidden, torch.arange(n)[None])
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    keys, values = [], []
+    for layer_index, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (1, n, -1, attn.head_dim)
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        stale = torch.ones(n, dtype=torch.bool)
+        stale[layer_positions[layer_index]] = False
+        k[0][:, stale] = cached_k[layer_index][:, stale].to(dtype)
+        v[0][:, stale] = cached_v[layer_index][:, stale].to(dtype)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k[0].clone())
+        values.append(v[0].clone())
+        group = q.shape[1] // k.shape[1]
+        k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k_all.transpose(-1, -2)) * attn.scaling
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out = (weights @ v_all).transpose(1, 2).reshape(1, n, -1)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hf_model.lm_head(base.norm(hidden[:, -1]))[0], keys, values
+
+
+def check_against_reference(engine, prompt_text, strategy, atol=1e-4):
+    layout = engine.find_chunks(prompt_text, system="Answer briefly.")
+    assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
+    assert len({s.token_ids for s in layout.chunk_spans}) < len(layout.chunk_spans), "no repeated chunk"
+    entries = [engine.store.get(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
+    spans = [ReusedSpan(s.start, s.end - s.start, s.offset) for s in layout.chunk_spans]
+    windows = [slice(s.offset, s.offset + s.end - s.start) for s in layout.chunk_spans]
+    readers = [engine.store.open(e.key) for e in entries]
+    fused = fused_prefill(engine.adapter, layout.token_ids, spans, SequentialSource(readers, windows=windows), strategy)
+
+    n, layers = len(layout.token_ids), engine.adapter.shape.num_layers
+    shape = engine.adapter.shape
+    cached_k = [torch.zeros(shape.num_kv_heads, n, shape.head_dim) for _ in range(layers)]
+    cached_v = [torch.zeros(shape.num_kv_heads, n, shape.head_dim) for _ in range(layers)]
+    for span, window, entry in zip(spans, windows, entries):
+        where = slice(span.start, span.start + span.num_tokens)
+        for layer in range(layers):
+            cached_k[layer][:, where] = entry.keys[layer][:, window].float()
+            cached_v[layer][:, where] = entry.values[layer][:, window].float()
+    with torch.inference_mode():
+        logits, keys, values = dense_reference(engine.hf_model, layout.token_ids, fused.layer_positions,
+                                               cached_k, cached_v)
+    selected_somewhere = 0
+    for layer, positions in enumerate(fused.layer_positions):
+        assert (fused.keys[layer][:, positions] - keys[layer][:, positions]).abs().max() <= atol
+        assert (fused.values[layer][:, positions] - values[layer][:, positions]).abs().max() <= atol
+        selected_somewhere += positions.numel()
+    assert (fused.logits - logits.float()).abs().max() <= atol
+    # The selection really is partial: neither every token nor only the uncached ones.
+    reused = sum(sp.num_tokens for sp in spans)
+    assert (n - reused) * layers < selected_somewhere < n * layers
+    return fused
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+def test_fused_prefill_matches_dense_reference_tiny(arch, strategy, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")
+    chunks = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]  # long enough to match in part
+    engine.precompute(chunks)
+    check_against_reference(engine, flat_prompt(chunks), strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), QueryAware(0.3)], ids=repr)
+def test_fused_prefill_matches_dense_reference_smollm2(smol_engine, bench_prompt, strategy):
+    chunks, _ = bench_prompt
+    smol_engine.precompute(chunks[:4])
+    check_against_reference(smol_engine, flat_prompt(chunks[:4]), strategy)
+
+
+@pytest.mark.slow
+def test_fused_prefill_matches_dense_reference_qwen(bench_prompt):
+    from ragblend import BlendEngine
+    from ragblend.core.model import cache_dir
+
+    gguf = cache_dir() / "models" / "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf"
+    if not gguf.exists():
+        pytest.skip(f"Qwen2.5 not assembled ({gguf}); run `python -m benchmarks.models qwen2.5-0.5b`")
+    engine = BlendEngine.from_pretrained(str(gguf), kv_dir=False)
+    chunks, _ = bench_prompt
+    engine.precompute(chunks[:4])
+    for strategy in (CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), QueryAware(0.3)):
+        check_against_reference(engine, flat_prompt(chunks[:4]), strategy)
