@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend.core.calibration import first_token_kl
 from ragblend.core.controller import drop_page_cache
 from ragblend.core.store import DiskStore, MemoryStore
 from ragblend.data import load_sample
@@ -42,11 +43,6 @@ STRATEGIES = {
     "LegoLink(16)": LegoLink(16),
     "FullReuse": FullReuse(),
 }
-
-
-def first_token_kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
-    return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(ref, -1),
-                                      log_target=True, reduction="sum").item()
 
 
 def cold_start_load_s() -> tuple[float, float]:

@@ -25,8 +25,10 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
+from .calibration import UNCALIBRATED, Calibration, calibrate, load_calibration, save_calibration
 from .errors import InvalidInputError, PromptTooLongError
-from .fusion import CacheBlend, FullRecompute, ReusedSpan, Strategy, check_strategy, fused_prefill, isolated_kv
+from .fusion import (CacheBlend, FullRecompute, QueryAware, ReusedSpan, Strategy, check_strategy, fused_prefill,
+                     isolated_kv)
 from .generate import Decoding, SamplingParams, build_cache
 from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
@@ -58,6 +60,7 @@ class Stats:
     generated_tokens: int = 0
     decode_s: float = 0.0
     finish_reason: str | None = None
+    strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
 
     @property
     def recompute_fraction(self) -> float:
@@ -141,11 +144,15 @@ class BlendEngine:
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)
         self.store = store if store is not None else MemoryStore()
-        self.strategy = check_strategy(strategy or CacheBlend(), self.adapter.shape.num_layers)
         self.prompts = PromptBuilder(tokenizer, separator=separator, use_chat_template=use_chat_template)
         self.sink_ids = (self.prompts.tokenize(sink_prefix) if sink_prefix is not None
                          else self.prompts.sink_ids())
         self.fingerprint = self.adapter.fingerprint(tokenizer)
+        self.calibration: Calibration | None = load_calibration(self.fingerprint)
+        self._default_strategy = strategy is None
+        if strategy is None:
+            strategy = self.calibration.strategy if self.calibration else UNCALIBRATED
+        self.strategy = check_strategy(strategy, self.adapter.shape.num_layers)
         self.kv_dtype = _storage_dtype(kv_dtype)
         self.prefetch = prefetch
         self.write_back = write_back
@@ -318,6 +325,28 @@ class BlendEngine:
         for future in pending:
             future.result()
 
+    def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True) -> Calibration:
+        """Measure which recompute ratio keeps this model within its own order noise (once
+        per model, ~1 min for SmolLM2 and ~5 min for Qwen2.5-0.5B on a 2-core CPU; see
+        :mod:`ragblend.core.calibration`). The result is stored (``save``) and becomes this
+        engine's strategy unless one was passed explicitly; later engines of the same model
+        load it. ``prompts``: your own ``(chunks, question)`` pairs instead of the built-in ones."""
+        result = calibrate(self, prompts, progress=progress)
+        if save:
+            save_calibration(result)
+        self.calibration = result
+        if self._default_strategy:
+            self.strategy = result.strategy
+        return result
+
+    def _strategy_reason(self, strategy) -> str:
+        if strategy != self.strategy or not self._default_strategy:
+            return "chosen by the caller"
+        if self.calibration is not None:
+            return self.calibration.reason
+        return ("default for an uncalibrated model: a ratio that stayed within the order noise on every "
+                "benchmark set; run engine.calibrate() to find this model's cheapest safe ratio")
+
     def _in_background(self, fn, *args) -> None:
         """Run a store write off the TTFT path; a failure is kept for :meth:`flush`."""
         with self._writes_lock:
@@ -354,7 +383,7 @@ class BlendEngine:
             raise PromptTooLongError(
                 f"The prompt has {n} tokens but the model's context window is {self.context_window}; "
                 "pass fewer or shorter chunks.")
-        stats = Stats(prompt_tokens=n, strategy=strategy.name)
+        stats = Stats(prompt_tokens=n, strategy=strategy.name, strategy_reason=self._strategy_reason(strategy))
         computed: dict[str, ChunkKV] = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per chunk.

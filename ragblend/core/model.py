@@ -296,7 +296,9 @@ class ModelAdapter:
         contributes its shape and a strided sample of its values.
         """
         h = hashlib.sha256()
-        h.update(self.hf_model.config.to_json_string(use_diff=False).encode())
+        config = json.loads(self.hf_model.config.to_json_string(use_diff=False))
+        config.pop("_name_or_path", None)  # where the model was loaded from is not what it is
+        h.update(json.dumps(config, sort_keys=True).encode())
         h.update(str(self.dtype).encode())
         for name, param in self.hf_model.state_dict().items():
             flat = param.detach().reshape(-1)

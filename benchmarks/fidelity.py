@@ -1,0 +1,135 @@
+"""Fidelity of the fused prefill against the model's own order noise, per strategy and budget.
+
+For every prompt: a full prefill (the reference), a full prefill of the same chunks in reversed
+order (the order noise: how far the model itself moves when nothing but the chunk order
+changes), and each strategy. Per strategy it reports the compute used (token-layers computed,
+as a share of a full prefill's, choosing included), first-token KL to the reference (mean and
+median), and ROUGE-L of the greedy answer against the reference's. A strategy whose numbers
+stay within the order noise answers like a full prefill.
+
+Prompt sets: ``fidelity`` (the project's 6 ~500-token passages, rotated, ~3.1k tokens),
+``squad`` (SQuAD v1.1 dev, 6 paragraphs, ~1k tokens) and ``musique`` (the CacheBlend paper's
+workload: 10 passages, ~5.5k tokens; read from ``--musique-file``, skipped when absent).
+
+    python -m benchmarks.fidelity --models smollm2 --sets fidelity:3 squad:32
+    python -m benchmarks.fidelity --device cuda --sets fidelity:6 squad:48 musique:16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
+
+from .models import MODELS, model_path
+from .run import SYSTEM, Prompt, command_line, fidelity_prompts, rouge_l, squad_prompts, write_report
+from .ttft import first_token_kl
+
+VARIANTS = {
+    "FullReuse": FullReuse(),
+    "CacheBlend(0.15)": CacheBlend(0.15),
+    "CacheBlend(0.30)": CacheBlend(0.30),
+    "CacheBlend(0.50)": CacheBlend(0.50),
+    "QueryAware(0.10)": QueryAware(0.10),
+    "QueryAware(0.15)": QueryAware(0.15),
+    "QueryAware(0.20)": QueryAware(0.20),
+    "QueryAware(0.30)": QueryAware(0.30),
+    "QueryAware(0.50)": QueryAware(0.50),
+    "QueryAware(0.15, whole chunks)": QueryAware(0.15, whole_chunks=True),
+}
+NOISE = "order noise (full prefill, chunks reversed)"
+MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"
+
+
+def musique_prompts(n: int, path: Path = MUSIQUE) -> list[Prompt]:
+    if n == 0 or not path.exists():
+        return []
+    items = json.loads(path.read_text())[:n]
+    return [Prompt([f"{c['title']}\n{c['text']}" for c in item["ctxs"]],
+                   f"Question: {item['question']} Answer with a few words.", item["answers"]) for item in items]
+
+
+def prompt_sets(spec: list[str], musique_file: Path) -> dict[str, list[Prompt]]:
+    sets = {}
+    for item in spec:
+        name, _, count = item.partition(":")
+        n = int(count or 8)
+        sets[name] = {"fidelity": fidelity_prompts, "squad": squad_prompts,
+                      "musique": lambda k: musique_prompts(k, musique_file)}[name](n)
+    return sets
+
+
+def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int) -> dict:
+    """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included."""
+    engine.precompute(prompt.chunks)
+    segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
+    reversed_segments = [Chunk(c) for c in reversed(prompt.chunks)] + [prompt.question]
+
+    def run(strategy, segs=segments):
+        if greedy_tokens:
+            out = engine.generate(segs, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
+            return out.logits, out.stats, out.text
+        pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
+        return pre.logits, pre.stats, ""
+
+    ref_logits, _, ref_text = run(FullRecompute())
+    rows = {}
+    for name, strategy in [*variants.items(), (NOISE, FullRecompute())]:
+        logits, stats, text = run(strategy, reversed_segments if name == NOISE else segments)
+        rows[name] = {"kl": first_token_kl(ref_logits, logits), "rouge": rouge_l(text, ref_text),
+                      "compute": stats.compute_fraction, "same_first": float(logits.argmax() == ref_logits.argmax())}
+    return rows
+
+
+def table(results: list[dict], greedy_tokens: int) -> list[str]:
+    lines = ["| strategy | compute | KL mean | KL median | first token same | ROUGE-L vs full |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name in results[0]:
+        col = {k: [r[name][k] for r in results] for k in results[0][name]}
+        rouge = f"{statistics.mean(col['rouge']):.2f}" if greedy_tokens else "-"
+        lines.append(f"| {name} | {statistics.mean(col['compute']):.1%} | {statistics.mean(col['kl']):.4f} | "
+                     f"{statistics.median(col['kl']):.4f} | {statistics.mean(col['same_first']):.0%} | {rouge} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--sets", nargs="+", default=["fidelity:3", "squad:32"],
+                        help="prompt sets as NAME:COUNT (fidelity, squad, musique)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="strategies by their table name")
+    parser.add_argument("--greedy-tokens", type=int, default=32, help="answer length for ROUGE-L (0: KL only)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
+    parser.add_argument("--out", default="docs")
+    parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
+    args = parser.parse_args(argv)
+    variants = {name: VARIANTS[name] for name in args.variants}
+    t0 = time.perf_counter()
+    lines, raw = [], {}
+    for model in args.models:
+        engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device)
+        for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
+            if not prompts:
+                continue
+            results = []
+            for i, prompt in enumerate(prompts):
+                results.append(measure(engine, prompt, variants, args.greedy_tokens))
+                print(f"[{model}/{set_name}] {i + 1}/{len(prompts)}", flush=True)
+            raw[f"{model}/{set_name}"] = results
+            lines += [f"## {model}: {set_name} ({len(prompts)} prompts)", "", *table(results, args.greedy_tokens), ""]
+            print("\n".join(lines[-len(results[0]) - 4:]), flush=True)
+            # Written after each set, so a long run that is stopped keeps what it measured.
+            write_report(args.out, "fidelity-run.md", "Fidelity against order noise",
+                         command_line("benchmarks.fidelity", argv), time.perf_counter() - t0, lines)
+            if args.json:
+                args.json.write_text(json.dumps(raw))
+        del engine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Calibration: the recompute budget that keeps one model's fused prefill within its order noise.
+
+A model moves its own answer when nothing but the order of the retrieved chunks changes
+(full prefill, chunks reversed): that *order noise* is the yardstick. Fusion that stays
+within it answers as well as a full prefill. How much recompute that takes depends on the
+model (SmolLM2 needs less than Qwen2.5), so :func:`calibrate` measures it once per model on
+built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
+
+1. the order noise: first-token KL between the full prefills of each prompt's chunks in
+   order and reversed (mean and median over the prompts);
+2. the same KL for :class:`~ragblend.core.fusion.QueryAware` at each ratio of
+   :data:`LADDER`, cheapest first;
+3. the choice: the cheapest ratio whose mean *and* median KL stay within the noise (or the
+   most faithful one tried, said so, when none does).
+
+The result is a small JSON file under ``<cache>/calibration/`` named by the model's
+fingerprint. An engine built without an explicit strategy uses it; a model without one
+gets :data:`UNCALIBRATED`, a ratio that stayed within the noise on every benchmark set of
+both benchmark models (``docs/benchmarks.md``). A file that is unreadable, for another
+model or of another format version is ignored (and logged), never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import RagblendError
+from .fusion import FullRecompute, QueryAware
+from .model import cache_dir
+
+log = logging.getLogger("ragblend")
+
+CALIBRATION_FORMAT = 1
+LADDER = (0.15, 0.2, 0.3, 0.5)        # QueryAware ratios tried, cheapest first
+UNCALIBRATED = QueryAware(0.3)        # within the order noise on every benchmark set, both models
+MAX_FILE_BYTES = 1 << 16
+
+
+class CalibrationError(RagblendError, RuntimeError):
+    """Calibration could not run on this model."""
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate` measured and chose for one model."""
+
+    fingerprint: str
+    ratio: float                      # the chosen QueryAware ratio
+    within_noise: bool                # False: no ratio tried stayed within the noise
+    order_noise_kl: tuple[float, float]           # (mean, median) over the prompts
+    chosen_kl: tuple[float, float]
+    tried: list[dict] = field(default_factory=list)   # {"ratio", "kl_mean", "kl_median", "compute"}
+    prompts: int = 0
+    seconds: float = 0.0
+    format: int = CALIBRATION_FORMAT
+
+    @property
+    def strategy(self) -> QueryAware:
+        return QueryAware(self.ratio)
+
+    @property
+    def reason(self) -> str:
+        noise = f"order noise KL {self.order_noise_kl[0]:.4f}/{self.order_noise_kl[1]:.4f} (mean/median)"
+        if self.within_noise:
+            return (f"calibrated: the cheapest ratio whose KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f} "
+                    f"stays within the model's {noise} on {self.prompts} built-in prompts")
+        return (f"calibrated: no ratio tried stayed within the model's {noise}; using the most faithful, "
+                f"KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f}")
+
+
+def calibration_file(fingerprint: str) -> Path:
+    return cache_dir() / "calibration" / f"{fingerprint[:32]}.json"
+
+
+def load_calibration(fingerprint: str) -> Calibration | None:
+    """The stored calibration of the model with this fingerprint, or None (missing, or
+    ignored because it is unreadable, foreign or of another format: logged)."""
+    path = calibration_file(fingerprint)
+    try:
+        if not path.is_file() or path.is_symlink():
+            return None
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError("file too large")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        calibration = _from_json(data)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        log.warning("ragblend: ignoring the calibration file %s (%s); run engine.calibrate() again.", path, err)
+        return None
+    if calibration.fingerprint != fingerprint:
+        log.warning("ragblend: ignoring the calibration file %s: it was made for another model.", path)
+        return None
+    return calibration
+
+
+def _from_json(data) -> Calibration:
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"format {data.get('format') if isinstance(data, dict) else None!r} "
+                         f"is not {CALIBRATION_FORMAT}")
+
+    def number(value, low=0.0, high=math.inf) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"bad value {value!r}")
+        return float(value)
+
+    def pair(value) -> tuple[float, float]:
+        if not isinstance(value, list) or len(value) != 2:
+            raise ValueError(f"bad pair {value!r}")
+        return number(value[0]), number(value[1])
+
+    if not isinstance(data["fingerprint"], str) or not isinstance(data["within_noise"], bool):
+        raise ValueError("bad fingerprint or within_noise")
+    ratio = number(data["ratio"], 0.0, 1.0)
+    if ratio == 0:
+        raise ValueError("ratio 0")
+    tried = data.get("tried", [])
+    if not isinstance(tried, list) or len(tried) > 64:
+        raise ValueError("bad tried list")
+    tried = [{k: number(row[k]) for k in ("ratio", "kl_mean", "kl_median", "compute")} for row in tried]
+    return Calibration(data["fingerprint"], ratio, data["within_noise"], pair(data["order_noise_kl"]),
+                       pair(data["chosen_kl"]), tried, int(number(data.get("prompts", 0), 0, 1e6)),
+                       number(data.get("seconds", 0.0)))
+
+
+def save_calibration(calibration: Calibration) -> Path:
+    path = calibration_file(calibration.fingerprint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(calibration), indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def builtin_prompts() -> list[tuple[list[str], str]]:
+    """``(chunks, question)`` pairs from the Lowenmark sample: six prompts of six single
+    paragraphs (~700 tokens, like a typical top-k retrieval) and two of the six whole
+    documents (~3k tokens) in rotated orders."""
+    from ragblend.data import load_sample
+
+    sample = load_sample()
+    paragraphs = [p.strip() for doc in sample["chunks"] for p in doc.split("\n\n") if p.strip()]
+    questions = [q["question"] for q in sample["demo"]] + [sample["question"]]
+    prompts = []
+    for i, question in enumerate(questions[:6]):
+        picks = [paragraphs[(5 * i + 7 * j) % len(paragraphs)] for j in range(6)]
+        prompts.append((list(dict.fromkeys(picks)), f"Question: {question} Answer briefly."))
+    documents = sample["chunks"]
+    for i in range(2):
+        prompts.append((documents[2 * i:] + documents[:2 * i], f"Question: {questions[i]} Answer briefly."))
+    return prompts
+
+
+def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, progress: bool = False) -> Calibration:
+    """Measure ``engine``'s model (see the module docstring). ``prompts`` replaces the
+    built-in ones with your own ``(chunks, question)`` pairs (at least two chunks each)."""
+    from .prompt import Chunk
+
+    t0 = time.perf_counter()
+    prompts = builtin_prompts() if prompts is None else list(prompts)
+    if not prompts or any(len(chunks) < 2 for chunks, _ in prompts):
+        raise CalibrationError("calibrate needs prompts of at least two chunks each, as (chunks, question) pairs.")
+    kl = first_token_kl
+    noise, fused = [], {ratio: [] for ratio in LADDER}
+    compute = {ratio: [] for ratio in LADDER}
+    items = prompts
+    if progress:
+        from tqdm.auto import tqdm
+        items = tqdm(prompts, desc="Calibrating", unit="prompt")
+    try:
+        for chunks, question in items:
+            engine.precompute(chunks)
+            segments = [Chunk(c) for c in chunks] + [question]
+            reference = engine.prefill(segments, strategy=FullRecompute()).logits
+            reordered = engine.prefill([Chunk(c) for c in reversed(chunks)] + [question], strategy=FullRecompute())
+            noise.append(kl(reference, reordered.logits))
+            for ratio in LADDER:
+                out = engine.prefill(segments, strategy=QueryAware(ratio))
+                fused[ratio].append(kl(reference, out.logits))
+                compute[ratio].append(out.stats.compute_fraction)
+    except RagblendError as err:
+        raise CalibrationError(f"calibration could not run on this model: {err}") from err
+    noise_kl = (statistics.mean(noise), statistics.median(noise))
+    tried = [{"ratio": r, "kl_mean": statistics.mean(fused[r]), "kl_median": statistics.median(fused[r]),
+              "compute": statistics.mean(compute[r])} for r in LADDER]
+    within = [row for row in tried if row["kl_mean"] <= noise_kl[0] and row["kl_median"] <= noise_kl[1]]
+    chosen = within[0] if within else min(tried, key=lambda row: row["kl_mean"])
+    return Calibration(engine.fingerprint, chosen["ratio"], bool(within), noise_kl,
+                       (chosen["kl_mean"], chosen["kl_median"]), tried, len(prompts), time.perf_counter() - t0)
+
+
+def first_token_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || fused) between the next-token distributions of two prefills."""
+    return torch.nn.functional.kl_div(torch.log_softmax(logits.float(), -1), torch.log_softmax(reference.float(), -1),
+                                      log_target=True, reduction="sum").item()

@@ -1,0 +1,128 @@
+"""Query-aware selection and calibration, on tiny random models."""
+
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
+from ragblend.core.calibration import (LADDER, UNCALIBRATED, CalibrationError, calibration_file, load_calibration)
+from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan
+
+from .conftest import PASSAGES, make_tiny_engine
+
+CHUNKS = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_question_attention_takes_the_most_attended_tokens():
+    spans = [ReusedSpan(2, 4), ReusedSpan(7, 3)]          # positions 2-5 and 7-9 are reused
+    prompt = FusionPrompt.build(12, spans, "cpu")
+    relevance = torch.tensor([0.1, 0.9, 0.2, 0.3, 0.8, 0.05, 0.4])
+    selected = QuestionAttention(3 / 7).first(prompt, lambda: relevance)
+    assert selected.nonzero().squeeze(1).tolist() == [0, 1, 3, 6, 7, 9, 10, 11]  # fresh + the top 3
+
+
+def test_whole_chunks_fill_the_budget_with_the_most_attended_chunk_first():
+    spans = [ReusedSpan(0, 4), ReusedSpan(4, 3)]
+    prompt = FusionPrompt.build(9, spans, "cpu")
+    relevance = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.25])  # totals: chunk 0 0.4, chunk 1 0.75
+    selected = QuestionAttention(5 / 7, whole_chunks=True).first(prompt, lambda: relevance)
+    # chunk 1 (total 0.75) whole, then the budget's remaining 2 tokens from chunk 0
+    assert selected[4:7].all() and int(selected[:4].sum()) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_query_aware_counts_and_compute(arch, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer)
+    engine.precompute(CHUNKS)
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    pre = engine.prefill(segments, strategy=QueryAware(0.25))
+    reused = sum(len(engine.prompts.tokenize(c)) for c in CHUNKS[:3])
+    fresh = pre.stats.prompt_tokens - reused
+    assert pre.stats.recomputed_tokens == fresh + math.ceil(0.25 * reused - 1e-9)
+    layers = engine.adapter.shape.num_layers
+    # The question pass (fresh tokens at every layer) plus the second pass (fresh + chosen tokens).
+    expected = layers * fresh + layers * pre.stats.recomputed_tokens
+    assert pre.stats.compute_fraction == pytest.approx(expected / (layers * pre.stats.prompt_tokens))
+    full = engine.prefill(segments, strategy=FullRecompute())
+    assert (engine.prefill(segments, strategy=QueryAware(1.0)).logits - full.logits).abs().max() <= 1e-4
+
+
+def test_the_question_decides_what_is_recomputed(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(CHUNKS)
+    chosen = [engine.prefill([Chunk(c) for c in CHUNKS] + [question], strategy=QueryAware(0.2)).recomputed
+              for question in ("Question: who ran the ferry?", "Which bridge was replaced, and by whom?")]
+    assert not torch.equal(chosen[0][:60], chosen[1][:60])
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+def prompts():
+    return [(CHUNKS[:3], "Question: who ran the ferry?"), (CHUNKS[1:], "Question: when was the light lit?"),
+            (CHUNKS[::-1], "What did the council vote for?")]
+
+
+def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer)
+    assert engine.calibration is None and engine.strategy == UNCALIBRATED
+    assert "uncalibrated" in engine.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+    result = engine.calibrate(prompts(), progress=False)
+    assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER)
+    noise_mean, noise_median = result.order_noise_kl
+    if result.within_noise:  # the cheapest ratio within the noise
+        assert result.chosen_kl[0] <= noise_mean and result.chosen_kl[1] <= noise_median
+        cheaper = [row for row in result.tried if row["ratio"] < result.ratio]
+        assert all(row["kl_mean"] > noise_mean or row["kl_median"] > noise_median for row in cheaper)
+    assert engine.strategy == QueryAware(result.ratio)
+    again = make_tiny_engine("qwen2", tokenizer)
+    assert again.calibration == result and again.strategy == QueryAware(result.ratio)
+    stats = again.prefill([Chunk(CHUNKS[0]), "Q?"]).stats
+    assert stats.strategy == "query_aware" and stats.ratio == result.ratio
+    assert stats.strategy_reason.startswith("calibrated")
+    assert again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=FullRecompute()).stats.strategy_reason == "chosen by the caller"
+
+
+@pytest.mark.parametrize("content", [
+    b"not json at all", b"[1, 2, 3]", b'{"format": 99}', b"{" * 100_000,
+    json.dumps({"format": 1, "fingerprint": "x", "ratio": "0.3"}).encode(),
+])
+def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
+    engine = make_tiny_engine("llama", tokenizer)
+    path = calibration_file(engine.fingerprint)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert load_calibration(engine.fingerprint) is None
+        assert make_tiny_engine("llama", tokenizer).strategy == UNCALIBRATED
+    assert "ignoring the calibration file" in caplog.text
+
+
+def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):
+    llama, qwen = make_tiny_engine("llama", tokenizer), make_tiny_engine("qwen2", tokenizer)
+    result = qwen.calibrate(prompts()[:2], progress=False)
+    path = calibration_file(llama.fingerprint)
+    path.write_text(calibration_file(qwen.fingerprint).read_text())
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert load_calibration(llama.fingerprint) is None
+    assert "another model" in caplog.text
+    assert load_calibration(qwen.fingerprint) == result
+
+
+def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(CalibrationError, match="at least two chunks"):
+        engine.calibrate([(CHUNKS[:1], "Q?")], progress=False)
+    too_long = [" ".join(CHUNKS * 40), " ".join(CHUNKS * 40)]  # past the tiny model's 2048-token window
+    with pytest.raises(RagblendError, match="calibration could not run"):
+        engine.calibrate([(too_long, "Q?")], progress=False)
+    assert not calibration_file(engine.fingerprint).exists()
