@@ -20,7 +20,8 @@ import streamlit as st
 from ragblend.core.model import cache_dir
 from ragblend.data import load_sample, sample_dir
 
-STRATEGIES = {"cacheblend": "CacheBlend (selective recompute)", "legolink": "LegoLink (first k tokens)",
+STRATEGIES = {"default": "QueryAware (the model's calibrated ratio)", "query_aware": "QueryAware (ratio below)",
+              "cacheblend": "CacheBlend (ratio below)", "legolink": "LegoLink (first k tokens)",
               "full_reuse": "Full reuse (no recompute)", "full_recompute": "Full recompute (plain prefill)"}
 
 st.set_page_config(page_title="ragblend", layout="wide")
@@ -73,7 +74,7 @@ with st.sidebar:
                                help="A local Hugging Face model folder or .gguf file; empty = embedded SmolLM2-135M-Instruct.")
     index_dir = st.text_input("Index folder", value=os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index")))
     strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
-    ratio = st.slider("CacheBlend recompute ratio", 0.01, 1.0, 0.15, 0.01)
+    ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0, 0.3, 0.01)
     top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
     compare = st.checkbox("Also answer with a full prefill", value=True)
 
@@ -133,12 +134,12 @@ if st.button("Ask", key="ask"):
         left, right = st.columns(2)
         with left:
             st.markdown(f"**ragblend: {STRATEGIES[strategy]}**")
-            fused = answer(rag, question, strategy, ratio, top_k, st.empty())
+            fused = answer(rag, question, strategy, None if strategy == "default" else ratio, top_k, st.empty())
         full = None
         if compare:
             with right:
                 st.markdown("**Full prefill of the same prompt**")
-                full = answer(rag, question, "full_recompute", ratio, top_k, st.empty())
+                full = answer(rag, question, "full_recompute", None, top_k, st.empty())
         st.session_state["last"] = {"question": question, "fused": fused, "full": full}
         history.append({"query": f"Q{len(history) + 1}", "TTFT with fusion (s)": fused["stats"].ttft_s,
                         "TTFT full prefill (s)": full["stats"].ttft_s if full else None})

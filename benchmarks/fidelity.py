@@ -40,6 +40,9 @@ VARIANTS = {
     "QueryAware(0.30)": QueryAware(0.30),
     "QueryAware(0.50)": QueryAware(0.50),
     "QueryAware(0.15, whole chunks)": QueryAware(0.15, whole_chunks=True),
+    "QueryAware(0.15, last 4 tokens)": QueryAware(0.15, query_tokens=4),
+    "QueryAware(0.20, last 4 tokens)": QueryAware(0.20, query_tokens=4),
+    "QueryAware(0.30, last 4 tokens)": QueryAware(0.30, query_tokens=4),
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"

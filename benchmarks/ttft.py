@@ -28,14 +28,19 @@ from pathlib import Path
 
 import torch
 
-from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.controller import drop_page_cache
 from ragblend.core.store import DiskStore, MemoryStore
 from ragblend.data import load_sample
 
+from .models import MODELS, model_path
+
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
+    "QueryAware(0.15)": QueryAware(0.15),
+    "QueryAware(0.20)": QueryAware(0.20),
+    "QueryAware(0.30) (uncalibrated default)": QueryAware(0.30),
     "CacheBlend(0.15)": CacheBlend(0.15),
     "CacheBlend(0.15, K deviation)": CacheBlend(0.15, deviation="key"),
     "CacheBlend(0.05)": CacheBlend(0.05),
@@ -56,7 +61,7 @@ def cold_start_load_s() -> tuple[float, float]:
 
 
 def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args) -> None:
-    import_s, load_s = cold_start_load_s()
+    import_s, load_s = cold_start_load_s() if args.model == "smollm2" else (float("nan"), float("nan"))
     t0 = time.perf_counter()
     engine.precompute(chunks)
     precompute_s = time.perf_counter() - t0
@@ -170,9 +175,10 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=5, help="rounds; the median is reported")
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--section", choices=["all", "strategies", "storage"], default="all")
+    parser.add_argument("--model", choices=MODELS, default="smollm2")
     args = parser.parse_args(argv)
 
-    engine = BlendEngine.from_pretrained(kv_dir=False)
+    engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=False)
     sample = load_sample()
     if args.section in ("all", "strategies"):
         strategy_section(engine, sample["chunks"], sample["question"], args)

@@ -3,6 +3,7 @@
     ragblend ingest PATH...          add text/markdown files or folders to the default index
     ragblend ask "question"          answer from the index with BlendLLM (--compare: also full prefill)
     ragblend demo                    ingest the sample documents, ask the sample questions both ways
+    ragblend calibrate               measure the model's cheapest safe recompute ratio, once
     ragblend app                     the Streamlit demo app
     ragblend cache stats|clear|verify
 
@@ -16,6 +17,8 @@ import argparse
 import os
 import sys
 import tempfile
+
+from ragblend.core.fusion import STRATEGY_NAMES
 
 
 def _open_index(args):
@@ -49,7 +52,7 @@ def _check_options(args) -> None:
     """Fail on bad options before spending seconds loading the model."""
     from ragblend.integrations.common import make_strategy
 
-    make_strategy(getattr(args, "strategy", "cacheblend"), args.ratio)
+    make_strategy(getattr(args, "strategy", "default"), args.ratio)
 
 
 def _ask(args) -> int:
@@ -76,7 +79,8 @@ def _demo(args) -> int:
           f"({len(rag)} chunks in the index, KV precomputed for each).\n")
     for item in load_sample()["demo"][: args.questions]:
         print(f"Q: {item['question']}   (the documents say: {item['answer']})")
-        for label, strategy in ((f"BlendLLM, CacheBlend({args.ratio})", "cacheblend"), ("full prefill", "full_recompute")):
+        fused = "BlendLLM" if args.ratio is None else f"BlendLLM, QueryAware({args.ratio})"
+        for label, strategy in ((fused, "default"), ("full prefill", "full_recompute")):
             answer = rag.ask(item["question"], strategy=strategy, ratio=args.ratio, top_k=args.top_k,
                              max_new_tokens=args.max_new_tokens)
             _print_answer(label, answer)
@@ -127,6 +131,20 @@ def _cache(args) -> int:
     return 1 if bad and not args.fix else 0
 
 
+def _calibrate(args) -> int:
+    from ragblend import BlendEngine
+
+    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    print(f"Calibrating {engine.name} on the built-in prompts (once per model; minutes on a CPU)...", flush=True)
+    result = engine.calibrate(progress=True)
+    print("| QueryAware ratio | compute | KL mean | KL median |\n|---:|---:|---:|---:|")
+    for row in result.tried:
+        print(f"| {row['ratio']:.2f} | {row['compute']:.1%} | {row['kl_mean']:.4f} | {row['kl_median']:.4f} |")
+    print(f"| order noise | 100% | {result.order_noise_kl[0]:.4f} | {result.order_noise_kl[1]:.4f} |")
+    print(f"Chosen: QueryAware({result.ratio}), {result.reason}.")
+    return 0
+
+
 def _app(args) -> int:
     """Start the Streamlit demo app (apps/streamlit_app.py of the source checkout)."""
     import subprocess
@@ -156,15 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
-    def add_answer_options(p, ratio=0.15):
+    def add_answer_options(p):
         p.add_argument("--top-k", type=int, default=4, help="chunks to retrieve")
-        p.add_argument("--ratio", type=float, default=ratio, help="CacheBlend recompute ratio")
+        p.add_argument("--ratio", type=float, default=None,
+                       help="recompute ratio in (0, 1] (default: the model's calibrated one)")
         p.add_argument("--max-new-tokens", type=int, default=128)
 
     ask = sub.add_parser("ask", help="answer a question from the index")
     ask.add_argument("question")
-    ask.add_argument("--strategy", default="cacheblend",
-                     choices=["cacheblend", "legolink", "full_reuse", "full_recompute"])
+    ask.add_argument("--strategy", default="default", choices=STRATEGY_NAMES,
+                     help="fusion strategy (default: QueryAware at the model's calibrated ratio)")
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
@@ -178,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_answer_options(demo)
     demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
     demo.set_defaults(func=_demo)
+
+    calibrate = sub.add_parser("calibrate", help="find the model's cheapest recompute ratio within its order "
+                                                 "noise, once; engines use it from then on")
+    calibrate.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    calibrate.set_defaults(func=_calibrate)
 
     app = sub.add_parser("app", help="start the Streamlit demo app")
     app.add_argument("--port", type=int, default=8501)

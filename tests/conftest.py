@@ -71,6 +71,12 @@ def smol_model(default_model_dir):
     return model
 
 
+def reused_floor(engine, chunk_tokens: int) -> float:
+    """The least reuse to expect when ``chunk_tokens`` tokens of known chunks are in a prompt:
+    90% of what the engine's default strategy leaves reused (it recomputes ``ratio`` of them)."""
+    return 0.9 * (1 - engine.strategy.ratio) * chunk_tokens
+
+
 PASSAGES = [
     "The lighthouse at Cape Orrin was first lit in 1871 and burned whale oil until 1903.",
     "Mara Tellis ran the ferry between the two islands for thirty-one years without a single accident.",

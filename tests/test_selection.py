@@ -126,3 +126,16 @@ def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, token
     with pytest.raises(RagblendError, match="calibration could not run"):
         engine.calibrate([(too_long, "Q?")], progress=False)
     assert not calibration_file(engine.fingerprint).exists()
+
+
+def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp_path, capsys):
+    from ragblend.cli import main
+
+    engine = make_tiny_engine("llama", tokenizer)
+    folder = tmp_path / "tiny-llama"
+    engine.hf_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # The built-in prompts include ~3k-token ones; the tiny model's window is 2048.
+    assert main(["calibrate", "--model", str(folder)]) == 2
+    assert "calibration could not run on this model" in capsys.readouterr().err
+    assert not (cache / "calibration").exists() or not any((cache / "calibration").iterdir())

@@ -142,17 +142,27 @@ class QueryAware:
     ``ratio`` of reused tokens are computed from layer 0 on, the rest reused. Unlike
     :class:`CacheBlend`, no layer runs over every token. ``whole_chunks=True`` spends the
     budget on whole chunks first (the most attended ones that fit), then on single tokens.
+
+    ``query_tokens``: whose attention counts: every token after the last chunk (None, the
+    question and the template's cue to answer) or only the prompt's last ``query_tokens``
+    tokens. The last 4 chose better on SQuAD and MuSiQue, the whole question on the long
+    fidelity prompts, where only it stayed within Qwen2.5's order noise
+    (``docs/benchmarks.md``).
     """
 
     ratio: float = 0.15
     whole_chunks: bool = False
+    query_tokens: int | None = None
     name = "query_aware"
 
     def __post_init__(self):
         _check_ratio(self.ratio)
+        if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
+                self.query_tokens, int) or self.query_tokens < 1):
+            raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
 
     def selection(self) -> "Selection":
-        return QuestionAttention(self.ratio, self.whole_chunks)
+        return QuestionAttention(self.ratio, self.whole_chunks, self.query_tokens)
 
 
 DEVIATIONS = ("key", "value", "key_value")
@@ -165,6 +175,22 @@ def _check_ratio(ratio) -> None:
 
 Strategy = FullRecompute | FullReuse | LegoLink | CacheBlend | QueryAware
 STRATEGIES = (FullRecompute, FullReuse, LegoLink, CacheBlend, QueryAware)
+STRATEGY_NAMES = ("default", *(cls.name for cls in STRATEGIES))
+
+
+def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: int = 16) -> Strategy | None:
+    """A strategy from its ``name`` (each class's ``name``), as configuration files and the CLI
+    give it. ``"default"`` is None, the engine's own (calibrated) choice, unless a ``ratio``
+    is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps each
+    strategy's default ratio."""
+    if name == "default":
+        return None if ratio is None else QueryAware(ratio)
+    for cls in STRATEGIES:
+        if cls.name == name:
+            if cls is LegoLink:
+                return LegoLink(legolink_k)
+            return cls() if ratio is None or cls not in (CacheBlend, QueryAware) else cls(ratio=ratio)
+    raise InvalidInputError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
 
 
 def check_strategy(strategy, num_layers: int) -> Strategy:
@@ -396,12 +422,14 @@ class QuestionAttention(Selection):
 
     With ``whole_chunks``, chunks are taken whole in order of the question's total attention
     while they fit the budget; what remains of it goes to the most attended single tokens.
+    ``query_tokens``: the last so many prompt tokens are the question whose attention counts
+    (None: every token after the last chunk).
     """
 
     name = "query_aware"
 
-    def __init__(self, ratio: float, whole_chunks: bool = False):
-        self.ratio, self.whole_chunks = ratio, whole_chunks
+    def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None):
+        self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
 
     def first(self, prompt, probe):
         budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
@@ -522,8 +550,10 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         # Stage one: the question reads the cached chunks as they are (FullReuse), and its
         # attention to each reused token, summed over layers, says what matters to it.
         relevance = torch.zeros(prompt.num_reused, device=adapter.device)
+        query_tokens = getattr(selection, "query_tokens", None)
+        start = prompt.question_start if query_tokens is None else max(0, prompt.num_tokens - query_tokens)
         run = _walk(adapter, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
-                    None, cos, sin, observe=_question_attention(adapter, prompt, relevance))
+                    None, cos, sin, observe=_question_attention(adapter, prompt, relevance, start))
         probe_runs.append(run)
         return relevance
 
@@ -537,10 +567,10 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     return fused
 
 
-def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor):
-    """An observer for :func:`_walk` that adds, at every layer, the question's attention to
-    each reused token (mean over heads and question tokens, each layer normalised to sum 1)."""
-    start = prompt.question_start
+def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor, start: int):
+    """An observer for :func:`_walk` that adds, at every layer, the attention of the tokens
+    from position ``start`` on (the question) to each reused token (mean over heads and
+    question tokens, each layer normalised to sum 1)."""
 
     def observe(layer: int, q: torch.Tensor, layer_k: torch.Tensor, positions: torch.Tensor) -> None:
         rows = positions >= start

@@ -6,22 +6,12 @@ import asyncio
 import threading
 
 from ragblend.core.engine import BlendEngine
-from ragblend.core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink
+from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name  # noqa: F401 (re-exported)
 
-STRATEGY_NAMES = ("cacheblend", "legolink", "full_reuse", "full_recompute")
-
-
-def make_strategy(name: str, ratio: float | str = 0.15, legolink_k: int = 16):
-    """A strategy object from its name (as used in configuration and the CLI)."""
-    if name == "cacheblend":
-        return CacheBlend(ratio=ratio)
-    if name == "legolink":
-        return LegoLink(legolink_k)
-    if name == "full_reuse":
-        return FullReuse()
-    if name == "full_recompute":
-        return FullRecompute()
-    raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
+def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int = 16):
+    """A strategy object from its name (as used in configuration and the CLI); None for
+    "default", the engine's own calibrated choice."""
+    return strategy_from_name(name, ratio, legolink_k)
 
 
 def lazy_engine(owner) -> BlendEngine:

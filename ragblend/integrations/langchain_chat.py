@@ -72,8 +72,8 @@ class BlendChatModel(BaseChatModel):
 
     model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
     kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
-    strategy: str = Field(default="cacheblend", description="Fusion strategy: cacheblend, legolink, full_reuse or full_recompute.")
-    ratio: float | str = Field(default=0.15, description="CacheBlend recompute ratio in (0, 1], or 'auto'.")
+    strategy: str = Field(default="default", description="Fusion strategy: default (the engine's calibrated choice), query_aware, cacheblend, legolink, full_reuse or full_recompute.")
+    ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
     max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate.")
     temperature: float = Field(default=0.0, description="0 = greedy decoding.")

@@ -58,8 +58,8 @@ class BlendLLM(CustomLLM):
 
     model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
     kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
-    strategy: str = Field(default="cacheblend", description=f"Fusion strategy: one of {', '.join(STRATEGY_NAMES)}.")
-    ratio: float | str = Field(default=0.15, description="CacheBlend recompute ratio in (0, 1], or 'auto' for the loading controller.")
+    strategy: str = Field(default="default", description=f"Fusion strategy: one of {', '.join(STRATEGY_NAMES)} (default: the engine's calibrated choice).")
+    ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
     max_new_tokens: int = Field(default=256, description="Most tokens to generate per call.")
     temperature: float = Field(default=0.0, description="0 = greedy decoding.")

@@ -174,12 +174,12 @@ class LocalIndex:
 
     # ------------------------------------------------------------------ querying
 
-    def llm(self, strategy: str = "cacheblend", **fields):
+    def llm(self, strategy: str = "default", **fields):
         from .llamaindex_llm import BlendLLM
 
         return BlendLLM(engine=self.engine, strategy=strategy, **fields)
 
-    def query_engine(self, *, strategy: str = "cacheblend", mode: str = "compact", top_k: int = 4,
+    def query_engine(self, *, strategy: str = "default", mode: str = "compact", top_k: int = 4,
                      streaming: bool = False, **llm_fields):
         """A stock ``RetrieverQueryEngine`` answering with BlendLLM.
 
