@@ -559,8 +559,11 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 
     selected = selection.first(prompt, probe) if prompt.num_reused else torch.ones(
         prompt.num_tokens, dtype=torch.bool, device=adapter.device)
+    # The question pass already placed every cached K/V: the second pass writes over it
+    # (when it recomputes every token the question pass computed, as QueryAware does).
+    earlier = probe_runs[0] if probe_runs and bool(selected[probe_runs[0].layer_positions[0]].all()) else None
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
-                  selection, cos, sin)
+                  selection, cos, sin, earlier=earlier)
     fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
     fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
     fused.compute_s = time.perf_counter() - t0 - fused.load_wait_s
@@ -585,8 +588,12 @@ def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: 
 
 def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers: LayerSource | None,
           selected: torch.Tensor, check_layers, selection: Selection | None, cos, sin,
-          observe=None) -> FusedPrefill:
-    """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers)."""
+          observe=None, earlier: FusedPrefill | None = None) -> FusedPrefill:
+    """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers).
+
+    ``earlier``: a previous pass over the same prompt whose K/V may be taken over (and
+    overwritten): its cached positions are already placed and rotated, and every position
+    it computed fresh is selected again here."""
     n, shape, device = prompt.num_tokens, adapter.shape, adapter.device
     sel_pos = selected.nonzero().squeeze(1)
     if prompt.num_reused:
@@ -609,6 +616,9 @@ def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers
             load_wait += time.perf_counter() - t_wait
         if all_selected:
             layer_k, layer_v = k, v
+        elif earlier is not None:
+            layer_k, layer_v = earlier.keys[layer], earlier.values[layer]
+            layer_k[:, sel_pos], layer_v[:, sel_pos] = k, v
         else:
             layer_k = torch.empty(shape.num_kv_heads, n, shape.head_dim, dtype=k.dtype, device=device)
             layer_v = torch.empty_like(layer_k)
