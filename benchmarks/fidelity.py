@@ -26,7 +26,7 @@ from pathlib import Path
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
 
 from .models import MODELS, model_path
-from .run import SYSTEM, Prompt, command_line, fidelity_prompts, rouge_l, squad_prompts, write_report
+from .run import Prompt, command_line, fidelity_prompts, first_token_and_answer, rouge_l, squad_prompts, write_report
 from .ttft import first_token_kl
 
 VARIANTS = {
@@ -73,11 +73,7 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
     reversed_segments = [Chunk(c) for c in reversed(prompt.chunks)] + [prompt.question]
 
     def run(strategy, segs=segments):
-        if greedy_tokens:
-            out = engine.generate(segs, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
-            return out.logits, out.stats, out.text
-        pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
-        return pre.logits, pre.stats, ""
+        return first_token_and_answer(engine, segs, strategy, greedy_tokens)
 
     ref_logits, _, ref_text = run(FullRecompute())
     rows = {}

@@ -83,6 +83,16 @@ def rouge_l(candidate: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def first_token_and_answer(engine: BlendEngine, segments, strategy, greedy_tokens: int):
+    """(first-token logits, stats, greedy answer) of one prompt; the answer is "" and only a
+    prefill runs when ``greedy_tokens`` is 0."""
+    if greedy_tokens:
+        out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
+        return out.logits, out.stats, out.text
+    pre = engine.prefill(segments, system=SYSTEM, strategy=strategy)
+    return pre.logits, pre.stats, ""
+
+
 @dataclass
 class Prompt:
     chunks: list[str]

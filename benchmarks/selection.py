@@ -19,7 +19,8 @@ import time
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
 
 from .models import MODELS, model_path
-from .run import GREEDY_TOKENS, SYSTEM, command_line, fidelity_prompts, rouge_l, squad_prompts, write_report
+from .run import (GREEDY_TOKENS, command_line, fidelity_prompts, first_token_and_answer, rouge_l, squad_prompts,
+                  write_report)
 from .ttft import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
@@ -37,12 +38,7 @@ def measure(engine: BlendEngine, prompt, greedy_tokens: int) -> dict:
     segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
 
     def run(strategy):
-        """(first-token logits, stats, greedy answer or "" when not generating)"""
-        if greedy_tokens:
-            out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
-            return out.logits, out.stats, out.text
-        out = engine.prefill(segments, system=SYSTEM, strategy=strategy)
-        return out.logits, out.stats, ""
+        return first_token_and_answer(engine, segments, strategy, greedy_tokens)
 
     ref_logits, _, ref_text = run(FullRecompute())
     rows = {}
