@@ -28,10 +28,13 @@ recomputes it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import re
+import stat
 import struct
 import threading
 import zlib
@@ -332,9 +335,21 @@ class MemoryStore(KVStore):
         return {"memory": {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes}}
 
 
+# diskcache names every value file "xx/yy/<28 hex digits>.val" under its directory; a row
+# naming anything else was not written by the store.
+_ENTRY_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
+
+
 def _safe_disk_class():
-    """A diskcache ``Disk`` that refuses pickled keys and values, so a tampered cache
-    database can never make ragblend unpickle anything."""
+    """A diskcache ``Disk`` that only ever touches the store's own files.
+
+    The cache database says which file holds each value, so a tampered database could point
+    anywhere. This ``Disk`` refuses pickled keys and values (nothing is ever unpickled), and
+    opens or deletes a value file only when its name follows the store's own naming scheme,
+    it resolves inside the store's directory and it is a regular file (no symlink, FIFO or
+    device: opening a FIFO would block the query). Deleting removes the file and at most its
+    two empty sub-folders, never a folder above the store.
+    """
     import diskcache
     from diskcache.core import MODE_BINARY
 
@@ -344,10 +359,41 @@ def _safe_disk_class():
                 raise CorruptEntryError(str(key), "non-string key in the cache database")
             return super().get(key, raw)
 
+        def own_path(self, filename) -> str | None:
+            """The full path of one of the store's entry files, or None for any other name."""
+            if not isinstance(filename, str) or not _ENTRY_FILE.fullmatch(filename):
+                return None
+            root = os.path.realpath(self._directory)
+            path = os.path.join(root, filename)
+            return path if os.path.realpath(path) == path else None  # no symlinked sub-folder
+
         def fetch(self, mode, filename, value, read):
             if mode != MODE_BINARY:
                 raise CorruptEntryError(str(filename), "value not stored as a plain binary file")
-            return super().fetch(mode, filename, value, read)
+            path = self.own_path(filename)
+            if path is None:
+                raise CorruptEntryError(str(filename), "entry file outside the store's own files")
+            # O_NONBLOCK: a FIFO opens at once (and is then refused) instead of waiting for a writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise CorruptEntryError(str(filename), "entry is not a regular file")
+            os.set_blocking(fd, True)
+            handle = os.fdopen(fd, "rb")
+            if read:
+                return handle
+            with handle:
+                return handle.read()
+
+        def remove(self, file_path):
+            path = self.own_path(file_path)
+            if path is None:
+                return  # not the store's: never delete it
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # only when empty
 
     return SafeDisk
 
