@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,6 +37,9 @@ from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment
 from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader,
                     MemoryStore, TieredStore)
+from .store import store_faults
+
+log = logging.getLogger("ragblend")
 
 
 @dataclass
@@ -190,11 +194,15 @@ class BlendEngine:
             dtype = getattr(torch, dtype)
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
         name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(str(model).rstrip("/"))
-        engine = cls(hf_model, tokenizer, store=store or MemoryStore(memory_bytes), strategy=strategy,
+        engine = cls(hf_model, tokenizer, store=MemoryStore(memory_bytes) if store is None else store, strategy=strategy,
                      name=name, **kwargs)
         if store is None and kv_dir is not False:
-            disk = DiskStore(kv_dir or cache_dir() / "kv", engine.entry_spec, disk_bytes)
-            engine.store = TieredStore(engine.store, disk)
+            directory = kv_dir or cache_dir() / "kv"
+            try:
+                engine.store = TieredStore(engine.store, DiskStore(directory, engine.entry_spec, disk_bytes))
+            except store_faults() as err:  # the KV is a cache: run without its disk tier
+                log.warning("ragblend: the KV store in %s cannot be opened (%s: %s); keeping KV in memory only.",
+                            directory, type(err).__name__, err)
         return engine
 
     # ------------------------------------------------------------------ properties

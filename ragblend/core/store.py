@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import stat
@@ -46,7 +47,9 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import torch
 
-from .errors import RagblendError
+from .errors import InvalidInputError, RagblendError
+
+log = logging.getLogger("ragblend")
 from .kv import KV_FORMAT_VERSION, ChunkKV
 
 MAGIC = b"RBKV"
@@ -278,8 +281,9 @@ class MemoryStore(KVStore):
     tier = "memory"
 
     def __init__(self, max_bytes: int = 2 << 30):
-        if max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise InvalidInputError(f"memory_bytes must be an integer >= 0 (0 turns the memory tier off), "
+                                    f"got {max_bytes!r}.")
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
@@ -398,10 +402,29 @@ def _safe_disk_class():
     return SafeDisk
 
 
+def store_faults() -> tuple[type[BaseException], ...]:
+    """What a disk tier can raise when its files or database fail: I/O errors (full disk,
+    read-only or vanished folder), SQLite errors (malformed or locked database) and
+    diskcache's lock timeout."""
+    import sqlite3
+
+    import diskcache
+
+    return OSError, sqlite3.Error, diskcache.Timeout
+
+
 class DiskStore(KVStore):
-    """KV entries as files in a ``diskcache`` directory, LRU-evicted under ``max_bytes``."""
+    """KV entries as files in a ``diskcache`` directory, LRU-evicted under ``max_bytes``.
+
+    The store is a cache: when its files or database fail (full disk, read-only or vanished
+    folder, malformed or locked database) a read is a miss and a write is skipped. Each kind
+    of failure is logged once and every one is counted in ``faults``; lock waits last at
+    most ``LOCK_TIMEOUT_S``. Opening the store itself can still raise those errors (see
+    :meth:`BlendEngine.from_pretrained`, which then keeps the KV in memory only).
+    """
 
     tier = "disk"
+    LOCK_TIMEOUT_S = 0.25
 
     def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30):
         import diskcache
@@ -409,12 +432,22 @@ class DiskStore(KVStore):
         self.directory = Path(directory).expanduser()
         self.spec = spec
         self.max_bytes = max_bytes
+        self.faults = 0
+        self._logged: set[str] = set()
         # diskcache's own culling drops entries in batches of 10, far more than needed when
         # entries are megabytes each; eviction is done here instead, one entry at a time.
         self.cache = diskcache.Cache(
             str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
-            cull_limit=0, disk=_safe_disk_class(), statistics=1,
+            cull_limit=0, disk=_safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
         )
+
+    def _fault(self, action: str, err: BaseException) -> None:
+        self.faults += 1
+        kind = f"{action}/{type(err).__name__}"
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.warning("ragblend: the KV store in %s failed to %s (%s: %s); the chunk is computed instead.",
+                        self.directory, action, type(err).__name__, err)
 
     def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
         """A reader for ``key``, or None. An unusable entry is deleted unless
@@ -425,7 +458,10 @@ class DiskStore(KVStore):
             if drop_unusable:
                 self.delete(key)
             return None
-        except OSError:  # the file vanished under us (evicted or deleted by another process)
+        except FileNotFoundError:  # the file vanished under us (evicted or deleted by another process)
+            return None
+        except store_faults() as err:
+            self._fault("read", err)
             return None
         if handle is None:
             return None
@@ -436,10 +472,18 @@ class DiskStore(KVStore):
             if drop_unusable:
                 self.delete(key)
             return None
+        except OSError as err:
+            self._fault("read", err)
+            return None
 
     def put(self, entry: ChunkKV) -> None:
-        self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
-        self._evict()
+        """Store ``entry``; on a full disk, read-only folder or locked database it is skipped
+        (logged and counted), as a cache may."""
+        try:
+            self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
+            self._evict()
+        except store_faults() as err:
+            self._fault("write", err)
 
     def _evict(self) -> None:
         """Drop least-recently-used entries until the store (files + index) fits its limit."""
@@ -451,16 +495,32 @@ class DiskStore(KVStore):
             self.cache.delete(row[0])
 
     def delete(self, key: str) -> bool:
-        return bool(self.cache.delete(key))
+        try:
+            return bool(self.cache.delete(key))
+        except store_faults() as err:
+            self._fault("delete", err)
+            return False
 
     def keys(self) -> Iterator[str]:
-        return iter([row[0] for row in self.cache._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY rowid")])
+        try:
+            return iter([row[0] for row in self.cache._sql("SELECT key FROM Cache WHERE raw = 1 ORDER BY rowid")])
+        except store_faults() as err:
+            self._fault("list", err)
+            return iter(())
 
     def __contains__(self, key: str) -> bool:
-        return key in self.cache
+        try:
+            return key in self.cache
+        except store_faults() as err:
+            self._fault("look up", err)
+            return False
 
     def __len__(self) -> int:
-        return len(self.cache)
+        try:
+            return len(self.cache)
+        except store_faults() as err:
+            self._fault("count", err)
+            return 0
 
     @property
     def nbytes(self) -> int:
@@ -486,9 +546,14 @@ class DiskStore(KVStore):
         return None
 
     def stats(self) -> dict:
-        hits, misses = self.cache.stats()  # counted across processes since the store was created
-        return {"disk": {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                         "hits": hits, "misses": misses, "directory": str(self.directory)}}
+        try:
+            hits, misses = self.cache.stats()  # counted across processes since the store was created
+            entries, nbytes = len(self.cache), self.nbytes
+        except store_faults() as err:
+            self._fault("read its statistics", err)
+            hits = misses = entries = nbytes = 0
+        return {"disk": {"entries": entries, "bytes": nbytes, "max_bytes": self.max_bytes, "hits": hits,
+                         "misses": misses, "faults": self.faults, "directory": str(self.directory)}}
 
     def clear(self) -> int:
         return self.cache.clear()
