@@ -163,6 +163,17 @@ def _app(args) -> int:
     return subprocess.call(command, env=env)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.set_defaults(func=_ingest)
 
     def add_answer_options(p):
-        p.add_argument("--top-k", type=int, default=4, help="chunks to retrieve")
+        p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
         p.add_argument("--ratio", type=float, default=None,
                        help="recompute ratio in (0, 1] (default: the model's calibrated one)")
-        p.add_argument("--max-new-tokens", type=int, default=128)
+        p.add_argument("--max-new-tokens", type=positive_int, default=128)
 
     ask = sub.add_parser("ask", help="answer a question from the index")
     ask.add_argument("question")

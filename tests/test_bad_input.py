@@ -121,3 +121,62 @@ def test_full_reuse_without_any_stored_chunk_is_a_full_prefill(engine):
 def test_bad_kv_dtype(tokenizer):
     with pytest.raises(InvalidInputError, match="kv_dtype"):
         make_tiny_engine("llama", tokenizer, kv_dtype="int8")
+
+
+LONE_SURROGATE = "caf\udce9"  # what a non-UTF-8 byte becomes under surrogateescape
+
+
+@pytest.mark.parametrize("call", [
+    lambda e: Chunk(LONE_SURROGATE),
+    lambda e: e.prefill([LONE_SURROGATE]),
+    lambda e: e.prefill(["Q?"], system=LONE_SURROGATE),
+    lambda e: e.find_chunks(LONE_SURROGATE),
+    lambda e: e.precompute([PASSAGES[0], LONE_SURROGATE]),
+], ids=["chunk", "segment", "system", "find_chunks", "precompute"])
+def test_text_that_is_not_valid_unicode(engine, call):
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        call(engine)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(seed="abc"), "seed"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"), (dict(seed=-1), "seed"),
+    (dict(top_p=float("nan")), "top_p"),
+])
+def test_bad_sampling_options(engine, options, match):
+    with pytest.raises(InvalidInputError, match=match):
+        engine.generate([Chunk(PASSAGES[0]), "Q?"], max_new_tokens=2, **options)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(engine):
+    segments = [Chunk(PASSAGES[0]), "Q?"]
+    greedy = engine.generate(segments, max_new_tokens=4)
+    tiny = engine.generate(segments, max_new_tokens=4, temperature=1e-40, seed=3)
+    assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("bad, error", [(None, InvalidInputError), (123, InvalidInputError)])
+def test_precompute_of_not_texts(engine, bad, error):
+    with pytest.raises(error, match="precompute takes"):
+        engine.precompute(bad)
+
+
+def test_system_must_be_text(engine):
+    with pytest.raises(SegmentTypeError, match="system must be a str"):
+        engine.prefill(["Q?"], system=123)
+
+
+def test_empty_chunk():
+    with pytest.raises(InvalidInputError, match="Chunk text is empty"):
+        Chunk("")
+
+
+@pytest.mark.parametrize("option", ["--top-k", "--max-new-tokens"])
+def test_cli_counts_must_be_positive(option, capsys, tmp_path):
+    from ragblend.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["ask", "anything", option, "0", "--index", str(tmp_path)])
+    assert info.value.code == 2
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing was loaded or created

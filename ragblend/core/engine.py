@@ -34,7 +34,7 @@ from .generate import Decoding, SamplingParams, build_cache
 from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
 from .pipeline import PrefetchSource, SequentialSource
-from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment
+from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader,
                     MemoryStore, TieredStore)
 from .store import store_faults
@@ -231,10 +231,13 @@ class BlendEngine:
         """
         if isinstance(texts, str):
             texts = [texts]
+        if not isinstance(texts, Iterable):
+            raise InvalidInputError(f"precompute takes a chunk text or a list of them, got {type(texts).__name__}.")
         texts = list(texts)
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise InvalidInputError(f"precompute takes chunk texts (str); item {i} is {type(text).__name__}.")
+            check_text(text, f"chunk {i}")
         tokenized = [self.prompts.tokenize(t) for t in texts]
         limit = self.context_window - len(self.sink_ids)
         for i, ids in enumerate(tokenized):
@@ -313,6 +316,7 @@ class BlendEngine:
         """
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
+        check_text(prompt, "prompt")
         self._index_store()
         layout = self.build_prompt([prompt], system=system, history=history)
         return PromptLayout(layout.token_ids, self.chunks.find(layout.token_ids))

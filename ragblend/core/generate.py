@@ -9,6 +9,7 @@ token at a time. So with a full prefill, greedy decoding is exactly transformers
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -31,10 +32,15 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidInputError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}.")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidInputError(f"temperature must be >= 0, got {self.temperature!r}.")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
+        if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p)
+                or not 0 < self.top_p <= 1):
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InvalidInputError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}.")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise InvalidInputError(f"stop must be a list of non-empty strings, got {self.stop!r}.")
@@ -54,7 +60,10 @@ def build_cache(hf_model, keys: list[torch.Tensor], values: list[torch.Tensor]):
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    # Shift by the maximum first: with a tiny temperature, logits / temperature would overflow
+    # to inf (and the probabilities to NaN); shifted, the best token scores 0 and the rest -inf.
+    logits = logits.float()
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest head of the distribution whose mass reaches top_p

@@ -15,6 +15,19 @@ from typing import Sequence, Union
 from .errors import InvalidInputError, SegmentTypeError
 
 
+def check_text(text, what: str) -> str:
+    """``text`` if it is a str that can be encoded as UTF-8; a clear error otherwise."""
+    if not isinstance(text, str):
+        raise SegmentTypeError(f"{what} must be a str, got {type(text).__name__}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInputError(
+            f"{what} contains a character that is not valid Unicode ({err.reason} at position {err.start}); "
+            "decode your text with errors='replace' or drop lone surrogates first.") from None
+    return text
+
+
 @dataclass(frozen=True)
 class Chunk:
     """A piece of context whose KV cache is stored and reused (a retrieved document chunk)."""
@@ -22,8 +35,9 @@ class Chunk:
     text: str
 
     def __post_init__(self):
-        if not isinstance(self.text, str):
-            raise SegmentTypeError(f"Chunk text must be a str, got {type(self.text).__name__}.")
+        check_text(self.text, "Chunk text")
+        if not self.text:
+            raise InvalidInputError("Chunk text is empty; drop empty chunks, or pass the text as a plain str.")
 
 
 Segment = Union[str, Chunk]
@@ -67,6 +81,8 @@ def check_segments(segments: Sequence[Segment]) -> list[Segment]:
             raise SegmentTypeError(
                 f"segment {i} is a {type(seg).__name__}; segments must be str (computed fresh) "
                 f"or ragblend.Chunk (KV reused).")
+        if isinstance(seg, str):
+            check_text(seg, f"segment {i}")
     return list(segments)
 
 
@@ -89,6 +105,8 @@ class PromptBuilder:
 
         ``history`` holds earlier turns as ``(role, text)`` with role "user" or "assistant".
         """
+        if system is not None:
+            check_text(system, "system")
         if not self.use_chat_template:
             prefix = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
             for text in ([system] if system else []) + [text for _, text in history]:
