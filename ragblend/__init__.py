@@ -1,8 +1,8 @@
 """ragblend: fast RAG on local models by fusing precomputed per-chunk KV caches (CacheBlend)."""
 
 from .core.engine import BlendEngine, Generation, Prefill, Stats
-from .core.errors import (InvalidInputError, ModelNotFoundError, PromptTooLongError, RagblendError,
-                          SegmentTypeError, UnsupportedModelError)
+from .core.errors import (InvalidInputError, InvalidTypeError, ModelNotFoundError, PromptTooLongError, RagblendError,
+                          SegmentTypeError, StoreUnavailableError, UnsupportedModelError)
 from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 from .core.kv import ChunkRef
 from .core.prompt import Chunk
@@ -28,7 +28,7 @@ def __getattr__(name):
 
 __all__ = [
     "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
-    "Generation", "Prefill", "Stats", "RagblendError", "InvalidInputError", "SegmentTypeError",
-    "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError",
+    "Generation", "Prefill", "Stats", "RagblendError", "InvalidInputError", "InvalidTypeError", "SegmentTypeError",
+    "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError", "StoreUnavailableError",
     "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",
 ]

@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 
+from ragblend.core.errors import InvalidInputError, RagblendError, StoreUnavailableError
 from ragblend.core.fusion import STRATEGY_NAMES
 
 
@@ -56,7 +57,14 @@ def _check_options(args) -> None:
 
 
 def _ask(args) -> int:
+    from ragblend.core.prompt import check_text
+
     _check_options(args)
+    try:
+        check_text(args.question, "the question")
+    except InvalidInputError:
+        raise InvalidInputError("the question is not valid UTF-8 text; set your terminal to UTF-8 (e.g. "
+                                "LANG=C.UTF-8) or pass the question in UTF-8.") from None
     rag = _open_index(args)
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
@@ -87,15 +95,29 @@ def _demo(args) -> int:
     return 0
 
 
-def _disk_store(args, spec=None):
+def _store_folder(args):
     from pathlib import Path
 
     from ragblend.core.model import cache_dir
-    from ragblend.core.store import DiskStore, EntrySpec
 
     # The KV that `ragblend ingest/ask` use lives in the index folder.
-    directory = args.kv_dir or Path(args.index or cache_dir() / "index") / "kv"
-    return DiskStore(directory, spec or EntrySpec("", 0, 0, 0))
+    folder = Path(args.kv_dir or Path(args.index or cache_dir() / "index") / "kv").expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise InvalidInputError(f"{folder} is a file, not a KV store folder; pass the folder given as kv_dir "
+                                "(or an index folder with --index).")
+    return folder
+
+
+def _disk_store(args, spec=None):
+    from ragblend.core.store import DiskStore, EntrySpec, store_faults
+
+    folder = _store_folder(args)
+    try:
+        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0))
+    except store_faults() as err:
+        raise StoreUnavailableError(
+            f"the KV store in {folder} cannot be opened ({type(err).__name__}: {err}). Engines still answer "
+            f"(they keep KV in memory); `ragblend cache clear --kv-dir {folder}` removes the broken store.") from None
 
 
 def _cache(args) -> int:
@@ -106,12 +128,12 @@ def _cache(args) -> int:
         print(f"KV store: {disk['directory']}")
         print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
               f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+        if disk["faults"]:
+            print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
         print("  memory tier: lives inside each process (see engine.store.stats())")
         return 0
     if args.action == "clear":
-        removed = _disk_store(args).clear()
-        print(f"Removed {removed} entries.")
-        return 0
+        return _clear(args)
     # verify: needs the model to know which fingerprint and shape entries must have
     from ragblend import BlendEngine
 
@@ -129,6 +151,22 @@ def _cache(args) -> int:
     print(f"{len(store) if args.fix else len(store) - len(bad)} entries verified, {len(bad)} failing"
           + (" (removed)" if args.fix and bad else ""))
     return 1 if bad and not args.fix else 0
+
+
+def _clear(args) -> int:
+    """Empty the store; a store too broken to open has its own files removed instead."""
+    from ragblend.core.store import DiskStore
+
+    folder = _store_folder(args)
+    try:
+        store = _disk_store(args)
+    except StoreUnavailableError as err:
+        print(f"ragblend: {err}", file=sys.stderr)
+        removed = DiskStore.remove_files(folder)
+        print(f"Removed the broken store's database and {removed} entry file(s).")
+        return 0
+    print(f"Removed {store.clear()} entries.")
+    return 0
 
 
 def _calibrate(args) -> int:
@@ -233,8 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ragblend import RagblendError
-
     try:
         return args.func(args)
     except (RagblendError, ValueError) as err:

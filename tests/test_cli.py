@@ -24,6 +24,7 @@ def test_cli_reports_bad_input_as_an_error(capsys, tmp_path):
 def test_cache_stats_verify_and_clear(tmp_path, capsys):
     from ragblend import BlendEngine
 
+    from .test_faults import with_header
     from .test_store import entry_path, flip_byte
 
     engine = BlendEngine.from_pretrained(kv_dir=tmp_path)
@@ -40,9 +41,13 @@ def test_cache_stats_verify_and_clear(tmp_path, capsys):
     assert "2 entries verified, 0 failing" in capsys.readouterr().out
     path = entry_path(engine.store.disk, refs[1].key)
     flip_byte(path, path.stat().st_size - 10)
+    hostile = entry_path(engine.store.disk, refs[0].key)   # a valid CRC over a crafted header
+    hostile.write_bytes(with_header(hostile.read_bytes(), b'{"token_ids": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"))
     assert main(["cache", "verify", "--kv-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "1 entries verified, 1 failing" in out and "checksum" in out
+    assert "0 entries verified, 2 failing" in out and "checksum" in out and "not shaped like" in out
     assert main(["cache", "verify", "--fix", "--kv-dir", str(tmp_path)]) == 0
+    assert "(removed)" in capsys.readouterr().out
+    engine.precompute(["A third chunk for the cache command."])
     assert main(["cache", "clear", "--kv-dir", str(tmp_path)]) == 0
     assert "Removed 1 entries" in capsys.readouterr().out.splitlines()[-1]

@@ -1,20 +1,27 @@
 """Faults of the KV store's disk tier: each one is a miss, and the answer equals a clean run's.
 
 Real faults where the machine allows them: a second process holding an exclusive SQLite lock,
-the KV folder deleted under a running engine, a full tmpfs (needs root: skipped otherwise), a
-garbage database file.
+the KV folder deleted under a running engine, a full tmpfs and a read-only bind mount (need
+root: skipped otherwise), a garbage database file, hostile entry headers with valid CRCs, a
+writer killed at random points. ``python -m benchmarks.faults`` runs the heavy versions.
 """
 
+import json
+import logging
+import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from ragblend import Chunk, InvalidInputError
-from ragblend.core.store import DiskStore, MemoryStore, TieredStore
+from ragblend.core.store import MAGIC, DiskStore, MemoryStore, TieredStore, open_store
 
 from .conftest import PASSAGES, make_tiny_engine
 
@@ -46,6 +53,23 @@ def assert_clean_answer(engine, clean_logits, seconds=5.0):
     return pre
 
 
+def files_in(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` with its size: what a fault must not leave behind or change."""
+    return {str(p.relative_to(folder)): p.lstat().st_size for p in folder.rglob("*") if not p.is_dir()}
+
+
+def unnamed_entry_files(store: DiskStore) -> set[str]:
+    """Entry files that no row of the database names: leaks."""
+    named = {row[0] for row in store.cache._sql("SELECT filename FROM Cache")}
+    return {str(p.relative_to(store.directory)) for p in store.directory.rglob("*.val")} - named
+
+
+def mount(*args) -> None:
+    done = subprocess.run(["mount", *args], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount here ({done.stderr.decode().strip()}); needs root")
+
+
 def test_a_locked_database_is_a_quick_miss(engine, clean):
     db = engine.store.disk.directory / "cache.db"
     holder = subprocess.Popen(
@@ -56,7 +80,7 @@ def test_a_locked_database_is_a_quick_miss(engine, clean):
     try:
         assert holder.stdout.readline().strip() == "locked"
         pre = assert_clean_answer(engine, clean)
-        assert pre.stats.chunks_reused == 0 and engine.store.disk.faults > 0
+        assert pre.stats.chunks_reused == 0 and pre.stats.store_faults > 0
     finally:
         holder.kill()
         holder.wait()
@@ -64,13 +88,17 @@ def test_a_locked_database_is_a_quick_miss(engine, clean):
     assert engine.prefill(SEGMENTS).stats.chunks_reused == 3  # back once the lock is gone
 
 
-def test_the_kv_folder_deleted_under_a_running_engine(engine, clean):
+def test_the_kv_folder_deleted_under_a_running_engine(engine, clean, caplog):
     engine.flush()
-    shutil.rmtree(engine.store.disk.directory)
+    folder = engine.store.disk.directory
+    shutil.rmtree(folder)
     pre = assert_clean_answer(engine, clean)
     assert pre.stats.chunks_reused == 0
     engine.flush()  # write-back into the vanished folder is skipped, not raised
     assert engine.store.stats()["disk"]["entries"] >= 0  # statistics still answer
+    refs = engine.precompute(["A chunk first seen after the folder was deleted."])
+    assert not refs[0].stored and "could not be stored" in caplog.text
+    assert not folder.exists()  # nothing written into a re-created folder nobody reads
 
 
 def test_a_full_disk_skips_writes_and_keeps_answering(tokenizer, tmp_path):
@@ -93,8 +121,47 @@ def test_a_full_disk_skips_writes_and_keeps_answering(tokenizer, tmp_path):
             out.flush()
         assert_clean_answer(engine, clean)
         engine.flush()
+        assert not unnamed_entry_files(engine.store.disk)  # failed writes left no partial file
+        assert sum(not ref.stored for ref in engine.precompute([f"{c} Once more." for c in CHUNKS])) > 0
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_read_only_store_falls_back_to_memory(tokenizer, tmp_path, caplog):
+    source, view = tmp_path / "kv", tmp_path / "read-only"
+    engine = make_tiny_engine("qwen2", tokenizer, kv_dtype="float32")
+    clean = engine.prefill(SEGMENTS).logits
+    writer = DiskStore(source, engine.entry_spec)
+    engine.store = writer
+    engine.precompute(CHUNKS[:2])   # the third chunk is not stored
+    writer.close()
+    view.mkdir()
+    mount("--bind", str(source), str(view))
+    try:
+        mount("-o", "remount,bind,ro", str(view))
+        before = files_in(source)
+        # SQLite cannot open a database in a read-only folder (its WAL needs a -shm file)
+        engine.store = open_store(view, engine.entry_spec)
+        assert isinstance(engine.store, MemoryStore) and "keeping KV in memory only" in caplog.text
+        pre = assert_clean_answer(engine, clean)
+        assert pre.stats.chunks_computed == 3
+        engine.flush()
+        assert files_in(source) == before
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+def test_a_store_that_becomes_read_only_while_running(engine, clean):
+    folder = engine.store.disk.directory
+    mount("--bind", str(folder), str(folder))
+    try:
+        mount("-o", "remount,bind,ro", str(folder))
+        assert_clean_answer(engine, clean)
+        refs = engine.precompute(["A chunk written after the folder became read-only."])
+        assert not refs[0].stored and engine.store.faults > 0
+        assert not unnamed_entry_files(engine.store.disk)
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_a_garbage_database_cannot_be_opened_as_a_store(tmp_path, tokenizer):
@@ -130,3 +197,166 @@ def test_memory_bytes_zero_turns_the_memory_tier_off():
     assert len(store) == 0 and store.nbytes == 0
     with pytest.raises(InvalidInputError, match="memory_bytes"):
         MemoryStore(-1)
+
+
+# ---------------------------------------------------------------------------- hostile headers
+
+
+def with_header(blob: bytes, header: bytes) -> bytes:
+    """An entry file with ``header`` (and a valid CRC for it) in place of its own."""
+    (old_len,) = struct.unpack("<I", blob[4:8])
+    layers = blob[8 + old_len + 4:]
+    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<I", zlib.crc32(header)) + layers
+
+
+def hostile_headers(real: dict) -> dict[str, bytes]:
+    def edited(**fields):
+        return json.dumps({**real, **fields}).encode()
+
+    ids = real["token_ids"]
+    return {
+        "token id 10**30": edited(token_ids=[10**30] + ids[1:]),
+        "token id past the vocabulary": edited(token_ids=[10**6] + ids[1:]),
+        "negative token id": edited(token_ids=[-1] + ids[1:]),
+        "nested lists as token ids": edited(token_ids=[[i] for i in ids]),
+        "200k nested arrays": b'{"token_ids": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+        "booleans as sizes": edited(tokens=True, token_ids=[1]),
+        "a 5000-digit number": b'{"format": ' + b"9" * 5000 + b"}",
+        "an array, not an object": json.dumps(list(real)).encode(),
+        "a string as checksums": edited(layer_crc32="0000"),
+    }
+
+
+@pytest.mark.parametrize("case", list(hostile_headers({"token_ids": [1, 2]})))
+def test_a_hostile_header_is_dropped_and_recomputed(engine, clean, case):
+    from .test_store import entry_path
+
+    store = engine.store.disk
+    key = engine.key_for(engine.prompts.tokenize(CHUNKS[0]))
+    path = entry_path(store, key)
+    blob = path.read_bytes()
+    (header_len,) = struct.unpack("<I", blob[4:8])
+    real = json.loads(blob[8:8 + header_len])
+    path.write_bytes(with_header(blob, hostile_headers(real)[case]))
+    assert store.verify(key) is not None       # `ragblend cache verify` names it
+    layout = engine.find_chunks("Anything at all.")  # scanning the store's headers survives it
+    assert layout.token_ids
+    pre = assert_clean_answer(engine, clean)
+    assert pre.stats.chunks_reused == 2 and pre.stats.chunks_computed == 1   # dropped, recomputed
+    engine.flush()
+    assert store.verify(key) is None           # and written back sound
+
+
+def test_a_huge_header_length_is_refused_without_reading_it(tmp_path):
+    from .test_store import SPEC, entry_path, synthetic_entry
+
+    store = DiskStore(tmp_path, SPEC)
+    entry = synthetic_entry(1)
+    store.put(entry)
+    path = entry_path(store, entry.key)
+    blob = bytearray(path.read_bytes())
+    blob[4:8] = struct.pack("<I", 0xFFFFFFFF)
+    path.write_bytes(bytes(blob))
+    assert store.verify(entry.key) == "header larger than the file or than any real entry's"
+    assert store.open(entry.key) is None and entry.key not in store
+
+
+# ---------------------------------------------------------------------------- identity and leaks
+
+
+def test_the_storage_dtype_is_part_of_an_entrys_identity(tokenizer, tmp_path):
+    half = make_tiny_engine("llama", tokenizer, kv_dtype="float16")
+    full = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    half.store = DiskStore(tmp_path, half.entry_spec)
+    full.store = DiskStore(tmp_path, full.entry_spec)
+    ids = half.prompts.tokenize(CHUNKS[0])
+    assert half.key_for(ids) != full.key_for(ids)
+    half.precompute([CHUNKS[0]])
+    assert full.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.chunks_reused == 0   # not the fp16 entry
+    full.flush()
+    assert half.store.get(half.key_for(ids)).keys.dtype == torch.float16
+    assert full.store.get(full.key_for(ids)).keys.dtype == torch.float32
+
+
+def test_opening_a_store_reclaims_files_no_row_names(tmp_path):
+    from .test_store import SPEC, synthetic_entry
+
+    store = DiskStore(tmp_path / "kv", SPEC)
+    store.put(synthetic_entry(1))
+    store.close()
+    folder = tmp_path / "kv"
+    old, young = folder / "ab/cd" / ("e" * 28 + ".val"), folder / "ab/cd" / ("f" * 28 + ".val")
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"half of an entry")
+    young.write_bytes(b"another process's write in progress")
+    os.utime(old, (time.time() - 3600,) * 2)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / ("0" * 28 + ".val")).write_bytes(b"not the store's")
+    os.utime(outside / ("0" * 28 + ".val"), (time.time() - 3600,) * 2)
+    (folder / "12").mkdir()
+    (folder / "12" / "34").symlink_to(outside)      # a symlinked sub-folder is never followed
+    (folder / "notes.txt").write_text("the user's")
+    store = DiskStore(folder, SPEC)
+    assert store.reclaimed == 1 and not old.exists() and young.exists()
+    assert (outside / ("0" * 28 + ".val")).exists() and (folder / "notes.txt").exists()
+    assert store.get(synthetic_entry(1).key) is not None
+
+
+WRITER = """
+import sys
+from tests.conftest import make_tiny_engine, PASSAGES
+from transformers import AutoTokenizer
+from ragblend.core.store import DiskStore
+from ragblend.core.model import resolve_model_dir
+engine = make_tiny_engine("qwen2", AutoTokenizer.from_pretrained(resolve_model_dir(None)), kv_dtype="float32")
+engine.store = DiskStore(sys.argv[1], engine.entry_spec)
+print("ready", flush=True)
+for i in range(10**6):
+    engine.precompute([f"{PASSAGES[i % len(PASSAGES)]} Variant {i}." * 40])
+"""
+
+
+def test_a_writer_killed_at_random_points_leaves_a_sound_store(engine, clean):
+    """SIGKILL a process writing entries at random moments; every entry left must verify,
+    no unnamed file may stay after the next open, and answers stay clean."""
+    import random
+    import signal
+
+    folder = engine.store.disk.directory
+    root = Path(__file__).resolve().parents[1]
+    rng = random.Random(0)
+    for _ in range(2):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(folder)], cwd=root, stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.2, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = DiskStore(folder, engine.entry_spec, orphan_age_s=0)   # no writer is left: unnamed files are leaks
+    assert not unnamed_entry_files(store)
+    assert {key: store.verify(key) for key in store.keys()} == dict.fromkeys(store.keys())   # all sound
+    assert len(store) > len(CHUNKS)
+    engine.store = TieredStore(MemoryStore(0), store)
+    assert assert_clean_answer(engine, clean).stats.chunks_reused == 3
+
+
+def test_cache_stats_and_clear_on_a_store_too_broken_to_open(tmp_path, capsys):
+    from ragblend.cli import main
+
+    from .test_store import SPEC, synthetic_entry
+
+    folder = tmp_path / "kv"
+    store = DiskStore(folder, SPEC)
+    for i in range(3):
+        store.put(synthetic_entry(i))
+    store.close()
+    (folder / "cache.db").write_bytes(b"this is not a database" * 100)
+    (folder / "notes.txt").write_text("the user's")
+    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 2
+    assert "cannot be opened" in capsys.readouterr().err
+    assert main(["cache", "clear", "--kv-dir", str(folder)]) == 0
+    assert "Removed the broken store's database and 3 entry file(s)" in capsys.readouterr().out
+    assert files_in(folder) == {"notes.txt": len("the user's")}   # only the store's own files went
+    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0   # a fresh, empty store
+    assert "0 entries" in capsys.readouterr().out

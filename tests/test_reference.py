@@ -124,6 +124,8 @@ def test_fused_prefill_matches_dense_reference_qwen(bench_prompt):
         pytest.skip(f"Qwen2.5 not assembled ({gguf}); run `python -m benchmarks.models qwen2.5-0.5b`")
     engine = BlendEngine.from_pretrained(str(gguf), kv_dir=False)
     chunks, _ = bench_prompt
-    engine.precompute(chunks[:4])
+    # shorter chunks: the 0.5B model's dense reference was the suite's slowest step (5 min)
+    chunks = [" ".join(chunk.split()[:80]) for chunk in chunks[:4]]
+    engine.precompute(chunks)
     for strategy in (CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), QueryAware(0.3)):
-        check_against_reference(engine, flat_prompt(chunks[:4]), strategy)
+        check_against_reference(engine, flat_prompt(chunks), strategy)

@@ -93,7 +93,7 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
 
 
 @pytest.mark.parametrize("content", [
-    b"not json at all", b"[1, 2, 3]", b'{"format": 99}', b"{" * 100_000,
+    b"not json at all", b"[1, 2, 3]", b'{"format": 99}', b"{" * 100_000, b"[" * 200_000,
     json.dumps({"format": 1, "fingerprint": "x", "ratio": "0.3"}).encode(),
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):

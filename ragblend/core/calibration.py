@@ -92,7 +92,7 @@ def load_calibration(fingerprint: str) -> Calibration | None:
             raise ValueError("file too large")
         data = json.loads(path.read_text(encoding="utf-8"))
         calibration = _from_json(data)
-    except (OSError, ValueError, TypeError, KeyError) as err:
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
         log.warning("ragblend: ignoring the calibration file %s (%s); run engine.calibrate() again.", path, err)
         return None
     if calibration.fingerprint != fingerprint:

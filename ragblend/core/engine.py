@@ -35,9 +35,8 @@ from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
-from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, DiskStore, EntrySpec, KVStore, MemoryReader,
-                    MemoryStore, TieredStore)
-from .store import store_faults
+from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, EntrySpec, KVStore, MemoryReader, MemoryStore,
+                    TieredStore, open_store)
 
 log = logging.getLogger("ragblend")
 
@@ -65,6 +64,7 @@ class Stats:
     decode_s: float = 0.0
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
+    store_faults: int = 0          # KV store failures during this prefill, each served as a miss
 
     @property
     def recompute_fraction(self) -> float:
@@ -171,6 +171,7 @@ class BlendEngine:
         self._indexed_keys: set[str] = set()
         self._indexed_store_size = -1
         self._writes_lock = threading.Lock()
+        self._warned_unstored = False
         eos = hf_model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:
@@ -194,15 +195,10 @@ class BlendEngine:
             dtype = getattr(torch, dtype)
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
         name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(str(model).rstrip("/"))
-        engine = cls(hf_model, tokenizer, store=MemoryStore(memory_bytes) if store is None else store, strategy=strategy,
-                     name=name, **kwargs)
+        engine = cls(hf_model, tokenizer, store=store if store is not None else MemoryStore(memory_bytes),
+                     strategy=strategy, name=name, **kwargs)
         if store is None and kv_dir is not False:
-            directory = kv_dir or cache_dir() / "kv"
-            try:
-                engine.store = TieredStore(engine.store, DiskStore(directory, engine.entry_spec, disk_bytes))
-            except store_faults() as err:  # the KV is a cache: run without its disk tier
-                log.warning("ragblend: the KV store in %s cannot be opened (%s: %s); keeping KV in memory only.",
-                            directory, type(err).__name__, err)
+            engine.store = open_store(kv_dir or cache_dir() / "kv", engine.entry_spec, memory_bytes, disk_bytes)
         return engine
 
     # ------------------------------------------------------------------ properties
@@ -214,7 +210,8 @@ class BlendEngine:
     @property
     def entry_spec(self) -> EntrySpec:
         shape = self.adapter.shape
-        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        vocab_size = self.hf_model.get_input_embeddings().num_embeddings
+        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
 
     def count_tokens(self, text: str) -> int:
         return len(self.prompts.tokenize(text))
@@ -222,12 +219,15 @@ class BlendEngine:
     # ------------------------------------------------------------------ precompute
 
     def key_for(self, token_ids: Sequence[int]) -> str:
-        return chunk_key(self.fingerprint, self.sink_ids, list(token_ids))
+        return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False) -> list[ChunkRef]:
         """Compute and store the KV of each chunk text (skipping ones already stored).
 
         Every text is validated before anything is stored, so a bad item stores nothing.
+        Each returned :class:`ChunkRef` says whether its entry is ``stored``: when the KV
+        store fails (full disk, read-only or deleted folder...) it is not, a warning says
+        why, and queries compute that chunk instead.
         """
         if isinstance(texts, str):
             texts = [texts]
@@ -254,10 +254,14 @@ class BlendEngine:
             items = tqdm(items, total=len(texts), desc="Precomputing KV", unit="chunk")
         for ids in items:
             key = self.key_for(ids)
-            if key not in self.store:
-                self.store.put(self.compute_entry(ids))
+            stored = key in self.store or self.store.put(self.compute_entry(ids))
             self._index_chunk(key, ids)
-            refs.append(ChunkRef(key, len(ids)))
+            refs.append(ChunkRef(key, len(ids), stored))
+        unstored = sum(not ref.stored for ref in refs)
+        if unstored and not self._warned_unstored:
+            self._warned_unstored = True
+            log.warning("ragblend: %d of %d chunk(s) could not be stored in the KV store (cause logged above); "
+                        "queries compute them instead. ChunkRef.stored says which.", unstored, len(refs))
         return refs
 
     def forget(self, keys: Iterable[str]) -> int:
@@ -396,6 +400,7 @@ class BlendEngine:
                 f"The prompt has {n} tokens but the model's context window is {self.context_window}; "
                 "pass fewer or shorter chunks.")
         stats = Stats(prompt_tokens=n, strategy=strategy.name, strategy_reason=self._strategy_reason(strategy))
+        faults_before = self.store.faults
         computed: dict[str, ChunkKV] = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per chunk.
@@ -415,6 +420,7 @@ class BlendEngine:
         stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
         stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
+        stats.store_faults = self.store.faults - faults_before
         self.last_stats = stats
         self.last_prompt = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
         return Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,

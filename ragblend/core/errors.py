@@ -10,7 +10,11 @@ class InvalidInputError(RagblendError, ValueError):
     """An argument has the right type but a value ragblend cannot use."""
 
 
-class SegmentTypeError(RagblendError, TypeError):
+class InvalidTypeError(RagblendError, TypeError):
+    """An argument has a type ragblend cannot use."""
+
+
+class SegmentTypeError(InvalidTypeError):
     """A prompt segment is neither a ``str`` nor a :class:`ragblend.Chunk`."""
 
 
@@ -24,3 +28,8 @@ class UnsupportedModelError(RagblendError, ValueError):
 
 class ModelNotFoundError(RagblendError, FileNotFoundError):
     """The requested model (or the embedded default) is not installed."""
+
+
+class StoreUnavailableError(RagblendError, OSError):
+    """A KV store folder cannot be opened (not a folder, unreadable, broken database).
+    Engines never raise it (they keep KV in memory instead); ``ragblend cache`` does."""

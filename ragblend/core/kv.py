@@ -9,17 +9,19 @@ import torch
 
 # Bump when what a stored entry means changes (layout, sink handling, pre/post RoPE...):
 # old entries then simply stop matching.
-KV_FORMAT_VERSION = 1
+# v2: the storage dtype joined the key.
+KV_FORMAT_VERSION = 2
 
 
-def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int]) -> str:
-    """Content key of a chunk's KV: model fingerprint + sink prefix + chunk tokens + format version.
+def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], storage_dtype: str) -> str:
+    """Content key of a chunk's KV: everything that changes its bytes, i.e. the model
+    fingerprint, sink prefix, chunk tokens, storage dtype and format version.
 
-    A KV entry can therefore never be used for another model, tokenizer, compute dtype or
-    sink prefix: any of those changes the key.
+    A KV entry can therefore never be used for another model, tokenizer, compute dtype,
+    storage dtype or sink prefix: any of those changes the key.
     """
     h = hashlib.sha256()
-    h.update(f"ragblend-kv-v{KV_FORMAT_VERSION}|{fingerprint}|".encode())
+    h.update(f"ragblend-kv-v{KV_FORMAT_VERSION}|{fingerprint}|{storage_dtype}|".encode())
     h.update(torch.tensor(sink_ids, dtype=torch.int64).numpy().tobytes())
     h.update(b"|")
     h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
@@ -59,3 +61,4 @@ class ChunkRef:
 
     key: str
     num_tokens: int
+    stored: bool = True   # False when the KV store failed to keep it (it is then computed per query)

@@ -20,15 +20,17 @@ Entry format (no pickle anywhere; all integers little-endian)::
     layer 0: K bytes, V bytes  each [kv_heads, tokens, head_dim] in ``dtype``
     layer 1: ...               (layer-major: one layer of a chunk is one seek + one read)
 
-Every read checks the header (magic, CRCs, format version, fingerprint, shape, token ids,
-file length) and each layer's CRC32. A failing entry raises :class:`CorruptEntryError`
-(layer reads) or is reported missing (open); either way it is deleted so the caller
-recomputes it.
+Every read checks the header (magic, CRCs, size, structure, format version, fingerprint,
+shape, the type and range of every number, token ids, file length) and each layer's CRC32.
+A failing entry raises :class:`CorruptEntryError` (layer reads) or is reported missing
+(open); either way it is deleted so the caller recomputes it. A header is parsed as
+hostile input: its CRC only proves it was not torn, not that a ragblend engine wrote it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -38,6 +40,7 @@ import re
 import stat
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,12 +50,15 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import torch
 
-from .errors import InvalidInputError, RagblendError
+from .errors import InvalidInputError, RagblendError, StoreUnavailableError
 
 log = logging.getLogger("ragblend")
 from .kv import KV_FORMAT_VERSION, ChunkKV
 
 MAGIC = b"RBKV"
+# A header holds a chunk's token ids (~8 bytes each as JSON) and one CRC per layer; 4 MiB
+# is several times what a 128k-token chunk needs, and bounds what a hostile file can cost.
+MAX_HEADER_BYTES = 4 << 20
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -67,12 +73,14 @@ class CorruptEntryError(RagblendError):
 
 @dataclass(frozen=True)
 class EntrySpec:
-    """What every entry of one engine must match: model fingerprint and KV shape."""
+    """What every entry of one engine must match: model fingerprint, KV shape and the
+    vocabulary its token ids index (0: not checked, e.g. for ``ragblend cache stats``)."""
 
     fingerprint: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    vocab_size: int = 0
 
 
 def _token_hash(token_ids) -> str:
@@ -159,7 +167,7 @@ class FileReader(ChunkReader):
             raise
         self.dtype = STORAGE_DTYPES[header["dtype"]]
         self.token_ids = header["token_ids"]
-        self.shape = (header["kv_heads"], header["tokens"], header["head_dim"])
+        self.shape = (spec.num_kv_heads, len(self.token_ids), spec.head_dim)
         self.crcs = header["layer_crc32"]
         self.layer_bytes = 2 * self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize
         self.data_start = handle.tell()
@@ -174,36 +182,58 @@ class FileReader(ChunkReader):
         if len(start) < 8 or start[:4] != MAGIC:
             raise bad("not a ragblend KV entry")
         (header_len,) = struct.unpack("<I", start[4:])
-        if header_len > size:
-            raise bad("truncated header")
+        if header_len > min(size, MAX_HEADER_BYTES):
+            raise bad("header larger than the file or than any real entry's")
         raw = handle.read(header_len + 4)
         if len(raw) < header_len + 4 or struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
             raise bad("header checksum mismatch")
+        # A real header is one flat object with two flat lists; refusing any other nesting
+        # before parsing keeps a crafted one from exhausting the parser's recursion.
+        raw = raw[:-4]
+        if raw.count(b"{") != 1 or raw.count(b"[") != 2:
+            raise bad("header is not shaped like a ragblend header")
         try:
-            header = json.loads(raw[:-4])
-            return FileReader._check_header(header, key, spec, size, header_len, bad)
-        except (ValueError, KeyError, TypeError, AttributeError):
+            header = json.loads(raw)
+        except ValueError:
             raise bad("unreadable header") from None
+        return FileReader._check_header(header, key, spec, size, header_len, bad)
 
     @staticmethod
-    def _check_header(header: dict, key: str, spec: EntrySpec, size: int, header_len: int, bad) -> dict:
+    def _check_header(header, key: str, spec: EntrySpec, size: int, header_len: int, bad) -> dict:
+        """Check every field's type and range before using it (nothing here may raise
+        anything but :class:`CorruptEntryError`)."""
+        def is_int(value, low, high):
+            return type(value) is int and low <= value < high
+
+        def int_list(name, low, high):
+            values = header.get(name)
+            if type(values) is not list or not all(is_int(v, low, high) for v in values):
+                raise bad(f"{name} must be a list of integers in [{low}, {high})")
+            return values
+
+        if type(header) is not dict:
+            raise bad("header is not an object")
         if header.get("format") != KV_FORMAT_VERSION:
-            raise bad(f"format version {header.get('format')} != {KV_FORMAT_VERSION}")
+            raise bad(f"format version {str(header.get('format'))[:20]} != {KV_FORMAT_VERSION}")
         if header.get("fingerprint") != spec.fingerprint:
             raise bad("written for another model or tokenizer")
         if header.get("key") != key:
             raise bad("stored under another key")
-        if header.get("dtype") not in STORAGE_DTYPES:
-            raise bad(f"unknown dtype {header.get('dtype')!r}")
-        if (header["layers"], header["kv_heads"], header["head_dim"]) != (
-                spec.num_layers, spec.num_kv_heads, spec.head_dim):
+        if type(header.get("dtype")) is not str or header["dtype"] not in STORAGE_DTYPES:
+            raise bad("unknown storage dtype")
+        if [header.get(n) for n in ("layers", "kv_heads", "head_dim")] != [
+                spec.num_layers, spec.num_kv_heads, spec.head_dim]:
             raise bad("KV shape does not match the model")
-        if header["tokens"] != len(header["token_ids"]) or _token_hash(header["token_ids"]) != header["token_ids_sha256"]:
+        token_ids = int_list("token_ids", 0, spec.vocab_size or 2**31)
+        crcs = int_list("layer_crc32", 0, 2**32)
+        if not is_int(header.get("tokens"), 1, 2**31) or header["tokens"] != len(token_ids):
+            raise bad("token count does not match the token ids")
+        if header.get("token_ids_sha256") != _token_hash(token_ids):
             raise bad("token ids do not match their hash")
-        if len(header["layer_crc32"]) != header["layers"]:
+        if len(crcs) != spec.num_layers:
             raise bad("missing layer checksums")
         itemsize = STORAGE_DTYPES[header["dtype"]].itemsize
-        expected = 8 + header_len + 4 + header["layers"] * 2 * header["kv_heads"] * header["tokens"] * header["head_dim"] * itemsize
+        expected = 8 + header_len + 4 + spec.num_layers * 2 * spec.num_kv_heads * len(token_ids) * spec.head_dim * itemsize
         if size != expected:
             raise bad(f"file is {size} bytes, expected {expected} (truncated or padded)")
         return header
@@ -235,6 +265,8 @@ class FileReader(ChunkReader):
 class KVStore:
     """Interface of a KV store tier. Implementations are thread-safe."""
 
+    faults = 0   # failures of the store's own storage so far, each served as a miss or a skipped write
+
     def get(self, key: str) -> ChunkKV | None:
         """The whole entry for ``key``, or None when absent or unusable (then dropped)."""
         reader = self.open(key)
@@ -253,8 +285,9 @@ class KVStore:
         unless ``drop_unusable`` is False)."""
         raise NotImplementedError
 
-    def put(self, entry: ChunkKV) -> None:
-        """Store ``entry`` under ``entry.key``; all or nothing."""
+    def put(self, entry: ChunkKV) -> bool:
+        """Store ``entry`` under ``entry.key``, all or nothing; False when it was not
+        stored (too large for the store, or the store failed)."""
         raise NotImplementedError
 
     def delete(self, key: str) -> bool:
@@ -301,10 +334,10 @@ class MemoryStore(KVStore):
         reader = self.open(key)
         return None if reader is None else reader.entry
 
-    def put(self, entry: ChunkKV) -> None:
+    def put(self, entry: ChunkKV) -> bool:
         size = entry.nbytes
         if size > self.max_bytes:
-            return
+            return False
         with self._lock:
             old = self._entries.pop(entry.key, None)
             if old is not None:
@@ -314,6 +347,7 @@ class MemoryStore(KVStore):
             while self.nbytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)
                 self.nbytes -= evicted.nbytes
+        return True
 
     def delete(self, key: str) -> bool:
         with self._lock:
@@ -344,6 +378,18 @@ class MemoryStore(KVStore):
 _ENTRY_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
 
 
+def _entry_files(directory: Path) -> Iterator[tuple[str, Path]]:
+    """The store's own entry files in ``directory``: named by its scheme, regular files, not
+    reached through a symlink. Yields ``(name relative to the folder, path)``."""
+    root = os.path.realpath(directory)
+    for path in Path(root).glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*.val"):
+        name = path.relative_to(root).as_posix()
+        with contextlib.suppress(FileNotFoundError):   # removed by another process meanwhile
+            if (_ENTRY_FILE.fullmatch(name) and os.path.realpath(path) == str(path)
+                    and stat.S_ISREG(path.lstat().st_mode)):
+                yield name, path
+
+
 def _safe_disk_class():
     """A diskcache ``Disk`` that only ever touches the store's own files.
 
@@ -351,13 +397,31 @@ def _safe_disk_class():
     anywhere. This ``Disk`` refuses pickled keys and values (nothing is ever unpickled), and
     opens or deletes a value file only when its name follows the store's own naming scheme,
     it resolves inside the store's directory and it is a regular file (no symlink, FIFO or
-    device: opening a FIFO would block the query). Deleting removes the file and at most its
-    two empty sub-folders, never a folder above the store.
+    device: opening a FIFO would block the query). Deleting removes the file (a symlink
+    itself, not its target) and at most its two empty sub-folders, never a folder above the
+    store.
     """
     import diskcache
-    from diskcache.core import MODE_BINARY
+    from diskcache.core import MODE_BINARY, UNKNOWN
 
     class SafeDisk(diskcache.Disk):
+        written = threading.local()   # the file each thread wrote last, removed if its row fails
+
+        def store(self, value, read, key=UNKNOWN):
+            self.written.filename = None
+            size, mode, filename, db_value = super().store(value, read, key)
+            self.written.filename = filename
+            return size, mode, filename, db_value
+
+        def _write(self, full_path, iterator, mode, encoding=None):
+            try:
+                return super()._write(full_path, iterator, mode, encoding)
+            except BaseException:
+                # a full disk mid-write must not leave a partial file behind
+                with contextlib.suppress(OSError):
+                    os.remove(full_path)
+                raise
+
         def get(self, key, raw):
             if not raw:
                 raise CorruptEntryError(str(key), "non-string key in the cache database")
@@ -369,7 +433,9 @@ def _safe_disk_class():
                 return None
             root = os.path.realpath(self._directory)
             path = os.path.join(root, filename)
-            return path if os.path.realpath(path) == path else None  # no symlinked sub-folder
+            # No symlinked sub-folder. The file itself may be a symlink: fetch refuses it
+            # (O_NOFOLLOW) and remove deletes the link, never its target.
+            return path if os.path.realpath(os.path.dirname(path)) == os.path.dirname(path) else None
 
         def fetch(self, mode, filename, value, read):
             if mode != MODE_BINARY:
@@ -378,7 +444,12 @@ def _safe_disk_class():
             if path is None:
                 raise CorruptEntryError(str(filename), "entry file outside the store's own files")
             # O_NONBLOCK: a FIFO opens at once (and is then refused) instead of waiting for a writer.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError as err:
+                if err.errno == errno.ELOOP:   # O_NOFOLLOW met a symlink
+                    raise CorruptEntryError(str(filename), "entry is a symlink") from None
+                raise
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise CorruptEntryError(str(filename), "entry is not a regular file")
@@ -419,17 +490,23 @@ class DiskStore(KVStore):
     The store is a cache: when its files or database fail (full disk, read-only or vanished
     folder, malformed or locked database) a read is a miss and a write is skipped. Each kind
     of failure is logged once and every one is counted in ``faults``; lock waits last at
-    most ``LOCK_TIMEOUT_S``. Opening the store itself can still raise those errors (see
+    most ``LOCK_TIMEOUT_S``. A failed write leaves no file behind, and opening the store
+    reclaims entry files that no row names (left by a writer killed mid-write) once they
+    are ``orphan_age_s`` old (younger ones may be another process's write in progress). Opening the store itself can still raise those errors (see
     :meth:`BlendEngine.from_pretrained`, which then keeps the KV in memory only).
     """
 
     tier = "disk"
     LOCK_TIMEOUT_S = 0.25
+    DATABASE = "cache.db"
 
-    def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30):
+    def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30,
+                 orphan_age_s: float = 60.0):
         import diskcache
 
         self.directory = Path(directory).expanduser()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise StoreUnavailableError(f"{self.directory} is a file, not a KV store folder")
         self.spec = spec
         self.max_bytes = max_bytes
         self.faults = 0
@@ -440,6 +517,33 @@ class DiskStore(KVStore):
             str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
             cull_limit=0, disk=_safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
         )
+        self._database_id = self._identity()
+        self.reclaimed = self._reclaim_orphans(orphan_age_s)
+
+    def _identity(self) -> tuple[int, int] | None:
+        """Which database file this store has open, to notice the folder being deleted or replaced."""
+        try:
+            st = os.stat(self.directory / self.DATABASE)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _reclaim_orphans(self, min_age_s: float) -> int:
+        """Remove the store's own entry files that no row names and that are old enough not
+        to be another process's write in progress. Returns how many were removed."""
+        try:
+            named = {row[0] for row in self.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+            now, removed = time.time(), 0
+            for name, path in _entry_files(self.directory):
+                if name not in named and now - path.lstat().st_mtime >= min_age_s:
+                    self.cache.disk.remove(name)
+                    removed += 1
+        except store_faults() as err:
+            self._fault("reclaim unnamed files", err)
+            return 0
+        if removed:
+            log.info("ragblend: removed %d unfinished KV file(s) from %s.", removed, self.directory)
+        return removed
 
     def _fault(self, action: str, err: BaseException) -> None:
         self.faults += 1
@@ -476,14 +580,27 @@ class DiskStore(KVStore):
             self._fault("read", err)
             return None
 
-    def put(self, entry: ChunkKV) -> None:
-        """Store ``entry``; on a full disk, read-only folder or locked database it is skipped
-        (logged and counted), as a cache may."""
+    def put(self, entry: ChunkKV) -> bool:
+        """Store ``entry``; False when it was skipped (logged and counted) because the disk
+        is full, the folder is read-only or gone, or the database is locked or broken."""
+        disk = self.cache.disk
         try:
+            if self._identity() != self._database_id:
+                raise FileNotFoundError(f"{self.directory / self.DATABASE} was deleted or replaced after the "
+                                        "store opened; restart to recreate the store")
             self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
+        except store_faults() as err:
+            if getattr(disk.written, "filename", None):   # written, but its row was never committed
+                disk.remove(disk.written.filename)
+            self._fault("write", err)
+            return False
+        finally:
+            disk.written.filename = None
+        try:
             self._evict()
         except store_faults() as err:
-            self._fault("write", err)
+            self._fault("evict", err)
+        return True
 
     def _evict(self) -> None:
         """Drop least-recently-used entries until the store (files + index) fits its limit."""
@@ -529,20 +646,21 @@ class DiskStore(KVStore):
 
     def verify(self, key: str) -> str | None:
         """Fully check one entry; the reason it fails, or None when it is sound."""
+        reader = None
         try:
             handle = self.cache.get(key, read=True)
-        except CorruptEntryError as err:
-            return err.reason
-        if handle is None:
-            return "missing"
-        try:
+            if handle is None:
+                return "missing"
             reader = FileReader(handle, key, self.spec, os.fstat(handle.fileno()).st_size)
             for i in range(self.spec.num_layers):
                 reader.layer(i)
         except CorruptEntryError as err:
             return err.reason
+        except store_faults() as err:
+            return f"unreadable ({type(err).__name__}: {err})"
         finally:
-            handle.close()
+            if reader is not None:
+                reader.close()
         return None
 
     def stats(self) -> dict:
@@ -556,10 +674,47 @@ class DiskStore(KVStore):
                          "misses": misses, "faults": self.faults, "directory": str(self.directory)}}
 
     def clear(self) -> int:
+        """Delete every entry; returns how many."""
         return self.cache.clear()
 
     def close(self) -> None:
         self.cache.close()
+
+    @classmethod
+    def remove_files(cls, directory: str | os.PathLike) -> int:
+        """Delete a store that cannot be opened (e.g. a garbage ``cache.db``): its database
+        and the entry files named by its own scheme, then its empty sub-folders. Nothing
+        else in ``directory`` is touched. Returns how many entry files were removed."""
+        directory = Path(directory).expanduser()
+        if not directory.is_dir():
+            raise StoreUnavailableError(f"{directory} is not a KV store folder")
+        removed = 0
+        for _, path in _entry_files(directory):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+        for folder in sorted(directory.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]")) + sorted(
+                directory.glob("[0-9a-f][0-9a-f]")):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty and a real folder
+        for name in (cls.DATABASE, cls.DATABASE + "-wal", cls.DATABASE + "-shm"):
+            path = directory / name
+            if path.is_file() and not path.is_symlink():
+                path.unlink()
+        return removed
+
+
+def open_store(directory: str | os.PathLike, spec: EntrySpec, memory_bytes: int = 2 << 30,
+               disk_bytes: int = 8 << 30) -> KVStore:
+    """A memory tier in front of a disk tier at ``directory``; the memory tier alone, with a
+    warning, when the disk tier cannot be opened (read-only folder, broken database...)."""
+    memory = MemoryStore(memory_bytes)
+    try:
+        return TieredStore(memory, DiskStore(directory, spec, disk_bytes))
+    except store_faults() as err:  # the KV is a cache: run without its disk tier
+        log.warning("ragblend: the KV store in %s cannot be opened (%s: %s); keeping KV in memory only.",
+                    directory, type(err).__name__, err)
+        return memory
 
 
 class TieredStore(KVStore):
@@ -577,9 +732,15 @@ class TieredStore(KVStore):
     def promote(self, entry: ChunkKV) -> None:
         self.memory.put(entry)
 
-    def put(self, entry: ChunkKV) -> None:
-        self.disk.put(entry)
+    def put(self, entry: ChunkKV) -> bool:
+        """True when the entry reached the disk tier (the one that outlives the process)."""
+        stored = self.disk.put(entry)
         self.memory.put(entry)
+        return stored
+
+    @property
+    def faults(self) -> int:
+        return self.disk.faults
 
     def delete(self, key: str) -> bool:
         in_memory = self.memory.delete(key)

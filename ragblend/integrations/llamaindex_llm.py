@@ -29,6 +29,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
 
 from .common import STRATEGY_NAMES, iterate_in_thread, lazy_engine, make_strategy
 
@@ -169,7 +170,7 @@ class BlendLLM(CustomLLM):
         system = "\n\n".join(m.content or "" for m in messages if m.role == MessageRole.SYSTEM) or None
         turns = [m for m in messages if m.role != MessageRole.SYSTEM]
         if not turns or turns[-1].role != MessageRole.USER:
-            raise ValueError("BlendLLM.chat needs the last message to be from the user.")
+            raise InvalidInputError("BlendLLM.chat needs the last message to be from the user.")
         history = [("assistant" if m.role == MessageRole.ASSISTANT else "user", m.content or "") for m in turns[:-1]]
         return self._layout(turns[-1].content or "", history, system)
 

@@ -22,6 +22,7 @@ from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
+from ragblend.core.errors import InvalidTypeError
 from ragblend.core.prompt import Chunk
 
 from .llamaindex_llm import BlendLLM
@@ -42,7 +43,7 @@ class BlendSynthesizer(BaseSynthesizer):
     def __init__(self, llm: BlendLLM, qa_template: PromptTemplate | None = None, streaming: bool = False,
                  **kwargs: Any):
         if not isinstance(llm, BlendLLM):
-            raise TypeError(f"BlendSynthesizer needs a BlendLLM, got {type(llm).__name__}.")
+            raise InvalidTypeError(f"BlendSynthesizer needs a BlendLLM, got {type(llm).__name__}.")
         super().__init__(llm=llm, streaming=streaming, **kwargs)
         self._qa_template = qa_template or DEFAULT_PROMPT
 
