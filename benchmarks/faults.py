@@ -193,6 +193,12 @@ def locked_database(scene: Scene):
     return lambda: (holder.kill(), holder.wait())
 
 
+def locked_at_open(scene: Scene):
+    lift = locked_database(scene)
+    scene.reopen()   # diskcache alone would retry for 60 s
+    return lift
+
+
 def folder_deleted(scene: Scene):
     shutil.rmtree(scene.box / "kv")
 
@@ -273,6 +279,7 @@ def faults(kills: int) -> dict:
         "a header with nested lists as token ids (valid CRC)": lambda s: hostile_header(
             s, lambda real: {**real, "token_ids": [[i] for i in real["token_ids"]]}),
         "another process holding a SQLite write lock": locked_database,
+        "another process holding the write lock when the store opens": locked_at_open,
         "the KV folder deleted while running": folder_deleted,
         "a garbage cache.db": garbage_database,
         "a full disk (4 MiB tmpfs)": full_disk,

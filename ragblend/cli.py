@@ -115,9 +115,19 @@ def _disk_store(args, spec=None):
     try:
         return DiskStore(folder, spec or EntrySpec("", 0, 0, 0))
     except store_faults() as err:
-        raise StoreUnavailableError(
-            f"the KV store in {folder} cannot be opened ({type(err).__name__}: {err}). Engines still answer "
-            f"(they keep KV in memory); `ragblend cache clear --kv-dir {folder}` removes the broken store.") from None
+        if _is_broken_database(err):
+            advice = f"`ragblend cache clear --kv-dir {folder}` removes the broken store"
+        else:
+            advice = "try again once the folder is writable and no other process holds the store"
+        raise StoreUnavailableError(f"the KV store in {folder} cannot be opened ({type(err).__name__}: {err}). "
+                                    f"Engines still answer (they keep KV in memory); {advice}.") from err
+
+
+def _is_broken_database(err: BaseException) -> bool:
+    """A database that is garbage or malformed, as opposed to locked, read-only or missing."""
+    import sqlite3
+
+    return isinstance(err, sqlite3.DatabaseError) and not isinstance(err, sqlite3.OperationalError)
 
 
 def _cache(args) -> int:
@@ -161,6 +171,8 @@ def _clear(args) -> int:
     try:
         store = _disk_store(args)
     except StoreUnavailableError as err:
+        if not _is_broken_database(err.__cause__):
+            raise   # locked by another process or read-only: its files are not ours to remove now
         print(f"ragblend: {err}", file=sys.stderr)
         removed = DiskStore.remove_files(folder)
         print(f"Removed the broken store's database and {removed} entry file(s).")

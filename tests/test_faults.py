@@ -360,3 +360,32 @@ def test_cache_stats_and_clear_on_a_store_too_broken_to_open(tmp_path, capsys):
     assert files_in(folder) == {"notes.txt": len("the user's")}   # only the store's own files went
     assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0   # a fresh, empty store
     assert "0 entries" in capsys.readouterr().out
+
+
+def test_a_store_locked_at_open_falls_back_quickly_and_is_not_cleared(tmp_path, capsys, caplog):
+    from ragblend.cli import main
+
+    from .test_store import SPEC, synthetic_entry
+
+    folder = tmp_path / "kv"
+    store = DiskStore(folder, SPEC)
+    store.put(synthetic_entry(1))
+    store.close()
+    before = files_in(folder)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sqlite3, sys, time\n"
+         f"c = sqlite3.connect({str(folder / 'cache.db')!r}, isolation_level=None)\n"
+         "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.perf_counter()
+        assert isinstance(open_store(folder, SPEC), MemoryStore)   # diskcache alone would wait 60 s
+        assert time.perf_counter() - t0 < 3 and "keeping KV in memory only" in caplog.text
+        assert main(["cache", "clear", "--kv-dir", str(folder)]) == 2
+        assert "no other process holds the store" in capsys.readouterr().err
+        assert before.items() <= files_in(folder).items()   # a busy store is not a broken one: nothing removed
+    finally:
+        holder.kill()
+        holder.wait()
+    assert DiskStore(folder, SPEC).get(synthetic_entry(1).key) is not None

@@ -511,6 +511,7 @@ class DiskStore(KVStore):
         self.max_bytes = max_bytes
         self.faults = 0
         self._logged: set[str] = set()
+        self._check_write_lock()
         # diskcache's own culling drops entries in batches of 10, far more than needed when
         # entries are megabytes each; eviction is done here instead, one entry at a time.
         self.cache = diskcache.Cache(
@@ -519,6 +520,21 @@ class DiskStore(KVStore):
         )
         self._database_id = self._identity()
         self.reclaimed = self._reclaim_orphans(orphan_age_s)
+
+    def _check_write_lock(self) -> None:
+        """Fail within ``LOCK_TIMEOUT_S`` when another process holds the database's write
+        lock (or the file is not a database): diskcache's own set-up retries for 60 s."""
+        import sqlite3
+
+        path = self.directory / self.DATABASE
+        if not path.is_file():
+            return
+        connection = sqlite3.connect(path, timeout=self.LOCK_TIMEOUT_S, isolation_level=None)
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute("ROLLBACK")
+        finally:
+            connection.close()
 
     def _identity(self) -> tuple[int, int] | None:
         """Which database file this store has open, to notice the folder being deleted or replaced."""
