@@ -192,6 +192,18 @@ def test_deleting_documents_drops_their_kv(chroma_store):
 
 
 @pytest.mark.slow
+def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(chroma_store):
+    engine = shared_engine()
+    text = "A note written twice: the harbour crane's night lamp is switched off at dawn."
+    chroma_store.add_texts([text, text], ids=["twice-a", "twice-b"])
+    key = chroma_store.get_by_ids(["twice-a"])[0].metadata["ragblend_kv_key"]
+    chroma_store.delete(["twice-a"])
+    assert key in engine.store          # "twice-b" still needs it
+    chroma_store.delete(["twice-b"])
+    assert key not in engine.store
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["top-level", "extras"])
 def test_cache_control_blocks_and_kv_chunks_are_fused_as_chunks(where):
     engine = shared_engine()

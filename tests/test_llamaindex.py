@@ -169,6 +169,22 @@ def test_deleting_a_document_drops_its_kv(smol_engine, tmp_path):
     assert keys["b.md"] not in smol_engine.store and nodes[0].metadata[KV_KEY] in smol_engine.store
 
 
+def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(smol_engine, tmp_path):
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for folder in ("original", "copy"):   # same name and text: the LLM sees the same chunk
+        (docs / folder).mkdir()
+        (docs / folder / "notes.md").write_text("The lighthouse keeper winds the clockwork lamp at dusk.\n")
+    rag.ingest([docs], show_progress=False)
+    keys = {n.metadata[KV_KEY] for n in rag.vector_store.get_nodes()}
+    assert len(rag) == 2 and len(keys) == 1   # one entry for both
+    rag.delete(docs / "original" / "notes.md")
+    assert keys <= set(smol_engine.store.keys())       # the copy still needs it
+    rag.delete(docs / "copy" / "notes.md")
+    assert not keys & set(smol_engine.store.keys())    # the last user is gone
+
+
 def test_ingestion_cache_keeps_the_keys(smol_engine):
     from llama_index.core import Document
     from llama_index.core.ingestion import IngestionCache, IngestionPipeline

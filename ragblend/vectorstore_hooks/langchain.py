@@ -87,8 +87,19 @@ class KVPrecomputeVectorStore(VectorStore):
 
     def delete(self, ids: Optional[list[str]] = None, **kwargs: Any) -> Optional[bool]:
         if ids:
-            self.engine.forget({d.metadata[KV_KEY] for d in self.inner.get_by_ids(ids) if d.metadata.get(KV_KEY)})
+            keys = {d.metadata[KV_KEY] for d in self.inner.get_by_ids(ids) if d.metadata.get(KV_KEY)}
+            self.engine.forget(keys - self._still_used(keys, leaving=set(ids)))
         return self.inner.delete(ids, **kwargs)
+
+    def _still_used(self, keys: set[str], leaving: set[str]) -> set[str]:
+        """The keys that documents staying in the store still use (identical texts share
+        one entry). Without a way to search by metadata, every key counts as still used:
+        keeping an entry costs disk until eviction, dropping a needed one costs a recompute."""
+        get = getattr(self.inner, "get", None)   # Chroma's metadata query
+        if not keys or get is None:
+            return set(keys)
+        found = get(where={KV_KEY: {"$in": sorted(keys)}}, include=["metadatas"])
+        return {meta.get(KV_KEY) for doc_id, meta in zip(found["ids"], found["metadatas"]) if doc_id not in leaving}
 
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         return self.inner.get_by_ids(ids)

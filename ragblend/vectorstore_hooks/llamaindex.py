@@ -25,8 +25,8 @@ from typing import Any, List, Optional, Sequence
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
-from llama_index.core.vector_stores.types import (BasePydanticVectorStore, MetadataFilter, MetadataFilters,
-                                                  VectorStoreQuery, VectorStoreQueryResult)
+from llama_index.core.vector_stores.types import (BasePydanticVectorStore, FilterOperator, MetadataFilter,
+                                                  MetadataFilters, VectorStoreQuery, VectorStoreQueryResult)
 
 from ragblend.core.engine import BlendEngine
 
@@ -139,8 +139,17 @@ class KVAwareVectorStore(BasePydanticVectorStore):
     def get_nodes(self, node_ids: Optional[List[str]] = None, filters: Optional[MetadataFilters] = None) -> List[BaseNode]:
         return self.inner.get_nodes(node_ids=node_ids, filters=filters)
 
-    def _drop_kv(self, nodes: Sequence[BaseNode]) -> int:
-        return self._engine.forget({n.metadata[KV_KEY] for n in nodes if n.metadata.get(KV_KEY)})
+    def _drop_kv(self, leaving: Sequence[BaseNode]) -> int:
+        """Drop the KV of nodes about to leave the store, except entries that nodes staying
+        in it still use (identical texts, e.g. a duplicated document, share one entry)."""
+        keys = {n.metadata[KV_KEY] for n in leaving if n.metadata.get(KV_KEY)}
+        if not keys:
+            return 0
+        leaving_ids = {n.node_id for n in leaving}
+        sharing = self.inner.get_nodes(node_ids=None, filters=MetadataFilters(
+            filters=[MetadataFilter(key=KV_KEY, value=sorted(keys), operator=FilterOperator.IN)]))
+        still_used = {n.metadata.get(KV_KEY) for n in sharing if n.node_id not in leaving_ids}
+        return self._engine.forget(keys - still_used)
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
         filters = MetadataFilters(filters=[MetadataFilter(key="ref_doc_id", value=ref_doc_id)])
