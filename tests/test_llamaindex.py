@@ -185,6 +185,37 @@ def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(smol_engi
     assert not keys & set(smol_engine.store.keys())    # the last user is gone
 
 
+def test_sentence_window_retrieval_reuses_the_windows_the_llm_is_shown(smol_engine, tmp_path):
+    import chromadb
+    from llama_index.core import VectorStoreIndex
+    from llama_index.core.ingestion import IngestionPipeline
+    from llama_index.core.node_parser import SentenceWindowNodeParser
+    from llama_index.core.postprocessor import MetadataReplacementPostProcessor
+    from llama_index.vector_stores.chroma import ChromaVectorStore
+
+    from ragblend.integrations.local_index import default_embed_model
+    from ragblend.vectorstore_hooks.llamaindex import KVAwareVectorStore, KVPrecompute
+
+    embed = default_embed_model()
+    client = chromadb.PersistentClient(str(tmp_path / "chroma"), settings=chromadb.Settings(anonymized_telemetry=False))
+    store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=client.get_or_create_collection("windows")), smol_engine)
+    documents, _ = read_text_files([sample_dir() / "04-buses-and-ferries.md"])
+    pipeline = IngestionPipeline(transformations=[SentenceWindowNodeParser.from_defaults(window_size=2),
+                                                  KVPrecompute(smol_engine, metadata_key="window"), embed],
+                                 vector_store=store)
+    pipeline.run(documents=documents)
+    llm = BlendLLM(engine=smol_engine, max_new_tokens=8)
+    query_engine = VectorStoreIndex.from_vector_store(store, embed_model=embed).as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[MetadataReplacementPostProcessor(target_metadata_key="window")])
+    response = query_engine.query(QUESTION)
+    shown = [llm_text(n.node) for n in response.source_nodes]
+    assert all(n.node.text == n.node.metadata["window"] for n in response.source_nodes)   # the LLM saw windows
+    engine = smol_engine
+    assert all(engine.key_for(engine.prompts.tokenize(text)) in engine.store for text in shown)  # precomputed as shown
+    unique = sum(smol_engine.count_tokens(text) for text in set(shown))   # neighbouring windows may repeat
+    assert llm.last_stats.reused_tokens >= reused_floor(smol_engine, unique)   # reused on the first query
+
+
 def test_ingestion_cache_keeps_the_keys(smol_engine):
     from llama_index.core import Document
     from llama_index.core.ingestion import IngestionCache, IngestionPipeline

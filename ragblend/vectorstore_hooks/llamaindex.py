@@ -44,10 +44,23 @@ class KVPrecompute(TransformComponent):
     The entry's key goes into ``node.metadata["ragblend_kv_key"]``, excluded from the LLM
     and embedding views of the node, so it never changes a prompt or an embedding. Nodes
     whose text is too long for the model's window are skipped with their key unset.
+
+    When a query-time postprocessor shows the LLM another text than the node's, precompute
+    that text instead. Sentence-window retrieval is the common case: the LLM sees
+    ``metadata["window"]``, so pass ``metadata_key="window"``::
+
+        IngestionPipeline(transformations=[SentenceWindowNodeParser.from_defaults(),
+                                           KVPrecompute(engine, metadata_key="window"), embed_model])
+        index.as_query_engine(llm=BlendLLM(engine=engine),
+                              node_postprocessors=[MetadataReplacementPostProcessor(target_metadata_key="window")])
     """
 
     model_fingerprint: str = Field(default="", description="Fingerprint of the engine's model; part of the ingestion cache key.")
     show_progress: bool = Field(default=False, description="Show a progress bar.")
+    metadata_key: Optional[str] = Field(
+        default=None, description="Precompute the node with its text replaced by this metadata value, as "
+                                  "MetadataReplacementPostProcessor(target_metadata_key=...) will show it to the LLM "
+                                  "(e.g. 'window' for SentenceWindowNodeParser). None: the node's own text.")
     _engine: BlendEngine = PrivateAttr()
 
     def __init__(self, engine: BlendEngine, **kwargs: Any):
@@ -69,12 +82,21 @@ class KVPrecompute(TransformComponent):
             for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
                 if KV_KEY not in excluded:
                     excluded.append(KV_KEY)
-            text = llm_text(node)
+            text = llm_text(self._as_shown(node))
             if not text or engine.count_tokens(text) > limit:
                 node.metadata.pop(KV_KEY, None)
                 continue
             node.metadata[KV_KEY] = engine.precompute([text])[0].key
         return nodes
+
+
+    def _as_shown(self, node: BaseNode) -> BaseNode:
+        """The node as the LLM will see it: its text replaced by ``metadata_key``'s value."""
+        if self.metadata_key is None or self.metadata_key not in node.metadata:
+            return node
+        shown = node.model_copy()
+        shown.set_content(str(node.metadata[self.metadata_key]))
+        return shown
 
 
 class KVChunkHints(BaseNodePostprocessor):
