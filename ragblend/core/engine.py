@@ -55,8 +55,8 @@ class Stats:
     compute_s: float = 0.0         # running layers
     strategy: str = ""
     ratio: float | None = None     # CacheBlend's recompute ratio (resolved when "auto")
-    chunks_reused: int = 0         # chunks whose KV came from the store
-    chunks_missing: int = 0        # Chunk segments with no (usable) stored KV
+    chunks_reused: int = 0         # distinct chunks whose KV came from the store (however many spans)
+    chunks_missing: int = 0        # distinct chunks with no (usable) stored KV
     chunks_computed: int = 0       # of those, computed in isolation now and written back
     isolate_s: float = 0.0         # time spent computing those
     tiers: dict = field(default_factory=dict)   # chunks served per tier, e.g. {"memory": 5, "disk": 1}
@@ -429,7 +429,9 @@ class BlendEngine:
     def _fuse(self, layout: PromptLayout, strategy: Strategy, stats: Stats, computed: dict):
         """One fusion attempt. Returns the fused prefill, its source, and a mask of the
         prompt tokens whose KV came from the store (not computed during this call)."""
-        spans, readers, tiers, missing = [], [], {}, 0
+        # A chunk can appear in several spans (repeated, or split where the prompt's tokens
+        # differ from its own); the chunk counts in Stats are of distinct chunks.
+        spans, readers, tier_of, missing = [], [], {}, set()
         from_store = torch.zeros(len(layout.token_ids), dtype=torch.bool)
         reuse = not isinstance(strategy, FullRecompute)
         try:
@@ -440,7 +442,7 @@ class BlendEngine:
                 reader = MemoryReader(computed[key], "computed") if key in computed else self._open(key, span.token_ids)
                 if reader is None:
                     if not self.write_back:
-                        missing += 1
+                        missing.add(key)
                         continue  # computed as plain text inside the prompt
                     t = time.perf_counter()
                     computed[key] = self.compute_entry(list(span.token_ids))
@@ -450,11 +452,14 @@ class BlendEngine:
                     reader = MemoryReader(computed[key], "computed")
                 spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
                 readers.append(reader)
-                tiers[reader.tier] = tiers.get(reader.tier, 0) + 1
+                tier_of.setdefault(key, reader.tier)
                 if reader.tier != "computed":
                     from_store[span.start:span.end] = True
-            stats.chunks_reused = len(readers) - tiers.get("computed", 0)
-            stats.chunks_missing = missing + tiers.get("computed", 0)
+            tiers = {}
+            for tier in tier_of.values():
+                tiers[tier] = tiers.get(tier, 0) + 1
+            stats.chunks_reused = len(tier_of) - tiers.get("computed", 0)
+            stats.chunks_missing = len(missing) + tiers.get("computed", 0)
             stats.tiers = tiers
             if isinstance(strategy, CacheBlend) and strategy.ratio == "auto":
                 tier = "disk" if "disk" in tiers else "memory"
