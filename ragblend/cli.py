@@ -32,11 +32,18 @@ def _open_index(args):
 def _ingest(args) -> int:
     rag = _open_index(args)
     report = rag.ingest(args.paths)
+    _print_ingest_report(report, rag)
+    return 0 if report.files or not report.skipped else 1
+
+
+def _print_ingest_report(report, rag) -> None:
     for path, reason in report.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     print(f"Ingested {len(report.files)} file(s) as {report.nodes} new or changed chunk(s); "
           f"the index at {rag.path} holds {len(rag)} chunk(s).")
-    return 0 if report.files or not report.skipped else 1
+    if report.without_kv:
+        print(f"{report.without_kv} chunk(s) got no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
+              "(too short to find in a prompt) or longer than the model's window. They are read as plain text.")
 
 
 def _print_answer(label: str, answer) -> None:

@@ -192,6 +192,15 @@ def test_deleting_documents_drops_their_kv(chroma_store):
 
 
 @pytest.mark.slow
+def test_documents_too_short_to_find_get_no_kv(chroma_store):
+    engine = shared_engine()
+    # (metadata given: langchain-chroma cannot read back a document stored with none)
+    (doc_id,) = chroma_store.add_texts(["Gulls nest here."], [{"source": "note"}], ids=["short-note"])
+    assert engine.count_tokens("Gulls nest here.") < engine.min_chunk_tokens
+    assert "ragblend_kv_key" not in chroma_store.get_by_ids([doc_id])[0].metadata
+
+
+@pytest.mark.slow
 def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(chroma_store):
     engine = shared_engine()
     text = "A note written twice: the harbour crane's night lamp is switched off at dawn."

@@ -218,6 +218,22 @@ def test_sentence_window_retrieval_reuses_the_windows_the_llm_is_shown(smol_engi
     assert llm.last_stats.reused_tokens >= reused_floor(smol_engine, unique)   # reused on the first query
 
 
+def test_chunks_too_short_to_find_are_not_stored_and_are_reported(smol_engine, tmp_path, capsys):
+    from ragblend.cli import _print_ingest_report
+
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "tiny.md").write_text("Gulls nest here.\n")
+    report = rag.ingest([docs], show_progress=False)
+    (node,) = rag.vector_store.get_nodes()
+    assert smol_engine.count_tokens(llm_text(node)) < smol_engine.min_chunk_tokens
+    assert report.nodes == 1 and report.without_kv == 1 and KV_KEY not in node.metadata
+    assert smol_engine.key_for(smol_engine.prompts.tokenize(llm_text(node))) not in smol_engine.store
+    _print_ingest_report(report, rag)
+    assert "1 chunk(s) got no stored KV: shorter than 16 tokens" in capsys.readouterr().out
+
+
 def test_ingestion_cache_keeps_the_keys(smol_engine):
     from llama_index.core import Document
     from llama_index.core.ingestion import IngestionCache, IngestionPipeline

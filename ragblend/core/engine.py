@@ -213,6 +213,12 @@ class BlendEngine:
         vocab_size = self.hf_model.get_input_embeddings().num_embeddings
         return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
 
+    @property
+    def min_chunk_tokens(self) -> int:
+        """Chunks shorter than this are never found inside flat prompts (BlendLLM,
+        BlendChatModel without markers), so ingestion hooks do not store them."""
+        return ChunkFinder.MIN_RUN
+
     def count_tokens(self, text: str) -> int:
         return len(self.prompts.tokenize(text))
 

@@ -13,6 +13,11 @@ import torch
 KV_FORMAT_VERSION = 2
 
 
+# Where ingestion hooks record a chunk's key in its document's metadata (LlamaIndex nodes,
+# LangChain documents); excluded from what the LLM and the embedder see.
+KV_METADATA_KEY = "ragblend_kv_key"
+
+
 def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], storage_dtype: str) -> str:
     """Content key of a chunk's KV: everything that changes its bytes, i.e. the model
     fingerprint, sink prefix, chunk tokens, storage dtype and format version.

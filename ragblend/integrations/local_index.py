@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
+from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.model import cache_dir
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class IngestReport:
     files: list[str] = field(default_factory=list)          # ingested
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     nodes: int = 0
+    without_kv: int = 0   # nodes too short to be found in a prompt, or too long for the window
 
 
 @dataclass
@@ -160,6 +162,7 @@ class LocalIndex:
         nodes = pipeline.run(documents=documents, show_progress=show_progress)
         pipeline.docstore.persist(str(docstore_file))
         report.nodes = len(nodes)
+        report.without_kv = sum(KV_METADATA_KEY not in node.metadata for node in nodes)
         return report
 
     def delete(self, file_path: str | os.PathLike) -> None:

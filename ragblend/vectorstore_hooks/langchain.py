@@ -25,8 +25,8 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from ragblend.core.engine import BlendEngine
+from ragblend.core.kv import KV_METADATA_KEY as KV_KEY
 
-KV_KEY = "ragblend_kv_key"
 PROGRESS_FROM = 16  # show a progress bar for batches at least this large
 
 
@@ -69,7 +69,8 @@ class KVPrecomputeVectorStore(VectorStore):
         limit = self.engine.context_window - len(self.engine.sink_ids)
         for doc in items:
             text = doc.page_content
-            if text.strip() and self.engine.count_tokens(text) <= limit:
+            # too short to be found in a prompt, or too long for the window: no KV
+            if text.strip() and self.engine.min_chunk_tokens <= self.engine.count_tokens(text) <= limit:
                 doc.metadata[KV_KEY] = self.engine.precompute([text])[0].key
 
     def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:

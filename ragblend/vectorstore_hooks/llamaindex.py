@@ -29,8 +29,7 @@ from llama_index.core.vector_stores.types import (BasePydanticVectorStore, Filte
                                                   MetadataFilters, VectorStoreQuery, VectorStoreQueryResult)
 
 from ragblend.core.engine import BlendEngine
-
-KV_KEY = "ragblend_kv_key"
+from ragblend.core.kv import KV_METADATA_KEY as KV_KEY
 
 
 def llm_text(node: BaseNode) -> str:
@@ -43,7 +42,8 @@ class KVPrecompute(TransformComponent):
 
     The entry's key goes into ``node.metadata["ragblend_kv_key"]``, excluded from the LLM
     and embedding views of the node, so it never changes a prompt or an embedding. Nodes
-    whose text is too long for the model's window are skipped with their key unset.
+    whose text is too long for the model's window, or too short to be found in a prompt
+    (``engine.min_chunk_tokens``), are skipped with their key unset.
 
     When a query-time postprocessor shows the LLM another text than the node's, precompute
     that text instead. Sentence-window retrieval is the common case: the LLM sees
@@ -83,7 +83,7 @@ class KVPrecompute(TransformComponent):
                 if KV_KEY not in excluded:
                     excluded.append(KV_KEY)
             text = llm_text(self._as_shown(node))
-            if not text or engine.count_tokens(text) > limit:
+            if not text or not engine.min_chunk_tokens <= engine.count_tokens(text) <= limit:
                 node.metadata.pop(KV_KEY, None)
                 continue
             node.metadata[KV_KEY] = engine.precompute([text])[0].key
