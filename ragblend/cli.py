@@ -30,10 +30,25 @@ def _open_index(args):
 
 
 def _ingest(args) -> int:
+    from pathlib import Path
+
+    from ragblend.integrations.local_index import TEXT_SUFFIXES, read_text_files
+
+    # Everything that can fail without the model fails before spending seconds loading it.
+    missing = [p for p in args.paths if not Path(p).expanduser().exists()]
+    if missing:
+        raise InvalidInputError(f"no such file or folder: {', '.join(missing)}")
+    documents, report = read_text_files(args.paths)
+    if not documents:
+        for path, reason in report.skipped:
+            print(f"skipped {path}: {reason}", file=sys.stderr)
+        print(f"Nothing to ingest in {', '.join(args.paths)}: ragblend ingests text files "
+              f"({', '.join(sorted(TEXT_SUFFIXES))}), searching folders recursively.", file=sys.stderr)
+        return 1
     rag = _open_index(args)
-    report = rag.ingest(args.paths)
+    report = rag.ingest_documents(documents, report)
     _print_ingest_report(report, rag)
-    return 0 if report.files or not report.skipped else 1
+    return 0
 
 
 def _print_ingest_report(report, rag) -> None:
@@ -74,6 +89,10 @@ def _ask(args) -> int:
                                 "LANG=C.UTF-8) or pass the question in UTF-8.") from None
     rag = _open_index(args)
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
+    if args.compare:
+        # Untimed warm-up, so the first timed answer does not pay the process's one-off costs
+        # (thread pools, allocator) and look slower than the second.
+        rag.ask(args.question, strategy="full_recompute", **{**options, "max_new_tokens": 1})
     _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
     if args.compare:
         _print_answer("full prefill", rag.ask(args.question, strategy="full_recompute", **options))
@@ -138,6 +157,10 @@ def _is_broken_database(err: BaseException) -> bool:
 
 
 def _cache(args) -> int:
+    folder = _store_folder(args)
+    if not folder.exists():   # look, do not create
+        print(f"No KV store at {folder}: nothing has been stored there yet.")
+        return 0
     if args.action == "stats":
         disk = _disk_store(args).stats()["disk"]
         lookups = disk["hits"] + disk["misses"]

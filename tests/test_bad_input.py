@@ -230,3 +230,29 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
                 if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not NotImplementedError:
                     bare.add((path.relative_to(package).as_posix(), name))
     assert bare <= allowed, f"raise a ragblend error instead: {sorted(bare - allowed)}"
+
+
+def test_cli_ingest_fails_fast_on_paths_with_nothing_to_ingest(capsys, tmp_path):
+    from ragblend.cli import main
+
+    index = tmp_path / "index"
+    assert main(["ingest", str(tmp_path / "missing"), "--index", str(index)]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    assert main(["ingest", str(folder), "--index", str(index)]) == 1     # empty: a hint, not "Ingested 0"
+    assert "Nothing to ingest" in capsys.readouterr().err
+    (folder / "paper.pdf").write_bytes(b"%PDF-1.4")
+    assert main(["ingest", str(folder), "--index", str(index)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("paper.pdf") == 1 and "unsupported file type .pdf" in err   # each skip said once
+    assert not index.exists()   # decided before the model or the index was loaded
+
+
+def test_cli_cache_commands_look_without_creating(capsys, tmp_path):
+    from ragblend.cli import main
+
+    for action in ("stats", "clear"):
+        assert main(["cache", action, "--index", str(tmp_path / "index")]) == 0
+        assert "No KV store at" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())

@@ -259,10 +259,15 @@ def test_unreadable_binary_and_unsupported_files_are_skipped(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "empty.md").write_text("   \n")
     (tmp_path / "paper.pdf").write_bytes(b"%PDF-1.4")
+    (tmp_path / "windows.txt").write_bytes("Caf\u00e9 notes, saved as UTF-16.\n".encode("utf-16"))   # with a BOM
+    (tmp_path / "bom.md").write_bytes("\ufeffUTF-8 with a byte-order mark.\n".encode("utf-8"))
     documents, report = read_text_files([tmp_path, tmp_path / "missing.md"])
-    assert sorted(d.metadata["file_name"] for d in documents) == ["notes.txt", "ok.md"]
+    texts = {d.metadata["file_name"]: d.text for d in documents}
+    assert sorted(texts) == ["bom.md", "notes.txt", "ok.md", "windows.txt"]
+    assert texts["windows.txt"].startswith("Caf\u00e9 notes") and texts["bom.md"].startswith("UTF-8 with")
     reasons = {p.rsplit("/", 1)[-1]: r for p, r in report.skipped}
-    assert reasons["blob.txt"] == "binary content" and reasons["latin1.txt"] == "not UTF-8 text"
+    assert reasons["blob.txt"] == "binary content"
+    assert reasons["latin1.txt"] == "neither UTF-8 nor UTF-16/32 with a byte-order mark"
     assert reasons["empty.md"] == "empty" and "unsupported file type .pdf" in reasons["paper.pdf"]
     assert reasons["missing.md"] == "no such file or folder"
 

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import logging
 import os
 from dataclasses import dataclass, field
@@ -53,6 +54,19 @@ class Answer:
     sources: list                       # retrieved NodeWithScore, best first
 
 
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
+def decode_text(data: bytes) -> str | None:
+    """The text of a file: UTF-8, or UTF-8/16/32 with a byte-order mark (as Windows editors
+    save it); None for binary content. Raises UnicodeDecodeError for other encodings."""
+    for bom, codec in _BOMS:   # UTF-32 first: its little-endian mark starts like UTF-16's
+        if data.startswith(bom):
+            return data.decode(codec)
+    return None if b"\x00" in data else data.decode("utf-8")
+
+
 def read_text_files(paths: Iterable[str | os.PathLike]) -> tuple[list, IngestReport]:
     """Documents from text/markdown files and folders (recursively); the rest is skipped
     with a reason: unsupported type, binary content, not UTF-8, empty, unreadable."""
@@ -74,18 +88,14 @@ def read_text_files(paths: Iterable[str | os.PathLike]) -> tuple[list, IngestRep
             reason = f"unsupported file type {path.suffix or '(none)'}; ragblend ingests {', '.join(sorted(TEXT_SUFFIXES))}"
         else:
             try:
-                data = path.read_bytes()
-                if b"\x00" in data:
-                    reason = "binary content"
-                else:
-                    text = data.decode("utf-8")
-                    reason = None if text.strip() else "empty"
+                text = decode_text(path.read_bytes())
+                reason = "binary content" if text is None else None if text.strip() else "empty"
             except UnicodeDecodeError:
-                reason = "not UTF-8 text"
+                reason = "neither UTF-8 nor UTF-16/32 with a byte-order mark"
             except OSError as err:
                 reason = f"unreadable ({err.strerror})"
         if reason:
-            log.warning("skipping %s: %s", path, reason)
+            log.info("skipping %s: %s", path, reason)   # the report carries it; the CLI prints it once
             report.skipped.append((str(path), reason))
             continue
         documents.append(Document(text=text, id_=str(path.resolve()), metadata={"file_name": path.name}))
@@ -155,7 +165,13 @@ class LocalIndex:
 
     def ingest(self, paths: Sequence[str | os.PathLike], show_progress: bool = True) -> IngestReport:
         """Read, split, precompute KV, embed and store. Unsupported files are skipped."""
-        documents, report = read_text_files(paths)
+        return self.ingest_documents(*read_text_files(paths), show_progress=show_progress)
+
+    def ingest_documents(self, documents: list, report: IngestReport | None = None,
+                         show_progress: bool = True) -> IngestReport:
+        """Split, precompute KV, embed and store LlamaIndex ``Document`` objects (e.g. from
+        :func:`read_text_files`), adding to ``report``."""
+        report = report or IngestReport()
         if not documents:
             return report
         pipeline, docstore_file = self.pipeline()
