@@ -76,11 +76,6 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
         engine.store = saved
 
 
-def kl_to(ref_logits, logits):
-    return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1),
-                                      log_target=True, reduction="sum").item()
-
-
 @pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),)),
                                       CacheBlend(0.3, deviation="value"), CacheBlend(0.3, deviation="key_value")])
 def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, strategy):

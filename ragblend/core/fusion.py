@@ -674,11 +674,12 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
     keys, values = [], []
     for layer in range(adapter.shape.num_layers):
         x = adapter.attn_input(layer, hidden)
-        q, (k, v) = adapter.q(layer, x), adapter.kv(layer, x)
+        k, v = adapter.kv(layer, x)
         keys.append(k[:, start:])
         values.append(v[:, start:])
         if layer == adapter.shape.num_layers - 1:
             break  # the last layer's output is not needed, only its K/V
+        q = adapter.q(layer, x)
         plan = attention_plan(torch.arange(n, device=ids.device), n, adapter.window(layer), q.dtype)
         attn = _attend(adapter, adapter.rope(q, cos, sin), adapter.rope(k, cos, sin), v, plan)
         hidden = adapter.finish(layer, hidden, attn)

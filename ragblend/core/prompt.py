@@ -55,7 +55,6 @@ class ChunkSpan:
 
     start: int
     end: int
-    segment_index: int
     token_ids: tuple[int, ...]
     offset: int = 0
 
@@ -148,7 +147,7 @@ class PromptBuilder:
                 ids += separator_ids
             if isinstance(seg, Chunk):
                 tokens = self.tokenize(seg.text)
-                spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), i, tuple(tokens)))
+                spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens)))
                 ids += tokens
             else:
                 ids += self.tokenize(seg)
@@ -207,6 +206,6 @@ class ChunkFinder:
                 i += 1
                 continue
             start, end, chunk, offset = best
-            spans.append(ChunkSpan(start, end, -1, chunk, offset))
+            spans.append(ChunkSpan(start, end, chunk, offset))
             floor = i = end
         return spans

@@ -765,6 +765,11 @@ class TieredStore(KVStore):
     def keys(self) -> Iterator[str]:
         return iter(set(self.memory.keys()) | set(self.disk.keys()))
 
+    def __len__(self) -> int:
+        """Entries on disk, without listing them: every entry is written there first and
+        the memory tier holds copies (an entry whose disk write failed is not counted)."""
+        return len(self.disk)
+
     def __contains__(self, key: str) -> bool:
         return key in self.memory or key in self.disk
 
