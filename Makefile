@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip --disable-pip-version-check
 TORCH  ?= torch==2.13.0
 STAMP   = $(VENV)/.ragblend-installed
 
-.PHONY: install demo test bench bench-quick clean
+.PHONY: install demo test test-fast lint bench bench-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,15 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/ragblend demo
 
-test: install
+test: install lint
 	$(PY) -m pytest -q
+
+# The unit tests on tiny random models only (a few minutes); CI runs the whole `make test`.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check ragblend tests benchmarks apps
 
 bench: install
 	$(PY) -m benchmarks.ttft

@@ -19,8 +19,15 @@ import time
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
 
 from .models import MODELS, model_path
-from .run import (GREEDY_TOKENS, command_line, fidelity_prompts, first_token_and_answer, rouge_l, squad_prompts,
-                  write_report)
+from .run import (
+    GREEDY_TOKENS,
+    command_line,
+    fidelity_prompts,
+    first_token_and_answer,
+    rouge_l,
+    squad_prompts,
+    write_report,
+)
 from .ttft import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable

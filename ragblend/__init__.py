@@ -1,8 +1,16 @@
 """ragblend: fast RAG on local models by fusing precomputed per-chunk KV caches (CacheBlend)."""
 
 from .core.engine import BlendEngine, Generation, Prefill, Stats
-from .core.errors import (InvalidInputError, InvalidTypeError, ModelNotFoundError, PromptTooLongError, RagblendError,
-                          SegmentTypeError, StoreUnavailableError, UnsupportedModelError)
+from .core.errors import (
+    InvalidInputError,
+    InvalidTypeError,
+    ModelNotFoundError,
+    PromptTooLongError,
+    RagblendError,
+    SegmentTypeError,
+    StoreUnavailableError,
+    UnsupportedModelError,
+)
 from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 from .core.kv import ChunkRef
 from .core.prompt import Chunk

@@ -2,8 +2,17 @@
 
 import pytest
 
-from ragblend import (CacheBlend, Chunk, FullReuse, InvalidInputError, LegoLink, PromptTooLongError,
-                      RagblendError, SegmentTypeError, UnsupportedModelError)
+from ragblend import (
+    CacheBlend,
+    Chunk,
+    FullReuse,
+    InvalidInputError,
+    LegoLink,
+    PromptTooLongError,
+    RagblendError,
+    SegmentTypeError,
+    UnsupportedModelError,
+)
 from ragblend.core.errors import ModelNotFoundError
 
 from .conftest import PASSAGES, make_tiny_engine

@@ -9,8 +9,14 @@ import torch
 from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
 from benchmarks.models import model_path
 from benchmarks.run import rouge_l
-from benchmarks.squad import (answer_contained, best_over_answers, exact_match, extract_answer, f1_score,
-                              normalize_answer)
+from benchmarks.squad import (
+    answer_contained,
+    best_over_answers,
+    exact_match,
+    extract_answer,
+    f1_score,
+    normalize_answer,
+)
 from ragblend import CacheBlend, Chunk
 
 from .conftest import PASSAGES, make_tiny_engine

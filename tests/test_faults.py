@@ -7,7 +7,6 @@ writer killed at random points. ``python -m benchmarks.faults`` runs the heavy v
 """
 
 import json
-import logging
 import os
 import shutil
 import struct

@@ -6,10 +6,9 @@ import pytest
 pytest.importorskip("langchain_core")
 langchain_tests = pytest.importorskip("langchain_tests")
 
+from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
 from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
 from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
-
-from langchain_core.messages import AIMessage, HumanMessage  # noqa: E402
 
 from ragblend import BlendChatModel, BlendEngine  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
-from ragblend.core.calibration import (LADDER, UNCALIBRATED, CalibrationError, calibration_file, load_calibration)
+from ragblend.core.calibration import LADDER, UNCALIBRATED, CalibrationError, calibration_file, load_calibration
 from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan
 
 from .conftest import PASSAGES, make_tiny_engine

@@ -12,8 +12,7 @@ import torch
 
 from ragblend import CacheBlend, Chunk, FullReuse
 from ragblend.core.kv import ChunkKV
-from ragblend.core.store import (CorruptEntryError, DiskStore, EntrySpec, MemoryStore, TieredStore,
-                                 encode_entry)
+from ragblend.core.store import CorruptEntryError, DiskStore, EntrySpec, MemoryStore, TieredStore, encode_entry
 
 from .conftest import PASSAGES, make_tiny_engine
 

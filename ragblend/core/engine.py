@@ -28,15 +28,31 @@ import torch
 
 from .calibration import UNCALIBRATED, Calibration, calibrate, load_calibration, save_calibration
 from .errors import InvalidInputError, PromptTooLongError
-from .fusion import (CacheBlend, FullRecompute, QueryAware, ReusedSpan, Strategy, check_strategy, fused_prefill,
-                     isolated_kv)
+from .fusion import (
+    CacheBlend,
+    FullRecompute,
+    ReusedSpan,
+    Strategy,
+    check_strategy,
+    fused_prefill,
+    isolated_kv,
+)
 from .generate import Decoding, SamplingParams, build_cache
 from .kv import ChunkKV, ChunkRef, chunk_key
 from .model import ModelAdapter, cache_dir, load_model
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
-from .store import (STORAGE_DTYPES, ChunkReader, CorruptEntryError, EntrySpec, KVStore, MemoryReader, MemoryStore,
-                    TieredStore, open_store)
+from .store import (
+    STORAGE_DTYPES,
+    ChunkReader,
+    CorruptEntryError,
+    EntrySpec,
+    KVStore,
+    MemoryReader,
+    MemoryStore,
+    TieredStore,
+    open_store,
+)
 
 log = logging.getLogger("ragblend")
 

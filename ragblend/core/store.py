@@ -51,9 +51,9 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, RagblendError, StoreUnavailableError
+from .kv import KV_FORMAT_VERSION, ChunkKV
 
 log = logging.getLogger("ragblend")
-from .kv import KV_FORMAT_VERSION, ChunkKV
 
 MAGIC = b"RBKV"
 # A header holds a chunk's token ids (~8 bytes each as JSON) and one CRC per layer; 4 MiB
@@ -492,8 +492,10 @@ class DiskStore(KVStore):
     of failure is logged once and every one is counted in ``faults``; lock waits last at
     most ``LOCK_TIMEOUT_S``. A failed write leaves no file behind, and opening the store
     reclaims entry files that no row names (left by a writer killed mid-write) once they
-    are ``orphan_age_s`` old (younger ones may be another process's write in progress). Opening the store itself can still raise those errors (see
-    :meth:`BlendEngine.from_pretrained`, which then keeps the KV in memory only).
+    are ``orphan_age_s`` old (younger ones may be another process's write in progress).
+    Opening the store itself can still raise those errors, within ``LOCK_TIMEOUT_S`` when
+    another process holds its lock (see :func:`open_store`, which then keeps the KV in
+    memory only).
     """
 
     tier = "disk"

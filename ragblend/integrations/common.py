@@ -8,6 +8,7 @@ import threading
 from ragblend.core.engine import BlendEngine
 from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name  # noqa: F401 (re-exported)
 
+
 def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int = 16):
     """A strategy object from its name (as used in configuration and the CLI); None for
     "default", the engine's own calibrated choice."""

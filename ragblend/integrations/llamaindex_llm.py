@@ -21,9 +21,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
-                                              CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
-                                              LLMMetadata, MessageRole)
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
@@ -32,6 +40,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 
 from .common import STRATEGY_NAMES, iterate_in_thread, lazy_engine, make_strategy
+
 
 def usage_of(stats: Stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,

@@ -25,8 +25,14 @@ from typing import Any, List, Optional, Sequence
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
-from llama_index.core.vector_stores.types import (BasePydanticVectorStore, FilterOperator, MetadataFilter,
-                                                  MetadataFilters, VectorStoreQuery, VectorStoreQueryResult)
+from llama_index.core.vector_stores.types import (
+    BasePydanticVectorStore,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+    VectorStoreQuery,
+    VectorStoreQueryResult,
+)
 
 from ragblend.core.engine import BlendEngine
 from ragblend.core.kv import KV_METADATA_KEY as KV_KEY
