@@ -63,6 +63,15 @@ def test_precompute_rejects_empty_and_non_text(engine):
         engine.precompute(["ok", 7])
 
 
+def test_precompute_can_skip_what_could_never_be_reused(engine):
+    """What the ingestion hooks use: one tokenization, and None where a chunk is unusable."""
+    too_long = "word " * (engine.context_window + 10)
+    refs = engine.precompute(["", "Too short.", PASSAGES[0], too_long], skip_unusable=True)
+    assert refs[0] is None and refs[1] is None and refs[3] is None
+    assert refs[2] is not None and refs[2].key in engine.store
+    assert engine.count_tokens("Too short.") < engine.min_chunk_tokens
+
+
 @pytest.mark.parametrize("make", [lambda: CacheBlend(ratio=0), lambda: CacheBlend(ratio=1.5),
                                   lambda: CacheBlend(ratio=-0.1), lambda: CacheBlend(check_layer=0),
                                   lambda: CacheBlend(gradual=((0, 0.1),)),

@@ -127,6 +127,12 @@ def test_llm_interface_chat_usage_and_metadata(rag):
     assert reply.message.role == MessageRole.ASSISTANT and reply.message.content
     streamed = list(llm.stream_chat(messages))
     assert streamed[-1].message.content == reply.message.content
+    # chat is implemented once and completion derived: all four paths carry the same payload
+    finals = [out, list(llm.stream_complete("Name a colour."))[-1], reply, streamed[-1]]
+    for final in finals:
+        assert set(final.raw) == {"usage", "ragblend"} and set(final.additional_kwargs) == {"ragblend_stats"}
+        assert final.raw["usage"]["completion_tokens"] == final.additional_kwargs["ragblend_stats"].generated_tokens
+    assert finals[0].text == finals[1].text
 
 
 def test_missing_kv_is_computed_on_the_fly_and_saved(rag):

@@ -243,10 +243,14 @@ class BlendEngine:
     def key_for(self, token_ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
 
-    def precompute(self, texts: str | Iterable[str], *, progress: bool = False) -> list[ChunkRef]:
+    def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
+                   skip_unusable: bool = False) -> list[ChunkRef | None]:
         """Compute and store the KV of each chunk text (skipping ones already stored).
 
         Every text is validated before anything is stored, so a bad item stores nothing.
+        With ``skip_unusable`` (what ingestion hooks want), a chunk that is empty, too long
+        for the window or too short to be found in a prompt (``min_chunk_tokens``) is not
+        an error: its place in the result is None and nothing is stored for it.
         Each returned :class:`ChunkRef` says whether its entry is ``stored``: when the KV
         store fails (full disk, read-only or deleted folder...) it is not, a warning says
         why, and queries compute that chunk instead.
@@ -262,7 +266,11 @@ class BlendEngine:
             check_text(text, f"chunk {i}")
         tokenized = [self.prompts.tokenize(t) for t in texts]
         limit = self.context_window - len(self.sink_ids)
+        if skip_unusable:
+            tokenized = [ids if self.min_chunk_tokens <= len(ids) <= limit else None for ids in tokenized]
         for i, ids in enumerate(tokenized):
+            if ids is None:
+                continue
             if not ids:
                 raise InvalidInputError(f"chunk {i} is empty; drop empty chunks before precomputing.")
             if len(ids) > limit:
@@ -275,11 +283,14 @@ class BlendEngine:
             from tqdm.auto import tqdm
             items = tqdm(items, total=len(texts), desc="Precomputing KV", unit="chunk")
         for ids in items:
+            if ids is None:
+                refs.append(None)
+                continue
             key = self.key_for(ids)
             stored = key in self.store or self.store.put(self.compute_entry(ids))
             self._index_chunk(key, ids)
             refs.append(ChunkRef(key, len(ids), stored))
-        unstored = sum(not ref.stored for ref in refs)
+        unstored = sum(ref is not None and not ref.stored for ref in refs)
         if unstored and not self._warned_unstored:
             self._warned_unstored = True
             log.warning("ragblend: %d of %d chunk(s) could not be stored in the KV store (cause logged above); "

@@ -1,12 +1,64 @@
-"""Helpers shared by the framework integrations; imports no framework."""
+"""What the framework integrations share: their common fields, the options and prompt
+split they derive from them, and the usage they report. Imports no framework (pydantic
+only, which both LlamaIndex and LangChain build on)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any, Literal, Optional, Sequence
 
-from ragblend.core.engine import BlendEngine
-from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name  # noqa: F401 (re-exported)
+from pydantic import BaseModel, Field
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
+
+# Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
+StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
+
+
+class EngineFields(BaseModel):
+    """The fields BlendLLM and BlendChatModel share: which engine, which strategy, how to sample."""
+
+    model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
+    kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
+    strategy: StrategyName = Field(default="default", description="Fusion strategy; default = the engine's calibrated choice.")
+    ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
+    legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
+    temperature: float = Field(default=0.0, description="0 = greedy decoding.")
+    top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
+    seed: Optional[int] = Field(default=None, description="Seed for sampling.")
+
+    def check_strategy(self) -> None:
+        """Fail on a bad strategy or ratio at construction, before any model loads."""
+        make_strategy(self.strategy, self.ratio, self.legolink_k)
+
+    def generation_options(self, kwargs: dict, max_new_tokens: int) -> dict:
+        """Keyword arguments for ``engine.generate/stream``: this call's ``kwargs`` (popped)
+        over the fields."""
+        strategy = make_strategy(kwargs.pop("strategy", self.strategy), kwargs.pop("ratio", self.ratio),
+                                 self.legolink_k)
+        return dict(strategy=strategy, max_new_tokens=max_new_tokens,
+                    temperature=kwargs.pop("temperature", self.temperature), top_p=kwargs.pop("top_p", self.top_p),
+                    seed=kwargs.pop("seed", self.seed), stop=kwargs.pop("stop", None))
+
+
+def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
+    """``(system, history, last user text)`` from ``(role, text)`` turns, role one of
+    "system", "user", "assistant": system texts are joined, the last turn must be the user's."""
+    system = "\n\n".join(text for role, text in turns if role == "system") or None
+    rest = [(role, text) for role, text in turns if role != "system"]
+    if not rest or rest[-1][0] != "user":
+        raise InvalidInputError(f"{framework} needs the last message to be from the user.")
+    return system, rest[:-1], rest[-1][1]
+
+
+def token_usage(stats: Stats) -> dict[str, Any]:
+    """OpenAI-style usage of one call; ``cached_prompt_tokens`` are the reused ones."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "cached_prompt_tokens": stats.reused_tokens}
 
 
 def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int = 16):

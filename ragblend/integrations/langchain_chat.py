@@ -40,7 +40,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
 
-from .common import iterate_in_thread, lazy_engine, make_strategy
+from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -58,27 +58,20 @@ def _text(content) -> str:
 
 
 def usage_metadata(stats: Stats) -> UsageMetadata:
-    return UsageMetadata(input_tokens=stats.prompt_tokens, output_tokens=stats.generated_tokens,
-                         total_tokens=stats.prompt_tokens + stats.generated_tokens,
-                         input_token_details={"cache_read": stats.reused_tokens})
+    usage = token_usage(stats)
+    return UsageMetadata(input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
+                         total_tokens=usage["total_tokens"],
+                         input_token_details={"cache_read": usage["cached_prompt_tokens"]})
 
 
-class BlendChatModel(BaseChatModel):
+class BlendChatModel(EngineFields, BaseChatModel):
     """LangChain chat model running a local model through ragblend's KV-fusion engine.
 
     Pass ``engine=`` to share a :class:`~ragblend.BlendEngine`; otherwise one is loaded
     from ``model_path``/``kv_dir`` on first use, so constructing the class is cheap.
     """
 
-    model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
-    kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
-    strategy: str = Field(default="default", description="Fusion strategy: default (the engine's calibrated choice), query_aware, cacheblend, legolink, full_reuse or full_recompute.")
-    ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
-    legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
     max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate.")
-    temperature: float = Field(default=0.0, description="0 = greedy decoding.")
-    top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
-    seed: Optional[int] = Field(default=None, description="Seed for sampling.")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings.")
     streaming: bool = Field(default=False, description="Stream by default in invoke (LangChain convention).")
     # Standard LangChain parameters with no meaning for a local model; accepted so generic
@@ -92,7 +85,7 @@ class BlendChatModel(BaseChatModel):
 
     def __init__(self, engine: BlendEngine | None = None, **kwargs: Any):
         super().__init__(**kwargs)
-        make_strategy(self.strategy, self.ratio, self.legolink_k)  # validate early, load nothing
+        self.check_strategy()   # validate early, load nothing
         self._engine = engine
 
     # ------------------------------------------------------------------ identity
@@ -134,12 +127,10 @@ class BlendChatModel(BaseChatModel):
 
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         engine = self.engine
-        system = "\n\n".join(_text(m.content) for m in messages if isinstance(m, SystemMessage)) or None
-        turns = [m for m in messages if not isinstance(m, SystemMessage)]
-        if not turns or not isinstance(turns[-1], HumanMessage):
-            raise InvalidInputError("BlendChatModel needs the last message to be a HumanMessage.")
-        history = [("assistant" if isinstance(m, AIMessage) else "user", _text(m.content)) for m in turns[:-1]]
-        content = turns[-1].content
+        turns = [("system" if isinstance(m, SystemMessage) else "assistant" if isinstance(m, AIMessage)
+                  else "user" if isinstance(m, HumanMessage) else m.type, _text(m.content)) for m in messages]
+        system, history, _ = split_conversation(turns, "BlendChatModel")
+        content = messages[-1].content
         if isinstance(content, list) and any(isinstance(b, dict) and _marked(b) for b in content):
             segments = [Chunk(b["text"]) if isinstance(b, dict) and _marked(b) else _text([b])
                         for b in content if isinstance(b, str) or b.get("type") == "text"]
@@ -151,10 +142,9 @@ class BlendChatModel(BaseChatModel):
 
     def _options(self, stop: Optional[list[str]], kwargs: dict) -> dict:
         kwargs.pop("model", None)  # one local model: a per-call override only names it
-        strategy = make_strategy(kwargs.pop("strategy", self.strategy), kwargs.pop("ratio", self.ratio), self.legolink_k)
-        return dict(strategy=strategy, max_new_tokens=kwargs.pop("max_tokens", self.max_tokens) or 256,
-                    temperature=kwargs.pop("temperature", self.temperature), top_p=kwargs.pop("top_p", self.top_p),
-                    seed=kwargs.pop("seed", self.seed), stop=stop or kwargs.pop("stop", None) or self.stop)
+        options = self.generation_options(kwargs, kwargs.pop("max_tokens", self.max_tokens) or 256)
+        options["stop"] = stop or options["stop"] or self.stop
+        return options
 
     def _metadata(self, stats: Stats) -> dict:
         return {"model_name": self.model_name, "finish_reason": stats.finish_reason,

@@ -63,20 +63,9 @@ class BlendSynthesizer(BaseSynthesizer):
 
     def get_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> RESPONSE_TEXT_TYPE:
         llm: BlendLLM = self._llm
-        options = llm._options(dict(kwargs))
-        segments = self.segments(query_str, text_chunks)
-        system = llm.system_prompt or None
-        if self._streaming:
-            return self._stream(llm, segments, system, options)
-        out = llm.engine.generate(segments, system=system, **options)
-        llm._record(query_str, None, out.stats)
-        return out.text
-
-    @staticmethod
-    def _stream(llm: BlendLLM, segments, system, options):
-        stream = llm.engine.stream(segments, system=system, **options)
-        yield from stream
-        llm._record("", None, stream.stats)
+        answer = llm.stream_answer(self.segments(query_str, text_chunks), label=query_str, **kwargs)
+        deltas = (delta for delta, _ in answer)
+        return deltas if self._streaming else "".join(deltas)
 
     async def aget_response(self, query_str: str, text_chunks: Sequence[str], **kwargs: Any) -> RESPONSE_TEXT_TYPE:
         import asyncio

@@ -66,12 +66,11 @@ class KVPrecomputeVectorStore(VectorStore):
         if self.show_progress or (self.show_progress is None and len(documents) >= PROGRESS_FROM):
             from tqdm.auto import tqdm
             items = tqdm(documents, desc="Precomputing KV", unit="doc")
-        limit = self.engine.context_window - len(self.engine.sink_ids)
         for doc in items:
-            text = doc.page_content
             # too short to be found in a prompt, or too long for the window: no KV
-            if text.strip() and self.engine.min_chunk_tokens <= self.engine.count_tokens(text) <= limit:
-                doc.metadata[KV_KEY] = self.engine.precompute([text])[0].key
+            (ref,) = self.engine.precompute([doc.page_content], skip_unusable=True)
+            if ref is not None:
+                doc.metadata[KV_KEY] = ref.key
 
     def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
         self.precompute(documents)

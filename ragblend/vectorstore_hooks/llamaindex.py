@@ -83,16 +83,15 @@ class KVPrecompute(TransformComponent):
         if kwargs.get("show_progress", self.show_progress):
             from tqdm.auto import tqdm
             items = tqdm(nodes, desc="Precomputing KV", unit="node")
-        limit = engine.context_window - len(engine.sink_ids)
         for node in items:
             for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
                 if KV_KEY not in excluded:
                     excluded.append(KV_KEY)
-            text = llm_text(self._as_shown(node))
-            if not text or not engine.min_chunk_tokens <= engine.count_tokens(text) <= limit:
+            (ref,) = engine.precompute([llm_text(self._as_shown(node))], skip_unusable=True)
+            if ref is None:
                 node.metadata.pop(KV_KEY, None)
-                continue
-            node.metadata[KV_KEY] = engine.precompute([text])[0].key
+            else:
+                node.metadata[KV_KEY] = ref.key
         return nodes
 
 
