@@ -1,11 +1,17 @@
 """Shared fixtures: tiny randomly initialised models of every supported family, and the real
 default model (SmolLM2-135M-Instruct). The tiny models borrow the default model's tokenizer."""
 
+import struct
+import zlib
+from pathlib import Path
+
 import pytest
 import torch
 
 from ragblend import BlendEngine
+from ragblend.core.kv import ChunkKV
 from ragblend.core.model import load_model, resolve_model_dir
+from ragblend.core.store import MAGIC, DiskStore, EntrySpec
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, vocab_size=49152,
@@ -120,3 +126,34 @@ def run_with_ticker(make_coro):
         return result, ticks, elapsed
 
     return asyncio.run(main())
+
+
+# ---------------------------------------------------------------------------- KV store helpers
+
+SPEC = EntrySpec("f" * 64, num_layers=3, num_kv_heads=2, head_dim=8)
+
+
+def synthetic_entry(i: int, tokens: int = 16, dtype=torch.float16, spec=SPEC) -> ChunkKV:
+    g = torch.Generator().manual_seed(i)
+    shape = (spec.num_layers, spec.num_kv_heads, tokens, spec.head_dim)
+    keys = torch.randn(shape, generator=g).to(dtype)
+    values = torch.randn(shape, generator=g).to(dtype)
+    return ChunkKV(f"{i:064x}", list(range(i, i + tokens)), keys, values)
+
+
+def entry_path(store: DiskStore, key: str) -> Path:
+    (filename,) = store.cache._sql("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
+    return store.directory / filename
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def with_header(blob: bytes, header: bytes) -> bytes:
+    """An entry file with ``header`` (and a valid CRC for it) in place of its own."""
+    (old_len,) = struct.unpack("<I", blob[4:8])
+    layers = blob[8 + old_len + 4:]
+    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<I", zlib.crc32(header)) + layers

@@ -24,8 +24,7 @@ def test_cli_reports_bad_input_as_an_error(capsys, tmp_path):
 def test_cache_stats_verify_and_clear(tmp_path, capsys):
     from ragblend import BlendEngine
 
-    from .test_faults import with_header
-    from .test_store import entry_path, flip_byte
+    from .conftest import entry_path, flip_byte, with_header
 
     engine = BlendEngine.from_pretrained(kv_dir=tmp_path)
     refs = engine.precompute(["First chunk for the cache command.", "Second chunk for the cache command."])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
+from ragblend.core.calibration import first_token_kl
 from ragblend.core.model import converted_dir_for, default_gguf_path
 
 from .conftest import PASSAGES
@@ -16,10 +17,6 @@ QUESTION = "Question: In which year was the lighthouse at Cape Orrin first lit? 
 def segs():
     return [Chunk(p) for p in PASSAGES] + [QUESTION]
 
-
-def kl(ref_logits, logits):
-    return torch.nn.functional.kl_div(torch.log_softmax(logits, -1), torch.log_softmax(ref_logits, -1),
-                                      log_target=True, reduction="sum").item()
 
 
 def test_default_model_is_cached_as_safetensors(smol_engine):
@@ -89,7 +86,7 @@ def test_first_token_kl_shrinks_as_ratio_grows(smol_engine, bench_prompt):
     smol_engine.precompute(chunks)
     segments = [Chunk(c) for c in chunks] + [question]
     ref = smol_engine.prefill(segments, strategy=FullRecompute()).logits
-    kls = [kl(ref, smol_engine.prefill(segments, strategy=s).logits)
+    kls = [first_token_kl(ref, smol_engine.prefill(segments, strategy=s).logits)
            for s in (FullReuse(), CacheBlend(0.05), CacheBlend(0.15), CacheBlend(1.0))]
     assert kls[0] > kls[1] > kls[2] > kls[3], kls
     assert kls[3] < 1e-6

@@ -77,7 +77,7 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
 
 
 @pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),)),
-                                      CacheBlend(0.3, deviation="value"), CacheBlend(0.3, deviation="key_value")])
+                                      CacheBlend(0.3, deviation="key"), CacheBlend(0.3, deviation="key_value")])
 def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, strategy):
     tiny_engine.precompute(PASSAGES[:3])
     pre = tiny_engine.prefill(segments(), strategy=strategy)

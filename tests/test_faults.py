@@ -13,16 +13,15 @@ import struct
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from ragblend import Chunk, InvalidInputError
-from ragblend.core.store import MAGIC, DiskStore, MemoryStore, TieredStore, open_store
+from ragblend.core.store import DiskStore, MemoryStore, TieredStore, open_store
 
-from .conftest import PASSAGES, make_tiny_engine
+from .conftest import PASSAGES, SPEC, entry_path, make_tiny_engine, synthetic_entry, with_header
 
 CHUNKS = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]
 SEGMENTS = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
@@ -201,13 +200,6 @@ def test_memory_bytes_zero_turns_the_memory_tier_off():
 # ---------------------------------------------------------------------------- hostile headers
 
 
-def with_header(blob: bytes, header: bytes) -> bytes:
-    """An entry file with ``header`` (and a valid CRC for it) in place of its own."""
-    (old_len,) = struct.unpack("<I", blob[4:8])
-    layers = blob[8 + old_len + 4:]
-    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<I", zlib.crc32(header)) + layers
-
-
 def hostile_headers(real: dict) -> dict[str, bytes]:
     def edited(**fields):
         return json.dumps({**real, **fields}).encode()
@@ -228,7 +220,6 @@ def hostile_headers(real: dict) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("case", list(hostile_headers({"token_ids": [1, 2]})))
 def test_a_hostile_header_is_dropped_and_recomputed(engine, clean, case):
-    from .test_store import entry_path
 
     store = engine.store.disk
     key = engine.key_for(engine.prompts.tokenize(CHUNKS[0]))
@@ -247,7 +238,6 @@ def test_a_hostile_header_is_dropped_and_recomputed(engine, clean, case):
 
 
 def test_a_huge_header_length_is_refused_without_reading_it(tmp_path):
-    from .test_store import SPEC, entry_path, synthetic_entry
 
     store = DiskStore(tmp_path, SPEC)
     entry = synthetic_entry(1)
@@ -278,7 +268,6 @@ def test_the_storage_dtype_is_part_of_an_entrys_identity(tokenizer, tmp_path):
 
 
 def test_opening_a_store_reclaims_files_no_row_names(tmp_path):
-    from .test_store import SPEC, synthetic_entry
 
     store = DiskStore(tmp_path / "kv", SPEC)
     store.put(synthetic_entry(1))
@@ -343,7 +332,6 @@ def test_a_writer_killed_at_random_points_leaves_a_sound_store(engine, clean):
 def test_cache_stats_and_clear_on_a_store_too_broken_to_open(tmp_path, capsys):
     from ragblend.cli import main
 
-    from .test_store import SPEC, synthetic_entry
 
     folder = tmp_path / "kv"
     store = DiskStore(folder, SPEC)
@@ -364,7 +352,6 @@ def test_cache_stats_and_clear_on_a_store_too_broken_to_open(tmp_path, capsys):
 def test_a_store_locked_at_open_falls_back_quickly_and_is_not_cleared(tmp_path, capsys, caplog):
     from ragblend.cli import main
 
-    from .test_store import SPEC, synthetic_entry
 
     folder = tmp_path / "kv"
     store = DiskStore(folder, SPEC)
