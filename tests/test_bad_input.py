@@ -274,3 +274,18 @@ def test_cli_cache_commands_look_without_creating(capsys, tmp_path):
         assert main(["cache", action, "--index", str(tmp_path / "index")]) == 0
         assert "No KV store at" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())
+
+
+def test_a_gguf_file_converts_once_per_content_not_per_path(tmp_path):
+    """Each virtual environment installs the default model at another path; they share one
+    converted copy (~0.5 GB) as long as the file's bytes are the same."""
+    from ragblend.core.model import converted_dir_for
+
+    data = bytes(range(256)) * 20_000   # 5 MB: head and tail hashes differ from the middle
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert converted_dir_for(first) == converted_dir_for(second)
+    second.write_bytes(data[:-1] + b"\x00")   # one byte of the tail differs
+    assert converted_dir_for(first) != converted_dir_for(second)

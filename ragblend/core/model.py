@@ -74,10 +74,16 @@ def default_gguf_path() -> Path:
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
-    """Where the safetensors copy of a GGUF file is cached (keyed by name, size and mtime)."""
-    st = gguf_path.stat()
-    tag = hashlib.sha256(f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "models" / f"{gguf_path.stem}-{tag}"
+    """Where the safetensors copy of a GGUF file is cached, keyed by its content (its size
+    and a hash of its first and last MiB), not its path: every virtual environment that
+    installs the same file shares one copy instead of converting (~0.5 GB) again."""
+    size = gguf_path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return cache_dir() / "models" / f"{gguf_path.stem}-{h.hexdigest()[:16]}"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
