@@ -6,6 +6,7 @@ root: skipped otherwise), a garbage database file, hostile entry headers with va
 writer killed at random points. ``python -m benchmarks.faults`` runs the heavy versions.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -68,20 +69,26 @@ def mount(*args) -> None:
         pytest.skip(f"cannot mount here ({done.stderr.decode().strip()}); needs root")
 
 
-def test_a_locked_database_is_a_quick_miss(engine, clean):
-    db = engine.store.disk.directory / "cache.db"
+@contextlib.contextmanager
+def write_lock_held(folder: Path):
+    """Another process holding an exclusive SQLite lock on the store in ``folder``."""
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sqlite3, sys, time\n"
-         f"c = sqlite3.connect({str(db)!r}, isolation_level=None)\n"
+         f"c = sqlite3.connect({str(folder / 'cache.db')!r}, isolation_level=None)\n"
          "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        pre = assert_clean_answer(engine, clean)
-        assert pre.stats.chunks_reused == 0 and pre.stats.store_faults > 0
+        yield
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_locked_database_is_a_quick_miss(engine, clean):
+    with write_lock_held(engine.store.disk.directory):
+        pre = assert_clean_answer(engine, clean)
+        assert pre.stats.chunks_reused == 0 and pre.stats.store_faults > 0
     engine.flush()
     assert engine.prefill(SEGMENTS).stats.chunks_reused == 3  # back once the lock is gone
 
@@ -358,20 +365,11 @@ def test_a_store_locked_at_open_falls_back_quickly_and_is_not_cleared(tmp_path, 
     store.put(synthetic_entry(1))
     store.close()
     before = files_in(folder)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sqlite3, sys, time\n"
-         f"c = sqlite3.connect({str(folder / 'cache.db')!r}, isolation_level=None)\n"
-         "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with write_lock_held(folder):
         t0 = time.perf_counter()
         assert isinstance(open_store(folder, SPEC), MemoryStore)   # diskcache alone would wait 60 s
         assert time.perf_counter() - t0 < 3 and "keeping KV in memory only" in caplog.text
         assert main(["cache", "clear", "--kv-dir", str(folder)]) == 2
         assert "no other process holds the store" in capsys.readouterr().err
         assert before.items() <= files_in(folder).items()   # a busy store is not a broken one: nothing removed
-    finally:
-        holder.kill()
-        holder.wait()
     assert DiskStore(folder, SPEC).get(synthetic_entry(1).key) is not None
