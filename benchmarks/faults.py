@@ -126,7 +126,7 @@ class Scene:
 
     def victim_file(self) -> Path:
         """The entry file of the first chunk."""
-        key = self.engine.key_for(self.engine.prompts.tokenize(self.chunks[0]))
+        key = self.engine.key_of(self.chunks[0])
         (filename,) = self.disk.cache._sql("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
         return self.disk.directory / filename
 

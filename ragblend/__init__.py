@@ -12,6 +12,7 @@ from .core.errors import (
     UnsupportedModelError,
 )
 from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
+from .core.generate import SamplingParams
 from .core.kv import ChunkRef
 from .core.prompt import Chunk
 
@@ -36,7 +37,7 @@ def __getattr__(name):
 
 __all__ = [
     "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
-    "Generation", "Prefill", "Stats", "RagblendError", "InvalidInputError", "InvalidTypeError", "SegmentTypeError",
+    "Generation", "Prefill", "Stats", "SamplingParams", "RagblendError", "InvalidInputError", "InvalidTypeError", "SegmentTypeError",
     "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError", "StoreUnavailableError",
     "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",
 ]

@@ -53,7 +53,7 @@ def test_chunk_longer_than_window_stores_nothing(engine):
     with pytest.raises(PromptTooLongError, match="Split it"):
         engine.precompute([fine, "word " * (engine.context_window + 10)])
     assert len(engine.store) == before  # validated before anything was stored
-    assert engine.key_for(engine.prompts.tokenize(fine)) not in engine.store
+    assert engine.key_of(fine) not in engine.store
 
 
 def test_precompute_rejects_empty_and_non_text(engine):
@@ -289,3 +289,17 @@ def test_a_gguf_file_converts_once_per_content_not_per_path(tmp_path):
     assert converted_dir_for(first) == converted_dir_for(second)
     second.write_bytes(data[:-1] + b"\x00")   # one byte of the tail differs
     assert converted_dir_for(first) != converted_dir_for(second)
+
+
+def test_sampling_as_params_or_keywords_not_both(engine):
+    from ragblend import SamplingParams
+
+    segments = [Chunk(PASSAGES[0]), "Q?"]
+    by_params = engine.generate(segments, params=SamplingParams(max_new_tokens=3))
+    assert by_params.token_ids == engine.generate(segments, max_new_tokens=3).token_ids
+    layout = engine.build_prompt(segments)   # a PromptLayout is a prompt too
+    assert engine.generate(layout, params=SamplingParams(max_new_tokens=3)).token_ids == by_params.token_ids
+    with pytest.raises(InvalidInputError, match="not both"):
+        engine.generate(segments, params=SamplingParams(max_new_tokens=3), temperature=0.5)
+    with pytest.raises(InvalidInputError, match="SamplingParams"):
+        engine.generate(segments, params={"max_new_tokens": 3})

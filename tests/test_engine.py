@@ -66,7 +66,7 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
         layout = engine.prompts.build(segments(), system=None)
         for span in layout.chunk_spans:
             keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
-            engine.store.put(ChunkKV(engine.key_for(span.token_ids), list(span.token_ids), keys, values))
+            engine.store.put(ChunkKV(engine._key_for(span.token_ids), list(span.token_ids), keys, values))
         pre = engine.prefill(segments(), strategy=FullReuse())
         assert pre.token_ids == layout.token_ids
         assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
@@ -109,7 +109,7 @@ def test_compute_scales_with_selected_tokens(tiny_engine):
     engine.precompute(PASSAGES[:3])
     layout = engine.prompts.build(segments())
     spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
-    chunks = [engine.store.open(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
+    chunks = [engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
     n = len(layout.token_ids)
     reused = sum(s.num_tokens for s in spans)
     fused = fused_prefill(engine.adapter, layout.token_ids, spans,
@@ -144,7 +144,7 @@ def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     with torch.inference_mode():
         fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
     reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
-    source = SequentialSource([engine.store.open(engine.key_for(s.token_ids)) for s in layout.chunk_spans])
+    source = SequentialSource([engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans])
     source.prepare([1])
     cached = source.layer(1)
     scores = {k: kv_deviation(k, fresh_k[:, reused_pos], fresh_v[:, reused_pos], cached,
@@ -204,7 +204,7 @@ def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
     engine = tiny_engine
     engine.precompute(PASSAGES[:2])
     text = f"Another chunk nobody precomputed ({engine.adapter.arch})."
-    key = engine.key_for(engine.prompts.tokenize(text))
+    key = engine.key_of(text)
     segs = [Chunk(PASSAGES[0]), Chunk(text), Chunk(PASSAGES[1]), "Question?"]
     first = engine.prefill(segs, strategy=FullReuse())
     assert first.stats.chunks_missing == 1 and first.stats.chunks_computed == 1

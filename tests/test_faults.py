@@ -229,7 +229,7 @@ def hostile_headers(real: dict) -> dict[str, bytes]:
 def test_a_hostile_header_is_dropped_and_recomputed(engine, clean, case):
 
     store = engine.store.disk
-    key = engine.key_for(engine.prompts.tokenize(CHUNKS[0]))
+    key = engine.key_of(CHUNKS[0])
     path = entry_path(store, key)
     blob = path.read_bytes()
     (header_len,) = struct.unpack("<I", blob[4:8])
@@ -266,12 +266,12 @@ def test_the_storage_dtype_is_part_of_an_entrys_identity(tokenizer, tmp_path):
     half.store = DiskStore(tmp_path, half.entry_spec)
     full.store = DiskStore(tmp_path, full.entry_spec)
     ids = half.prompts.tokenize(CHUNKS[0])
-    assert half.key_for(ids) != full.key_for(ids)
+    assert half._key_for(ids) != full._key_for(ids)
     half.precompute([CHUNKS[0]])
     assert full.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.chunks_reused == 0   # not the fp16 entry
     full.flush()
-    assert half.store.get(half.key_for(ids)).keys.dtype == torch.float16
-    assert full.store.get(full.key_for(ids)).keys.dtype == torch.float32
+    assert half.store.get(half._key_for(ids)).keys.dtype == torch.float16
+    assert full.store.get(full._key_for(ids)).keys.dtype == torch.float32
 
 
 def test_opening_a_store_reclaims_files_no_row_names(tmp_path):

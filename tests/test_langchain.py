@@ -187,7 +187,7 @@ def test_adding_documents_precomputes_their_kv(chroma_store):
     engine = shared_engine()
     docs = chroma_store.get_by_ids(["p0", "p1"])
     for doc in docs:
-        assert doc.metadata["ragblend_kv_key"] == engine.key_for(engine.prompts.tokenize(doc.page_content))
+        assert doc.metadata["ragblend_kv_key"] == engine.key_of(doc.page_content)
         assert doc.metadata["ragblend_kv_key"] in engine.store
 
 

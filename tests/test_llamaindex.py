@@ -39,7 +39,7 @@ def test_ingestion_stores_kv_and_keeps_the_key_out_of_prompts(rag):
         assert key in rag.engine.store
         assert KV_KEY in node.excluded_llm_metadata_keys and KV_KEY in node.excluded_embed_metadata_keys
         assert key not in llm_text(node) and KV_KEY not in llm_text(node)
-        assert rag.engine.key_for(rag.engine.prompts.tokenize(llm_text(node))) == key
+        assert rag.engine.key_of(llm_text(node)) == key
 
 
 @pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize", "simple_summarize"])
@@ -219,7 +219,7 @@ def test_sentence_window_retrieval_reuses_the_windows_the_llm_is_shown(smol_engi
     shown = [llm_text(n.node) for n in response.source_nodes]
     assert all(n.node.text == n.node.metadata["window"] for n in response.source_nodes)   # the LLM saw windows
     engine = smol_engine
-    assert all(engine.key_for(engine.prompts.tokenize(text)) in engine.store for text in shown)  # precomputed as shown
+    assert all(engine.key_of(text) in engine.store for text in shown)  # precomputed as shown
     unique = sum(smol_engine.count_tokens(text) for text in set(shown))   # neighbouring windows may repeat
     assert llm.last_stats.reused_tokens >= reused_floor(smol_engine, unique)   # reused on the first query
 
@@ -235,7 +235,7 @@ def test_chunks_too_short_to_find_are_not_stored_and_are_reported(smol_engine, t
     (node,) = rag.vector_store.get_nodes()
     assert smol_engine.count_tokens(llm_text(node)) < smol_engine.min_chunk_tokens
     assert report.nodes == 1 and report.without_kv == 1 and KV_KEY not in node.metadata
-    assert smol_engine.key_for(smol_engine.prompts.tokenize(llm_text(node))) not in smol_engine.store
+    assert smol_engine.key_of(llm_text(node)) not in smol_engine.store
     _print_ingest_report(report, rag)
     assert "1 chunk(s) got no stored KV: shorter than 16 tokens" in capsys.readouterr().out
 

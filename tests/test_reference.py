@@ -67,7 +67,7 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4):
     layout = engine.find_chunks(prompt_text, system="Answer briefly.")
     assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
     assert len({s.token_ids for s in layout.chunk_spans}) < len(layout.chunk_spans), "no repeated chunk"
-    entries = [engine.store.get(engine.key_for(s.token_ids)) for s in layout.chunk_spans]
+    entries = [engine.store.get(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
     spans = [ReusedSpan(s.start, s.end - s.start, s.offset) for s in layout.chunk_spans]
     windows = [slice(s.offset, s.offset + s.end - s.start) for s in layout.chunk_spans]
     readers = [engine.store.open(e.key) for e in entries]

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Literal, Sequence
 
 import torch
 
@@ -195,7 +195,8 @@ class BlendEngine:
         self.eos_ids = frozenset(eos)
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, *, kv_dir: str | os.PathLike | None = None,
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *,
+                        kv_dir: str | os.PathLike | Literal[False] | None = None,
                         memory_bytes: int = 2 << 30, disk_bytes: int = 8 << 30, strategy: Strategy | None = None,
                         dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                         store: KVStore | None = None, **kwargs) -> "BlendEngine":
@@ -240,7 +241,15 @@ class BlendEngine:
 
     # ------------------------------------------------------------------ precompute
 
-    def key_for(self, token_ids: Sequence[int]) -> str:
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids of ``text`` (no special tokens): what a chunk is keyed by."""
+        return self.prompts.tokenize(text)
+
+    def key_of(self, text: str) -> str:
+        """The key under which a chunk text's KV is stored (see :func:`ragblend.core.kv.chunk_key`)."""
+        return self._key_for(self.tokenize(text))
+
+    def _key_for(self, token_ids: Sequence[int]) -> str:
         return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
@@ -286,8 +295,8 @@ class BlendEngine:
             if ids is None:
                 refs.append(None)
                 continue
-            key = self.key_for(ids)
-            stored = key in self.store or self.store.put(self.compute_entry(ids))
+            key = self._key_for(ids)
+            stored = key in self.store or self.store.put(self._compute_entry(ids))
             self._index_chunk(key, ids)
             refs.append(ChunkRef(key, len(ids), stored))
         unstored = sum(ref is not None and not ref.stored for ref in refs)
@@ -308,7 +317,7 @@ class BlendEngine:
         when its KV is not stored (it is then computed in isolation and written back).
         Returns its key."""
         ids = self.prompts.tokenize(text)
-        key = self.key_for(ids)
+        key = self._key_for(ids)
         self._index_chunk(key, ids)
         return key
 
@@ -358,14 +367,14 @@ class BlendEngine:
         layout = self.build_prompt([prompt], system=system, history=history)
         return PromptLayout(layout.token_ids, self.chunks.find(layout.token_ids))
 
-    def compute_entry(self, token_ids: list[int]) -> ChunkKV:
+    def _compute_entry(self, token_ids: list[int]) -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
         with self._lock:
             keys, values = isolated_kv(self.adapter, self.sink_ids, token_ids)
         stored_k, stored_v = keys.to(self.kv_dtype), values.to(self.kv_dtype)
         if not (torch.isfinite(stored_k).all() and torch.isfinite(stored_v).all()):
             stored_k, stored_v = keys.float(), values.float()  # out of the storage dtype's range
-        return ChunkKV(self.key_for(token_ids), list(token_ids), stored_k.cpu(), stored_v.cpu())
+        return ChunkKV(self._key_for(token_ids), list(token_ids), stored_k.cpu(), stored_v.cpu())
 
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""
@@ -407,10 +416,11 @@ class BlendEngine:
 
     def plan(self, prompt_tokens: int, reused_tokens: int, tier: str | None = None):
         """What the loading controller would do for such a prompt (see :mod:`.controller`)."""
-        return self.controller.plan(prompt_tokens, reused_tokens, tier)
+        return self._loading.plan(prompt_tokens, reused_tokens, tier)
 
     @property
-    def controller(self):
+    def _loading(self):
+        """The loading controller (built on first use)."""
         if self._controller is None:
             from .controller import LoadingController
 
@@ -471,14 +481,14 @@ class BlendEngine:
             for span in layout.chunk_spans:
                 if not span.token_ids or not reuse:
                     continue
-                key = self.key_for(span.token_ids)
+                key = self._key_for(span.token_ids)
                 reader = MemoryReader(computed[key], "computed") if key in computed else self._open(key, span.token_ids)
                 if reader is None:
                     if not self.write_back:
                         missing.add(key)
                         continue  # computed as plain text inside the prompt
                     t = time.perf_counter()
-                    computed[key] = self.compute_entry(list(span.token_ids))
+                    computed[key] = self._compute_entry(list(span.token_ids))
                     self._index_chunk(key, span.token_ids)
                     stats.isolate_s += time.perf_counter() - t
                     self._in_background(self.store.put, computed[key])
@@ -544,12 +554,14 @@ class BlendEngine:
                             len(pre.token_ids), params, self.eos_ids, self.context_window, lock=self._lock)
         return pre, decoding
 
-    def stream(self, segments: Sequence[Segment], *, system: str | None = None,
-               strategy: Strategy | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> "TextStream":
+    def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
+               strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] | None = None) -> "TextStream":
         """Iterate the answer's text as it is decoded. The returned stream's ``stats`` are
-        this call's (complete once the stream is exhausted), whatever other threads do."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+        this call's (complete once the stream is exhausted), whatever other threads do.
+        Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
+        params = _sampling(params, max_new_tokens, temperature, top_p, seed, stop)
         text_stream = TextStream()
 
         def run():
@@ -561,11 +573,13 @@ class BlendEngine:
         text_stream._deltas = run()
         return text_stream
 
-    def generate(self, segments: Sequence[Segment], *, system: str | None = None,
-                 strategy: Strategy | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-                 top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> Generation:
-        """Prefill with fusion, then decode. ``temperature=0`` is greedy."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+    def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
+                 strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop: Sequence[str] | None = None) -> Generation:
+        """Prefill with fusion, then decode. ``temperature=0`` is greedy. Sampling is
+        ``params`` or, as shortcuts, the keywords after it (not both)."""
+        params = _sampling(params, max_new_tokens, temperature, top_p, seed, stop)
         pre, decoding = self._decoding(segments, system, strategy, params)
         for _ in decoding:
             pass
@@ -578,6 +592,17 @@ class BlendEngine:
         stats.decode_s = decoding.decode_s
         stats.finish_reason = decoding.finish_reason
         self.last_stats = stats
+
+
+def _sampling(params, max_new_tokens, temperature, top_p, seed, stop) -> SamplingParams:
+    shortcuts = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+    if params is None:
+        return shortcuts
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"params must be a ragblend SamplingParams, got {type(params).__name__}.")
+    if shortcuts != SamplingParams():
+        raise InvalidInputError("Pass sampling options either as params=SamplingParams(...) or as keywords, not both.")
+    return params
 
 
 def _storage_dtype(kv_dtype) -> torch.dtype:

@@ -121,7 +121,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
         return lazy_engine(self)
 
     def get_token_ids(self, text: str) -> list[int]:
-        return self.engine.prompts.tokenize(text)
+        return self.engine.tokenize(text)
 
     # ------------------------------------------------------------------ prompt
 

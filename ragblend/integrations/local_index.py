@@ -158,7 +158,7 @@ class LocalIndex:
         docstore = (SimpleDocumentStore.from_persist_path(str(docstore_file)) if docstore_file.exists()
                     else SimpleDocumentStore())
         splitter = SentenceSplitter(chunk_size=self.chunk_size, chunk_overlap=self.chunk_overlap,
-                                    tokenizer=self.engine.prompts.tokenize)
+                                    tokenizer=self.engine.tokenize)
         return IngestionPipeline(transformations=[splitter, KVPrecompute(self.engine), self.embed_model],
                                  vector_store=self.vector_store, docstore=docstore,
                                  docstore_strategy=DocstoreStrategy.UPSERTS), docstore_file
@@ -218,7 +218,7 @@ class LocalIndex:
             synthesizer = BlendSynthesizer(llm=llm, streaming=streaming)
         else:
             # Pack prompts with the model's own tokenizer, not LlamaIndex's default (tiktoken).
-            helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.prompts.tokenize)
+            helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.tokenize)
             synthesizer = get_response_synthesizer(llm=llm, response_mode=mode, prompt_helper=helper,
                                                    streaming=streaming)
         from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
