@@ -1,6 +1,7 @@
 """Shared fixtures: tiny randomly initialised models of every supported family, and the real
 default model (SmolLM2-135M-Instruct). The tiny models borrow the default model's tokenizer."""
 
+import functools
 import struct
 import zlib
 from pathlib import Path
@@ -47,7 +48,9 @@ def tokenizer(default_model_dir):
     return AutoTokenizer.from_pretrained(default_model_dir)
 
 
-def make_tiny_engine(arch, tokenizer, **kwargs):
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch):
+    """A tiny random model of ``arch``, built once per session (engines never change it)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -58,11 +61,17 @@ def make_tiny_engine(arch, tokenizer, **kwargs):
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    return BlendEngine(model, tokenizer, **kwargs)
+    return model
 
 
-@pytest.fixture(scope="session", params=TINY_ARCHS)
+def make_tiny_engine(arch, tokenizer, **kwargs):
+    """A fresh engine (its own store and settings) over the shared tiny model of ``arch``."""
+    return BlendEngine(tiny_model(arch), tokenizer, **kwargs)
+
+
+@pytest.fixture(params=TINY_ARCHS)
 def tiny_engine(request, tokenizer):
+    """A fresh engine per test, so a test may change its store or settings freely."""
     return make_tiny_engine(request.param, tokenizer)
 
 

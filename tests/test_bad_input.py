@@ -18,7 +18,7 @@ from ragblend.core.errors import ModelNotFoundError
 from .conftest import PASSAGES, make_tiny_engine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine(tokenizer):
     return make_tiny_engine("llama", tokenizer)
 
@@ -128,11 +128,8 @@ def test_missing_model_path(tmp_path):
 
 
 def test_full_reuse_without_any_stored_chunk_is_a_full_prefill(engine):
-    engine.write_back = False
-    try:
-        pre = engine.prefill([Chunk("never stored anywhere"), "q?"], strategy=FullReuse())
-    finally:
-        engine.write_back = True
+    engine.write_back = False   # a fresh engine per test: no need to restore it
+    pre = engine.prefill([Chunk("never stored anywhere"), "q?"], strategy=FullReuse())
     assert pre.stats.reused_tokens == 0 and pre.stats.chunks_missing == 1
 
 

@@ -57,23 +57,16 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
     This proves the stored pre-RoPE K is rotated to the right positions and that fresh
     tokens attend through an exact causal mask (they never see later keys).
     """
-    from ragblend.core.store import MemoryStore
-
-    engine = tiny_engine
-    saved = engine.store
-    engine.store = MemoryStore()
-    try:
-        layout = engine.prompts.build(segments(), system=None)
-        for span in layout.chunk_spans:
-            keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
-            engine.store.put(ChunkKV(engine._key_for(span.token_ids), list(span.token_ids), keys, values))
-        pre = engine.prefill(segments(), strategy=FullReuse())
-        assert pre.token_ids == layout.token_ids
-        assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
-        ref, _ = forward_logits(engine, pre.token_ids)
-        assert (pre.logits - ref).abs().max() <= 1e-4
-    finally:
-        engine.store = saved
+    engine = tiny_engine   # a fresh engine: its store holds only what this test puts there
+    layout = engine.prompts.build(segments(), system=None)
+    for span in layout.chunk_spans:
+        keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
+        engine.store.put(ChunkKV(engine._key_for(span.token_ids), list(span.token_ids), keys, values))
+    pre = engine.prefill(segments(), strategy=FullReuse())
+    assert pre.token_ids == layout.token_ids
+    assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
+    ref, _ = forward_logits(engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),)),
@@ -184,10 +177,7 @@ def test_any_order_repeats_and_unknown_chunks(tiny_engine):
     unknown_text = f"A chunk that was never stored ({engine.adapter.arch})."
     segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk(unknown_text), "Question?"]
     engine.write_back = False  # unknown chunks are then computed as plain text
-    try:
-        pre = engine.prefill(segs, strategy=FullReuse())
-    finally:
-        engine.write_back = True
+    pre = engine.prefill(segs, strategy=FullReuse())
     # distinct chunks: PASSAGES[2] appears twice but is one chunk
     assert pre.stats.chunks_reused == 2 and pre.stats.chunks_missing == 1 and pre.stats.chunks_computed == 0
     assert sum(pre.stats.tiers.values()) == 2
