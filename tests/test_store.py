@@ -308,7 +308,8 @@ def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
     assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
     assert m.bytes_per_token_layer == 2 * 2 * 16 * 2  # K+V, 2 kv heads, 16 dims, fp16
     assert engine._loading.cache_file.exists()
-    assert LoadingController(engine).measurements() == m  # read back from the cache file
+    again = LoadingController(engine.adapter, engine.entry_spec, engine.kv_dtype, tmp_path)
+    assert again.measurements() == m  # read back from the cache file
     assert 0.15 <= plan.ratio <= 1.0 and plan.tier in ("disk", "memory")
 
     # A slow disk: it would delay the prompt, so memory is the cheapest tier without delay,

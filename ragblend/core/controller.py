@@ -31,8 +31,8 @@ import torch
 
 from .fusion import FullRecompute, fused_prefill
 from .kv import ChunkKV
-from .model import cache_dir
-from .store import DiskStore, FileReader, MemoryReader
+from .model import ModelAdapter, cache_dir
+from .store import DiskStore, EntrySpec, FileReader, MemoryReader
 
 TIERS_BY_COST = ("disk", "memory")  # cheapest storage first
 
@@ -57,16 +57,20 @@ class LoadingPlan:
 
 
 class LoadingController:
-    def __init__(self, engine, quality_floor: float = 0.15, probe_tokens: int = 512):
-        self.engine = engine
+    """Plans a prefill's ratio and tier from measured compute and read speeds. It needs the
+    model (``adapter``), what its entries look like (``spec``, ``kv_dtype``) and a folder on
+    the store's device for the read probe (``probe_dir``), not the engine."""
+
+    def __init__(self, adapter: ModelAdapter, spec: EntrySpec, kv_dtype: torch.dtype, probe_dir: Path,
+                 quality_floor: float = 0.15, probe_tokens: int = 512):
+        self.adapter, self.spec, self.kv_dtype, self.probe_dir = adapter, spec, kv_dtype, Path(probe_dir)
         self.quality_floor = quality_floor
         self.probe_tokens = probe_tokens
         self._measured: Measurements | None = None
 
     @property
     def cache_file(self) -> Path:
-        e = self.engine
-        name = f"{e.fingerprint[:16]}-{e.adapter.device.type}-{str(e.kv_dtype).split('.')[-1]}.json"
+        name = f"{self.spec.fingerprint[:16]}-{self.adapter.device.type}-{str(self.kv_dtype).split('.')[-1]}.json"
         return cache_dir() / "controller" / name
 
     def measurements(self, refresh: bool = False) -> Measurements:
@@ -112,61 +116,58 @@ class LoadingController:
     # ------------------------------------------------------------------ measuring
 
     def _measure(self) -> Measurements:
-        e = self.engine
-        shape = e.adapter.shape
-        ids = torch.randint(0, e.tokenizer.vocab_size, (self.probe_tokens,)).tolist()
-        fused_prefill(e.adapter, ids[:32], [], None, FullRecompute())  # warm-up
+        adapter = self.adapter
+        shape = adapter.shape
+        ids = torch.randint(0, self.spec.vocab_size, (self.probe_tokens,)).tolist()
+        fused_prefill(adapter, ids[:32], [], None, FullRecompute())  # warm-up
         best = float("inf")
         for _ in range(2):
             t0 = time.perf_counter()
-            fused_prefill(e.adapter, ids, [], None, FullRecompute())
+            fused_prefill(adapter, ids, [], None, FullRecompute())
             best = min(best, time.perf_counter() - t0)
         per_token_layer = best / (self.probe_tokens * shape.num_layers)
 
         tokens = 2048
-        kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim).to(e.kv_dtype)
+        kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim).to(self.kv_dtype)
         entry = ChunkKV("0" * 64, list(range(tokens)), kv, kv.clone())
         bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * kv.element_size()
         layer_bytes = bytes_per_token_layer * tokens
         return Measurements(
-            device=str(e.adapter.device), compute_s_per_token_layer=per_token_layer,
+            device=str(adapter.device), compute_s_per_token_layer=per_token_layer,
             bytes_per_token_layer=bytes_per_token_layer,
             read_bytes_per_s={"memory": self._memory_throughput(entry, layer_bytes),
                               "disk": self._disk_throughput(entry, layer_bytes)},
         )
 
     def _read_all_layers(self, reader) -> float:
-        e = self.engine
+        adapter = self.adapter
         t0 = time.perf_counter()
-        for i in range(e.adapter.shape.num_layers):
+        for i in range(adapter.shape.num_layers):
             k, v = reader.layer(i)
-            k.to(e.adapter.device, e.adapter.dtype), v.to(e.adapter.device, e.adapter.dtype)
+            k.to(adapter.device, adapter.dtype), v.to(adapter.device, adapter.dtype)
         return time.perf_counter() - t0
 
     def _memory_throughput(self, entry: ChunkKV, layer_bytes: int) -> float:
         seconds = min(self._read_all_layers(MemoryReader(entry)) for _ in range(2))
-        return layer_bytes * self.engine.adapter.shape.num_layers / seconds
+        return layer_bytes * self.adapter.shape.num_layers / seconds
 
     def _disk_throughput(self, entry: ChunkKV, layer_bytes: int) -> float:
         """Read a freshly written entry with its pages dropped from the OS cache, where the
         OS allows it; otherwise this measures the page cache (reported as is)."""
-        e = self.engine
-        store = getattr(e.store, "disk", e.store)
-        parent = store.directory.parent if isinstance(store, DiskStore) else cache_dir()
-        parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=parent, prefix="probe-") as tmp:
-            probe = DiskStore(tmp, e.entry_spec, max_bytes=1 << 40)
+        self.probe_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=self.probe_dir, prefix="probe-") as tmp:
+            probe = DiskStore(tmp, self.spec, max_bytes=1 << 40)
             probe.put(entry)
             for path in Path(tmp).rglob("*.val"):
                 drop_page_cache(path)
             handle = probe.cache.get(entry.key, read=True)
-            reader = FileReader(handle, entry.key, e.entry_spec, os.fstat(handle.fileno()).st_size)
+            reader = FileReader(handle, entry.key, self.spec, os.fstat(handle.fileno()).st_size)
             try:
                 seconds = self._read_all_layers(reader)
             finally:
                 reader.close()
                 probe.close()
-        return layer_bytes * e.adapter.shape.num_layers / seconds
+        return layer_bytes * self.adapter.shape.num_layers / seconds
 
 
 def drop_page_cache(path: Path) -> None:

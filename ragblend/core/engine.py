@@ -46,6 +46,7 @@ from .store import (
     STORAGE_DTYPES,
     ChunkReader,
     CorruptEntryError,
+    DiskStore,
     EntrySpec,
     KVStore,
     MemoryReader,
@@ -424,7 +425,9 @@ class BlendEngine:
         if self._controller is None:
             from .controller import LoadingController
 
-            self._controller = LoadingController(self)
+            disk = getattr(self.store, "disk", self.store)   # probe reads on the disk tier's device
+            probe_dir = disk.directory.parent if isinstance(disk, DiskStore) else cache_dir()
+            self._controller = LoadingController(self.adapter, self.entry_spec, self.kv_dtype, probe_dir)
         return self._controller
 
     def prefill(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
