@@ -57,8 +57,12 @@ def test_stock_synthesizers_reuse_the_chunks_with_plain_prefill_ids(rag, mode):
     reused = sum(c.stats.reused_tokens for c in calls)
     assert reused >= reused_floor(engine, chunk_tokens(engine, response.source_nodes))
     assert len(response.source_nodes) == 3
-    # distinct chunks, however many runs of their tokens the prompt splits them into
-    assert all(1 <= c.stats.chunks_reused <= 3 for c in calls)
+    # distinct chunks, however many runs of their tokens the prompt splits them into (the
+    # session's engine also knows other tests' chunks, so this counts what the layout holds)
+    for call in calls:
+        distinct = {span.token_ids for span in call.layout.chunk_spans}
+        assert call.stats.chunks_reused >= 1
+        assert call.stats.chunks_reused + call.stats.chunks_missing == len(distinct)
 
     full = BlendLLM(engine=engine, strategy="full_recompute", max_new_tokens=24)
     rag.index.as_query_engine(llm=full, response_mode=mode, similarity_top_k=3).query(QUESTION)
