@@ -158,7 +158,7 @@ def _is_broken_database(err: BaseException) -> bool:
 
 def _cache(args) -> int:
     folder = _store_folder(args)
-    if not folder.exists():   # look, do not create
+    if not (folder / "cache.db").exists():   # look, never create (--kv-dir may be any folder)
         print(f"No KV store at {folder}: nothing has been stored there yet.")
         return 0
     if args.action == "stats":

@@ -270,7 +270,10 @@ def test_cli_cache_commands_look_without_creating(capsys, tmp_path):
     for action in ("stats", "clear"):
         assert main(["cache", action, "--index", str(tmp_path / "index")]) == 0
         assert "No KV store at" in capsys.readouterr().out
-    assert not any(tmp_path.iterdir())
+        (tmp_path / "notes.txt").write_text("a folder of the user's, not a store")
+        assert main(["cache", action, "--kv-dir", str(tmp_path)]) == 0
+        assert "No KV store at" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 def test_a_gguf_file_converts_once_per_content_not_per_path(tmp_path):

@@ -352,8 +352,8 @@ def test_cache_stats_and_clear_on_a_store_too_broken_to_open(tmp_path, capsys):
     assert main(["cache", "clear", "--kv-dir", str(folder)]) == 0
     assert "Removed the broken store's database and 3 entry file(s)" in capsys.readouterr().out
     assert files_in(folder) == {"notes.txt": len("the user's")}   # only the store's own files went
-    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0   # a fresh, empty store
-    assert "0 entries" in capsys.readouterr().out
+    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0   # no store left, and none created
+    assert "No KV store at" in capsys.readouterr().out and not (folder / "cache.db").exists()
 
 
 def test_a_store_locked_at_open_falls_back_quickly_and_is_not_cleared(tmp_path, capsys, caplog):
