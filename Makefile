@@ -24,7 +24,8 @@ demo: install
 test: install lint
 	$(PY) -m pytest -q
 
-# The unit tests on tiny random models only (a few minutes); CI runs the whole `make test`.
+# The unit tests: tiny random models and the small tokenizer in tests/data, no model to load or
+# convert (about 1.5 min). CI runs the whole `make test`.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 

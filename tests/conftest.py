@@ -1,5 +1,7 @@
 """Shared fixtures: tiny randomly initialised models of every supported family, and the real
-default model (SmolLM2-135M-Instruct). The tiny models borrow the default model's tokenizer."""
+default model (SmolLM2-135M-Instruct). The tiny models use the small byte-level BPE tokenizer in
+``tests/data/tokenizer`` (1,024 tokens, ChatML template; ``tests/data/make_tokenizer.py`` rebuilds
+it), so the unit tests (``make test-fast``) need no downloaded or converted model."""
 
 import functools
 import struct
@@ -15,7 +17,7 @@ from ragblend.core.model import load_model, resolve_model_dir
 from ragblend.core.store import MAGIC, DiskStore, EntrySpec
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, vocab_size=49152,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, vocab_size=1024,
             tie_word_embeddings=False)
 
 
@@ -41,11 +43,14 @@ def default_model_dir():
     return resolve_model_dir(None)
 
 
+TOKENIZER_DIR = Path(__file__).parent / "data" / "tokenizer"
+
+
 @pytest.fixture(scope="session")
-def tokenizer(default_model_dir):
+def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_dir)
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
 @functools.lru_cache(maxsize=None)

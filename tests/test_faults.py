@@ -300,11 +300,10 @@ def test_opening_a_store_reclaims_files_no_row_names(tmp_path):
 
 WRITER = """
 import sys
-from tests.conftest import make_tiny_engine, PASSAGES
+from tests.conftest import make_tiny_engine, PASSAGES, TOKENIZER_DIR
 from transformers import AutoTokenizer
 from ragblend.core.store import DiskStore
-from ragblend.core.model import resolve_model_dir
-engine = make_tiny_engine("qwen2", AutoTokenizer.from_pretrained(resolve_model_dir(None)), kv_dtype="float32")
+engine = make_tiny_engine("qwen2", AutoTokenizer.from_pretrained(TOKENIZER_DIR), kv_dtype="float32")
 engine.store = DiskStore(sys.argv[1], engine.entry_spec)
 print("ready", flush=True)
 for i in range(10**6):

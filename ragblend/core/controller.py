@@ -129,7 +129,10 @@ class LoadingController:
 
         tokens = 2048
         kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim).to(self.kv_dtype)
-        entry = ChunkKV("0" * 64, list(range(tokens)), kv, kv.clone())
+        # Token ids stay inside the vocabulary: the probe entry is read back through the
+        # same header checks as any entry, which refuse ids a model could not have produced.
+        token_ids = [i % self.spec.vocab_size for i in range(tokens)]
+        entry = ChunkKV("0" * 64, token_ids, kv, kv.clone())
         bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * kv.element_size()
         layer_bytes = bytes_per_token_layer * tokens
         return Measurements(
