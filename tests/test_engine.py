@@ -234,3 +234,19 @@ def test_chunk_finder_finds_whole_and_partial_chunks():
     ]                            # a 10-token tail match is below MIN_RUN
     assert all(prompt[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start]) for s in spans)
     assert finder.find([1, 2, 3]) == [] and len(finder) == 2
+
+
+def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
+    from ragblend import BlendEngine
+    from ragblend.core.store import MemoryStore
+
+    from .conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    empty = MemoryStore(1 << 20)
+    assert len(empty) == 0    # falsy: `store or default` would have replaced it
+    engine = BlendEngine.from_pretrained(tmp_path / "model", store=empty, kv_dir=tmp_path / "unused")
+    assert engine.store is empty and not (tmp_path / "unused").exists()
+    engine.precompute([PASSAGES[0]])
+    assert len(empty) == 1
