@@ -6,7 +6,8 @@ Ingest text/markdown files into a persistent Chroma index (their KV is precomput
 questions, and see what fusion does: the streamed answer and its time to first token, the
 same for a full prefill of the same prompt, which chunks were reused, the prompt with the
 recomputed tokens highlighted, and TTFT over the session. ``RAGBLEND_INDEX_DIR`` and
-``RAGBLEND_MODEL`` set the defaults of the index folder and the model path.
+``RAGBLEND_MODEL`` set the defaults of the index folder and the model path, ``RAGBLEND_CHROMA_URL``
+a Chroma server to use instead of the database in the index folder.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from ragblend.core.errors import RagblendError
 from ragblend.core.model import cache_dir
 from ragblend.data import load_sample, sample_dir
 
@@ -28,12 +30,13 @@ st.set_page_config(page_title="ragblend", layout="wide")
 
 
 @st.cache_resource(show_spinner="Loading the model and the index...")
-def open_index(index_dir: str, model_path: str):
+def open_index(index_dir: str, model_path: str, chroma_url: str):
     from ragblend import BlendEngine
-    from ragblend.integrations.local_index import LocalIndex
+    from ragblend.integrations.local_index import LocalIndex, chroma_client
 
+    chroma_client(Path(index_dir), chroma_url or None)  # an unreachable server fails before the model loads
     engine = BlendEngine.from_pretrained(model_path or None, kv_dir=Path(index_dir) / "kv")
-    return LocalIndex(index_dir, engine=engine)
+    return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None)
 
 
 def highlighted_prompt(engine, trace) -> str:
@@ -73,12 +76,18 @@ with st.sidebar:
     model_path = st.text_input("Model path", value=os.environ.get("RAGBLEND_MODEL", ""),
                                help="A local Hugging Face model folder or .gguf file; empty = embedded SmolLM2-135M-Instruct.")
     index_dir = st.text_input("Index folder", value=os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index")))
+    chroma_url = st.text_input("Chroma server URL", value=os.environ.get("RAGBLEND_CHROMA_URL", ""),
+                               help="e.g. http://127.0.0.1:8000 (`chroma run`); empty = the Chroma database in the index folder.")
     strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
     ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0, 0.3, 0.01)
     top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
     compare = st.checkbox("Also answer with a full prefill", value=True)
 
-rag = open_index(index_dir, model_path)
+try:
+    rag = open_index(index_dir, model_path, chroma_url.strip())
+except RagblendError as err:
+    st.error(str(err))
+    st.stop()
 history = st.session_state.setdefault("history", [])
 
 st.title("ragblend")

@@ -26,7 +26,7 @@ def _open_index(args):
     from ragblend.integrations.local_index import LocalIndex
 
     print("Loading the model and the index...", file=sys.stderr, flush=True)
-    return LocalIndex(args.index)
+    return LocalIndex(args.index, chroma_url=args.chroma_url)
 
 
 def _ingest(args) -> int:
@@ -238,6 +238,8 @@ def _app(args) -> int:
     env = dict(os.environ)
     if args.index:
         env["RAGBLEND_INDEX_DIR"] = args.index
+    if args.chroma_url:
+        env["RAGBLEND_CHROMA_URL"] = args.chroma_url
     command = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port),
                "--browser.gatherUsageStats", "false"]
     return subprocess.call(command, env=env)
@@ -257,8 +259,11 @@ def positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
     sub = parser.add_subparsers(dest="command", required=True)
-    def add_index(p):
-        p.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/index)")
+    def add_index(p, default="<user cache>/ragblend/index"):
+        p.add_argument("--index", default=None, help=f"index folder (default: {default})")
+        p.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
+                       help="a Chroma server (e.g. http://127.0.0.1:8000 from `chroma run`) instead of the "
+                            "Chroma database in the index folder; default: $RAGBLEND_CHROMA_URL")
 
     ingest = sub.add_parser("ingest", help="add text/markdown files or folders to the index")
     ingest.add_argument("paths", nargs="+", help="files or folders (searched recursively)")
@@ -296,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     app = sub.add_parser("app", help="start the Streamlit demo app")
     app.add_argument("--port", type=int, default=8501)
-    app.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/app-index)")
+    add_index(app, default="<user cache>/ragblend/app-index")
     app.set_defaults(func=_app)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")

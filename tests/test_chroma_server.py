@@ -1,0 +1,96 @@
+"""LocalIndex and the CLI over a real Chroma server (`chroma run`, started by the test on 127.0.0.1)."""
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ragblend import InvalidInputError
+from ragblend.cli import main
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def chroma_url(tmp_path_factory):
+    import chromadb
+
+    chroma = Path(sys.executable).with_name("chroma")
+    if not chroma.exists():
+        pytest.skip("the `chroma` command (chromadb's server) is not installed")
+    port = free_port()
+    folder = tmp_path_factory.mktemp("chroma-server")
+    server = subprocess.Popen([str(chroma), "run", "--path", str(folder), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            chromadb.HttpClient(host="127.0.0.1", port=port).heartbeat()
+            break
+        except Exception:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"chroma run did not start on port {port}")
+            time.sleep(0.3)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_local_index_over_a_chroma_server(chroma_url, smol_engine, tmp_path):
+    import chromadb
+
+    from ragblend.data import sample_dir
+    from ragblend.integrations.local_index import LocalIndex
+
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine, chroma_url=chroma_url, collection="server-test")
+    report = rag.ingest([sample_dir()], show_progress=False)
+    assert len(report.files) == 6 and len(rag) == report.nodes > 0
+    server_side = chromadb.HttpClient(host="127.0.0.1", port=int(chroma_url.rsplit(":", 1)[1]))
+    assert server_side.get_collection("server-test").count() == report.nodes   # the vectors live on the server
+    assert not (tmp_path / "index" / "chroma").exists()                        # not in the index folder
+    answer = rag.ask("In which year did the Lowenmark Kite Festival begin?", max_new_tokens=24)
+    assert "1987" in answer.text
+    assert answer.stats.reused_tokens > 0.5 * answer.stats.prompt_tokens
+
+
+@pytest.mark.slow
+def test_cli_ingest_and_ask_over_a_chroma_server(chroma_url, tmp_path, capsys, monkeypatch):
+    from ragblend.data import sample_dir
+
+    monkeypatch.setenv("RAGBLEND_CHROMA_URL", chroma_url)   # the environment variable, as a deployment sets it
+    index = str(tmp_path / "index")
+    assert main(["ingest", str(Path(sample_dir()) / "02-kite-festival.md"), "--index", index]) == 0
+    assert main(["ask", "In which year did the Lowenmark Kite Festival begin?", "--index", index,
+                 "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "1987" in out
+    assert not (tmp_path / "index" / "chroma").exists()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:9", "Cannot reach the Chroma server"),
+    ("127.0.0.1:8000", "is not http[s]://host[:port]"),
+    ("http://127.0.0.1:8000/path", "is not http[s]://host[:port]"),
+    ("http://127.0.0.1:99999", "is not http[s]://host[:port]"),
+])
+def test_a_bad_chroma_url_fails_before_the_model_loads(url, message, tmp_path, capsys, monkeypatch):
+    from ragblend import BlendEngine
+    from ragblend.integrations.local_index import LocalIndex
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the Chroma URL was checked")
+
+    monkeypatch.setattr(BlendEngine, "from_pretrained", no_model)
+    with pytest.raises(InvalidInputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        LocalIndex(tmp_path / "index", chroma_url=url)
+    assert main(["ask", "anything", "--index", str(tmp_path / "index"), "--chroma-url", url]) == 2
+    assert message in capsys.readouterr().err
