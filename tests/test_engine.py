@@ -7,6 +7,7 @@ import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
 from ragblend.core.fusion import isolated_kv
+from ragblend.core.generate import KVDecoder
 from ragblend.core.kv import ChunkKV
 
 from .conftest import PASSAGES
@@ -250,3 +251,47 @@ def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer
     assert engine.store is empty and not (tmp_path / "unused").exists()
     engine.precompute([PASSAGES[0]])
     assert len(empty) == 1
+
+
+def test_decoding_steps_equal_the_model_forward(tiny_engine):
+    """Each decoding step (buffers written in place, the sliding window on Mistral) gives the
+    logits of the model's own forward over the whole sequence so far."""
+    pre = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    answer = [5, 77, 300, 12, 900, 41]
+    decoder = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, len(pre.token_ids) + len(answer))
+    for i, token in enumerate(answer):
+        logits = decoder.step(token)
+        ref, _ = forward_logits(tiny_engine, pre.token_ids + answer[:i + 1])
+        assert (logits - ref).abs().max() <= 1e-4
+
+
+def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.model import HalfLinear
+
+    from .conftest import make_tiny_engine
+
+    exact = make_tiny_engine("qwen2", tokenizer)              # biased projections
+    half = make_tiny_engine("qwen2", tokenizer, decode_dtype="float16")
+    a = exact.generate(segments(), max_new_tokens=12, temperature=0)
+    b = half.generate(segments(), max_new_tokens=12, temperature=0)
+    assert a.logits.equal(b.logits)                           # the prefill is untouched
+    twin = half._decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, HalfLinear)
+    assert twin.model.layers[0].self_attn.q_proj.bias.dtype == torch.float16
+    assert all(p.dtype == torch.float32 for p in half.hf_model.parameters())   # the original keeps float32
+    assert twin.model.embed_tokens.weight is half.hf_model.model.embed_tokens.weight   # shared, not copied
+    pre = exact.prefill(segments())
+    steps = a.token_ids[:6]
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6)
+    low = KVDecoder(half._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
+
+
+def test_decode_dtype_must_be_known(tokenizer):
+    from ragblend import InvalidInputError
+
+    from .conftest import make_tiny_engine
+
+    with pytest.raises(InvalidInputError, match="decode_dtype"):
+        make_tiny_engine("llama", tokenizer, decode_dtype="int4")

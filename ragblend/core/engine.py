@@ -37,9 +37,9 @@ from .fusion import (
     fused_prefill,
     isolated_kv,
 )
-from .generate import Decoding, SamplingParams, build_cache
+from .generate import Decoding, KVDecoder, SamplingParams
 from .kv import ChunkKV, ChunkRef, chunk_key
-from .model import ModelAdapter, cache_dir, load_model
+from .model import ModelAdapter, cache_dir, load_model, with_half_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
@@ -160,7 +160,7 @@ class BlendEngine:
                  strategy: Strategy | None = None, separator: str = "\n\n",
                  sink_prefix: str | None = None, use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
-                 name: str | None = None):
+                 name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32"):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)
@@ -175,6 +175,11 @@ class BlendEngine:
             strategy = self.calibration.strategy if self.calibration else UNCALIBRATED
         self.strategy = check_strategy(strategy, self.adapter.shape.num_layers)
         self.kv_dtype = _storage_dtype(kv_dtype)
+        if decode_dtype not in ("float32", "float16"):
+            raise InvalidInputError(f"decode_dtype must be 'float32' (exact) or 'float16' (faster decoding "
+                                    f"matmuls on CPU), got {decode_dtype!r}.")
+        self.decode_dtype = decode_dtype
+        self._decode_adapter: ModelAdapter | None = None
         self.prefetch = prefetch
         self.write_back = write_back
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
@@ -552,10 +557,24 @@ class BlendEngine:
 
     def _decoding(self, segments, system, strategy, params: SamplingParams) -> tuple[Prefill, Decoding]:
         pre = self.prefill(segments, system=system, strategy=strategy)
-        cache = build_cache(self.hf_model, pre.keys, pre.values)
-        decoding = Decoding(self.hf_model, self.tokenizer, cache, pre.logits.to(self.adapter.device),
+        capacity = min(len(pre.token_ids) + params.max_new_tokens, self.context_window)
+        decoder = KVDecoder(self._decoding_adapter(), pre.keys, pre.values, capacity)
+        # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
+        n = len(pre.token_ids)
+        pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
+        decoding = Decoding(decoder, self.tokenizer, pre.logits.to(self.adapter.device),
                             len(pre.token_ids), params, self.eos_ids, self.context_window, lock=self._lock)
         return pre, decoding
+
+    def _decoding_adapter(self) -> ModelAdapter:
+        """The adapter decoding runs on: the model's own, or (``decode_dtype="float16"``) a
+        twin whose linear layers hold float16 weights, built on first use."""
+        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32:
+            return self.adapter
+        with self._lock:
+            if self._decode_adapter is None:
+                self._decode_adapter = ModelAdapter(with_half_linears(self.hf_model))
+        return self._decode_adapter
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,

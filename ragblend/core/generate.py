@@ -1,9 +1,10 @@
 """Decoding from a fused KV cache: greedy or sampled, with stop strings, EOS and streaming.
 
-The fused prefill leaves the post-RoPE K/V of every prompt token; they become an ordinary
-transformers ``DynamicCache`` and the model's own forward pass decodes from there, one
-token at a time. So with a full prefill, greedy decoding is exactly transformers'
-``generate``.
+The fused prefill leaves the post-RoPE K/V of every prompt token. :class:`KVDecoder` copies
+them into buffers sized for the whole answer and runs one token at a time through the
+model's own modules (the adapter's per-layer steps), writing each new token's K/V in place:
+the same operations as transformers' decoding, without its per-step cache and mask
+bookkeeping. With a full prefill, greedy decoding gives transformers' ``generate`` tokens.
 """
 
 from __future__ import annotations
@@ -47,14 +48,46 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
 
 
-def build_cache(hf_model, keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A transformers ``DynamicCache`` holding the given per-layer ``[kv_heads, N, dim]`` K/V."""
-    from transformers import DynamicCache
+class KVDecoder:
+    """Decodes one token at a time over preallocated per-layer K/V buffers.
 
-    cache = DynamicCache(config=hf_model.config)
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        cache.update(k[None], v[None], layer)
-    return cache
+    ``keys``/``values``: the prompt's per-layer ``[kv_heads, N, head_dim]`` K (after RoPE)
+    and V; ``capacity``: the most positions the buffers will hold (prompt + answer).
+    """
+
+    def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
+        shape, n = adapter.shape, keys[0].shape[1]
+        self.adapter, self.length = adapter, n
+        self.keys, self.values = [], []
+        for k, v in zip(keys, values):
+            key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim)
+            value_buffer = v.new_empty(shape.num_kv_heads, capacity, shape.head_dim)
+            key_buffer[:, :n], value_buffer[:, :n] = k, v
+            self.keys.append(key_buffer)
+            self.values.append(value_buffer)
+        self.cos, self.sin = adapter.rope_tables(capacity)
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        """Append ``token`` at the next position; return the logits ``[vocab]`` after it."""
+        adapter, position = self.adapter, self.length
+        if position >= self.keys[0].shape[1]:
+            raise InvalidInputError(f"The decoder's buffers hold {position} positions; no room for another token.")
+        cos, sin = self.cos[position:position + 1], self.sin[position:position + 1]
+        hidden = adapter.embed(torch.tensor([token], device=self.cos.device))
+        for layer in range(adapter.shape.num_layers):
+            x = adapter.attn_input(layer, hidden)
+            k, v = adapter.kv(layer, x)
+            self.keys[layer][:, position] = adapter.rope(k, cos, sin)[:, 0]
+            self.values[layer][:, position] = v[:, 0]
+            q = adapter.rope(adapter.q(layer, x), cos, sin)
+            window = adapter.window(layer)
+            first = 0 if window is None else max(0, position + 1 - window)
+            attn = adapter.attention_to_all(q, self.keys[layer][:, first:position + 1],
+                                            self.values[layer][:, first:position + 1])
+            hidden = adapter.finish(layer, hidden, attn)
+        self.length = position + 1
+        return adapter.logits(hidden)[0]
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -88,9 +121,8 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 class Decoding:
     """An in-progress decode. Iterate it for text deltas; afterwards read the totals."""
 
-    hf_model: object
+    decoder: KVDecoder
     tokenizer: object
-    cache: object
     first_logits: torch.Tensor
     prompt_len: int
     params: SamplingParams
@@ -134,12 +166,7 @@ class Decoding:
                     self.finish_reason = "length"
                     break
                 with self.lock or contextlib.nullcontext():
-                    out = self.hf_model(
-                        input_ids=torch.tensor([[token]], device=logits.device),
-                        position_ids=torch.tensor([[position]], device=logits.device),
-                        past_key_values=self.cache, use_cache=True,
-                    )
-                logits = out.logits[0, -1]
+                    logits = self.decoder.step(token)
         self.decode_s = time.perf_counter() - t0
         if len(self.text) > emitted:
             yield self.text[emitted:]

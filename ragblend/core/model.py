@@ -171,6 +171,36 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
 # ---------------------------------------------------------------------------- adapter
 
 
+class HalfLinear(torch.nn.Module):
+    """A linear layer holding float16 weights for float32 activations: the input is rounded
+    to float16 and the output returned as float32. One token at a time, such a matmul reads
+    half the bytes, and on x86 CPUs (F16C) it runs ~4x faster than float32."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight = torch.nn.Parameter(linear.weight.detach().half(), requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().half(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.half(), self.weight, self.bias).to(x.dtype)
+
+
+def with_half_linears(hf_model):
+    """A copy of ``hf_model`` whose linear layers (projections, MLP, LM head) hold float16
+    weights; everything else (embeddings, norms, rotary tables) is shared with the original."""
+    import copy
+
+    shared = {id(p): p for p in hf_model.parameters()}
+    shared.update({id(b): b for b in hf_model.buffers()})
+    twin = copy.deepcopy(hf_model, memo=shared)
+    for name, module in list(twin.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, child_name, HalfLinear(child))
+    return twin
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -280,6 +310,15 @@ class ModelAdapter:
         out = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
             scale=self.scaling, enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+        )
+        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+
+    def attention_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of queries ``q [H, n, D]`` that may see every key in ``k, v [Hkv, N, D]``
+        (a decoding step: the new token comes after all of them). Returns ``[n, H*D]``."""
+        out = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], scale=self.scaling,
+            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
