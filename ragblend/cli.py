@@ -245,6 +245,27 @@ def _app(args) -> int:
     return subprocess.call(command, env=env)
 
 
+def _serve(args) -> int:
+    """Start the OpenAI-compatible server (ragblend.server) over one engine."""
+    try:
+        from ragblend.server import serve
+    except ImportError as err:
+        print(f"ragblend: error: the server needs FastAPI and uvicorn ({err.name} is missing): "
+              "pip install 'ragblend[serve]'", file=sys.stderr)
+        return 2
+    from ragblend import BlendEngine
+
+    kv_dir = False if args.kv_dir == "none" else args.kv_dir
+    print(f"Loading the model{'' if args.model is None else ' ' + args.model}...", file=sys.stderr, flush=True)
+    engine = BlendEngine.from_pretrained(args.model, kv_dir=kv_dir)
+    print(f"Serving {args.model_name or engine.name} on http://{args.host}:{args.port}/v1 "
+          f"(key {'required' if args.api_key else 'not required'}); Ctrl+C stops it.", file=sys.stderr, flush=True)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key or None, queue_size=args.queue_size,
+          request_timeout_s=args.timeout, max_body_bytes=int(args.max_body_mb * (1 << 20)),
+          model_name=args.model_name)
+    return 0
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     try:
@@ -303,6 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--port", type=int, default=8501)
     add_index(app, default="<user cache>/ragblend/app-index")
     app.set_defaults(func=_app)
+
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
+    serve.add_argument("--kv-dir", default=None, help="KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)")
+    serve.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY") or None,
+                       help="require Authorization: Bearer KEY on every endpoint but /health (default: $RAGBLEND_API_KEY)")
+    serve.add_argument("--queue-size", type=positive_int, default=16, help="requests that may wait; more get 429")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run (then 504)")
+    serve.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (then 413)")
+    serve.set_defaults(func=_serve)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
     cache.add_argument("action", choices=["stats", "clear", "verify"],

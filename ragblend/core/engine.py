@@ -64,7 +64,8 @@ class Stats:
 
     ttft_s: float = 0.0            # from the call to the first token's logits
     prompt_tokens: int = 0
-    reused_tokens: int = 0         # prompt tokens whose KV came from the store
+    reused_tokens: int = 0         # prompt tokens whose KV came from the store (and was kept)
+    cache_hit_tokens: int = 0      # prompt tokens found in the store: the reused ones plus those the fusion recomputed
     recomputed_tokens: int = 0     # prompt tokens computed through every layer
     compute_fraction: float = 0.0  # token-layers computed, as a share of a full prefill's
     load_s: float = 0.0            # reading cached KV (in the background when pipelined)
@@ -373,6 +374,12 @@ class BlendEngine:
         layout = self.build_prompt([prompt], system=system, history=history)
         return PromptLayout(layout.token_ids, self.chunks.find(layout.token_ids))
 
+    def find_chunks_in_ids(self, token_ids: Sequence[int]) -> PromptLayout:
+        """Mark the known chunks inside raw prompt token ids (no chat template is added),
+        e.g. a text-completion prompt tokenized by the caller."""
+        self._index_store()
+        return PromptLayout(list(token_ids), self.chunks.find(token_ids))
+
     def _compute_entry(self, token_ids: list[int]) -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
         with self._lock:
@@ -469,6 +476,7 @@ class BlendEngine:
         stats.recomputed_tokens = recomputed
         stats.compute_fraction = fused.token_layers / (n * self.adapter.shape.num_layers)
         stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
+        stats.cache_hit_tokens = int(from_store.sum())
         stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = self.store.faults - faults_before

@@ -5,6 +5,7 @@ only, which both LlamaIndex and LangChain build on)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import Any, Literal, Optional, Sequence
 
@@ -13,6 +14,7 @@ from pydantic import BaseModel, Field
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
+from ragblend.core.remote import Backend, RemoteEngine
 
 # Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
@@ -29,6 +31,9 @@ class EngineFields(BaseModel):
     temperature: float = Field(default=0.0, description="0 = greedy decoding.")
     top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
     seed: Optional[int] = Field(default=None, description="Seed for sampling.")
+    base_url: Optional[str] = Field(default=None, description="A server to answer instead of a local model: `ragblend serve` or vLLM + LMCache (http://host:port).")
+    api_key: Optional[str] = Field(default=None, description="Bearer key for base_url (None = $RAGBLEND_API_KEY, if set).", repr=False)
+    backend: Backend = Field(default="ragblend", description="What base_url runs: 'ragblend' (ragblend serve) or 'vllm-lmcache' (vLLM with LMCache blending).")
 
     def check_strategy(self) -> None:
         """Fail on a bad strategy or ratio at construction, before any model loads."""
@@ -67,11 +72,15 @@ def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int =
     return strategy_from_name(name, ratio, legolink_k)
 
 
-def lazy_engine(owner) -> BlendEngine:
-    """``owner``'s engine, loaded on first use from its ``model_path`` and ``kv_dir``
-    (``owner`` has ``_engine`` and ``_lock`` private attributes)."""
+def lazy_engine(owner) -> BlendEngine | RemoteEngine:
+    """``owner``'s engine, made on first use: a :class:`RemoteEngine` for its ``base_url``,
+    else a local model from its ``model_path`` and ``kv_dir`` (``owner`` has ``_engine``
+    and ``_lock`` private attributes)."""
     with owner._lock:
-        if owner._engine is None:
+        if owner._engine is None and owner.base_url:
+            owner._engine = RemoteEngine(owner.base_url, api_key=owner.api_key or os.environ.get("RAGBLEND_API_KEY"),
+                                         backend=owner.backend)
+        elif owner._engine is None:
             owner._engine = BlendEngine.from_pretrained(owner.model_path, kv_dir=owner.kv_dir)
     return owner._engine
 

@@ -1,0 +1,188 @@
+"""Load test of ``ragblend serve`` over loopback: concurrent RAG clients, then a small queue.
+
+Starts ``ragblend serve`` (a subprocess, the embedded model, a fresh KV folder), precomputes
+the benchmark's 6 chunks through ``POST /v1/chunks``, then runs ``--clients`` threads that each
+send ``--requests`` streaming chat requests: 3 of the chunks in a random order, marked with
+``cache_control``, and a question. Reported: TTFT measured by the client (request sent to first
+content delta) at p50/p95, whole-answer latency, throughput, cached-token share, and requests
+lost (anything but a complete 200 answer). A second server with ``--queue-size 2`` then takes a
+burst of ``--clients`` × 3 requests and shows the 429 behaviour: how many were refused, that
+each refusal carried ``Retry-After``, and that every accepted request was answered.
+
+    python -m benchmarks.serve                    # 8 clients x 10 requests; a few minutes on 2 cores
+    python -m benchmarks.serve --clients 4 --requests 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+from ragblend.data import load_sample
+
+from .run import command_line, write_report
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``ragblend serve`` in a subprocess on 127.0.0.1."""
+
+    def __init__(self, kv_dir: str, *extra: str):
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = self.url.rsplit(":", 1)[1]
+        self.process = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "serve", "--port", port,
+                                         "--kv-dir", kv_dir, *extra], stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit("ragblend serve did not start")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+def rag_request(chunks: list[str], question: str, rng: random.Random, max_tokens: int) -> dict:
+    content = []
+    for chunk in rng.sample(chunks, 3):
+        content += [{"type": "text", "text": chunk, "cache_control": {"type": "ephemeral"}},
+                    {"type": "text", "text": "\n\n"}]
+    content.append({"type": "text", "text": question})
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+def one_request(url: str, body: dict) -> dict:
+    """Send one streaming request; what the client saw."""
+    started, first, tokens, usage = time.perf_counter(), None, 0, None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+            if response.status_code != 200:
+                response.read()
+                return {"status": response.status_code, "retry_after": response.headers.get("retry-after")}
+            done = False
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[6:])
+                for choice in event.get("choices") or ():
+                    if choice.get("delta", {}).get("content"):
+                        first = first or time.perf_counter()
+                        tokens += 1
+                usage = event.get("usage") or usage
+    except httpx.HTTPError as err:
+        return {"status": type(err).__name__}
+    end = time.perf_counter()
+    return {"status": 200 if done and usage else "incomplete", "ttft": (first or end) - started,
+            "latency": end - started, "deltas": tokens, "usage": usage}
+
+
+def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[dict], float]:
+    results, lock = [], threading.Lock()
+
+    def client(index: int) -> None:
+        rng = random.Random(index)
+        for _ in range(requests):
+            outcome = one_request(url, make_body(rng))
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - started
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=10, help="per client")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args(argv)
+    sample = load_sample()
+    chunks, question = sample["chunks"], sample["question"]
+    started = time.perf_counter()
+    lines = []
+    with tempfile.TemporaryDirectory() as kv_dir:
+        server = Server(kv_dir)
+        try:
+            refs = httpx.post(f"{server.url}/v1/chunks", json={"texts": chunks}, timeout=600).json()["data"]
+            chunk_tokens = {c: r["tokens"] for c, r in zip(chunks, refs)}
+            one_request(server.url, rag_request(chunks, question, random.Random(-1), 2))   # warm-up
+            results, seconds = run_clients(server.url, args.clients, args.requests,
+                                           lambda rng: rag_request(chunks, question, rng, args.max_tokens))
+        finally:
+            server.stop()
+        answered = [r for r in results if r["status"] == 200]
+        lost = len(results) - len(answered)
+        ttfts = [r["ttft"] for r in answered]
+        latencies = [r["latency"] for r in answered]
+        generated = sum(r["usage"]["completion_tokens"] for r in answered)
+        cached = statistics.mean(r["usage"]["prompt_tokens_details"]["cached_tokens"] / (3 * statistics.mean(
+            chunk_tokens.values())) for r in answered) if answered else 0.0
+        lines += [f"{args.clients} concurrent clients x {args.requests} streaming requests over loopback, one "
+                  f"`ragblend serve` (embedded SmolLM2, default strategy, queue 16); each request: 3 of the 6 "
+                  f"benchmark chunks (~{int(3 * statistics.mean(chunk_tokens.values()))} tokens) in a random order "
+                  f"+ question, {args.max_tokens} answer tokens at most.", "",
+                  "| requests | answered | lost | TTFT p50 (s) | TTFT p95 (s) | latency p50 (s) | latency p95 (s) | "
+                  "requests/s | answer tokens/s | cached / chunk tokens |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {len(results)} | {len(answered)} | {lost} | {percentile(ttfts, 0.5):.2f} | "
+                  f"{percentile(ttfts, 0.95):.2f} | {percentile(latencies, 0.5):.2f} | {percentile(latencies, 0.95):.2f} | "
+                  f"{len(answered) / seconds:.2f} | {generated / seconds:.1f} | {cached:.0%} |", ""]
+
+        burst = Server(kv_dir, "--queue-size", "2")
+        try:
+            results, seconds = run_clients(burst.url, args.clients, 3,
+                                           lambda rng: rag_request(chunks, question, rng, args.max_tokens))
+        finally:
+            burst.stop()
+        refused = [r for r in results if r["status"] == 429]
+        answered = [r for r in results if r["status"] == 200]
+        other = len(results) - len(refused) - len(answered)
+        lines += [f"Burst against a server started with `--queue-size 2`: {args.clients} clients x 3 requests at once.",
+                  "", "| requests | answered | refused with 429 | 429s with Retry-After | other outcomes |",
+                  "|---:|---:|---:|---:|---:|",
+                  f"| {len(results)} | {len(answered)} | {len(refused)} | "
+                  f"{sum(1 for r in refused if r.get('retry_after'))} | {other} |"]
+    print("\n".join(lines))
+    write_report(args.out, "serve-run.md", "Serving under load", command_line("benchmarks.serve", argv),
+                 time.perf_counter() - started, lines)
+
+
+if __name__ == "__main__":
+    main()
