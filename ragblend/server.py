@@ -518,7 +518,9 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         skip = bool(body.get("skip_unusable", False))
         refs = await run_job(lambda job: engine.precompute(texts, skip_unusable=skip))
         metrics.request("/v1/chunks", 200)
-        return {"object": "list", "data": [{"key": r.key, "tokens": r.num_tokens, "stored": r.stored} for r in refs]}
+        # With skip_unusable, a chunk too short to be found or too long for the window has no KV.
+        return {"object": "list", "data": [{"key": None, "tokens": 0, "stored": False} if r is None else
+                                           {"key": r.key, "tokens": r.num_tokens, "stored": r.stored} for r in refs]}
 
     @app.post("/tokenize")
     @endpoint("/tokenize")

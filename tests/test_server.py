@@ -349,3 +349,37 @@ def test_against_a_real_vllm_lmcache_server(bench_prompt):
     answer = remote.generate(remote.build_prompt([Chunk(t) for t in texts] + [QUESTION]), max_new_tokens=16,
                              temperature=0)
     assert answer.text.strip() and answer.stats.prompt_tokens > sum(r.num_tokens for r in refs)
+
+
+def test_langchain_ingestion_warms_the_server(server, bench_prompt, smol_engine):
+    from langchain_core.documents import Document
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from ragblend.core.remote import RemoteEngine
+    from ragblend.vectorstore_hooks.langchain import KVPrecomputeVectorStore
+
+    store = KVPrecomputeVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), RemoteEngine(server.url))
+    text = bench_prompt[0][5][:800]
+    store.add_documents([Document(page_content=text), Document(page_content="Too short.")])
+    stored = {d["text"]: d["metadata"].get("ragblend_kv_key") for d in store.inner.store.values()}
+    assert stored[text] == smol_engine.key_of(text) and stored["Too short."] is None   # under 16 tokens: no KV
+    assert smol_engine.key_of(text) in smol_engine.store
+
+
+def test_timeouts_and_the_window_cap(smol_engine):
+    from ragblend.server import sampling
+
+    assert sampling({"max_tokens": 10**6}, smol_engine, 8000).max_new_tokens == smol_engine.context_window - 8000
+    assert sampling({}, smol_engine, 100).max_new_tokens == smol_engine.context_window - 100
+    slow = RunningServer(smol_engine, request_timeout_s=0.5)
+    try:
+        response = httpx.post(f"{slow.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 300})
+        assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{slow.url}/health").json()["queue_depth"]:   # the timed-out generation stops too
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        slow.stop()

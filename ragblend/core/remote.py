@@ -187,21 +187,22 @@ class RemoteEngine:
     # ------------------------------------------------------------------ chunks
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
-                   skip_unusable: bool = False) -> list[ChunkRef]:
-        """Warm the server's KV for each text; returns what the server stored."""
+                   skip_unusable: bool = False) -> list[ChunkRef | None]:
+        """Warm the server's KV for each text; returns what the server stored (None for a
+        chunk skipped with ``skip_unusable``, as :meth:`BlendEngine.precompute` does)."""
         if isinstance(texts, str):
             texts = [texts]
         texts = [check_text(t, "chunk") for t in texts]
         if self.backend == "ragblend":
             refs = self._request("POST", "/v1/chunks", {"model": self.name, "texts": texts,
                                                           "skip_unusable": skip_unusable})["data"]
-            return [ChunkRef(r.get("key") or "", int(r.get("tokens", r.get("num_tokens", 0))),
-                             bool(r.get("stored", bool(r.get("key"))))) for r in refs]
+            return [None if not r.get("key") else ChunkRef(r["key"], int(r["tokens"]), bool(r["stored"]))
+                    for r in refs]
         refs = []
         for text in texts:
             ids = self.tokenize(text)
-            if skip_unusable and len(ids) < self.min_chunk_tokens:
-                refs.append(ChunkRef("", len(ids), stored=False))
+            if skip_unusable and not self.min_chunk_tokens <= len(ids) <= self.context_window:
+                refs.append(None)
                 continue
             self._request("POST", "/v1/completions", {"model": self.name, "prompt": ids, "max_tokens": 1,
                                                        "temperature": 0})
