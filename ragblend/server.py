@@ -39,6 +39,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
@@ -339,6 +340,10 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         headers = {"Retry-After": "1"} if err.status == 429 else {}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
+        return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         path = request.url.path
@@ -370,11 +375,16 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                            param="model", code="model_not_found")
         return data
 
-    async def run_job(run: Callable[[Job], Any], on_item: Callable[[Any], Any] | None = None):
-        """Queue ``run`` for the worker; pass each item it emits to ``on_item``; return its result."""
+    def start_job(run: Callable[[Job], Any]) -> tuple[Job, asyncio.Queue]:
+        """Queue ``run`` for the worker (a full queue raises 429 here, before any response starts)."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         job = Job(run, lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         worker.submit(job)
+        return job, events
+
+    async def finish_job(job: Job, events: asyncio.Queue, on_item: Callable[[Any], Any] | None = None):
+        """Pass each item the job emits to ``on_item``; return its result."""
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + request_timeout_s
         try:
             while True:
@@ -391,6 +401,9 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                     return value
         finally:
             job.cancelled.set()   # a client gone, a timeout or an error stops the generation
+
+    async def run_job(run: Callable[[Job], Any], on_item: Callable[[Any], Any] | None = None):
+        return await finish_job(*start_job(run), on_item)
 
     def generation(layout: PromptLayout, strategy, params: SamplingParams):
         """The worker's side of one answer: emits ("item", delta) and returns the stats."""
@@ -435,6 +448,7 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                                  "usage": usage(stats), "ragblend": dict(stats.__dict__)})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        job, job_events = start_job(run)
         chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
         def event(data: dict) -> bytes:
@@ -448,7 +462,7 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
 
             async def produce():
                 try:
-                    stats = await run_job(run, send)
+                    stats = await finish_job(job, job_events, send)
                     await out.put(event({"choices": [choice(None if chat else "", stats.finish_reason, True)],
                                          "ragblend": dict(stats.__dict__)}))
                     if include_usage:
@@ -468,7 +482,8 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                 while (item := await out.get()) is not None:
                     yield item
             finally:
-                task.cancel()   # the client went away: run_job's cleanup cancels the job
+                task.cancel()        # the client went away: finish_job's cleanup cancels the job
+                job.cancelled.set()  # (also when the stream ends before produce() ever ran)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -248,6 +248,11 @@ def test_separator_prompt_with_an_empty_segment(server, smol_engine):
     assert response.status_code == 400 and "empty segment" in response.json()["error"]["message"]
 
 
+def test_an_unknown_path_gets_an_openai_error(server):
+    response = httpx.get(f"{server.url}/v1/engines")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
 def test_a_ten_megabyte_body_is_refused(server):
     response = post(server, "/v1/chat/completions", raw=b'{"messages": "' + b"x" * (10 << 20) + b'"}')
     assert response.status_code == 413 and response.json()["error"]["message"]
@@ -276,21 +281,25 @@ def test_a_full_queue_answers_429_and_loses_nothing(smol_engine):
     body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24, "temperature": 0}
     results = []
 
-    def call():
-        results.append(httpx.post(f"{busy.url}/v1/chat/completions", json=body, timeout=120))
+    def call(stream: bool):
+        with httpx.stream("POST", f"{busy.url}/v1/chat/completions", json={**body, "stream": stream},
+                          timeout=120) as response:
+            response.read()
+            results.append(response)
 
     try:
-        threads = [threading.Thread(target=call) for _ in range(4)]
+        threads = [threading.Thread(target=call, args=(i % 2 == 1,)) for i in range(6)]
         for t in threads:
             t.start()
             time.sleep(0.05)
         for t in threads:
             t.join(timeout=120)
         statuses = sorted(r.status_code for r in results)
-        assert len(results) == 4 and set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
-        refused = next(r for r in results if r.status_code == 429)
-        assert refused.headers["retry-after"] and refused.json()["error"]["type"] == "rate_limit_error"
-        assert all(r.json()["choices"][0]["message"]["content"] for r in results if r.status_code == 200)
+        assert len(results) == 6 and set(statuses) <= {200, 429} and 429 in statuses and 200 in statuses
+        for refused in (r for r in results if r.status_code == 429):   # streaming or not: a real 429
+            assert refused.headers["retry-after"] and refused.json()["error"]["type"] == "rate_limit_error"
+        for answered in (r for r in results if r.status_code == 200):   # and every accepted one answered
+            assert '"content"' in answered.text and ("data: [DONE]" in answered.text or answered.json()["choices"])
     finally:
         busy.stop()
 
