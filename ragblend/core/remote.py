@@ -34,7 +34,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
-from .engine import Stats
+from .engine import Stats, TextStream
 from .errors import InvalidInputError, PromptTooLongError, RagblendError
 from .generate import SamplingParams
 from .kv import ChunkRef
@@ -67,22 +67,6 @@ class RemoteGeneration:
     text: str
     finish_reason: str | None
     stats: Stats
-
-
-class RemoteStream:
-    """Text deltas of one :meth:`RemoteEngine.stream` call; ``stats`` complete at the end."""
-
-    def __init__(self, deltas: Iterator[str], stats):
-        self._deltas, self.stats = deltas, stats
-
-    def __iter__(self) -> "RemoteStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._deltas)
-
-    def close(self) -> None:
-        self._deltas.close()
 
 
 class RemoteEngine:
@@ -239,16 +223,16 @@ class RemoteEngine:
 
     def stream(self, prompt: RemotePrompt | Sequence, *, system: str | None = None, strategy=None,
                params: SamplingParams | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> RemoteStream:
+               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> TextStream:
         """Stream the answer's text from the server; ``stats`` complete once exhausted."""
         if not isinstance(prompt, RemotePrompt):
             prompt = self.build_prompt(prompt, system=system)
         params = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                           seed=seed, stop=tuple(stop or ()))
-        stats = Stats()
-        stream = RemoteStream(iter(()), stats)
+        stream = TextStream()
+        stream.stats = Stats()
         path, body = self._request_body(prompt, strategy, params)
-        stream._deltas = self._deltas(path, body, stats)
+        stream._deltas = self._deltas(path, body, stream.stats)
         return stream
 
     def generate(self, prompt: RemotePrompt | Sequence, **options) -> RemoteGeneration:
