@@ -1,8 +1,8 @@
 """Load test of ``ragblend serve`` over loopback: concurrent RAG clients, then a small queue.
 
 Starts ``ragblend serve`` (a subprocess, the embedded model, a fresh KV folder), precomputes
-the benchmark's 6 chunks through ``POST /v1/chunks``, then runs ``--clients`` threads that each
-send ``--requests`` streaming chat requests: 3 of the chunks in a random order, marked with
+the benchmark's 6 chunks through ``POST /v1/chunks``, then runs one client alone (5 requests,
+the baseline) and ``--clients`` threads that each send ``--requests`` streaming chat requests: 3 of the chunks in a random order, marked with
 ``cache_control``, and a question. Reported: TTFT measured by the client (request sent to first
 content delta) at p50/p95, whole-answer latency, throughput, cached-token share, and requests
 lost (anything but a complete 200 answer). A second server with ``--queue-size 2`` then takes a
@@ -76,7 +76,7 @@ def rag_request(chunks: list[str], question: str, rng: random.Random, max_tokens
 
 def one_request(url: str, body: dict) -> dict:
     """Send one streaming request; what the client saw."""
-    started, first, tokens, usage = time.perf_counter(), None, 0, None
+    started, first, tokens, usage, engine_stats = time.perf_counter(), None, 0, None, {}
     try:
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
             if response.status_code != 200:
@@ -95,11 +95,12 @@ def one_request(url: str, body: dict) -> dict:
                         first = first or time.perf_counter()
                         tokens += 1
                 usage = event.get("usage") or usage
+                engine_stats = event.get("ragblend") or engine_stats
     except httpx.HTTPError as err:
         return {"status": type(err).__name__}
     end = time.perf_counter()
     return {"status": 200 if done and usage else "incomplete", "ttft": (first or end) - started,
-            "latency": end - started, "deltas": tokens, "usage": usage}
+            "latency": end - started, "deltas": tokens, "usage": usage, "engine_ttft": engine_stats.get("ttft_s")}
 
 
 def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[dict], float]:
@@ -143,27 +144,33 @@ def main(argv=None) -> None:
             refs = httpx.post(f"{server.url}/v1/chunks", json={"texts": chunks}, timeout=600).json()["data"]
             chunk_tokens = {c: r["tokens"] for c, r in zip(chunks, refs)}
             one_request(server.url, rag_request(chunks, question, random.Random(-1), 2))   # warm-up
-            results, seconds = run_clients(server.url, args.clients, args.requests,
-                                           lambda rng: rag_request(chunks, question, rng, args.max_tokens))
+            runs = [(1, 5), (args.clients, args.requests)]
+            measured = [(clients, requests, *run_clients(
+                server.url, clients, requests, lambda rng: rag_request(chunks, question, rng, args.max_tokens)))
+                for clients, requests in runs]
         finally:
             server.stop()
-        answered = [r for r in results if r["status"] == 200]
-        lost = len(results) - len(answered)
-        ttfts = [r["ttft"] for r in answered]
-        latencies = [r["latency"] for r in answered]
-        generated = sum(r["usage"]["completion_tokens"] for r in answered)
-        cached = statistics.mean(r["usage"]["prompt_tokens_details"]["cached_tokens"] / (3 * statistics.mean(
-            chunk_tokens.values())) for r in answered) if answered else 0.0
-        lines += [f"{args.clients} concurrent clients x {args.requests} streaming requests over loopback, one "
-                  f"`ragblend serve` (embedded SmolLM2, default strategy, queue 16); each request: 3 of the 6 "
-                  f"benchmark chunks (~{int(3 * statistics.mean(chunk_tokens.values()))} tokens) in a random order "
-                  f"+ question, {args.max_tokens} answer tokens at most.", "",
-                  "| requests | answered | lost | TTFT p50 (s) | TTFT p95 (s) | latency p50 (s) | latency p95 (s) | "
-                  "requests/s | answer tokens/s | cached / chunk tokens |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-                  f"| {len(results)} | {len(answered)} | {lost} | {percentile(ttfts, 0.5):.2f} | "
-                  f"{percentile(ttfts, 0.95):.2f} | {percentile(latencies, 0.5):.2f} | {percentile(latencies, 0.95):.2f} | "
-                  f"{len(answered) / seconds:.2f} | {generated / seconds:.1f} | {cached:.0%} |", ""]
+        lines += [f"Streaming requests over loopback to one `ragblend serve` (embedded SmolLM2, default strategy, "
+                  f"queue 16); each request: 3 of the 6 benchmark chunks (~{int(3 * statistics.mean(chunk_tokens.values()))} "
+                  f"tokens) in a random order + question, {args.max_tokens} answer tokens at most. Client TTFT is "
+                  "from sending the request to the first content delta (time queued behind other clients "
+                  "included); engine TTFT is the server's own prefill time (`ragblend.ttft_s`).", "",
+                  "| clients x requests | answered | lost | client TTFT p50 / p95 (s) | engine TTFT p50 (s) | "
+                  "latency p50 / p95 (s) | requests/s | answer tokens/s | cached / chunk tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for clients, requests, results, seconds in measured:
+            answered = [r for r in results if r["status"] == 200]
+            ttfts = [r["ttft"] for r in answered]
+            latencies = [r["latency"] for r in answered]
+            generated = sum(r["usage"]["completion_tokens"] for r in answered)
+            cached = statistics.mean(r["usage"]["prompt_tokens_details"]["cached_tokens"] / (3 * statistics.mean(
+                chunk_tokens.values())) for r in answered) if answered else 0.0
+            lines.append(f"| {clients} x {requests} | {len(answered)} | {len(results) - len(answered)} | "
+                         f"{percentile(ttfts, 0.5):.2f} / {percentile(ttfts, 0.95):.2f} | "
+                         f"{statistics.median(r['engine_ttft'] for r in answered):.2f} | "
+                         f"{percentile(latencies, 0.5):.2f} / {percentile(latencies, 0.95):.2f} | "
+                         f"{len(answered) / seconds:.2f} | {generated / seconds:.1f} | {cached:.0%} |")
+        lines.append("")
 
         burst = Server(kv_dir, "--queue-size", "2")
         try:
