@@ -281,7 +281,7 @@ def test_opening_a_store_reclaims_files_no_row_names(tmp_path):
     store.close()
     folder = tmp_path / "kv"
     old, young = folder / "ab/cd" / ("e" * 28 + ".val"), folder / "ab/cd" / ("f" * 28 + ".val")
-    old.parent.mkdir(parents=True)
+    old.parent.mkdir(parents=True, exist_ok=True)   # the real entry's random folders may include it
     old.write_bytes(b"half of an entry")
     young.write_bytes(b"another process's write in progress")
     os.utime(old, (time.time() - 3600,) * 2)
@@ -289,8 +289,9 @@ def test_opening_a_store_reclaims_files_no_row_names(tmp_path):
     outside.mkdir()
     (outside / ("0" * 28 + ".val")).write_bytes(b"not the store's")
     os.utime(outside / ("0" * 28 + ".val"), (time.time() - 3600,) * 2)
-    (folder / "12").mkdir()
-    (folder / "12" / "34").symlink_to(outside)      # a symlinked sub-folder is never followed
+    top = folder / next(f"{i:02x}" for i in range(256) if not (folder / f"{i:02x}").exists())
+    top.mkdir()
+    (top / "34").symlink_to(outside)      # a symlinked sub-folder is never followed
     (folder / "notes.txt").write_text("the user's")
     store = DiskStore(folder, SPEC)
     assert store.reclaimed == 1 and not old.exists() and young.exists()
