@@ -29,8 +29,12 @@ PARAGRAPHS_PER_SAMPLE = 6
 
 
 def _squad_dev() -> dict:
+    return bigbench_squad_files([MEMBER])[0]
+
+
+def bigbench_squad_files(members: list[str]) -> list[dict]:
     """Download the bigbench 1.0.0 sdist from PyPI (a file, never installed: recent pips
-    refuse to even prepare it) and read SQuAD v1.1 dev out of it."""
+    refuse to even prepare it) and read these SQuAD-format JSON members out of it."""
     import shutil
     import urllib.parse
     import urllib.request
@@ -47,7 +51,7 @@ def _squad_dev() -> dict:
         with urllib.request.urlopen(url, timeout=600) as response, open(archive, "wb") as out:
             shutil.copyfileobj(response, out, 1 << 22)
         with tarfile.open(archive) as tar:
-            return json.load(tar.extractfile(MEMBER))
+            return [json.load(tar.extractfile(member)) for member in members]
 
 
 def rag_samples(limit: int = 200, seed: int = 0, per_article: int = 4) -> list[dict]:

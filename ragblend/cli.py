@@ -56,6 +56,8 @@ def _print_ingest_report(report, rag) -> None:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     print(f"Ingested {len(report.files)} file(s) as {report.nodes} new or changed chunk(s); "
           f"the index at {rag.path} holds {len(rag)} chunk(s).")
+    if report.unchanged:
+        print(f"{report.unchanged} file(s) were already in the index unchanged and were skipped.")
     if report.without_kv:
         print(f"{report.without_kv} chunk(s) got no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
               "(too short to find in a prompt) or longer than the model's window. They are read as plain text.")

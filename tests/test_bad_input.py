@@ -135,7 +135,7 @@ def test_full_reuse_without_any_stored_chunk_is_a_full_prefill(engine):
 
 def test_bad_kv_dtype(tokenizer):
     with pytest.raises(InvalidInputError, match="kv_dtype"):
-        make_tiny_engine("llama", tokenizer, kv_dtype="int8")
+        make_tiny_engine("llama", tokenizer, kv_dtype="int4")
 
 
 LONE_SURROGATE = "caf\udce9"  # what a non-UTF-8 byte becomes under surrogateescape

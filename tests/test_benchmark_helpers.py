@@ -91,3 +91,23 @@ def test_a_replaced_score_drives_the_selection(tokenizer):
     assert not torch.equal(forced, own)
     # The engine's own score is untouched.
     assert torch.equal(engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused], own)
+
+
+def test_peers_decode_the_same_number_of_tokens_and_skip_what_is_missing(tokenizer, monkeypatch):
+    import sys
+
+    from benchmarks.peers import HFPeer, RagblendPeer, make_peers
+
+    engine = make_tiny_engine("llama", tokenizer)
+    question = "Who ran the ferry?"
+    layout = engine.build_prompt([Chunk(p) for p in PASSAGES[:2]] + [question])
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)      # as if it were not installed
+    peers, notes = make_peers("smollm2", engine, PASSAGES[:2], layout.chunk_spans[0].start, 5, 1024)
+    assert "llama-cpp-python" not in peers and notes["llama-cpp-python"].startswith("skipped")
+    for name, peer in peers.items():
+        ttft, total = peer.answer([Chunk(p) for p in PASSAGES[:2]] + [question] if isinstance(peer, RagblendPeer)
+                                  else layout.token_ids)
+        assert 0 < ttft <= total, name
+    assert engine.last_stats.generated_tokens == 5 and engine.last_stats.chunks_reused == 2
+    prefixed = peers["transformers, cached system prefix"]
+    assert isinstance(prefixed, HFPeer) and prefixed.prefix_cache.get_seq_length() == layout.chunk_spans[0].start

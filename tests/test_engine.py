@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
-from ragblend.core.fusion import isolated_kv
+from ragblend.core.fusion import isolated_kv, packed_isolated_kv
 from ragblend.core.generate import KVDecoder
 from ragblend.core.kv import ChunkKV
 
@@ -217,6 +217,31 @@ def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engi
     assert again == refs
     other = make_tiny_engine("qwen3" if tiny_engine.adapter.arch != "qwen3" else "llama", tokenizer)
     assert other.precompute(PASSAGES[:1])[0].key != refs[0].key
+
+
+def test_packed_precompute_gives_each_chunk_its_isolated_kv(tiny_engine):
+    engine = tiny_engine
+    chunks = [engine.prompts.tokenize(p) for p in PASSAGES] + [[5], engine.prompts.tokenize(PASSAGES[0])]
+    for (keys, values), ids in zip(packed_isolated_kv(engine.adapter, engine.sink_ids, chunks), chunks):
+        alone_k, alone_v = isolated_kv(engine.adapter, engine.sink_ids, ids)
+        assert keys.shape == alone_k.shape
+        assert (keys - alone_k).abs().max() < 1e-5 and (values - alone_v).abs().max() < 1e-5
+
+
+def test_precompute_packs_chunks_keeps_order_and_skips_what_cannot_be_stored(tiny_engine):
+    engine = tiny_engine
+    engine.kv_dtype = torch.float32
+    too_long = "word " * (engine.context_window + 10)
+    texts = [PASSAGES[0], too_long, PASSAGES[1], "hi", PASSAGES[0], PASSAGES[2]]
+    refs = engine.precompute(texts, skip_unusable=True, progress=True)
+    assert refs[1] is None and refs[3] is None                  # over the window, too short: skipped
+    assert refs[4] == refs[0] and len({r.key for r in refs if r}) == 3
+    for ref, text in zip(refs, texts):
+        if ref is not None:
+            ids = engine.prompts.tokenize(text)
+            assert ref.num_tokens == len(ids) and ref.stored
+            stored, (alone_k, _) = engine.store.get(ref.key), isolated_kv(engine.adapter, engine.sink_ids, ids)
+            assert stored.token_ids == ids and (stored.keys - alone_k).abs().max() < 1e-5
 
 
 def test_chunk_finder_finds_whole_and_partial_chunks():

@@ -2,6 +2,7 @@
 ingestion hook, and a stuff-documents RAG chain on a real Chroma store."""
 
 import pytest
+import torch
 
 pytest.importorskip("langchain_core")
 langchain_tests = pytest.importorskip("langchain_tests")
@@ -268,6 +269,19 @@ def test_constructing_the_model_loads_nothing():
     assert params["ls_provider"] == "ragblend" and params["ls_max_tokens"] == 8 and params["ls_stop"] == ["\n"]
     with pytest.raises(ValueError, match="strategy"):
         BlendChatModel(strategy="nope")
+
+
+def test_storage_and_decoding_dtypes_reach_the_engine(tokenizer, tmp_path):
+    from .conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    chat = BlendChatModel(model_path=str(tmp_path / "model"), kv_dir=str(tmp_path / "kv"), kv_dtype="int8",
+                          decode_dtype="float16", max_tokens=2)
+    assert chat.invoke("Hi").content is not None
+    assert chat._engine.kv_dtype == torch.int8 and chat._engine.decode_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        BlendChatModel(kv_dtype="int4")
 
 
 @pytest.mark.slow

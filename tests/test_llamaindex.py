@@ -181,6 +181,33 @@ def test_deleting_a_document_drops_its_kv(smol_engine, tmp_path):
     assert keys["b.md"] not in smol_engine.store and nodes[0].metadata[KV_KEY] in smol_engine.store
 
 
+def test_an_interrupted_ingest_resumes_where_it_stopped(smol_engine, tmp_path, monkeypatch):
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(5):
+        (docs / f"{i}.md").write_text(f"Ferry number {i} leaves the north pier at {i + 6} o'clock each morning "
+                                      f"and returns from the island before the evening tide turns.\n")
+    documents, _ = read_text_files([docs])
+    embed = type(rag.embed_model)._get_text_embeddings
+    calls = []
+
+    def interrupted(self, texts):       # Ctrl-C while the second batch is being embedded
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return embed(self, texts)
+
+    monkeypatch.setattr(type(rag.embed_model), "_get_text_embeddings", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        rag.ingest_documents(documents, show_progress=False, batch_size=2)
+    assert len(rag) == 2                 # the first batch reached Chroma
+    monkeypatch.setattr(type(rag.embed_model), "_get_text_embeddings", embed)
+    report = rag.ingest_documents(documents, show_progress=False, batch_size=2)
+    assert report.unchanged == 2 and report.nodes == 3 and len(rag) == 5
+    assert sorted(n.metadata["file_name"] for n in rag.vector_store.get_nodes()) == [f"{i}.md" for i in range(5)]
+
+
 def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(smol_engine, tmp_path):
     rag = LocalIndex(tmp_path / "index", engine=smol_engine)
     docs = tmp_path / "docs"

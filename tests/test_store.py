@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk, FullReuse
-from ragblend.core.kv import ChunkKV
+from ragblend.core.kv import ChunkKV, quantize_int8
 from ragblend.core.store import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
 
 from .conftest import PASSAGES, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
@@ -32,6 +32,32 @@ def test_round_trip_per_dtype(tmp_path, dtype):
     reader.close()
     assert torch.equal(k, entry.keys[2]) and torch.equal(v, entry.values[2])
     assert store.verify(entry.key) is None
+
+
+def test_int8_entries_round_trip_with_their_scales(tmp_path):
+    exact = synthetic_entry(1, tokens=40, dtype=torch.float32)
+    exact.keys[:, :, :, 3] *= 20                       # an outlier channel, as K has
+    entry = quantize_int8(exact)
+    store = DiskStore(tmp_path, SPEC)
+    store.put(entry)
+    back = store.get(entry.key)                        # as stored: int8 values and their scales
+    assert back.keys.dtype == torch.int8 and torch.equal(back.keys, entry.keys)
+    assert torch.equal(back.key_scales, entry.key_scales) and torch.equal(back.value_scales, entry.value_scales)
+    reader = store.open(entry.key)
+    k, v = reader.layer(1)                             # dequantized, layer by layer
+    reader.close()
+    assert k.dtype == torch.float16 and torch.equal(k, entry.layer(1)[0]) and torch.equal(v, entry.layer(1)[1])
+    # Rounding to the nearest step: off by at most half a step (plus float16 rounding).
+    k_step = entry.key_scales[1].float()[:, None, :]
+    v_step = entry.value_scales[1].float()[:, :, None]
+    assert ((k.float() - exact.keys[1]).abs() <= 0.51 * k_step + 1e-3).all()
+    assert ((v.float() - exact.values[1]).abs() <= 0.51 * v_step + 1e-3).all()
+    # About half the bytes of float16: one byte a value, plus the scales.
+    half = synthetic_entry(1, tokens=40)
+    assert entry.nbytes < 0.6 * half.nbytes
+    assert store.verify(entry.key) is None
+    flip_byte(entry_path(store, entry.key), -3)        # a flipped bit in a scale is caught too
+    assert store.verify(entry.key) is not None
 
 
 def test_every_sound_header_parses_whatever_its_checksum_bytes():
@@ -101,6 +127,9 @@ KINDS = ["truncated", "bit flip in the last layer", "bit flip in the header", "f
 @pytest.mark.parametrize("kind", KINDS)
 def test_corrupt_entry_is_dropped_recomputed_and_answer_unchanged(disk_engine, kind):
     engine, store = disk_engine, disk_engine.store
+    # One chunk per pass, as a query's recompute does, so the recomputed entry is bit-identical
+    # (packed passes agree to ~1e-6, which can flip a float16 rounding).
+    engine.precompute_batch_tokens = 0
     refs = engine.precompute(PASSAGES[:3])
     clean = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
     clean_text = engine.generate(SEGMENTS, strategy=CacheBlend(0.3), max_new_tokens=8).text
@@ -292,6 +321,27 @@ def test_fp16_storage_halves_bytes_and_stays_close(tokenizer, tmp_path):
     l32 = e32.prefill(SEGMENTS, strategy=FullReuse()).logits
     l16 = e16.prefill(SEGMENTS, strategy=FullReuse()).logits
     assert (l32 - l16).abs().max() < 0.05
+
+
+def test_int8_storage_stays_close_and_never_meets_float16_entries(tokenizer, tmp_path):
+    e16 = make_tiny_engine("llama", tokenizer, kv_dtype="float16")
+    e8 = make_tiny_engine("llama", tokenizer, kv_dtype="int8")
+    e16.store, e8.store = DiskStore(tmp_path, e16.entry_spec), DiskStore(tmp_path, e8.entry_spec)
+    r16 = e16.precompute(PASSAGES[:3])
+    # An int8 engine on the same folder does not read the float16 entries (nor the reverse):
+    # the storage dtype is part of the key, so each computes and stores its own.
+    assert e8.prefill(SEGMENTS, strategy=FullReuse()).stats.chunks_reused == 0
+    e8.flush()
+    r8 = e8.precompute(PASSAGES[:3])
+    assert not {r.key for r in r8} & {r.key for r in r16}
+    assert all(e8.store.get(r.key).keys.dtype == torch.int8 for r in r8)
+    b16 = sum(e16.store.get(r.key).nbytes for r in r16)
+    assert sum(e8.store.get(r.key).nbytes for r in r8) < 0.6 * b16
+    l16 = e16.prefill(SEGMENTS, strategy=FullReuse())
+    l8 = e8.prefill(SEGMENTS, strategy=FullReuse())
+    assert l8.stats.chunks_reused == 3 and l16.stats.chunks_reused == 3
+    gap = (l16.logits - l8.logits).abs()
+    assert gap.max() < 0.25 and gap.mean() < 0.03 * l16.logits.std()
 
 
 # ---------------------------------------------------------------------------- controller

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .fusion import FullRecompute, fused_prefill
-from .kv import ChunkKV
+from .kv import ChunkKV, quantize_int8
 from .model import ModelAdapter, cache_dir
 from .store import DiskStore, EntrySpec, FileReader, MemoryReader
 
@@ -41,7 +41,7 @@ TIERS_BY_COST = ("disk", "memory")  # cheapest storage first
 class Measurements:
     device: str
     compute_s_per_token_layer: float
-    bytes_per_token_layer: int
+    bytes_per_token_layer: float
     read_bytes_per_s: dict[str, float]
 
 
@@ -128,13 +128,17 @@ class LoadingController:
         per_token_layer = best / (self.probe_tokens * shape.num_layers)
 
         tokens = 2048
-        kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim).to(self.kv_dtype)
+        kv = torch.randn(shape.num_layers, shape.num_kv_heads, tokens, shape.head_dim)
         # Token ids stay inside the vocabulary: the probe entry is read back through the
         # same header checks as any entry, which refuse ids a model could not have produced.
         token_ids = [i % self.spec.vocab_size for i in range(tokens)]
         entry = ChunkKV("0" * 64, token_ids, kv, kv.clone())
-        bytes_per_token_layer = 2 * shape.num_kv_heads * shape.head_dim * kv.element_size()
-        layer_bytes = bytes_per_token_layer * tokens
+        if self.kv_dtype == torch.int8:
+            entry = quantize_int8(entry)
+        else:
+            entry = ChunkKV(entry.key, token_ids, kv.to(self.kv_dtype), kv.to(self.kv_dtype))
+        layer_bytes = entry.nbytes / shape.num_layers
+        bytes_per_token_layer = layer_bytes / tokens
         return Measurements(
             device=str(adapter.device), compute_s_per_token_layer=per_token_layer,
             bytes_per_token_layer=bytes_per_token_layer,

@@ -36,9 +36,10 @@ from .fusion import (
     check_strategy,
     fused_prefill,
     isolated_kv,
+    packed_isolated_kv,
 )
 from .generate import Decoding, KVDecoder, SamplingParams
-from .kv import ChunkKV, ChunkRef, chunk_key
+from .kv import ChunkKV, ChunkRef, chunk_key, quantize_int8
 from .model import ModelAdapter, cache_dir, load_model, with_half_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
@@ -183,6 +184,10 @@ class BlendEngine:
         self._decode_adapter: ModelAdapter | None = None
         self.prefetch = prefetch
         self.write_back = write_back
+        # precompute() runs up to this many chunk tokens through the model in one pass (and
+        # holds the engine that long): large enough to fill the matmuls, short enough that a
+        # query waiting behind ingestion is not kept for long.
+        self.precompute_batch_tokens = 1024
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
@@ -293,19 +298,32 @@ class BlendEngine:
                 raise PromptTooLongError(
                     f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context window "
                     f"({self.context_window}) after the sink prefix. Split it into smaller chunks.")
-        refs = []
-        items = tokenized
-        if progress:
-            from tqdm.auto import tqdm
-            items = tqdm(items, total=len(texts), desc="Precomputing KV", unit="chunk")
-        for ids in items:
+        refs: list[ChunkRef | None] = [None] * len(tokenized)
+        todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), not stored yet
+        for i, ids in enumerate(tokenized):
             if ids is None:
-                refs.append(None)
                 continue
             key = self._key_for(ids)
-            stored = key in self.store or self.store.put(self._compute_entry(ids))
             self._index_chunk(key, ids)
-            refs.append(ChunkRef(key, len(ids), stored))
+            if key in todo or key not in self.store:
+                todo.setdefault(key, (i, ids))
+            else:
+                refs[i] = ChunkRef(key, len(ids), True)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(texts), initial=len(texts) - len(todo), desc="Precomputing KV", unit="chunk")
+        for batch in _packs(list(todo.items()), self.precompute_batch_tokens):
+            entries = self._compute_entries([ids for _, (_, ids) in batch])
+            for (key, (i, ids)), entry in zip(batch, entries):
+                refs[i] = ChunkRef(key, len(ids), self.store.put(entry))
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        for i, ids in enumerate(tokenized):   # repeats of a text share its first occurrence's entry
+            if ids is not None and refs[i] is None:
+                refs[i] = refs[todo[self._key_for(ids)][0]]
         unstored = sum(ref is not None and not ref.stored for ref in refs)
         if unstored and not self._warned_unstored:
             self._warned_unstored = True
@@ -384,10 +402,30 @@ class BlendEngine:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
         with self._lock:
             keys, values = isolated_kv(self.adapter, self.sink_ids, token_ids)
-        stored_k, stored_v = keys.to(self.kv_dtype), values.to(self.kv_dtype)
-        if not (torch.isfinite(stored_k).all() and torch.isfinite(stored_v).all()):
-            stored_k, stored_v = keys.float(), values.float()  # out of the storage dtype's range
-        return ChunkKV(self._key_for(token_ids), list(token_ids), stored_k.cpu(), stored_v.cpu())
+        return self._storage_entry(token_ids, keys, values)
+
+    def _compute_entries(self, chunks: list[list[int]]) -> list[ChunkKV]:
+        """Several chunks' entries, computed in one pass where the model allows (a sliding
+        window shorter than sink + chunk needs the one-at-a-time path)."""
+        windows = [w for i in range(self.adapter.shape.num_layers) if (w := self.adapter.window(i)) is not None]
+        if len(chunks) == 1 or (windows and len(self.sink_ids) + max(map(len, chunks)) > min(windows)):
+            return [self._compute_entry(ids) for ids in chunks]
+        with self._lock:
+            kvs = packed_isolated_kv(self.adapter, self.sink_ids, chunks)
+        return [self._storage_entry(ids, keys, values) for ids, (keys, values) in zip(chunks, kvs)]
+
+    def _storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:
+        entry = ChunkKV(self._key_for(token_ids), list(token_ids), keys, values)
+        if self.kv_dtype == torch.int8:
+            stored = quantize_int8(entry)
+            finite = [stored.key_scales, stored.value_scales]
+        else:
+            stored = ChunkKV(entry.key, entry.token_ids, keys.to(self.kv_dtype), values.to(self.kv_dtype))
+            finite = [stored.keys, stored.values]
+        if not all(torch.isfinite(t).all() for t in finite):
+            # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).
+            stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float())
+        return stored.to_cpu()
 
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""
@@ -633,6 +671,21 @@ def _sampling(params, max_new_tokens, temperature, top_p, seed, stop) -> Samplin
     if shortcuts != SamplingParams():
         raise InvalidInputError("Pass sampling options either as params=SamplingParams(...) or as keywords, not both.")
     return params
+
+
+def _packs(items: list, max_tokens: int):
+    """Consecutive groups of ``(key, (index, ids))`` items of at most ``max_tokens`` tokens
+    (a longer chunk goes alone)."""
+    pack, tokens = [], 0
+    for item in items:
+        n = len(item[1][1])
+        if pack and tokens + n > max_tokens:
+            yield pack
+            pack, tokens = [], 0
+        pack.append(item)
+        tokens += n
+    if pack:
+        yield pack
 
 
 def _storage_dtype(kv_dtype) -> torch.dtype:

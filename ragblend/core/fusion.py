@@ -24,6 +24,7 @@ the rest), let the selection refine at its check layers, attention, MLP.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -684,3 +685,64 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
         attn = _attend(adapter, adapter.rope(q, cos, sin), adapter.rope(k, cos, sin), v, plan)
         hidden = adapter.finish(layer, hidden, attn)
     return torch.stack(keys), torch.stack(values)
+
+
+@torch.inference_mode()
+def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[list[int]]):
+    """:func:`isolated_kv` of several chunks in one pass: what ingestion calls.
+
+    The sink is computed once; the chunks' tokens then go through every linear layer together
+    (one big matmul instead of one per chunk) and each chunk attends only to the sink and to
+    itself, so its K/V equal those of computing it alone (up to float rounding). Returns one
+    ``(keys, values)`` per chunk, as :func:`isolated_kv` does.
+    """
+    device, s = adapter.device, len(sink_ids)
+    lengths = [len(c) for c in chunks]
+    cos, sin = adapter.rope_tables(s + max(lengths))
+    sink_kv = _sink_kv(adapter, sink_ids, cos[:s], sin[:s])
+    ids = torch.tensor([t for c in chunks for t in c], device=device)
+    positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
+    cos, sin = cos[positions], sin[positions]
+    bounds = [(a, a + n) for a, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)]
+    masks = {n: _offset_causal_mask(n, s, device) for n in set(lengths)}   # chunk tokens after the sink
+    hidden = adapter.embed(ids)
+    keys, values = [], []
+    for layer in range(adapter.shape.num_layers):
+        # 1. K/V of every chunk token at once; they are what is stored.
+        x = adapter.attn_input(layer, hidden)
+        k, v = adapter.kv(layer, x)
+        keys.append(k)
+        values.append(v)
+        if layer == adapter.shape.num_layers - 1:
+            break
+        # 2. Attention, chunk by chunk: each sees the sink and its own earlier tokens.
+        q, k = adapter.rope(adapter.q(layer, x), cos, sin), adapter.rope(k, cos, sin)
+        sink_k, sink_v = sink_kv[layer]
+        attn = torch.cat([adapter.attention(q[:, a:b], torch.cat([sink_k, k[:, a:b]], 1),
+                                            torch.cat([sink_v, v[:, a:b]], 1), masks[b - a]) for a, b in bounds])
+        # 3. Output projection and MLP, all tokens at once.
+        hidden = adapter.finish(layer, hidden, attn)
+    keys, values = torch.stack(keys), torch.stack(values)
+    return [(keys[:, :, a:b], values[:, :, a:b]) for a, b in bounds]
+
+
+def _sink_kv(adapter: ModelAdapter, sink_ids: list[int], cos, sin) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the sink's rotated K and its V, from a causal prefill of the sink alone."""
+    shape = adapter.shape
+    if not sink_ids:
+        empty = torch.empty(shape.num_kv_heads, 0, shape.head_dim, dtype=adapter.dtype, device=adapter.device)
+        return [(empty, empty)] * (shape.num_layers - 1)
+    hidden = adapter.embed(torch.tensor(sink_ids, device=adapter.device))
+    out = []
+    for layer in range(adapter.shape.num_layers - 1):   # the last layer's sink K/V is never attended
+        x = adapter.attn_input(layer, hidden)
+        k, v = adapter.kv(layer, x)
+        k = adapter.rope(k, cos, sin)
+        out.append((k, v))
+        hidden = adapter.finish(layer, hidden, adapter.attention(adapter.rope(adapter.q(layer, x), cos, sin), k, v, None))
+    return out
+
+
+def _offset_causal_mask(n: int, offset: int, device) -> torch.Tensor:
+    """``[n, offset + n]``: query i (at ``offset + i``) may see keys ``0 .. offset + i``."""
+    return torch.arange(offset + n, device=device)[None, :] <= torch.arange(offset, offset + n, device=device)[:, None]

@@ -20,6 +20,10 @@ Entry format (no pickle anywhere; all integers little-endian)::
     layer 0: K bytes, V bytes  each [kv_heads, tokens, head_dim] in ``dtype``
     layer 1: ...               (layer-major: one layer of a chunk is one seek + one read)
 
+    dtype "int8" stores each layer as K int8 [kv_heads, tokens, head_dim], K scales float16
+    [kv_heads, head_dim], V int8 [kv_heads, tokens, head_dim], V scales float16
+    [kv_heads, tokens] (see :func:`ragblend.core.kv.quantize_int8`).
+
 Every read checks the header (magic, CRCs, size, structure, format version, fingerprint,
 shape, the type and range of every number, token ids, file length) and each layer's CRC32.
 A failing entry raises :class:`CorruptEntryError` (layer reads) or is reported missing
@@ -51,7 +55,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, RagblendError, StoreUnavailableError
-from .kv import KV_FORMAT_VERSION, ChunkKV
+from .kv import KV_FORMAT_VERSION, ChunkKV, dequantize_int8
 
 log = logging.getLogger("ragblend")
 
@@ -59,7 +63,8 @@ MAGIC = b"RBKV"
 # A header holds a chunk's token ids (~8 bytes each as JSON) and one CRC per layer; 4 MiB
 # is several times what a 128k-token chunk needs, and bounds what a hostile file can cost.
 MAX_HEADER_BYTES = 4 << 20
-STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                  "int8": torch.int8}
 
 
 class CorruptEntryError(RagblendError):
@@ -101,10 +106,29 @@ def _tensor_from(buf: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
+def _layer_parts(dtype: torch.dtype, kv_heads: int, tokens: int, head_dim: int) -> list[tuple[torch.dtype, tuple]]:
+    """The tensors one stored layer holds, in file order: ``(dtype, shape)`` each."""
+    kv = (kv_heads, tokens, head_dim)
+    if dtype == torch.int8:
+        return [(torch.int8, kv), (torch.float16, (kv_heads, head_dim)),
+                (torch.int8, kv), (torch.float16, (kv_heads, tokens))]
+    return [(dtype, kv), (dtype, kv)]
+
+
+def _nbytes(parts: list[tuple[torch.dtype, tuple]]) -> int:
+    return sum(dtype.itemsize * int(np.prod(shape)) for dtype, shape in parts)
+
+
+def _layer_tensors(entry: ChunkKV, index: int) -> list[torch.Tensor]:
+    if entry.key_scales is None:
+        return [entry.keys[index], entry.values[index]]
+    return [entry.keys[index], entry.key_scales[index], entry.values[index], entry.value_scales[index]]
+
+
 def encode_entry(entry: ChunkKV, fingerprint: str) -> bytes:
     """Serialise ``entry`` (in its own dtype) to the binary format above."""
     dtype_name = next(n for n, d in STORAGE_DTYPES.items() if d == entry.keys.dtype)
-    layers = [_tensor_bytes(entry.keys[i]) + _tensor_bytes(entry.values[i]) for i in range(entry.keys.shape[0])]
+    layers = [b"".join(_tensor_bytes(t) for t in _layer_tensors(entry, i)) for i in range(entry.keys.shape[0])]
     num_layers, kv_heads, tokens, head_dim = entry.keys.shape
     header = json.dumps({
         "format": KV_FORMAT_VERSION, "fingerprint": fingerprint, "key": entry.key, "dtype": dtype_name,
@@ -167,9 +191,9 @@ class FileReader(ChunkReader):
             raise
         self.dtype = STORAGE_DTYPES[header["dtype"]]
         self.token_ids = header["token_ids"]
-        self.shape = (spec.num_kv_heads, len(self.token_ids), spec.head_dim)
+        self.parts = _layer_parts(self.dtype, spec.num_kv_heads, len(self.token_ids), spec.head_dim)
         self.crcs = header["layer_crc32"]
-        self.layer_bytes = 2 * self.shape[0] * self.shape[1] * self.shape[2] * self.dtype.itemsize
+        self.layer_bytes = _nbytes(self.parts)
         self.data_start = handle.tell()
         self._lock = threading.Lock()
 
@@ -232,8 +256,8 @@ class FileReader(ChunkReader):
             raise bad("token ids do not match their hash")
         if len(crcs) != spec.num_layers:
             raise bad("missing layer checksums")
-        itemsize = STORAGE_DTYPES[header["dtype"]].itemsize
-        expected = 8 + header_len + 4 + spec.num_layers * 2 * spec.num_kv_heads * len(token_ids) * spec.head_dim * itemsize
+        parts = _layer_parts(STORAGE_DTYPES[header["dtype"]], spec.num_kv_heads, len(token_ids), spec.head_dim)
+        expected = 8 + header_len + 4 + spec.num_layers * _nbytes(parts)
         if size != expected:
             raise bad(f"file is {size} bytes, expected {expected} (truncated or padded)")
         return header
@@ -243,17 +267,28 @@ class FileReader(ChunkReader):
             self.handle.seek(self.data_start + index * self.layer_bytes)
             return self.handle.read(self.layer_bytes)
 
-    def decode(self, index: int, buf: bytes):
+    def _unpack(self, index: int, buf: bytes) -> list[torch.Tensor]:
         if len(buf) != self.layer_bytes or zlib.crc32(buf) != self.crcs[index]:
             raise CorruptEntryError(self.key, f"layer {index} checksum mismatch")
-        half = self.layer_bytes // 2
-        return _tensor_from(buf[:half], self.dtype, self.shape), _tensor_from(buf[half:], self.dtype, self.shape)
+        tensors, offset = [], 0
+        for dtype, shape in self.parts:
+            size = _nbytes([(dtype, shape)])
+            tensors.append(_tensor_from(buf[offset:offset + size], dtype, shape))
+            offset += size
+        return tensors
+
+    def decode(self, index: int, buf: bytes):
+        tensors = self._unpack(index, buf)
+        return dequantize_int8(*tensors) if self.dtype == torch.int8 else tuple(tensors)
 
     def read_all(self) -> ChunkKV:
-        layers = [self.layer(i) for i in range(len(self.crcs))]
-        keys = torch.stack([k for k, _ in layers])
-        values = torch.stack([v for _, v in layers])
-        return ChunkKV(self.key, list(self.token_ids), keys, values)
+        """The whole entry as stored (an int8 entry stays int8, with its scales)."""
+        layers = [self._unpack(i, self.fetch(i)) for i in range(len(self.crcs))]
+        stacked = [torch.stack(parts) for parts in zip(*layers)]
+        if self.dtype == torch.int8:
+            keys, key_scales, values, value_scales = stacked
+            return ChunkKV(self.key, list(self.token_ids), keys, values, key_scales, value_scales)
+        return ChunkKV(self.key, list(self.token_ids), *stacked)
 
     def close(self) -> None:
         self.handle.close()

@@ -46,6 +46,7 @@ class IngestReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     nodes: int = 0
     without_kv: int = 0   # nodes too short to be found in a prompt, or too long for the window
+    unchanged: int = 0    # documents already in the index with the same text: skipped
 
 
 @dataclass
@@ -165,7 +166,7 @@ class LocalIndex:
         self.path = Path(path).expanduser() if path else cache_dir() / "index"
         self.path.mkdir(parents=True, exist_ok=True)
         client = chroma_client(self.path, chroma_url)   # an unreachable server fails before the model loads
-        self.chroma_url = chroma_url
+        self.client, self.chroma_url = client, chroma_url
         self.engine = engine or BlendEngine.from_pretrained(kv_dir=self.path / "kv")
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
         self.embed_model = default_embed_model()
@@ -200,17 +201,37 @@ class LocalIndex:
         return self.ingest_documents(*read_text_files(paths), show_progress=show_progress)
 
     def ingest_documents(self, documents: list, report: IngestReport | None = None,
-                         show_progress: bool = True) -> IngestReport:
+                         show_progress: bool = True, batch_size: int = 64) -> IngestReport:
         """Split, precompute KV, embed and store LlamaIndex ``Document`` objects (e.g. from
-        :func:`read_text_files`), adding to ``report``."""
+        :func:`read_text_files`), adding to ``report``.
+
+        Documents go through in batches of ``batch_size``. Each batch reaches Chroma and the
+        docstore before the next starts, so an interrupted ingest resumes where it stopped:
+        documents already stored unchanged are skipped, and KV already in the store is not
+        recomputed.
+        """
         report = report or IngestReport()
         if not documents:
             return report
         pipeline, docstore_file = self.pipeline()
-        nodes = pipeline.run(documents=documents, show_progress=show_progress)
-        pipeline.docstore.persist(str(docstore_file))
-        report.nodes = len(nodes)
-        report.without_kv = sum(KV_METADATA_KEY not in node.metadata for node in nodes)
+        bar = None
+        if show_progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(documents), desc="Ingesting", unit="file")
+        try:
+            for start in range(0, len(documents), batch_size):
+                batch = documents[start:start + batch_size]
+                report.unchanged += sum(pipeline.docstore.get_document_hash(d.id_) == d.hash for d in batch)
+                nodes = pipeline.run(documents=batch, show_progress=False)
+                pipeline.docstore.persist(str(docstore_file))
+                report.nodes += len(nodes)
+                report.without_kv += sum(KV_METADATA_KEY not in node.metadata for node in nodes)
+                if bar is not None:
+                    bar.update(len(batch))
+                    bar.set_postfix(chunks=report.nodes, refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
         return report
 
     def delete(self, file_path: str | os.PathLike) -> None:

@@ -62,13 +62,11 @@ class KVPrecomputeVectorStore(VectorStore):
 
     def precompute(self, documents: Sequence[Document]) -> None:
         """Store each document's KV and record its key in the document's metadata."""
-        items: Iterable[Document] = documents
-        if self.show_progress or (self.show_progress is None and len(documents) >= PROGRESS_FROM):
-            from tqdm.auto import tqdm
-            items = tqdm(documents, desc="Precomputing KV", unit="doc")
-        for doc in items:
-            # too short to be found in a prompt, or too long for the window: no KV
-            (ref,) = self.engine.precompute([doc.page_content], skip_unusable=True)
+        show = self.show_progress or (self.show_progress is None and len(documents) >= PROGRESS_FROM)
+        # One call: the engine runs many chunks through the model per pass. A chunk too short
+        # to be found in a prompt, or too long for the window, gets no KV (None).
+        refs = self.engine.precompute([doc.page_content for doc in documents], skip_unusable=True, progress=show)
+        for doc, ref in zip(documents, refs):
             if ref is not None:
                 doc.metadata[KV_KEY] = ref.key
 

@@ -78,22 +78,19 @@ class KVPrecompute(TransformComponent):
         return "KVPrecompute"
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        engine = self._engine
-        items: Any = nodes
-        if kwargs.get("show_progress", self.show_progress):
-            from tqdm.auto import tqdm
-            items = tqdm(nodes, desc="Precomputing KV", unit="node")
-        for node in items:
+        for node in nodes:
             for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
                 if KV_KEY not in excluded:
                     excluded.append(KV_KEY)
-            (ref,) = engine.precompute([llm_text(self._as_shown(node))], skip_unusable=True)
+        # One call: the engine runs many chunks through the model per pass.
+        refs = self._engine.precompute([llm_text(self._as_shown(node)) for node in nodes], skip_unusable=True,
+                                       progress=kwargs.get("show_progress", self.show_progress))
+        for node, ref in zip(nodes, refs):
             if ref is None:
                 node.metadata.pop(KV_KEY, None)
             else:
                 node.metadata[KV_KEY] = ref.key
         return nodes
-
 
     def _as_shown(self, node: BaseNode) -> BaseNode:
         """The node as the LLM will see it: its text replaced by ``metadata_key``'s value."""
