@@ -7,7 +7,7 @@ PIP     = $(PY) -m pip --disable-pip-version-check
 TORCH  ?= torch==2.13.0
 STAMP   = $(VENV)/.ragblend-installed
 
-.PHONY: install demo test test-fast lint bench bench-quick clean
+.PHONY: install demo test test-fast lint bench bench-quick bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: install
 bench-quick: install
 	$(PIP) install -q 'matplotlib>=3.7'
 	$(PY) -m benchmarks.run --quick
+
+# ragblend beside transformers and llama-cpp-python (which builds from source: ~15 min on
+# 2 cores, once). A peer that does not install is skipped with a message.
+bench-peers: install
+	$(PIP) install -q 'llama-cpp-python==0.3.36' || echo "llama-cpp-python did not install: its rows are skipped"
+	$(PY) -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

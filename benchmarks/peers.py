@@ -1,0 +1,190 @@
+"""ragblend beside what a user would run instead, on one prompt, in one run.
+
+The benchmark prompt (6 chunks + question, ~3.1k tokens with SmolLM2's template) is answered
+by each peer with the same token ids, 32 greedy tokens (end-of-sequence suppressed, so every
+peer decodes exactly 32), in two scenarios:
+
+* **same prompt** — the chunks in the order seen before: prefix caches hit as far as they can;
+* **reordered** — the same chunks in a new order every round, as retrieval returns them in
+  real RAG: prefix caches hit only the system prompt; ragblend still reuses every chunk.
+
+Peers (each skipped with a message when it cannot be loaded):
+
+* ``transformers`` ``generate`` with a full prefill;
+* ``transformers`` with the prompt's prefix up to the first chunk (template and system prompt)
+  computed once and reused (a deep copy of the cache per call);
+* ``llama-cpp-python`` on the same GGUF file, its RAM prompt cache on, threads = cores;
+* ragblend's default (chunks precomputed), decoding in float32, and with ``decode_dtype="float16"``.
+
+Reported: TTFT and time to the 32-token answer, medians of ``--runs`` interleaved rounds
+(after one warm-up round), and each as a speed-up over transformers' full prefill.
+
+    python -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from ragblend import BlendEngine, Chunk
+from ragblend.core.model import default_gguf_path
+from ragblend.data import load_sample
+
+from .decode import TokenClock
+from .models import MODELS, model_path
+from .run import command_line, write_report
+
+SCENARIOS = ("same prompt", "reordered")
+
+
+class HFPeer:
+    """transformers ``generate``, optionally after a cached prefix."""
+
+    def __init__(self, engine: BlendEngine, tokens: int, prefix_len: int = 0):
+        self.model, self.tokens = engine.hf_model, tokens
+        self.prefix_len, self.prefix_ids, self.prefix_cache = prefix_len, None, None
+
+    def answer(self, token_ids: list[int]) -> tuple[float, float]:
+        from transformers import DynamicCache
+
+        ids = torch.tensor([token_ids])
+        clock = TokenClock()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            kwargs = {}
+            if self.prefix_len:
+                if self.prefix_ids != token_ids[:self.prefix_len]:   # computed once, then reused
+                    self.prefix_ids, self.prefix_cache = token_ids[:self.prefix_len], DynamicCache()
+                    self.model(ids[:, :self.prefix_len], past_key_values=self.prefix_cache, use_cache=True)
+                kwargs["past_key_values"] = copy.deepcopy(self.prefix_cache)
+            self.model.generate(ids, max_new_tokens=self.tokens, min_new_tokens=self.tokens, do_sample=False,
+                                streamer=clock, **kwargs)
+        return clock.times[1] - t0, time.perf_counter() - t0
+
+
+class LlamaCppPeer:
+    """llama-cpp-python on the GGUF file, prompt cache in RAM, one thread per core."""
+
+    def __init__(self, gguf: str, tokens: int, n_ctx: int):
+        from llama_cpp import Llama, LlamaRAMCache
+
+        threads = os.cpu_count() or 1
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         seed=0, verbose=False)
+        self.llm.set_cache(LlamaRAMCache(capacity_bytes=2 << 30))
+        self.tokens, self.eos = tokens, self.llm.token_eos()
+        self.settings = f"n_ctx={n_ctx}, n_threads={threads}, n_batch=512, LlamaRAMCache(2 GiB)"
+
+    def answer(self, token_ids: list[int]) -> tuple[float, float]:
+        t0, first = time.perf_counter(), None
+        for _ in self.llm.create_completion(token_ids, max_tokens=self.tokens, temperature=0.0, stream=True,
+                                            logit_bias={self.eos: -1e4}):
+            first = first or time.perf_counter()
+        return first - t0, time.perf_counter() - t0
+
+
+class RagblendPeer:
+    """ragblend's default strategy over chunks precomputed beforehand (ingestion)."""
+
+    def __init__(self, engine: BlendEngine, chunks: list[str], tokens: int):
+        self.engine, self.tokens = engine, tokens
+        engine.precompute(chunks)
+        engine.eos_ids = frozenset()   # decode exactly `tokens`, like the other peers
+
+    def answer(self, segments) -> tuple[float, float]:
+        t0, first = time.perf_counter(), None
+        for _ in self.engine.stream(segments, max_new_tokens=self.tokens):
+            first = first or time.perf_counter()
+        return first - t0, time.perf_counter() - t0
+
+
+def gguf_file(model: str) -> str:
+    return model_path(model) or str(default_gguf_path())
+
+
+def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: int, tokens: int,
+               n_ctx: int) -> tuple[dict, dict[str, str]]:
+    """The peers that load here, and a note per peer (its settings, or why it was skipped)."""
+    peers = {"transformers, full prefill": HFPeer(engine, tokens),
+             "transformers, cached system prefix": HFPeer(engine, tokens, prefix_len)}
+    notes = {"transformers, full prefill": f"generate(do_sample=False), {torch.get_num_threads()} torch threads",
+             "transformers, cached system prefix": f"the first {prefix_len} tokens' DynamicCache, deep-copied per call"}
+    try:
+        peer = LlamaCppPeer(gguf_file(model), tokens, n_ctx)
+        peers["llama-cpp-python"], notes["llama-cpp-python"] = peer, peer.settings
+    except ImportError:
+        notes["llama-cpp-python"] = "skipped: not installed (pip install llama-cpp-python; it builds from source)"
+        print(notes["llama-cpp-python"], flush=True)
+    peers["ragblend default"] = RagblendPeer(engine, chunks, tokens)
+    half = BlendEngine(engine.hf_model, engine.tokenizer, store=engine.store, decode_dtype="float16")
+    peers["ragblend, decode_dtype='float16'"] = RagblendPeer(half, chunks, tokens)
+    strategy = engine.strategy
+    notes["ragblend default"] = f"{strategy.name}({getattr(strategy, 'ratio', '')}), float32 decoding, KV in memory"
+    notes["ragblend, decode_dtype='float16'"] = "the same, float16 decoding matmuls"
+    return peers, notes
+
+
+def measure(model: str, runs: int, tokens: int) -> list[str]:
+    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    sample = load_sample()
+    chunks, question = sample["chunks"], sample["question"]
+    layout = engine.build_prompt([Chunk(c) for c in chunks] + [question])
+    prefix_len = layout.chunk_spans[0].start
+    n_ctx = 1 << (len(layout.token_ids) + tokens).bit_length()
+    peers, notes = make_peers(model, engine, chunks, prefix_len, tokens, n_ctx)
+    rng = random.Random(0)
+    times = {(s, p): [] for s in SCENARIOS for p in peers}
+    for round_ in range(runs + 1):                    # round 0 warms every peer up
+        order = chunks[:]
+        while order == chunks:
+            rng.shuffle(order)
+        for scenario, texts in zip(SCENARIOS, (chunks, order)):
+            segments = [Chunk(c) for c in texts] + [question]
+            token_ids = engine.build_prompt(segments).token_ids
+            for name, peer in peers.items():
+                result = peer.answer(segments if isinstance(peer, RagblendPeer) else token_ids)
+                if round_:
+                    times[scenario, name].append(result)
+                print(f"round {round_} {scenario:11} {name:35} TTFT {result[0]:6.2f} s, answer {result[1]:6.2f} s",
+                      flush=True)
+    lines = [f"## {model}", "", f"{len(layout.token_ids)}-token prompt, {tokens}-token greedy answers, median of "
+             f"{runs} interleaved rounds. Speed-up = transformers full prefill's time / the peer's.", ""]
+    for scenario in SCENARIOS:
+        base_ttft = statistics.median(t for t, _ in times[scenario, "transformers, full prefill"])
+        base_total = statistics.median(a for _, a in times[scenario, "transformers, full prefill"])
+        lines += [f"**{scenario}**", "", "| peer | TTFT s | answer s | TTFT speed-up | answer speed-up |",
+                  "|---|---:|---:|---:|---:|"]
+        for name in peers:
+            ttft = statistics.median(t for t, _ in times[scenario, name])
+            total = statistics.median(a for _, a in times[scenario, name])
+            lines.append(f"| {name} | {ttft:.2f} | {total:.2f} | {base_ttft / ttft:.2f}x | {base_total / total:.2f}x |")
+        lines.append("")
+    lines += ["Settings:", "", *[f"- {name}: {note}" for name, note in notes.items()], ""]
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args(argv)
+    started, lines = time.perf_counter(), []
+    for model in args.models:
+        section = measure(model, args.runs, args.tokens)
+        print("\n".join(section), flush=True)
+        lines += section
+    write_report(args.out, "peers-run.md", "Peers", command_line("benchmarks.peers", argv),
+                 time.perf_counter() - started, lines)
+
+
+if __name__ == "__main__":
+    main()
