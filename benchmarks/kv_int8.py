@@ -22,6 +22,7 @@ from pathlib import Path
 from ragblend import BlendEngine, Chunk, FullRecompute
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.controller import drop_page_cache
+from ragblend.core.model import cache_dir
 from ragblend.core.store import DiskStore
 
 from .fidelity import MUSIQUE, prompt_sets
@@ -63,7 +64,7 @@ def disk_ttft(engines: dict[str, BlendEngine], runs: int) -> dict[str, tuple[flo
     sample = load_sample()
     segments = [Chunk(c) for c in sample["chunks"]] + [sample["question"]]
     out = {}
-    with tempfile.TemporaryDirectory(prefix="ragblend-int8-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="int8-", dir=cache_dir()) as tmp:   # the store's device, not tmpfs
         for name, engine in engines.items():
             engine.store = DiskStore(Path(tmp) / name, engine.entry_spec)
             engine.write_back = False

@@ -24,6 +24,7 @@ import torch
 
 from ragblend import BlendEngine, Chunk
 from ragblend.core.controller import drop_page_cache
+from ragblend.core.model import cache_dir
 from ragblend.core.store import DiskStore
 
 from .ingest import paragraphs
@@ -43,10 +44,10 @@ def chunks_for(engine: BlendEngine, corpus: list[str], target_tokens: int, chunk
             total += size
             current, size = [], 0
             if total >= target_tokens - chunk_tokens:
-                break
+                return chunks
         current.append(text)
         size += n
-    return chunks
+    return chunks + ["\n".join(current)] if current else chunks
 
 
 def hf_forward_s(engine: BlendEngine, token_ids: list[int]) -> float:
@@ -92,12 +93,14 @@ def measure(model: str, sizes: list[int], runs: int) -> list[str]:
             lines.append(f"| {size:,}: beyond the window | - | - | - | - | - | - | - | - |")
             continue
         engine.precompute(chunks)
-        engine.prefill(segments)                      # warm-up
+        engine.prefill(segments)                      # warm-up, both
+        hf_forward_s(engine, token_ids)
         full, fused = [], []
         for _ in range(runs):
             full.append(hf_forward_s(engine, token_ids))
             fused.append(engine.prefill(segments).stats.ttft_s)
-        with tempfile.TemporaryDirectory(prefix="ragblend-scaling-") as tmp:
+        # Under the user cache, on the store's own device (a tmpfs /tmp would only measure RAM).
+        with tempfile.TemporaryDirectory(prefix="scaling-", dir=cache_dir()) as tmp:
             read_s, nbytes = disk_read_s(engine, chunks, Path(tmp))
         chunk_tokens = sum(len(engine.prompts.tokenize(c)) for c in chunks)
         f, r = statistics.median(full), statistics.median(fused)

@@ -9,6 +9,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole  # noqa: E
 
 from ragblend import BlendLLM, InvalidInputError  # noqa: E402
 from ragblend.data import load_sample, sample_dir  # noqa: E402
+from ragblend.integrations import local_index  # noqa: E402
 from ragblend.integrations.local_index import LocalIndex, read_text_files  # noqa: E402
 from ragblend.vectorstore_hooks.llamaindex import KV_KEY, llm_text  # noqa: E402
 
@@ -181,7 +182,7 @@ def test_deleting_a_document_drops_its_kv(smol_engine, tmp_path):
     assert keys["b.md"] not in smol_engine.store and nodes[0].metadata[KV_KEY] in smol_engine.store
 
 
-def test_an_interrupted_ingest_resumes_where_it_stopped(smol_engine, tmp_path, monkeypatch):
+def test_an_interrupted_ingest_resumes_without_duplicates(smol_engine, tmp_path, monkeypatch):
     rag = LocalIndex(tmp_path / "index", engine=smol_engine)
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -189,23 +190,26 @@ def test_an_interrupted_ingest_resumes_where_it_stopped(smol_engine, tmp_path, m
         (docs / f"{i}.md").write_text(f"Ferry number {i} leaves the north pier at {i + 6} o'clock each morning "
                                       f"and returns from the island before the evening tide turns.\n")
     documents, _ = read_text_files([docs])
-    embed = type(rag.embed_model)._get_text_embeddings
-    calls = []
+    persist, calls = local_index._persist_atomically, []
 
-    def interrupted(self, texts):       # Ctrl-C while the second batch is being embedded
-        calls.append(len(texts))
+    def interrupted(docstore, path):    # Ctrl-C after the second batch reached Chroma, before the docstore
+        calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return embed(self, texts)
+        persist(docstore, path)
 
-    monkeypatch.setattr(type(rag.embed_model), "_get_text_embeddings", interrupted)
+    monkeypatch.setattr(local_index, "_persist_atomically", interrupted)
     with pytest.raises(KeyboardInterrupt):
         rag.ingest_documents(documents, show_progress=False, batch_size=2)
-    assert len(rag) == 2                 # the first batch reached Chroma
-    monkeypatch.setattr(type(rag.embed_model), "_get_text_embeddings", embed)
+    assert len(rag) == 4                 # two batches reached Chroma; the docstore knows one
+    keys = {n.metadata[KV_KEY] for n in rag.vector_store.get_nodes()}
+    monkeypatch.setattr(local_index, "_persist_atomically", persist)
     report = rag.ingest_documents(documents, show_progress=False, batch_size=2)
-    assert report.unchanged == 2 and report.nodes == 3 and len(rag) == 5
-    assert sorted(n.metadata["file_name"] for n in rag.vector_store.get_nodes()) == [f"{i}.md" for i in range(5)]
+    assert report.unchanged == 2 and report.nodes == 3 and len(rag) == 5     # no duplicates
+    nodes = rag.vector_store.get_nodes()
+    assert sorted(n.metadata["file_name"] for n in nodes) == [f"{i}.md" for i in range(5)]
+    assert keys <= {n.metadata[KV_KEY] for n in nodes} and all(k in smol_engine.store for k in keys)
+    assert not (tmp_path / "index" / "ingest-in-progress").exists()
 
 
 def test_deleting_one_of_two_identical_documents_keeps_their_shared_kv(smol_engine, tmp_path):

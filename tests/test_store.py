@@ -342,6 +342,10 @@ def test_int8_storage_stays_close_and_never_meets_float16_entries(tokenizer, tmp
     assert l8.stats.chunks_reused == 3 and l16.stats.chunks_reused == 3
     gap = (l16.logits - l8.logits).abs()
     assert gap.max() < 0.25 and gap.mean() < 0.03 * l16.logits.std()
+    # Values beyond float16's range (int8 entries are read back in float16) stay float32.
+    shape = e8.adapter.shape
+    huge = torch.full((shape.num_layers, shape.num_kv_heads, 4, shape.head_dim), 7e4)
+    assert e8._storage_entry([1, 2, 3, 4], huge, huge).keys.dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------- controller

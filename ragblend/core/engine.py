@@ -162,7 +162,8 @@ class BlendEngine:
                  strategy: Strategy | None = None, separator: str = "\n\n",
                  sink_prefix: str | None = None, use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
-                 name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32"):
+                 name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32",
+                 precompute_batch_tokens: int = 1024):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)
@@ -186,8 +187,14 @@ class BlendEngine:
         self.write_back = write_back
         # precompute() runs up to this many chunk tokens through the model in one pass (and
         # holds the engine that long): large enough to fill the matmuls, short enough that a
-        # query waiting behind ingestion is not kept for long.
-        self.precompute_batch_tokens = 1024
+        # query waiting behind ingestion is not kept for long. 0: one chunk per pass, whose
+        # entry is bit-identical to the one a query computes for a missing chunk (a packed
+        # pass agrees with it to ~1e-6, which can flip a float16 rounding).
+        if isinstance(precompute_batch_tokens, bool) or not isinstance(precompute_batch_tokens, int) \
+                or precompute_batch_tokens < 0:
+            raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
+                                    f"got {precompute_batch_tokens!r}.")
+        self.precompute_batch_tokens = precompute_batch_tokens
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
@@ -218,7 +225,8 @@ class BlendEngine:
         Hugging Face directory. KV entries live in memory (LRU, ``memory_bytes``) in front of
         a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; LRU, ``disk_bytes``).
         Pass ``kv_dir=False`` for memory only. Other keyword arguments go to the constructor
-        (``kv_dtype``, ``prefetch``, ``write_back``, ``separator``, ``sink_prefix``...).
+        (``kv_dtype``, ``decode_dtype``, ``precompute_batch_tokens``, ``prefetch``, ``write_back``,
+        ``separator``, ``sink_prefix``...).
         """
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
@@ -300,10 +308,10 @@ class BlendEngine:
                     f"({self.context_window}) after the sink prefix. Split it into smaller chunks.")
         refs: list[ChunkRef | None] = [None] * len(tokenized)
         todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), not stored yet
-        for i, ids in enumerate(tokenized):
+        keys = [None if ids is None else self._key_for(ids) for ids in tokenized]
+        for i, (ids, key) in enumerate(zip(tokenized, keys)):
             if ids is None:
                 continue
-            key = self._key_for(ids)
             self._index_chunk(key, ids)
             if key in todo or key not in self.store:
                 todo.setdefault(key, (i, ids))
@@ -321,9 +329,9 @@ class BlendEngine:
                 bar.update(len(batch))
         if bar is not None:
             bar.close()
-        for i, ids in enumerate(tokenized):   # repeats of a text share its first occurrence's entry
-            if ids is not None and refs[i] is None:
-                refs[i] = refs[todo[self._key_for(ids)][0]]
+        for i, key in enumerate(keys):   # repeats of a text share its first occurrence's entry
+            if key is not None and refs[i] is None:
+                refs[i] = refs[todo[key][0]]
         unstored = sum(ref is not None and not ref.stored for ref in refs)
         if unstored and not self._warned_unstored:
             self._warned_unstored = True
@@ -417,12 +425,13 @@ class BlendEngine:
     def _storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:
         entry = ChunkKV(self._key_for(token_ids), list(token_ids), keys, values)
         if self.kv_dtype == torch.int8:
+            # int8 entries are read back in float16: they need float16's range too.
             stored = quantize_int8(entry)
-            finite = [stored.key_scales, stored.value_scales]
+            fits = max(keys.abs().max(), values.abs().max()) <= torch.finfo(torch.float16).max
         else:
             stored = ChunkKV(entry.key, entry.token_ids, keys.to(self.kv_dtype), values.to(self.kv_dtype))
-            finite = [stored.keys, stored.values]
-        if not all(torch.isfinite(t).all() for t in finite):
+            fits = torch.isfinite(stored.keys).all() and torch.isfinite(stored.values).all()
+        if not fits:
             # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).
             stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float())
         return stored.to_cpu()

@@ -704,7 +704,7 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
     cos, sin = cos[positions], sin[positions]
     bounds = [(a, a + n) for a, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)]
-    masks = {n: _offset_causal_mask(n, s, device) for n in set(lengths)}   # chunk tokens after the sink
+    masks = {n: _offset_causal_mask(n, s, device, adapter.dtype) for n in set(lengths)}   # after the sink
     hidden = adapter.embed(ids)
     keys, values = [], []
     for layer in range(adapter.shape.num_layers):
@@ -723,7 +723,8 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
         # 3. Output projection and MLP, all tokens at once.
         hidden = adapter.finish(layer, hidden, attn)
     keys, values = torch.stack(keys), torch.stack(values)
-    return [(keys[:, :, a:b], values[:, :, a:b]) for a, b in bounds]
+    # Copies, not views: an entry must not keep its whole pack alive in the memory tier.
+    return [(keys[:, :, a:b].clone(), values[:, :, a:b].clone()) for a, b in bounds]
 
 
 def _sink_kv(adapter: ModelAdapter, sink_ids: list[int], cos, sin) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -743,6 +744,7 @@ def _sink_kv(adapter: ModelAdapter, sink_ids: list[int], cos, sin) -> list[tuple
     return out
 
 
-def _offset_causal_mask(n: int, offset: int, device) -> torch.Tensor:
-    """``[n, offset + n]``: query i (at ``offset + i``) may see keys ``0 .. offset + i``."""
-    return torch.arange(offset + n, device=device)[None, :] <= torch.arange(offset, offset + n, device=device)[:, None]
+def _offset_causal_mask(n: int, offset: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[n, offset + n]``: query i (at ``offset + i``) may see keys ``0 .. offset + i``."""
+    allowed = torch.arange(offset + n, device=device)[None, :] <= torch.arange(offset, offset + n, device=device)[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))

@@ -86,8 +86,9 @@ def quantize_int8(entry: ChunkKV) -> ChunkKV:
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:
-    scales = (amax / 127).half()
-    return torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale
+    # Floored at float16's smallest normal number, so a tiny range does not round to a zero scale.
+    scales = (amax / 127).clamp_min(torch.finfo(torch.float16).tiny).half()
+    return torch.where(amax > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale
 
 
 def dequantize_int8(q_keys: torch.Tensor, key_scales: torch.Tensor, q_values: torch.Tensor,

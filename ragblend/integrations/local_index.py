@@ -150,6 +150,14 @@ def default_embed_model():
         hf_logging.enable_progress_bar()
 
 
+def _persist_atomically(docstore, path: Path) -> None:
+    """Write the docstore beside ``path``, then rename it over: an interrupt never leaves a
+    half-written docstore."""
+    partial = path.with_name(path.name + ".partial")
+    docstore.persist(str(partial))
+    os.replace(partial, path)
+
+
 class LocalIndex:
     """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
 
@@ -210,10 +218,18 @@ class LocalIndex:
         documents already stored unchanged are skipped, and KV already in the store is not
         recomputed.
         """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidInputError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         report = report or IngestReport()
         if not documents:
             return report
         pipeline, docstore_file = self.pipeline()
+        # A marker present at the start means the last ingest stopped mid-way: a batch may have
+        # reached Chroma but not the docstore, so its documents' nodes are dropped before they
+        # are added again (their KV stays in the store and is reused, not recomputed).
+        marker = self.path / "ingest-in-progress"
+        interrupted = marker.exists()
+        marker.touch()
         bar = None
         if show_progress:
             from tqdm.auto import tqdm
@@ -221,14 +237,20 @@ class LocalIndex:
         try:
             for start in range(0, len(documents), batch_size):
                 batch = documents[start:start + batch_size]
-                report.unchanged += sum(pipeline.docstore.get_document_hash(d.id_) == d.hash for d in batch)
+                known = [pipeline.docstore.get_document_hash(d.id_) for d in batch]
+                report.unchanged += sum(h == d.hash for h, d in zip(known, batch))
+                if interrupted:
+                    for h, d in zip(known, batch):
+                        if h is None:
+                            self.vector_store.inner.delete(d.id_)
                 nodes = pipeline.run(documents=batch, show_progress=False)
-                pipeline.docstore.persist(str(docstore_file))
+                _persist_atomically(pipeline.docstore, docstore_file)
                 report.nodes += len(nodes)
                 report.without_kv += sum(KV_METADATA_KEY not in node.metadata for node in nodes)
                 if bar is not None:
                     bar.update(len(batch))
                     bar.set_postfix(chunks=report.nodes, refresh=False)
+            marker.unlink()
         finally:
             if bar is not None:
                 bar.close()
@@ -242,7 +264,7 @@ class LocalIndex:
         if pipeline.docstore.get_document_hash(doc_id) is not None:
             pipeline.docstore.delete_ref_doc(doc_id, raise_error=False)
             pipeline.docstore.delete_document(doc_id, raise_error=False)
-        pipeline.docstore.persist(str(docstore_file))
+        _persist_atomically(pipeline.docstore, docstore_file)
 
     # ------------------------------------------------------------------ querying
 
