@@ -29,7 +29,7 @@ from ragblend.core.generate import KVDecoder
 
 from .fidelity import MUSIQUE, prompt_sets
 from .models import MODELS, model_path
-from .run import command_line, load_sample, rouge_l, write_report
+from .run import load_sample, report_per_model, rouge_l
 
 
 class TokenClock:
@@ -120,17 +120,14 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
-    started, lines = time.perf_counter(), []
-    for model in args.models:
+
+    def measure(model: str) -> list[str]:
         exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
         half = BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype="float16")
-        section = [f"## {model}", "", *speed(exact, half, args.runs, args.tokens),
-                   *fidelity(exact, half, prompt_sets(args.sets, MUSIQUE), args.tokens), ""]
-        print("\n".join(section), flush=True)
-        lines += section
-    write_report(args.out, "decode-run.md", "Decoding", command_line("benchmarks.decode", argv),
-                 time.perf_counter() - started, lines)
+        return [f"## {model}", "", *speed(exact, half, args.runs, args.tokens),
+                *fidelity(exact, half, prompt_sets(args.sets, MUSIQUE), args.tokens), ""]
 
+    report_per_model(args.models, measure, args.out, "decode-run.md", "Decoding", "benchmarks.decode", argv)
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ from ragblend.core.store import DiskStore
 
 from .fidelity import MUSIQUE, prompt_sets
 from .models import MODELS, model_path
-from .run import command_line, first_token_and_answer, load_sample, rouge_l, write_report
+from .run import first_token_and_answer, load_sample, report_per_model, rouge_l
 
 
 def fidelity(engines: dict[str, BlendEngine], prompts, tokens: int) -> dict[str, list[float]]:
@@ -118,17 +118,14 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=5, help="disk TTFT rounds")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
-    started, lines = time.perf_counter(), []
-    for model in args.models:
+
+    def measure(model: str) -> list[str]:
         base = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
         engines = {"float16": base,
                    "int8": BlendEngine(base.hf_model, base.tokenizer, kv_dtype="int8", name=base.name)}
-        section = report(model, engines, prompt_sets(args.sets, MUSIQUE), args.tokens, args.runs)
-        print("\n".join(section), flush=True)
-        lines += section
-    write_report(args.out, "kv-int8-run.md", "int8 KV storage", command_line("benchmarks.kv_int8", argv),
-                 time.perf_counter() - started, lines)
+        return report(model, engines, prompt_sets(args.sets, MUSIQUE), args.tokens, args.runs)
 
+    report_per_model(args.models, measure, args.out, "kv-int8-run.md", "int8 KV storage", "benchmarks.kv_int8", argv)
 
 if __name__ == "__main__":
     main()

@@ -39,7 +39,7 @@ from ragblend.data import load_sample
 
 from .decode import TokenClock
 from .models import MODELS, model_path
-from .run import command_line, write_report
+from .run import report_per_model
 
 SCENARIOS = ("same prompt", "reordered")
 
@@ -187,13 +187,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
-    started, lines = time.perf_counter(), []
-    for model in args.models:
-        section = measure(model, args.runs, args.tokens)
-        print("\n".join(section), flush=True)
-        lines += section
-    write_report(args.out, "peers-run.md", "Peers", command_line("benchmarks.peers", argv),
-                 time.perf_counter() - started, lines)
+    report_per_model(args.models, lambda model: measure(model, args.runs, args.tokens), args.out, "peers-run.md",
+                     "Peers", "benchmarks.peers", argv)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,17 @@ def write_report(out_dir, file_name: str, title: str, command: str, seconds: flo
     (Path(out_dir) / file_name).write_text(text)
 
 
+def report_per_model(models: list[str], measure, out_dir, file_name: str, title: str, module: str, argv) -> None:
+    """Run ``measure(model) -> lines`` for each model, print each section as it ends, and
+    write them all as one report."""
+    started, lines = time.perf_counter(), []
+    for model in models:
+        section = measure(model)
+        print("\n".join(section), flush=True)
+        lines += section
+    write_report(out_dir, file_name, title, command_line(module, argv), time.perf_counter() - started, lines)
+
+
 def rouge_l(candidate: str, reference: str) -> float:
     """ROUGE-L F-measure over whitespace tokens (longest common subsequence)."""
     a, b = candidate.split(), reference.split()

@@ -29,7 +29,7 @@ from ragblend.core.store import DiskStore
 
 from .ingest import paragraphs
 from .models import MODELS, model_path
-from .run import command_line, write_report
+from .run import command_line, hf_forward_s, write_report
 
 QUESTION = "Question: which of these passages mentions a date, and what happened then? Answer briefly."
 
@@ -48,14 +48,6 @@ def chunks_for(engine: BlendEngine, corpus: list[str], target_tokens: int, chunk
         current.append(text)
         size += n
     return chunks + ["\n".join(current)] if current else chunks
-
-
-def hf_forward_s(engine: BlendEngine, token_ids: list[int]) -> float:
-    ids = torch.tensor([token_ids])
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        engine.hf_model(ids, logits_to_keep=1)
-    return time.perf_counter() - t0
 
 
 def disk_read_s(engine: BlendEngine, chunks: list[str], folder: Path) -> tuple[float, int]:
