@@ -200,6 +200,7 @@ class BlendEngine:
         self.last_prompt: PromptTrace | None = None
         self._lock = threading.RLock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
         self._pending_writes: list[Future] = []
         self._controller = None
         self.chunks = ChunkFinder()   # token ids of known chunks, for finding them in flat prompts
@@ -574,8 +575,10 @@ class BlendEngine:
             stats.ratio = getattr(strategy, "ratio", None)
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
-            source_type = PrefetchSource if self.prefetch and "disk" in tiers else SequentialSource
-            source = source_type(readers, self.adapter.device, windows=windows)
+            if self.prefetch and "disk" in tiers:
+                source = PrefetchSource(readers, self.adapter.device, windows=windows, pool=self._reader)
+            else:
+                source = SequentialSource(readers, self.adapter.device, windows=windows)
         except BaseException:
             for reader in readers:
                 reader.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -73,10 +73,13 @@ class PrefetchSource(SequentialSource):
     """Reads the needed layers ahead, ``depth`` layers at most, in a background thread."""
 
     def __init__(self, readers: list[ChunkReader], device: torch.device | str = "cpu",
-                 windows: list[slice] | None = None, depth: int = 2):
+                 windows: list[slice] | None = None, depth: int = 2, pool: ThreadPoolExecutor | None = None):
+        """``pool``: a long-lived one-thread executor to read in (the engine keeps one, so a
+        prefill does not start a thread); None makes one for this source alone."""
         super().__init__(readers, device, windows)
         self.depth = depth
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")
         self._futures: dict[int, Future] = {}
         self._pending: list[int] = []
         self._lock = threading.Lock()
@@ -125,5 +128,8 @@ class PrefetchSource(SequentialSource):
             self._futures.clear()
         for future in futures:
             future.cancel()
-        self._pool.shutdown(wait=True)
+        # Reads already running must end before their readers close.
+        wait(futures)
+        if self._own_pool:
+            self._pool.shutdown(wait=True)
         super().close()
