@@ -54,10 +54,10 @@ def _ingest(args) -> int:
 def _print_ingest_report(report, rag) -> None:
     for path, reason in report.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
-    print(f"Ingested {len(report.files)} file(s) as {report.nodes} new or changed chunk(s); "
-          f"the index at {rag.path} holds {len(rag)} chunk(s).")
-    if report.unchanged:
-        print(f"{report.unchanged} file(s) were already in the index unchanged and were skipped.")
+    changed = len(report.files) - report.unchanged
+    skipped = f"; {report.unchanged} file(s) already in the index unchanged were skipped" if report.unchanged else ""
+    print(f"Ingested {changed} new or changed file(s) as {report.nodes} chunk(s){skipped}. "
+          f"The index at {rag.path} holds {len(rag)} chunk(s).")
     if report.without_kv:
         print(f"{report.without_kv} chunk(s) got no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
               "(too short to find in a prompt) or longer than the model's window. They are read as plain text.")
@@ -359,6 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     except (RagblendError, ValueError) as err:
         print(f"ragblend: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        hint = (" Files already ingested are kept; run the same command again to go on." if args.func is _ingest
+                else "")
+        print(f"\nragblend: interrupted.{hint}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -303,3 +303,34 @@ def test_sampling_as_params_or_keywords_not_both(engine):
         engine.generate(segments, params=SamplingParams(max_new_tokens=3), temperature=0.5)
     with pytest.raises(InvalidInputError, match="SamplingParams"):
         engine.generate(segments, params={"max_new_tokens": 3})
+
+
+def test_ctrl_c_during_ingest_says_how_to_resume(capsys, tmp_path, monkeypatch):
+    from ragblend import cli
+
+    (tmp_path / "a.md").write_text("The ferry leaves at six.\n")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_open_index", interrupted)
+    assert cli.main(["ingest", str(tmp_path / "a.md"), "--index", str(tmp_path / "index")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again" in err and "Traceback" not in err
+
+
+def test_odd_storage_settings_get_clear_errors(tokenizer):
+    for bad in (["int8"], "int4", None):
+        with pytest.raises(InvalidInputError, match="kv_dtype"):
+            make_tiny_engine("llama", tokenizer, kv_dtype=bad)
+    for bad in (-1, "x", True, 2.0):
+        with pytest.raises(InvalidInputError, match="precompute_batch_tokens"):
+            make_tiny_engine("llama", tokenizer, precompute_batch_tokens=bad)
+    import numpy as np
+
+    assert make_tiny_engine("llama", tokenizer, precompute_batch_tokens=np.int64(512)).precompute_batch_tokens == 512
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(InvalidInputError, match="only whitespace"):
+        engine.precompute(["A real chunk of text about ferries.", "  \n\t "])
+    assert len(engine.store) == 0                                  # a bad item stores nothing
+    assert engine.precompute(["  \n "], skip_unusable=True) == [None]

@@ -326,7 +326,7 @@ def test_cli_ingest_and_ask(tmp_path, capsys):
 
     index = str(tmp_path / "cli-index")
     assert main(["ingest", str(sample_dir()), "--index", index]) == 0
-    assert "Ingested 6 file(s)" in capsys.readouterr().out
+    assert "Ingested 6 new or changed file(s)" in capsys.readouterr().out
     assert main(["ask", load_sample()["demo"][0]["question"], "--index", index, "--compare",
                  "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out

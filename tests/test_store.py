@@ -284,6 +284,7 @@ def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):
     engine.store = TieredStore(MemoryStore(), DiskStore(tmp_path, engine.entry_spec))
     engine.precompute(PASSAGES[:3])
     engine.store.memory = MemoryStore()  # a new process: memory empty, disk full
+    hits = engine.store.stats()["disk"]["hits"]
     # CacheBlend never reads layer 0 from the store; promotion must still copy whole entries
     first = engine.prefill(SEGMENTS, strategy=CacheBlend(0.3))
     assert first.stats.tiers == {"disk": 3}
@@ -293,6 +294,9 @@ def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):
     assert torch.equal(first.logits, second.logits)
     stats = engine.store.stats()
     assert stats["memory"]["entries"] == 3 and stats["disk"]["entries"] == 3
+    # Three chunks read from disk are three hits: neither promotion nor verification counts.
+    assert all(engine.store.disk.verify(key) is None for key in engine.store.disk.keys())
+    assert stats["disk"]["hits"] == engine.store.stats()["disk"]["hits"] == hits + 3
 
 
 @pytest.mark.parametrize("strategy", [CacheBlend(0.2), FullReuse()])

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 import time
@@ -190,11 +191,11 @@ class BlendEngine:
         # query waiting behind ingestion is not kept for long. 0: one chunk per pass, whose
         # entry is bit-identical to the one a query computes for a missing chunk (a packed
         # pass agrees with it to ~1e-6, which can flip a float16 rounding).
-        if isinstance(precompute_batch_tokens, bool) or not isinstance(precompute_batch_tokens, int) \
+        if isinstance(precompute_batch_tokens, bool) or not isinstance(precompute_batch_tokens, numbers.Integral) \
                 or precompute_batch_tokens < 0:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
                                     f"got {precompute_batch_tokens!r}.")
-        self.precompute_batch_tokens = precompute_batch_tokens
+        self.precompute_batch_tokens = int(precompute_batch_tokens)
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
@@ -301,8 +302,8 @@ class BlendEngine:
         for i, ids in enumerate(tokenized):
             if ids is None:
                 continue
-            if not ids:
-                raise InvalidInputError(f"chunk {i} is empty; drop empty chunks before precomputing.")
+            if not ids or not texts[i].strip():
+                raise InvalidInputError(f"chunk {i} is empty or only whitespace; drop such chunks before precomputing.")
             if len(ids) > limit:
                 raise PromptTooLongError(
                     f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context window "
@@ -607,7 +608,7 @@ class BlendEngine:
                 self._in_background(self._promote_one, key)
 
     def _promote_one(self, key: str) -> None:
-        entry = self.store.disk.get(key)
+        entry = self.store.disk.read_uncounted(key)
         if entry is not None:
             self.store.promote(entry)
 
@@ -703,6 +704,6 @@ def _packs(items: list, max_tokens: int):
 def _storage_dtype(kv_dtype) -> torch.dtype:
     if isinstance(kv_dtype, torch.dtype) and kv_dtype in STORAGE_DTYPES.values():
         return kv_dtype
-    if kv_dtype in STORAGE_DTYPES:
+    if isinstance(kv_dtype, str) and kv_dtype in STORAGE_DTYPES:
         return STORAGE_DTYPES[kv_dtype]
     raise InvalidInputError(f"kv_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {kv_dtype!r}.")

@@ -606,11 +606,12 @@ class DiskStore(KVStore):
             log.warning("ragblend: the KV store in %s failed to %s (%s: %s); the chunk is computed instead.",
                         self.directory, action, type(err).__name__, err)
 
-    def open(self, key: str, drop_unusable: bool = True) -> ChunkReader | None:
+    def open(self, key: str, drop_unusable: bool = True, count: bool = True) -> ChunkReader | None:
         """A reader for ``key``, or None. An unusable entry is deleted unless
-        ``drop_unusable`` is False (e.g. when scanning a directory other models share)."""
+        ``drop_unusable`` is False (e.g. when scanning a directory other models share).
+        ``count=False`` leaves the hit/miss statistics alone (promotion, verification)."""
         try:
-            handle = self.cache.get(key, read=True)
+            handle = self.cache.get(key, read=True) if count else self._uncounted_handle(key)
         except CorruptEntryError:
             if drop_unusable:
                 self.delete(key)
@@ -697,11 +698,33 @@ class DiskStore(KVStore):
         """Bytes of entry files (what the size limit is about), without the SQLite index."""
         return int(self.cache._sql("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchone()[0])
 
+    def _uncounted_handle(self, key: str):
+        """The entry's open file, found as ``cache.get(key, read=True)`` finds it, without
+        counting a hit or a miss."""
+        db_key, raw = self.cache.disk.put(key)
+        row = self.cache._sql("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = ?",
+                              (db_key, raw)).fetchone()
+        return None if row is None else self.cache.disk.fetch(*row, True)
+
+    def read_uncounted(self, key: str) -> ChunkKV | None:
+        """The whole entry, like :meth:`get`, but not counted as a hit (a promotion to the
+        memory tier is not a query)."""
+        reader = self.open(key, count=False)
+        if reader is None:
+            return None
+        try:
+            return reader.read_all()
+        except CorruptEntryError:
+            self.delete(key)
+            return None
+        finally:
+            reader.close()
+
     def verify(self, key: str) -> str | None:
         """Fully check one entry; the reason it fails, or None when it is sound."""
         reader = None
         try:
-            handle = self.cache.get(key, read=True)
+            handle = self._uncounted_handle(key)
             if handle is None:
                 return "missing"
             reader = FileReader(handle, key, self.spec, os.fstat(handle.fileno()).st_size)

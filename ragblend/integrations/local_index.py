@@ -248,8 +248,8 @@ class LocalIndex:
                 report.nodes += len(nodes)
                 report.without_kv += sum(KV_METADATA_KEY not in node.metadata for node in nodes)
                 if bar is not None:
-                    bar.update(len(batch))
                     bar.set_postfix(chunks=report.nodes, refresh=False)
+                    bar.update(len(batch))
             marker.unlink()
         finally:
             if bar is not None:
