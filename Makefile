@@ -39,7 +39,7 @@ bench-quick: install
 	$(PIP) install -q 'matplotlib>=3.7'
 	$(PY) -m benchmarks.run --quick
 
-# ragblend beside transformers and llama-cpp-python (which builds from source: ~15 min on
+# ragblend beside transformers and llama-cpp-python (which builds from source: ~8 min on
 # 2 cores, once). A peer that does not install is skipped with a message.
 bench-peers: install
 	$(PIP) install -q 'llama-cpp-python==0.3.36' || echo "llama-cpp-python did not install: its rows are skipped"
