@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from .fusion import FullRecompute, fused_prefill
-from .kv import ChunkKV, quantize_int8
+from .kv import ChunkKV, to_storage
 from .model import ModelAdapter, cache_dir
 from .store import DiskStore, EntrySpec, FileReader, MemoryReader
 
@@ -132,11 +132,7 @@ class LoadingController:
         # Token ids stay inside the vocabulary: the probe entry is read back through the
         # same header checks as any entry, which refuse ids a model could not have produced.
         token_ids = [i % self.spec.vocab_size for i in range(tokens)]
-        entry = ChunkKV("0" * 64, token_ids, kv, kv.clone())
-        if self.kv_dtype == torch.int8:
-            entry = quantize_int8(entry)
-        else:
-            entry = ChunkKV(entry.key, token_ids, kv.to(self.kv_dtype), kv.to(self.kv_dtype))
+        entry = to_storage(ChunkKV("0" * 64, token_ids, kv, kv.clone()), self.kv_dtype)
         layer_bytes = entry.nbytes / shape.num_layers
         bytes_per_token_layer = layer_bytes / tokens
         return Measurements(

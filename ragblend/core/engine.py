@@ -40,7 +40,7 @@ from .fusion import (
     packed_isolated_kv,
 )
 from .generate import Decoding, KVDecoder, SamplingParams
-from .kv import ChunkKV, ChunkRef, chunk_key, quantize_int8
+from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
 from .model import ModelAdapter, cache_dir, load_model, with_half_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
@@ -426,12 +426,11 @@ class BlendEngine:
 
     def _storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:
         entry = ChunkKV(self._key_for(token_ids), list(token_ids), keys, values)
+        stored = to_storage(entry, self.kv_dtype)
         if self.kv_dtype == torch.int8:
             # int8 entries are read back in float16: they need float16's range too.
-            stored = quantize_int8(entry)
             fits = max(keys.abs().max(), values.abs().max()) <= torch.finfo(torch.float16).max
         else:
-            stored = ChunkKV(entry.key, entry.token_ids, keys.to(self.kv_dtype), values.to(self.kv_dtype))
             fits = torch.isfinite(stored.keys).all() and torch.isfinite(stored.values).all()
         if not fits:
             # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).

@@ -732,16 +732,9 @@ def _sink_kv(adapter: ModelAdapter, sink_ids: list[int], cos, sin) -> list[tuple
     shape = adapter.shape
     if not sink_ids:
         empty = torch.empty(shape.num_kv_heads, 0, shape.head_dim, dtype=adapter.dtype, device=adapter.device)
-        return [(empty, empty)] * (shape.num_layers - 1)
-    hidden = adapter.embed(torch.tensor(sink_ids, device=adapter.device))
-    out = []
-    for layer in range(adapter.shape.num_layers - 1):   # the last layer's sink K/V is never attended
-        x = adapter.attn_input(layer, hidden)
-        k, v = adapter.kv(layer, x)
-        k = adapter.rope(k, cos, sin)
-        out.append((k, v))
-        hidden = adapter.finish(layer, hidden, adapter.attention(adapter.rope(adapter.q(layer, x), cos, sin), k, v, None))
-    return out
+        return [(empty, empty)] * shape.num_layers
+    keys, values = isolated_kv(adapter, [], sink_ids)   # the sink is a chunk with nothing before it
+    return [(adapter.rope(k, cos, sin), v) for k, v in zip(keys, values)]
 
 
 def _offset_causal_mask(n: int, offset: int, device, dtype: torch.dtype) -> torch.Tensor:

@@ -74,6 +74,13 @@ class ChunkKV:
         return dequantize_int8(self.keys[index], self.key_scales[index], self.values[index], self.value_scales[index])
 
 
+def to_storage(entry: ChunkKV, dtype: torch.dtype) -> ChunkKV:
+    """``entry`` in a storage dtype: cast, or quantized for ``torch.int8``."""
+    if dtype == torch.int8:
+        return quantize_int8(entry)
+    return ChunkKV(entry.key, entry.token_ids, entry.keys.to(dtype), entry.values.to(dtype))
+
+
 def quantize_int8(entry: ChunkKV) -> ChunkKV:
     """The int8 form of ``entry``: symmetric, K scaled per channel and V per token (the split
     KIVI found best), scales in float16. About half the bytes of float16."""

@@ -304,7 +304,10 @@ class KVStore:
 
     def get(self, key: str) -> ChunkKV | None:
         """The whole entry for ``key``, or None when absent or unusable (then dropped)."""
-        reader = self.open(key)
+        return self._whole(self.open(key), key)
+
+    def _whole(self, reader: ChunkReader | None, key: str) -> ChunkKV | None:
+        """Everything ``reader`` holds, closing it; a corrupt entry is dropped (None)."""
         if reader is None:
             return None
         try:
@@ -709,16 +712,7 @@ class DiskStore(KVStore):
     def read_uncounted(self, key: str) -> ChunkKV | None:
         """The whole entry, like :meth:`get`, but not counted as a hit (a promotion to the
         memory tier is not a query)."""
-        reader = self.open(key, count=False)
-        if reader is None:
-            return None
-        try:
-            return reader.read_all()
-        except CorruptEntryError:
-            self.delete(key)
-            return None
-        finally:
-            reader.close()
+        return self._whole(self.open(key, count=False), key)
 
     def verify(self, key: str) -> str | None:
         """Fully check one entry; the reason it fails, or None when it is sound."""
