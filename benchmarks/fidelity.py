@@ -34,6 +34,7 @@ VARIANTS = {
     "CacheBlend(0.15)": CacheBlend(0.15),
     "CacheBlend(0.30)": CacheBlend(0.30),
     "CacheBlend(0.50)": CacheBlend(0.50),
+    "QueryAware(0.05)": QueryAware(0.05),
     "QueryAware(0.10)": QueryAware(0.10),
     "QueryAware(0.15)": QueryAware(0.15),
     "QueryAware(0.20)": QueryAware(0.20),
@@ -106,12 +107,15 @@ def main(argv=None) -> None:
     parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
     parser.add_argument("--out", default="docs")
     parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
+    parser.add_argument("--no-chunk-context", action="store_true",
+                        help="precompute chunks right after the template's opening (chunk_context=''), as before")
     args = parser.parse_args(argv)
     variants = {name: VARIANTS[name] for name in args.variants}
     t0 = time.perf_counter()
     lines, raw = [], {}
     for model in args.models:
-        engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device)
+        engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device,
+                                             **({"chunk_context": ""} if args.no_chunk_context else {}))
         for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
             if not prompts:
                 continue

@@ -38,6 +38,8 @@ from .models import MODELS, model_path
 
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
+    "QueryAware(0.05)": QueryAware(0.05),
+    "QueryAware(0.10)": QueryAware(0.10),
     "QueryAware(0.15)": QueryAware(0.15),
     "QueryAware(0.20)": QueryAware(0.20),
     "QueryAware(0.30) (uncalibrated default)": QueryAware(0.30),
@@ -76,10 +78,11 @@ def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args
             engine.hf_model(ids, logits_to_keep=1)
         return time.perf_counter() - t
 
-    times = {name: [] for name in ["HF forward (sdpa)", *STRATEGIES]}
+    strategies = {name: STRATEGIES[name] for name in args.strategies}
+    times = {name: [] for name in ["HF forward (sdpa)", *strategies]}
     for _ in range(args.runs):
         times["HF forward (sdpa)"].append(hf_forward())
-        for name, strategy in STRATEGIES.items():
+        for name, strategy in strategies.items():
             times[name].append(engine.prefill(segments, strategy=strategy).stats.ttft_s)
 
     greedy = dict(max_new_tokens=args.greedy_tokens, temperature=0.0)
@@ -87,7 +90,7 @@ def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args
     ref_out = engine.generate(segments, strategy=FullRecompute(), **greedy)
     base = statistics.median(times["HF forward (sdpa)"])
     rows = [("HF forward (sdpa)", base, 1.0, 1.0, 0.0, True)]
-    for name, strategy in STRATEGIES.items():
+    for name, strategy in strategies.items():
         pre = engine.prefill(segments, strategy=strategy)
         out = engine.generate(segments, strategy=strategy, **greedy)
         ttft = statistics.median(times[name])
@@ -176,6 +179,8 @@ def main(argv=None) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32)
     parser.add_argument("--section", choices=["all", "strategies", "storage"], default="all")
     parser.add_argument("--model", choices=MODELS, default="smollm2")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES, metavar="NAME",
+                        help="strategies by their table name (default: all)")
     args = parser.parse_args(argv)
 
     engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=False)

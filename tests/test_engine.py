@@ -222,8 +222,12 @@ def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engi
 def test_packed_precompute_gives_each_chunk_its_isolated_kv(tiny_engine):
     engine = tiny_engine
     chunks = [engine.prompts.tokenize(p) for p in PASSAGES] + [[5], engine.prompts.tokenize(PASSAGES[0])]
-    for (keys, values), ids in zip(packed_isolated_kv(engine.adapter, engine.sink_ids, chunks), chunks):
-        alone_k, alone_v = isolated_kv(engine.adapter, engine.sink_ids, ids)
+    sink = engine.sink_ids
+    windows = [w for i in range(engine.adapter.shape.num_layers) if (w := engine.adapter.window(i))]
+    if windows and len(sink) + max(map(len, chunks)) > min(windows):
+        sink = engine.prompts.sink_ids()   # the engine packs only what fits the window
+    for (keys, values), ids in zip(packed_isolated_kv(engine.adapter, sink, chunks), chunks):
+        alone_k, alone_v = isolated_kv(engine.adapter, sink, ids)
         assert keys.shape == alone_k.shape
         assert (keys - alone_k).abs().max() < 1e-5 and (values - alone_v).abs().max() < 1e-5
 
@@ -320,3 +324,27 @@ def test_decode_dtype_must_be_known(tokenizer):
 
     with pytest.raises(InvalidInputError, match="decode_dtype"):
         make_tiny_engine("llama", tokenizer, decode_dtype="int4")
+
+
+def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context(tokenizer):
+    from ragblend.core.errors import InvalidInputError
+    from ragblend.core.prompt import CHUNK_CONTEXT
+
+    from .conftest import make_tiny_engine
+
+    engine, bare = make_tiny_engine("llama", tokenizer), make_tiny_engine("llama", tokenizer, chunk_context="")
+    opening = engine.prompts.sink_ids()
+    assert bare.sink_ids == opening
+    assert engine.sink_ids == opening + engine.prompts.tokenize(CHUNK_CONTEXT) + engine.prompts._separator_ids
+    # Another prefix gives other KV: another key, and another calibration.
+    assert engine.precompute(PASSAGES[:1])[0].key != bare.precompute(PASSAGES[:1])[0].key
+    assert engine.calibration_id != bare.calibration_id
+    # A chunk computed for a query (missing from the store) equals the precomputed one exactly.
+    ids = engine.prompts.tokenize(PASSAGES[1])
+    engine.precompute_batch_tokens = 0
+    stored = engine.store.get(engine.precompute(PASSAGES[1:2])[0].key)
+    assert torch.equal(engine._compute_entry(ids).keys, stored.keys)
+    alone_k, _ = isolated_kv(engine.adapter, engine.sink_ids, ids)
+    assert (stored.keys.float() - alone_k).abs().max() < 1e-2     # stored as float16
+    with pytest.raises(InvalidInputError, match="chunk_context must be a str"):
+        make_tiny_engine("llama", tokenizer, chunk_context=None)

@@ -308,7 +308,7 @@ engine = make_tiny_engine("qwen2", AutoTokenizer.from_pretrained(TOKENIZER_DIR),
 engine.store = DiskStore(sys.argv[1], engine.entry_spec)
 print("ready", flush=True)
 for i in range(10**6):
-    engine.precompute([f"{PASSAGES[i % len(PASSAGES)]} Variant {i}." * 40])
+    engine.precompute([f"{PASSAGES[i % len(PASSAGES)]} Variant {i}." * 30])
     print("stored", flush=True)
 """
 

@@ -26,7 +26,7 @@ def test_question_attention_takes_the_most_attended_tokens():
     spans = [ReusedSpan(2, 4), ReusedSpan(7, 3)]          # positions 2-5 and 7-9 are reused
     prompt = FusionPrompt.build(12, spans, "cpu")
     relevance = torch.tensor([0.1, 0.9, 0.2, 0.3, 0.8, 0.05, 0.4])
-    selected = QuestionAttention(3 / 7).first(prompt, lambda: relevance)
+    selected = QuestionAttention(3 / 7).first(prompt, lambda: relevance[None])   # one layer
     assert selected.nonzero().squeeze(1).tolist() == [0, 1, 3, 6, 7, 9, 10, 11]  # fresh + the top 3
 
 
@@ -34,7 +34,7 @@ def test_whole_chunks_fill_the_budget_with_the_most_attended_chunk_first():
     spans = [ReusedSpan(0, 4), ReusedSpan(4, 3)]
     prompt = FusionPrompt.build(9, spans, "cpu")
     relevance = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.25])  # totals: chunk 0 0.4, chunk 1 0.75
-    selected = QuestionAttention(5 / 7, whole_chunks=True).first(prompt, lambda: relevance)
+    selected = QuestionAttention(5 / 7, whole_chunks=True).first(prompt, lambda: relevance[None])
     # chunk 1 (total 0.75) whole, then the budget's remaining 2 tokens from chunk 0
     assert selected[4:7].all() and int(selected[:4].sum()) == 2
 
@@ -98,11 +98,11 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
     engine = make_tiny_engine("llama", tokenizer)
-    path = calibration_file(engine.fingerprint)
+    path = calibration_file(engine.calibration_id)
     path.parent.mkdir(parents=True)
     path.write_bytes(content)
     with caplog.at_level(logging.WARNING, logger="ragblend"):
-        assert load_calibration(engine.fingerprint) is None
+        assert load_calibration(engine.calibration_id) is None
         assert make_tiny_engine("llama", tokenizer).strategy == UNCALIBRATED
     assert "ignoring the calibration file" in caplog.text
 
@@ -110,12 +110,12 @@ def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog
 def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):
     llama, qwen = make_tiny_engine("llama", tokenizer), make_tiny_engine("qwen2", tokenizer)
     result = qwen.calibrate(prompts()[:2], progress=False)
-    path = calibration_file(llama.fingerprint)
-    path.write_text(calibration_file(qwen.fingerprint).read_text())
+    path = calibration_file(llama.calibration_id)
+    path.write_text(calibration_file(qwen.calibration_id).read_text())
     with caplog.at_level(logging.WARNING, logger="ragblend"):
-        assert load_calibration(llama.fingerprint) is None
+        assert load_calibration(llama.calibration_id) is None
     assert "another model" in caplog.text
-    assert load_calibration(qwen.fingerprint) == result
+    assert load_calibration(qwen.calibration_id) == result
 
 
 def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, tokenizer):
@@ -125,7 +125,7 @@ def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, token
     too_long = [" ".join(CHUNKS * 40), " ".join(CHUNKS * 40)]  # past the tiny model's 2048-token window
     with pytest.raises(RagblendError, match="calibration could not run"):
         engine.calibrate([(too_long, "Q?")], progress=False)
-    assert not calibration_file(engine.fingerprint).exists()
+    assert not calibration_file(engine.calibration_id).exists()
 
 
 def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp_path, capsys):

@@ -38,12 +38,13 @@ from .fusion import (
     fused_prefill,
     isolated_kv,
     packed_isolated_kv,
+    sink_kv,
 )
 from .generate import Decoding, KVDecoder, SamplingParams
 from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
 from .model import ModelAdapter, cache_dir, load_model, with_half_linears
 from .pipeline import PrefetchSource, SequentialSource
-from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
+from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
     STORAGE_DTYPES,
     ChunkReader,
@@ -161,7 +162,8 @@ class BlendEngine:
 
     def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None,
                  strategy: Strategy | None = None, separator: str = "\n\n",
-                 sink_prefix: str | None = None, use_chat_template: bool | None = None,
+                 sink_prefix: str | None = None, chunk_context: str = CHUNK_CONTEXT,
+                 use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
                  name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32",
                  precompute_batch_tokens: int = 1024):
@@ -170,10 +172,16 @@ class BlendEngine:
         self.adapter = ModelAdapter(hf_model)
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=separator, use_chat_template=use_chat_template)
+        if not isinstance(chunk_context, str):
+            raise InvalidInputError(f"chunk_context must be a str (\"\" for none), got {type(chunk_context).__name__}.")
+        # What every chunk is precomputed after: the template's opening, then a neutral passage
+        # (chunk_context), so that a chunk's cached KV is that of a passage in the middle of a
+        # prompt, as it will be used (docs/benchmarks.md, "Chunk context").
         self.sink_ids = (self.prompts.tokenize(sink_prefix) if sink_prefix is not None
-                         else self.prompts.sink_ids())
+                         else self.prompts.sink_ids(chunk_context))
+        self._sink_kv: list | None = None   # the sink's K/V, computed once (see _compute_entries)
         self.fingerprint = self.adapter.fingerprint(tokenizer)
-        self.calibration: Calibration | None = load_calibration(self.fingerprint)
+        self.calibration: Calibration | None = load_calibration(self.calibration_id)
         self._default_strategy = strategy is None
         if strategy is None:
             strategy = self.calibration.strategy if self.calibration else UNCALIBRATED
@@ -408,20 +416,31 @@ class BlendEngine:
         self._index_store()
         return PromptLayout(list(token_ids), self.chunks.find(token_ids))
 
+    @property
+    def calibration_id(self) -> str:
+        """What a calibration holds for: the model and what chunks are precomputed after."""
+        return chunk_key(self.fingerprint, self.sink_ids, [], "calibration")
+
     def _compute_entry(self, token_ids: list[int]) -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
-        with self._lock:
-            keys, values = isolated_kv(self.adapter, self.sink_ids, token_ids)
-        return self._storage_entry(token_ids, keys, values)
+        return self._compute_entries([token_ids])[0]
 
     def _compute_entries(self, chunks: list[list[int]]) -> list[ChunkKV]:
-        """Several chunks' entries, computed in one pass where the model allows (a sliding
-        window shorter than sink + chunk needs the one-at-a-time path)."""
+        """Several chunks' entries, computed in one pass after the sink, whose K/V are computed
+        once per engine (a sliding window shorter than sink + chunk needs the one-at-a-time
+        path, which computes the sink each time)."""
         windows = [w for i in range(self.adapter.shape.num_layers) if (w := self.adapter.window(i)) is not None]
-        if len(chunks) == 1 or (windows and len(self.sink_ids) + max(map(len, chunks)) > min(windows)):
-            return [self._compute_entry(ids) for ids in chunks]
+        if windows and len(self.sink_ids) + max(map(len, chunks)) > min(windows):
+            entries = []
+            for ids in chunks:
+                with self._lock:
+                    keys, values = isolated_kv(self.adapter, self.sink_ids, ids)
+                entries.append(self._storage_entry(ids, keys, values))
+            return entries
         with self._lock:
-            kvs = packed_isolated_kv(self.adapter, self.sink_ids, chunks)
+            if self._sink_kv is None:
+                self._sink_kv = sink_kv(self.adapter, self.sink_ids)
+            kvs = packed_isolated_kv(self.adapter, self.sink_ids, chunks, sink=self._sink_kv)
         return [self._storage_entry(ids, keys, values) for ids, (keys, values) in zip(chunks, kvs)]
 
     def _storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:

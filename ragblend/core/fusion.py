@@ -311,7 +311,7 @@ class FusedPrefill:
 # ---------------------------------------------------------------------------- selections
 
 
-Probe = Callable[[], torch.Tensor]   # stage one of QueryAware: relevance of each reused token
+Probe = Callable[[], torch.Tensor]   # stage one of QueryAware: [layers, reused tokens] relevance
 
 
 class Selection:
@@ -331,8 +331,8 @@ class Selection:
 
     def first(self, prompt: FusionPrompt, probe: Probe) -> torch.Tensor:
         """Bool [N]: the tokens computed from layer 0. ``probe()`` runs the question
-        alone over the cached chunks and returns each reused token's relevance (costly:
-        call it only when needed)."""
+        alone over the cached chunks and returns each reused token's relevance at each layer,
+        ``[layers, reused tokens]``, every layer summing to 1 (costly: call it only when needed)."""
         raise NotImplementedError
 
     def refine(self, prompt: FusionPrompt, step: CheckStep) -> torch.Tensor:
@@ -436,7 +436,7 @@ class QuestionAttention(Selection):
         budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
-        relevance = probe()
+        relevance = probe().sum(dim=0)
         chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
         if self.whole_chunks:
             per_chunk = torch.zeros(len(prompt.spans), device=relevance.device).index_add_(
@@ -550,7 +550,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     def probe() -> torch.Tensor:
         # Stage one: the question reads the cached chunks as they are (FullReuse), and its
         # attention to each reused token, summed over layers, says what matters to it.
-        relevance = torch.zeros(prompt.num_reused, device=adapter.device)
+        relevance = torch.zeros(adapter.shape.num_layers, prompt.num_reused, device=adapter.device)
         query_tokens = getattr(selection, "query_tokens", None)
         start = prompt.question_start if query_tokens is None else max(0, prompt.num_tokens - query_tokens)
         run = _walk(adapter, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
@@ -572,9 +572,9 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 
 
 def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor, start: int):
-    """An observer for :func:`_walk` that adds, at every layer, the attention of the tokens
-    from position ``start`` on (the question) to each reused token (mean over heads and
-    question tokens, each layer normalised to sum 1)."""
+    """An observer for :func:`_walk` that writes, at every layer, the attention of the tokens
+    from position ``start`` on (the question) to each reused token into ``relevance[layer]``
+    (mean over heads and question tokens, normalised to sum 1)."""
 
     def observe(layer: int, q: torch.Tensor, layer_k: torch.Tensor, positions: torch.Tensor) -> None:
         rows = positions >= start
@@ -582,7 +582,7 @@ def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: 
             return
         weights = attention_weights(adapter, q[:, rows], layer_k, positions[rows], adapter.window(layer))
         on_reused = weights.mean(dim=(0, 1))[prompt.reused_pos]
-        relevance.add_(on_reused / on_reused.sum().clamp_min(1e-12))
+        relevance[layer] = on_reused / on_reused.sum().clamp_min(1e-12)
 
     return observe
 
@@ -688,18 +688,20 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
 
 
 @torch.inference_mode()
-def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[list[int]]):
+def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[list[int]],
+                       sink: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
     """:func:`isolated_kv` of several chunks in one pass: what ingestion calls.
 
     The sink is computed once; the chunks' tokens then go through every linear layer together
     (one big matmul instead of one per chunk) and each chunk attends only to the sink and to
     itself, so its K/V equal those of computing it alone (up to float rounding). Returns one
-    ``(keys, values)`` per chunk, as :func:`isolated_kv` does.
+    ``(keys, values)`` per chunk, as :func:`isolated_kv` does. ``sink``: the sink's K/V from
+    :func:`sink_kv`, when the caller keeps them between calls.
     """
     device, s = adapter.device, len(sink_ids)
     lengths = [len(c) for c in chunks]
     cos, sin = adapter.rope_tables(s + max(lengths))
-    sink_kv = _sink_kv(adapter, sink_ids, cos[:s], sin[:s])
+    sink = sink if sink is not None else sink_kv(adapter, sink_ids)
     ids = torch.tensor([t for c in chunks for t in c], device=device)
     positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
     cos, sin = cos[positions], sin[positions]
@@ -717,7 +719,7 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
             break
         # 2. Attention, chunk by chunk: each sees the sink and its own earlier tokens.
         q, k = adapter.rope(adapter.q(layer, x), cos, sin), adapter.rope(k, cos, sin)
-        sink_k, sink_v = sink_kv[layer]
+        sink_k, sink_v = sink[layer]
         attn = torch.cat([adapter.attention(q[:, a:b], torch.cat([sink_k, k[:, a:b]], 1),
                                             torch.cat([sink_v, v[:, a:b]], 1), masks[b - a]) for a, b in bounds])
         # 3. Output projection and MLP, all tokens at once.
@@ -727,13 +729,15 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     return [(keys[:, :, a:b].clone(), values[:, :, a:b].clone()) for a, b in bounds]
 
 
-def _sink_kv(adapter: ModelAdapter, sink_ids: list[int], cos, sin) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@torch.inference_mode()
+def sink_kv(adapter: ModelAdapter, sink_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the sink's rotated K and its V, from a causal prefill of the sink alone."""
     shape = adapter.shape
     if not sink_ids:
         empty = torch.empty(shape.num_kv_heads, 0, shape.head_dim, dtype=adapter.dtype, device=adapter.device)
         return [(empty, empty)] * shape.num_layers
     keys, values = isolated_kv(adapter, [], sink_ids)   # the sink is a chunk with nothing before it
+    cos, sin = adapter.rope_tables(len(sink_ids))
     return [(adapter.rope(k, cos, sin), v) for k, v in zip(keys, values)]
 
 

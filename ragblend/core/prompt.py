@@ -28,6 +28,23 @@ def check_text(text, what: str) -> str:
     return text
 
 
+# The passage every chunk is precomputed after (then dropped with the sink's KV). A chunk
+# precomputed right after the system prompt is encoded as the start of a text, yet in a RAG
+# prompt most chunks sit after other passages; after any passage its KV is much closer to a
+# full prefill's (first-token KL 2-3x lower at the same recompute on SQuAD; see
+# docs/benchmarks.md, "Chunk context"). Neutral on purpose: an encyclopedic paragraph about no
+# real place, written for ragblend, so that it adds no facts an answer could pick up.
+CHUNK_CONTEXT = (
+    "The river rises in a range of low hills and flows for about three hundred kilometres before it "
+    "reaches the sea. In its upper course it runs quickly through narrow valleys, where small mills were "
+    "built in the eighteenth century; further down it widens and slows, and the plain on either side has "
+    "been farmed for centuries. Several towns grew up at places where the river could be crossed, and two "
+    "of them became regional markets. In the nineteenth century a canal was cut to link the river with a "
+    "neighbouring valley, and a railway later followed the same route. Today the lower valley is known for "
+    "its orchards and for a wetland reserve near the estuary, which is visited by migrating birds in spring "
+    "and autumn."
+)
+
 @dataclass(frozen=True)
 class Chunk:
     """A piece of context whose KV cache is stored and reused (a retrieved document chunk)."""
@@ -121,18 +138,22 @@ class PromptBuilder:
                                     "pass use_chat_template=False.")
         return self.tokenize(before), self.tokenize(after)
 
-    def sink_ids(self) -> list[int]:
+    def sink_ids(self, context: str = "") -> list[int]:
         """The fixed prefix chunks are precomputed after (its KV is dropped).
 
         The template's opening (with its default system prompt) is what most prompts start
         with, so a chunk computed after it sees a realistic "attention sink" instead of
-        being the very first tokens of a sequence.
+        being the very first tokens of a sequence. ``context``, when given, follows it (then
+        the chunk separator): a passage, so that the chunk is computed as a passage in the
+        middle of a prompt rather than as the first thing after the system prompt.
         """
         prefix, _ = self.template_parts(None)
-        if prefix:
-            return prefix
-        tok = self.tokenizer
-        return [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
+        if not prefix:
+            tok = self.tokenizer
+            prefix = [tok.bos_token_id] if tok.bos_token_id is not None else [tok.eos_token_id]
+        if context:
+            prefix = prefix + self.tokenize(context) + self._separator_ids
+        return prefix
 
     def build(self, segments: Sequence[Segment], system: str | None = None,
               history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
