@@ -11,7 +11,8 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
 2. the same KL for :class:`~ragblend.core.fusion.QueryAware` at each ratio of
    :data:`LADDER`, cheapest first;
 3. the choice: the cheapest ratio whose mean *and* median KL stay within :data:`MARGIN` of
-   the noise (or the most faithful one tried, said so, when none does). The margin is there
+   the noise, over all prompts and over the long ones alone (or the most faithful one tried,
+   said so, when none does). The margin is there
    because 8 prompts are few and the user's prompts are not these: on the benchmark sets a
    ratio that only just met the noise on one set missed it on another.
 
@@ -44,6 +45,7 @@ log = logging.getLogger("ragblend")
 CALIBRATION_FORMAT = 2                # 2: chunks precomputed after CHUNK_CONTEXT
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest first
 MARGIN = 0.8                          # chosen KL (mean and median) <= MARGIN x order noise
+LONG_PROMPT_TOKENS = 2048             # prompts at least this long must also pass on their own
 UNCALIBRATED = QueryAware(0.3)        # within the order noise on every benchmark set, both models
 MAX_FILE_BYTES = 1 << 16
 
@@ -75,7 +77,7 @@ class Calibration:
         noise = f"order noise KL {self.order_noise_kl[0]:.4f}/{self.order_noise_kl[1]:.4f} (mean/median)"
         if self.within_noise:
             return (f"calibrated: the cheapest ratio whose KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f} "
-                    f"stays within {MARGIN:.0%} of the model's {noise} on {self.prompts} built-in prompts")
+                    f"stays within {MARGIN:.0%} of the model's {noise} on {self.prompts} prompts (the long ones too)")
         return (f"calibrated: no ratio tried stayed within the model's {noise}; using the most faithful, "
                 f"KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f}")
 
@@ -178,7 +180,7 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, pro
     if not prompts or any(len(chunks) < 2 for chunks, _ in prompts):
         raise CalibrationError("calibrate needs prompts of at least two chunks each, as (chunks, question) pairs.")
     kl = first_token_kl
-    noise, fused = [], {ratio: [] for ratio in LADDER}
+    noise, fused, lengths = [], {ratio: [] for ratio in LADDER}, []
     compute = {ratio: [] for ratio in LADDER}
     items = prompts
     if progress:
@@ -188,7 +190,9 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, pro
         for chunks, question in items:
             engine.precompute(chunks)
             segments = [Chunk(c) for c in chunks] + [question]
-            reference = engine.prefill(segments, strategy=FullRecompute()).logits
+            full = engine.prefill(segments, strategy=FullRecompute())
+            reference = full.logits
+            lengths.append(len(full.token_ids))
             reordered = engine.prefill([Chunk(c) for c in reversed(chunks)] + [question], strategy=FullRecompute())
             noise.append(kl(reference, reordered.logits))
             for ratio in LADDER:
@@ -200,8 +204,22 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, pro
     noise_kl = (statistics.mean(noise), statistics.median(noise))
     tried = [{"ratio": r, "kl_mean": statistics.mean(fused[r]), "kl_median": statistics.median(fused[r]),
               "compute": statistics.mean(compute[r])} for r in LADDER]
-    within = [row for row in tried
-              if row["kl_mean"] <= MARGIN * noise_kl[0] and row["kl_median"] <= MARGIN * noise_kl[1]]
+    # Long prompts are judged on their own too: on Qwen2.5 a ratio comfortably within the noise
+    # on short prompts was outside it on ~3k-token ones, and the short ones outnumber them.
+    groups = [list(range(len(prompts)))]
+    long = [i for i, n in enumerate(lengths) if n >= LONG_PROMPT_TOKENS]
+    if 0 < len(long) < len(prompts):
+        groups.append(long)
+
+    def within_margin(ratio) -> bool:
+        for group in groups:
+            kls, noises = [fused[ratio][i] for i in group], [noise[i] for i in group]
+            if statistics.mean(kls) > MARGIN * statistics.mean(noises) or \
+                    statistics.median(kls) > MARGIN * statistics.median(noises):
+                return False
+        return True
+
+    within = [row for row in tried if within_margin(row["ratio"])]
     chosen = within[0] if within else min(tried, key=lambda row: row["kl_mean"])
     return Calibration(engine.calibration_id, chosen["ratio"], bool(within), noise_kl,
                        (chosen["kl_mean"], chosen["kl_median"]), tried, len(prompts), time.perf_counter() - t0)
