@@ -12,12 +12,13 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
    :data:`LADDER`, cheapest first;
 3. the choice: the cheapest ratio whose mean *and* median KL stay within :data:`MARGIN` of
    the noise, over all prompts and over the long ones alone (or the most faithful one tried,
-   said so, when none does). The margin is there
-   because 8 prompts are few and the user's prompts are not these: on the benchmark sets a
-   ratio that only just met the noise on one set missed it on another.
+   said so, when none does). The margin is there because 8 prompts are few and the user's
+   prompts are not these: on the benchmark sets a ratio that only just met the noise on one
+   set missed it on another.
 
 The result is a small JSON file under ``<cache>/calibration/`` named by the engine's
-``calibration_id`` (the model's fingerprint and what chunks are precomputed after). An engine built without an explicit strategy uses it; a model without one
+``calibration_id`` (the model's fingerprint and what chunks are precomputed after). An
+engine built without an explicit strategy uses it; a model without one
 gets :data:`UNCALIBRATED`, a ratio that stayed within the noise on every benchmark set of
 both benchmark models (``docs/benchmarks.md``). A file that is unreadable, for another
 model or of another format version is ignored (and logged), never trusted.
@@ -86,31 +87,24 @@ def calibration_file(fingerprint: str) -> Path:
     return cache_dir() / "calibration" / f"{fingerprint[:32]}.json"
 
 
-# Calibrations measured by the project and shipped with the package (the embedded default
-# model's, so that it runs at its own ratio out of the box); the user's own file wins.
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
-
-
 def load_calibration(fingerprint: str) -> Calibration | None:
-    """The stored calibration of the model with this fingerprint (the user's own, else one
-    shipped with ragblend), or None (missing, or ignored because it is unreadable, foreign or
-    of another format: logged)."""
-    for path in (calibration_file(fingerprint), SHIPPED_DIR / calibration_file(fingerprint).name):
-        try:
-            if not path.is_file() or path.is_symlink():
-                continue
-            if path.stat().st_size > MAX_FILE_BYTES:
-                raise ValueError("file too large")
-            data = json.loads(path.read_text(encoding="utf-8"))
-            calibration = _from_json(data)
-        except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
-            log.warning("ragblend: ignoring the calibration file %s (%s); run engine.calibrate() again.", path, err)
+    """The stored calibration of the model with this fingerprint, or None (missing, or
+    ignored because it is unreadable, foreign or of another format: logged)."""
+    path = calibration_file(fingerprint)
+    try:
+        if not path.is_file() or path.is_symlink():
             return None
-        if calibration.fingerprint != fingerprint:
-            log.warning("ragblend: ignoring the calibration file %s: it was made for another model.", path)
-            return None
-        return calibration
-    return None
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError("file too large")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        calibration = _from_json(data)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
+        log.warning("ragblend: ignoring the calibration file %s (%s); run engine.calibrate() again.", path, err)
+        return None
+    if calibration.fingerprint != fingerprint:
+        log.warning("ragblend: ignoring the calibration file %s: it was made for another model.", path)
+        return None
+    return calibration
 
 
 def _from_json(data) -> Calibration:
