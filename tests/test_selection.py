@@ -3,12 +3,21 @@
 import json
 import logging
 import math
+import statistics
 
 import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
-from ragblend.core.calibration import LADDER, UNCALIBRATED, CalibrationError, calibration_file, load_calibration
+from ragblend.core.calibration import (
+    LADDER,
+    MARGIN,
+    UNCALIBRATED,
+    CalibrationError,
+    calibration_file,
+    cheapest_within_margin,
+    load_calibration,
+)
 from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan
 
 from .conftest import PASSAGES, make_tiny_engine
@@ -79,10 +88,10 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     result = engine.calibrate(prompts(), progress=False)
     assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER)
     noise_mean, noise_median = result.order_noise_kl
-    if result.within_noise:  # the cheapest ratio within the noise
-        assert result.chosen_kl[0] <= noise_mean and result.chosen_kl[1] <= noise_median
+    if result.within_noise:  # the cheapest ratio within the margin below the noise
+        assert result.chosen_kl[0] <= MARGIN * noise_mean and result.chosen_kl[1] <= MARGIN * noise_median
         cheaper = [row for row in result.tried if row["ratio"] < result.ratio]
-        assert all(row["kl_mean"] > noise_mean or row["kl_median"] > noise_median for row in cheaper)
+        assert all(row["kl_mean"] > MARGIN * noise_mean or row["kl_median"] > MARGIN * noise_median for row in cheaper)
     assert engine.strategy == QueryAware(result.ratio)
     again = make_tiny_engine("qwen2", tokenizer)
     assert again.calibration == result and again.strategy == QueryAware(result.ratio)
@@ -90,6 +99,20 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     assert stats.strategy == "query_aware" and stats.ratio == result.ratio
     assert stats.strategy_reason.startswith("calibrated")
     assert again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=FullRecompute()).stats.strategy_reason == "chosen by the caller"
+
+
+def test_the_choice_keeps_a_margin_and_judges_long_prompts_on_their_own():
+    noise = [0.02, 0.02, 0.02, 0.04, 0.04]
+    lengths = [600, 600, 600, 3000, 3000]
+    fused = {0.1: [0.002, 0.002, 0.002, 0.030, 0.030],    # fine over all five, not on the long ones
+             0.2: [0.002, 0.002, 0.002, 0.015, 0.015],
+             0.3: [0.001, 0.001, 0.001, 0.010, 0.010]}
+    assert statistics.mean(fused[0.1]) <= MARGIN * statistics.mean(noise)
+    assert cheapest_within_margin(noise, fused, lengths) == 0.2
+    assert cheapest_within_margin(noise, fused, [600] * 5) == 0.1       # no long prompts: one group
+    within_noise_only = [0.015] * 5                                      # below the noise, above the margin
+    assert statistics.mean(within_noise_only) <= statistics.mean(noise)
+    assert cheapest_within_margin(noise, {0.1: within_noise_only}, lengths) is None
 
 
 @pytest.mark.parametrize("content", [

@@ -342,7 +342,10 @@ class ModelAdapter:
         """
         h = hashlib.sha256()
         config = json.loads(self.hf_model.config.to_json_string(use_diff=False))
-        config.pop("_name_or_path", None)  # where the model was loaded from is not what it is
+        # Where the model was loaded from, and which transformers wrote the config, are not
+        # what it is (a shipped calibration must match under any transformers 5.x).
+        config.pop("_name_or_path", None)
+        config.pop("transformers_version", None)
         h.update(json.dumps(config, sort_keys=True).encode())
         h.update(str(self.dtype).encode())
         for name, param in self.hf_model.state_dict().items():
