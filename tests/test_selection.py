@@ -1,5 +1,6 @@
 """Query-aware selection and calibration, on tiny random models."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -128,6 +129,27 @@ def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog
         assert load_calibration(engine.calibration_id) is None
         assert make_tiny_engine("llama", tokenizer).strategy == UNCALIBRATED
     assert "ignoring the calibration file" in caplog.text
+
+
+def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, tmp_path, monkeypatch, caplog):
+    from ragblend.core import calibration as module
+
+    engine = make_tiny_engine("qwen2", tokenizer)
+    shipped = engine.calibrate(prompts()[:2], progress=False, save=False)
+    shipped.ratio = 0.2
+    monkeypatch.setattr(module, "SHIPPED_DIR", tmp_path / "shipped")
+    module.SHIPPED_DIR.mkdir()
+    (module.SHIPPED_DIR / calibration_file(engine.calibration_id).name).write_text(json.dumps(dataclasses.asdict(shipped)))
+    assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    user_file = calibration_file(engine.calibration_id)
+    user_file.parent.mkdir(parents=True)
+    user_file.write_bytes(b"not json")   # a broken file of the user's is passed over, with a warning
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    assert "ignoring the calibration file" in caplog.text
+    own = engine.calibrate(prompts()[:2], progress=False)   # saved: the user's own wins
+    assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(own.ratio)
+    assert load_calibration(engine.calibration_id) == own
 
 
 def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):

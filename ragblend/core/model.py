@@ -343,7 +343,7 @@ class ModelAdapter:
         h = hashlib.sha256()
         config = json.loads(self.hf_model.config.to_json_string(use_diff=False))
         # Where the model was loaded from, and which transformers wrote the config, are not
-        # what it is (a shipped calibration must match under any transformers 5.x).
+        # what it is (an upgrade of transformers alone must not orphan a shipped calibration).
         config.pop("_name_or_path", None)
         config.pop("transformers_version", None)
         h.update(json.dumps(config, sort_keys=True).encode())
