@@ -68,8 +68,9 @@ def _print_answer(label: str, answer) -> None:
     if s is None:
         print(f"[{label}] {answer.text}\n  (no chunk was retrieved, so the model was not called)")
         return
-    print(f"[{label}] TTFT {s.ttft_s:.2f} s | {s.prompt_tokens} prompt tokens: {s.reused_tokens} reused, "
-          f"{s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
+    strategy = s.strategy if s.ratio is None else f"{s.strategy} {s.ratio:g}"   # what ran, not what was asked
+    print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
+          f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
     print(f"  {answer.text}\n")
 
 
@@ -78,6 +79,8 @@ def _check_options(args) -> None:
     from ragblend.integrations.common import make_strategy
 
     make_strategy(getattr(args, "strategy", "default"), args.ratio)
+    if getattr(args, "questions", 1) < 1:
+        raise InvalidInputError(f"--questions must be at least 1, got {args.questions}.")
 
 
 def _ask(args) -> int:
@@ -115,8 +118,7 @@ def _demo(args) -> int:
           f"({len(rag)} chunks in the index, KV precomputed for each).\n")
     for item in load_sample()["demo"][: args.questions]:
         print(f"Q: {item['question']}   (the documents say: {item['answer']})")
-        fused = "BlendLLM" if args.ratio is None else f"BlendLLM, QueryAware({args.ratio})"
-        for label, strategy in ((fused, "default"), ("full prefill", "full_recompute")):
+        for label, strategy in (("BlendLLM", "default"), ("full prefill", "full_recompute")):
             answer = rag.ask(item["question"], strategy=strategy, ratio=args.ratio, top_k=args.top_k,
                              max_new_tokens=args.max_new_tokens)
             _print_answer(label, answer)

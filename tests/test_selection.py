@@ -100,6 +100,11 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     assert stats.strategy == "query_aware" and stats.ratio == result.ratio
     assert stats.strategy_reason.startswith("calibrated")
     assert again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=FullRecompute()).stats.strategy_reason == "chosen by the caller"
+    # The same strategy, passed explicitly, is the caller's choice too.
+    explicit = again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=QueryAware(result.ratio)).stats
+    assert explicit.strategy_reason == "chosen by the caller"
+    assert f"QueryAware({result.ratio})" in stats.strategy_reason
+    assert str(calibration_file(again.calibration_id)) in stats.strategy_reason
 
 
 def test_the_choice_keeps_a_margin_and_judges_long_prompts_on_their_own():
@@ -140,9 +145,19 @@ def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, 
     monkeypatch.setattr(module, "SHIPPED_DIR", tmp_path / "shipped")
     module.SHIPPED_DIR.mkdir()
     (module.SHIPPED_DIR / calibration_file(engine.calibration_id).name).write_text(json.dumps(dataclasses.asdict(shipped)))
-    assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    from_shipped = make_tiny_engine("qwen2", tokenizer)
+    assert from_shipped.strategy == QueryAware(0.2)
+    reason = from_shipped.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+    assert "shipped with ragblend" in reason and "QueryAware(0.2)" in reason
     user_file = calibration_file(engine.calibration_id)
-    user_file.parent.mkdir(parents=True)
+    user_file.mkdir(parents=True)        # not a regular file: passed over, with a warning
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    assert "not a regular file" in caplog.text
+    user_file.rmdir()
+    infinite = {**dataclasses.asdict(shipped), "order_noise_kl": [float("inf"), 0.01]}
+    user_file.write_text(json.dumps(infinite))   # json writes Infinity, and reads it back
+    assert load_calibration(engine.calibration_id).source == "shipped"
     user_file.write_bytes(b"not json")   # a broken file of the user's is passed over, with a warning
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
@@ -161,6 +176,16 @@ def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):
         assert load_calibration(llama.calibration_id) is None
     assert "another model" in caplog.text
     assert load_calibration(qwen.calibration_id) == result
+
+
+def test_a_calibration_that_cannot_be_saved_is_kept_by_the_engine(cache, tokenizer, caplog):
+    engine = make_tiny_engine("llama", tokenizer)
+    (cache / "calibration").write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        result = engine.calibrate(prompts()[:2], progress=False)
+    assert "could not save the calibration" in caplog.text
+    assert engine.calibration == result and engine.strategy == QueryAware(result.ratio)
+    assert "not saved" in engine.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
 
 
 def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, tokenizer):

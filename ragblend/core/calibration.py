@@ -71,6 +71,7 @@ class Calibration:
     prompts: int = 0
     seconds: float = 0.0
     format: int = CALIBRATION_FORMAT
+    source: str = field(default="", compare=False)   # the file it came from (not stored in it)
 
     @property
     def strategy(self) -> QueryAware:
@@ -78,12 +79,15 @@ class Calibration:
 
     @property
     def reason(self) -> str:
+        origin = ("shipped with ragblend" if self.source == SHIPPED else
+                  f"from {self.source}" if self.source else "measured by this engine, not saved")
         noise = f"order noise KL {self.order_noise_kl[0]:.4f}/{self.order_noise_kl[1]:.4f} (mean/median)"
         if self.within_noise:
-            return (f"calibrated: the cheapest ratio whose KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f} "
-                    f"stays within {MARGIN:.0%} of the model's {noise} on {self.prompts} prompts (the long ones too)")
-        return (f"calibrated: no ratio tried stayed within the model's {noise}; using the most faithful, "
-                f"KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f}")
+            return (f"calibrated ({origin}): QueryAware({self.ratio}) is the cheapest ratio whose KL "
+                    f"{self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f} stays within {MARGIN:.0%} of the model's "
+                    f"{noise} on {self.prompts} prompts (the long ones too)")
+        return (f"calibrated ({origin}): no ratio tried stayed within {MARGIN:.0%} of the model's {noise}; "
+                f"using the most faithful, QueryAware({self.ratio}), KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f}")
 
 
 def calibration_file(fingerprint: str) -> Path:
@@ -93,26 +97,31 @@ def calibration_file(fingerprint: str) -> Path:
 # Calibrations measured by the project and shipped with the package (the embedded default
 # model's, so that it runs at its own ratio out of the box); the user's own file wins.
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
+SHIPPED = "shipped"   # Calibration.source of a shipped calibration
 
 
 def load_calibration(fingerprint: str) -> Calibration | None:
     """The stored calibration of the model with this fingerprint: the user's own, else one
     shipped with ragblend, else None. A file that is unreadable, foreign or of another format
     is ignored (and logged), never trusted."""
-    for path in (calibration_file(fingerprint), SHIPPED_DIR / calibration_file(fingerprint).name):
+    for path, source in ((calibration_file(fingerprint), None), (SHIPPED_DIR / calibration_file(fingerprint).name, SHIPPED)):
         try:
-            if not path.is_file() or path.is_symlink():
+            if path.is_symlink() or (path.exists() and not path.is_file()):
+                raise ValueError("not a regular file")
+            if not path.exists():
                 continue
             if path.stat().st_size > MAX_FILE_BYTES:
                 raise ValueError("file too large")
             data = json.loads(path.read_text(encoding="utf-8"))
             calibration = _from_json(data)
         except (OSError, ValueError, TypeError, KeyError, RecursionError) as err:
-            log.warning("ragblend: ignoring the calibration file %s (%s); run engine.calibrate() again.", path, err)
+            log.warning("ragblend: ignoring the calibration file %s (%s); delete it, or run engine.calibrate() "
+                        "again.", path, err)
             continue
         if calibration.fingerprint != fingerprint:
-            log.warning("ragblend: ignoring the calibration file %s: it was made for another model.", path)
+            log.warning("ragblend: ignoring the calibration file %s: it was made for another model; delete it.", path)
             continue
+        calibration.source = source or str(path)
         return calibration
     return None
 
@@ -123,7 +132,8 @@ def _from_json(data) -> Calibration:
                          f"is not {CALIBRATION_FORMAT}")
 
     def number(value, low=0.0, high=math.inf) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not low <= value <= high:
             raise ValueError(f"bad value {value!r}")
         return float(value)
 
@@ -150,7 +160,9 @@ def save_calibration(calibration: Calibration) -> Path:
     path = calibration_file(calibration.fingerprint)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(calibration), indent=2), encoding="utf-8")
+    data = asdict(calibration)
+    del data["source"]   # where a file came from is not part of it
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
     os.replace(tmp, path)
     return path
 

@@ -465,20 +465,24 @@ class BlendEngine:
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True) -> Calibration:
         """Measure which recompute ratio keeps this model within its own order noise (once
-        per model, ~1 min for SmolLM2 and ~5 min for Qwen2.5-0.5B on a 2-core CPU; see
+        per model, ~2-5 min for SmolLM2 and ~5 min for Qwen2.5-0.5B on a 2-core CPU; see
         :mod:`ragblend.core.calibration`). The result is stored (``save``) and becomes this
         engine's strategy unless one was passed explicitly; later engines of the same model
         load it. ``prompts``: your own ``(chunks, question)`` pairs instead of the built-in ones."""
         result = calibrate(self, prompts, progress=progress)
         if save:
-            save_calibration(result)
+            try:
+                result.source = str(save_calibration(result))
+            except OSError as err:   # minutes of measuring are not thrown away for a cache folder
+                log.warning("ragblend: could not save the calibration (%s: %s); this engine uses it, later "
+                            "engines will not.", type(err).__name__, err)
         self.calibration = result
         if self._default_strategy:
             self.strategy = result.strategy
         return result
 
-    def _strategy_reason(self, strategy) -> str:
-        if strategy != self.strategy or not self._default_strategy:
+    def _strategy_reason(self, chosen_by_caller: bool) -> str:
+        if chosen_by_caller or not self._default_strategy:
             return "chosen by the caller"
         if self.calibration is not None:
             return self.calibration.reason
@@ -517,6 +521,7 @@ class BlendEngine:
         ``system`` is already part of it).
         """
         t0 = time.perf_counter()
+        reason = self._strategy_reason(chosen_by_caller=strategy is not None)
         strategy = check_strategy(strategy or self.strategy, self.adapter.shape.num_layers)
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         n = len(layout.token_ids)
@@ -524,7 +529,7 @@ class BlendEngine:
             raise PromptTooLongError(
                 f"The prompt has {n} tokens but the model's context window is {self.context_window}; "
                 "pass fewer or shorter chunks.")
-        stats = Stats(prompt_tokens=n, strategy=strategy.name, strategy_reason=self._strategy_reason(strategy))
+        stats = Stats(prompt_tokens=n, strategy=strategy.name, strategy_reason=reason)
         faults_before = self.store.faults
         computed: dict[str, ChunkKV] = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
