@@ -225,7 +225,10 @@ def _calibrate(args) -> int:
     for row in result.tried:
         print(f"| {row['ratio']:.2f} | {row['compute']:.1%} | {row['kl_mean']:.4f} | {row['kl_median']:.4f} |")
     print(f"| order noise | 100% | {result.order_noise_kl[0]:.4f} | {result.order_noise_kl[1]:.4f} |")
-    print(f"Chosen: QueryAware({result.ratio}), {result.reason}.")
+    print(f"Chosen: {result.reason}.")
+    if result.source:
+        print(f"Engines of this model use it from now on. Delete {result.source} to go back to the calibration "
+              "shipped with ragblend (the embedded model's) or, for other models, QueryAware(0.3).")
     return 0
 
 
@@ -319,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
     demo.set_defaults(func=_demo)
 
-    calibrate = sub.add_parser("calibrate", help="find the model's cheapest recompute ratio within its order "
-                                                 "noise, once; engines use it from then on")
+    calibrate = sub.add_parser("calibrate", help="find the model's cheapest recompute ratio within half its "
+                                                 "order noise, once (minutes on a CPU); engines use it from then "
+                                                 "on, in place of a shipped calibration")
     calibrate.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
     calibrate.set_defaults(func=_calibrate)
 
