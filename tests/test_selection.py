@@ -19,7 +19,7 @@ from ragblend.core.calibration import (
     cheapest_within_margin,
     load_calibration,
 )
-from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan
+from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan, strategy_from_name
 
 from .conftest import PASSAGES, make_tiny_engine
 
@@ -86,7 +86,12 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     engine = make_tiny_engine("qwen2", tokenizer)
     assert engine.calibration is None and engine.strategy == UNCALIBRATED
     assert "uncalibrated" in engine.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+    by_name = strategy_from_name("query_aware")   # no ratio: the engine's own, here the safe default
+    assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == UNCALIBRATED.ratio
+    with pytest.raises(RagblendError, match="engine's ratio"):
+        by_name.selection()
     result = engine.calibrate(prompts(), progress=False)
+    assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == result.ratio
     assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER)
     noise_mean, noise_median = result.order_noise_kl
     if result.within_noise:  # the cheapest ratio within the margin below the noise

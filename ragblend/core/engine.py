@@ -32,6 +32,7 @@ from .errors import InvalidInputError, PromptTooLongError
 from .fusion import (
     CacheBlend,
     FullRecompute,
+    QueryAware,
     ReusedSpan,
     Strategy,
     check_strategy,
@@ -523,6 +524,9 @@ class BlendEngine:
         t0 = time.perf_counter()
         reason = self._strategy_reason(chosen_by_caller=strategy is not None)
         strategy = check_strategy(strategy or self.strategy, self.adapter.shape.num_layers)
+        if isinstance(strategy, QueryAware) and strategy.ratio is None:
+            own = self.strategy.ratio if isinstance(self.strategy, QueryAware) else UNCALIBRATED.ratio
+            strategy = replace(strategy, ratio=own)
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         n = len(layout.token_ids)
         if n > self.context_window:

@@ -149,20 +149,28 @@ class QueryAware:
     tokens. The last 4 chose better on SQuAD and MuSiQue, the whole question on the long
     fidelity prompts, where only it stayed within Qwen2.5's order noise
     (``docs/benchmarks.md``).
+
+    ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
+    when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
+    means in the integrations and the CLI.
     """
 
-    ratio: float = 0.15
+    ratio: float | None = 0.15
     whole_chunks: bool = False
     query_tokens: int | None = None
     name = "query_aware"
 
     def __post_init__(self):
-        _check_ratio(self.ratio)
+        if self.ratio is not None:
+            _check_ratio(self.ratio)
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
 
     def selection(self) -> "Selection":
+        if self.ratio is None:
+            raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
+                                    "BlendEngine.prefill, or pass a number.")
         return QuestionAttention(self.ratio, self.whole_chunks, self.query_tokens)
 
 
@@ -182,15 +190,17 @@ STRATEGY_NAMES = ("default", *(cls.name for cls in STRATEGIES))
 def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: int = 16) -> Strategy | None:
     """A strategy from its ``name`` (each class's ``name``), as configuration files and the CLI
     give it. ``"default"`` is None, the engine's own (calibrated) choice, unless a ``ratio``
-    is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps each
-    strategy's default ratio."""
+    is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps CacheBlend's
+    default ratio and gives QueryAware the engine's own."""
     if name == "default":
         return None if ratio is None else QueryAware(ratio)
     for cls in STRATEGIES:
         if cls.name == name:
             if cls is LegoLink:
                 return LegoLink(legolink_k)
-            return cls() if ratio is None or cls not in (CacheBlend, QueryAware) else cls(ratio=ratio)
+            if cls is QueryAware:   # without a ratio: the engine's own (calibrated or safe) one
+                return QueryAware(ratio)
+            return cls() if ratio is None or cls is not CacheBlend else cls(ratio=ratio)
     raise InvalidInputError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
 
 
