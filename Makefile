@@ -39,9 +39,11 @@ bench-quick: install
 	$(PIP) install -q 'matplotlib>=3.7'
 	$(PY) -m benchmarks.run --quick
 
-# ragblend beside transformers and llama-cpp-python (which builds from source: ~8 min on
-# 2 cores, once). A peer that does not install is skipped with a message.
+# ragblend beside transformers and llama-cpp-python (which builds from source: ~4-8 min on
+# 2 cores, once). A peer that does not install is skipped with a message. llama.cpp is built for
+# AVX2, not -march=native: a native build segfaulted on its first eval on an AVX-512/AMX host.
 bench-peers: install
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
 	$(PIP) install -q 'llama-cpp-python==0.3.36' || echo "llama-cpp-python did not install: its rows are skipped"
 	$(PY) -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5
 
