@@ -104,12 +104,13 @@ def load_calibration(fingerprint: str) -> Calibration | None:
     """The stored calibration of the model with this fingerprint: the user's own, else one
     shipped with ragblend, else None. A file that is unreadable, foreign or of another format
     is ignored (and logged), never trusted."""
-    for path, source in ((calibration_file(fingerprint), None), (SHIPPED_DIR / calibration_file(fingerprint).name, SHIPPED)):
+    user = calibration_file(fingerprint)
+    for path, source in ((user, str(user)), (SHIPPED_DIR / user.name, SHIPPED)):
         try:
-            if path.is_symlink() or (path.exists() and not path.is_file()):
-                raise ValueError("not a regular file")
-            if not path.exists():
+            if not path.exists() and not path.is_symlink():
                 continue
+            if path.is_symlink() or not path.is_file():
+                raise ValueError("not a regular file")
             if path.stat().st_size > MAX_FILE_BYTES:
                 raise ValueError("file too large")
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -121,7 +122,7 @@ def load_calibration(fingerprint: str) -> Calibration | None:
         if calibration.fingerprint != fingerprint:
             log.warning("ragblend: ignoring the calibration file %s: it was made for another model; delete it.", path)
             continue
-        calibration.source = source or str(path)
+        calibration.source = source
         return calibration
     return None
 

@@ -200,7 +200,7 @@ def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: 
                 return LegoLink(legolink_k)
             if cls is QueryAware:   # without a ratio: the engine's own (calibrated or safe) one
                 return QueryAware(ratio)
-            return cls() if ratio is None or cls is not CacheBlend else cls(ratio=ratio)
+            return CacheBlend(ratio=ratio) if cls is CacheBlend and ratio is not None else cls()
     raise InvalidInputError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)}.")
 
 
