@@ -90,6 +90,8 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == UNCALIBRATED.ratio
     with pytest.raises(RagblendError, match="engine's ratio"):
         by_name.selection()
+    built_with_it = make_tiny_engine("qwen2", tokenizer, strategy=by_name)   # an engine's own default too
+    assert built_with_it.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.ratio == UNCALIBRATED.ratio
     result = engine.calibrate(prompts(), progress=False)
     assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == result.ratio
     assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER)

@@ -482,6 +482,13 @@ class BlendEngine:
             self.strategy = result.strategy
         return result
 
+    def _own_query_aware_ratio(self) -> float:
+        """What ``QueryAware(ratio=None)`` runs at: the engine's own QueryAware ratio, else its
+        calibration's, else the safe default (an engine built with ``QueryAware(None)`` too)."""
+        if isinstance(self.strategy, QueryAware) and self.strategy.ratio is not None:
+            return self.strategy.ratio
+        return self.calibration.ratio if self.calibration else UNCALIBRATED.ratio
+
     def _strategy_reason(self, chosen_by_caller: bool) -> str:
         if chosen_by_caller or not self._default_strategy:
             return "chosen by the caller"
@@ -525,8 +532,7 @@ class BlendEngine:
         reason = self._strategy_reason(chosen_by_caller=strategy is not None)
         strategy = check_strategy(strategy or self.strategy, self.adapter.shape.num_layers)
         if isinstance(strategy, QueryAware) and strategy.ratio is None:
-            own = self.strategy.ratio if isinstance(self.strategy, QueryAware) else UNCALIBRATED.ratio
-            strategy = replace(strategy, ratio=own)
+            strategy = replace(strategy, ratio=self._own_query_aware_ratio())
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         n = len(layout.token_ids)
         if n > self.context_window:
