@@ -44,6 +44,9 @@ VARIANTS = {
     "QueryAware(0.15, last 4 tokens)": QueryAware(0.15, query_tokens=4),
     "QueryAware(0.20, last 4 tokens)": QueryAware(0.20, query_tokens=4),
     "QueryAware(0.30, last 4 tokens)": QueryAware(0.30, query_tokens=4),
+    # APE's scaling of the attention paid to the reused tokens left out (cached_attention_scale)
+    **{f"QueryAware({r:.2f}, cached x{s})": QueryAware(r, cached_attention_scale=s)
+       for r in (0.05, 0.10, 0.15, 0.20, 0.30) for s in (1.0, 0.8, 0.7, 0.6, 0.5, 0.4)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"

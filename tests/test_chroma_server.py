@@ -57,8 +57,11 @@ def test_local_index_over_a_chroma_server(chroma_url, smol_engine, tmp_path):
     server_side = chromadb.HttpClient(host="127.0.0.1", port=int(chroma_url.rsplit(":", 1)[1]))
     assert server_side.get_collection("server-test").count() == report.nodes   # the vectors live on the server
     assert not (tmp_path / "index" / "chroma").exists()                        # not in the index folder
-    answer = rag.ask("In which year did the Lowenmark Kite Festival begin?", max_new_tokens=24)
-    assert "1987" in answer.text
+    # The water plan's date, not the kite festival's year: the 135M model's fused answer to that
+    # one flips between two years of its passage with the ratio (docs/benchmarks.md, the demo's answers).
+    answer = rag.ask("On what date did the municipal council adopt the Lowenmark Water Management Plan?",
+                     max_new_tokens=24)
+    assert "11 June 2024" in answer.text
     assert answer.stats.reused_tokens > 0.5 * answer.stats.prompt_tokens
 
 
@@ -68,11 +71,11 @@ def test_cli_ingest_and_ask_over_a_chroma_server(chroma_url, tmp_path, capsys, m
 
     monkeypatch.setenv("RAGBLEND_CHROMA_URL", chroma_url)   # the environment variable, as a deployment sets it
     index = str(tmp_path / "index")
-    assert main(["ingest", str(Path(sample_dir()) / "02-kite-festival.md"), "--index", index]) == 0
-    assert main(["ask", "In which year did the Lowenmark Kite Festival begin?", "--index", index,
-                 "--max-new-tokens", "24"]) == 0
+    assert main(["ingest", str(Path(sample_dir()) / "06-water-plan.md"), "--index", index]) == 0
+    assert main(["ask", "On what date did the municipal council adopt the Lowenmark Water Management Plan?",
+                 "--index", index, "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
-    assert "1987" in out
+    assert "11 June 2024" in out
     assert not (tmp_path / "index" / "chroma").exists()
 
 

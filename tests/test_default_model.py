@@ -96,10 +96,8 @@ def test_first_token_kl_shrinks_as_ratio_grows(smol_engine, bench_prompt):
 def test_the_embedded_model_runs_at_its_shipped_calibration(smol_engine):
     """ragblend ships the embedded model's calibration (ragblend/data/calibration), so that
     BlendEngine.from_pretrained() runs at SmolLM2's own ratio without a calibrate() first."""
-    from ragblend import QueryAware
-
     assert smol_engine.calibration is not None and smol_engine.calibration.within_noise
-    assert smol_engine.strategy == QueryAware(smol_engine.calibration.ratio) and smol_engine.calibration.ratio < 0.3
+    assert smol_engine.strategy == smol_engine.calibration.strategy and smol_engine.calibration.ratio < 0.3
     pre = smol_engine.prefill([Chunk("The ferry to Hallow Holm is the Sanderling."), Chunk("Gulls nest on the pier."),
                                "Question: which ferry goes to Hallow Holm?"])
     assert pre.stats.strategy_reason.startswith("calibrated")

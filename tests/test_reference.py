@@ -5,7 +5,12 @@ own modules (every token computed at every layer, then the K/V of the tokens *no
 at that layer replaced by their cached K/V) must give the fused logits and the fused K/V of
 the selected tokens. This rules out the classic bug of selection indices computed on one
 slice and applied to another, which shows up only between ratio 0 and 1.
+
+With ``cached_attention_scale`` (APE's scaling) the reference adds ``log(scale)`` to every
+score on a reused token left out from layer 0, in the prefill and in a decoding step after it.
 """
+
+import math
 
 import pytest
 import torch
@@ -13,12 +18,13 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragblend import CacheBlend, QueryAware
 from ragblend.core.fusion import ReusedSpan, fused_prefill
+from ragblend.core.generate import KVDecoder
 from ragblend.core.pipeline import SequentialSource
 
 from .conftest import PASSAGES, make_tiny_engine
 
 STRATEGIES = [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), CacheBlend(0.3, gradual=((3, 0.1),)),
-              QueryAware(0.05), QueryAware(0.3), QueryAware(0.7)]
+              QueryAware(0.05), QueryAware(0.3), QueryAware(0.7), QueryAware(0.3, cached_attention_scale=1.0)]
 
 
 def flat_prompt(passages):
@@ -28,10 +34,11 @@ def flat_prompt(passages):
                         "Question: who ran the ferry?"])
 
 
-def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, dtype=torch.float32):
+def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, key_bias, dtype=torch.float32):
     """Logits and per-layer K (after RoPE) / V of a dense pass in which, at each layer, only
     the tokens in ``layer_positions[layer]`` keep their fresh K/V; every other token's K/V
-    is its cached one (``cached_k``/``cached_v``: per layer ``[kv_heads, N, dim]``, K before RoPE)."""
+    is its cached one (``cached_k``/``cached_v``: per layer ``[kv_heads, N, dim]``, K before RoPE).
+    ``key_bias [N]`` is added to every score on each key."""
     base, n = hf_model.model, len(token_ids)
     ids = torch.tensor([token_ids])
     hidden = base.embed_tokens(ids)
@@ -55,7 +62,7 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, dt
         values.append(v[0].clone())
         group = q.shape[1] // k.shape[1]
         k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k_all.transpose(-1, -2)) * attn.scaling
+        scores = (q @ k_all.transpose(-1, -2)) * attn.scaling + key_bias
         weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         out = (weights @ v_all).transpose(1, 2).reshape(1, n, -1)
         hidden = hidden + attn.o_proj(out)
@@ -63,7 +70,16 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, dt
     return hf_model.lm_head(base.norm(hidden[:, -1]))[0], keys, values
 
 
-def check_against_reference(engine, prompt_text, strategy, atol=1e-4):
+def expected_key_bias(n, spans, fused, strategy):
+    """``log(scale)`` on the reused tokens not computed from layer 0, else 0."""
+    left_out = torch.zeros(n, dtype=torch.bool)
+    for span in spans:
+        left_out[span.start:span.start + span.num_tokens] = True
+    left_out[fused.layer_positions[0]] = False
+    return left_out.float() * math.log(getattr(strategy, "cached_attention_scale", 1.0))
+
+
+def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_token=None):
     layout = engine.find_chunks(prompt_text, system="Answer briefly.")
     assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
     assert len({s.token_ids for s in layout.chunk_spans}) < len(layout.chunk_spans), "no repeated chunk"
@@ -82,9 +98,10 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4):
         for layer in range(layers):
             cached_k[layer][:, where] = entry.keys[layer][:, window].float()
             cached_v[layer][:, where] = entry.values[layer][:, window].float()
+    key_bias = expected_key_bias(n, spans, fused, strategy)
     with torch.inference_mode():
         logits, keys, values = dense_reference(engine.hf_model, layout.token_ids, fused.layer_positions,
-                                               cached_k, cached_v)
+                                               cached_k, cached_v, key_bias)
     selected_somewhere = 0
     for layer, positions in enumerate(fused.layer_positions):
         assert (fused.keys[layer][:, positions] - keys[layer][:, positions]).abs().max() <= atol
@@ -94,6 +111,18 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4):
     # The selection really is partial: neither every token nor only the uncached ones.
     reused = sum(sp.num_tokens for sp in spans)
     assert (n - reused) * layers < selected_somewhere < n * layers
+    if answer_token is not None:
+        # A decoding step after the fused prefill: the new token is computed at every layer,
+        # and it too pays the scaled attention to the tokens left out.
+        decoder = KVDecoder(engine.adapter, fused.keys, fused.values, n + 1, fused.key_bias)
+        step_logits = decoder.step(answer_token)
+        grow = lambda t: torch.cat([t, torch.zeros(t.shape[0], 1, t.shape[2])], dim=1)  # noqa: E731
+        with torch.inference_mode():
+            expected, _, _ = dense_reference(
+                engine.hf_model, layout.token_ids + [answer_token],
+                [torch.cat([p, torch.tensor([n])]) for p in fused.layer_positions],
+                [grow(k) for k in cached_k], [grow(v) for v in cached_v], torch.cat([key_bias, torch.zeros(1)]))
+        assert (step_logits - expected.float()).abs().max() <= atol
     return fused
 
 
@@ -106,8 +135,20 @@ def test_fused_prefill_matches_dense_reference_tiny(arch, strategy, tokenizer):
     check_against_reference(engine, flat_prompt(chunks), strategy)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_decoding_after_a_fused_prefill_matches_dense_reference(arch, scale, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")
+    chunks = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]
+    engine.precompute(chunks)
+    fused = check_against_reference(engine, flat_prompt(chunks), QueryAware(0.3, cached_attention_scale=scale),
+                                    answer_token=int(tokenizer.encode(" ferry")[0]))
+    assert (fused.key_bias is None) == (scale == 1.0)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), QueryAware(0.3)], ids=repr)
+@pytest.mark.parametrize("strategy", [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), QueryAware(0.3),
+                                      QueryAware(0.3, cached_attention_scale=0.5)], ids=repr)
 def test_fused_prefill_matches_dense_reference_smollm2(smol_engine, bench_prompt, strategy):
     chunks, _ = bench_prompt
     smol_engine.precompute(chunks[:4])

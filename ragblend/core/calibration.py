@@ -43,7 +43,7 @@ from .model import cache_dir
 
 log = logging.getLogger("ragblend")
 
-CALIBRATION_FORMAT = 2                # 2: chunks precomputed after CHUNK_CONTEXT
+CALIBRATION_FORMAT = 3                # 2: chunks precomputed after CHUNK_CONTEXT; 3: QueryAware's attention scale
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest first
 # Chosen KL (mean and median) <= MARGIN x order noise. Half, because prompts from another
 # domain land further from full prefill than the built-in ones: on held-out news prompts the

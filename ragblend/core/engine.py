@@ -76,7 +76,8 @@ class Stats:
     load_wait_s: float = 0.0       # of which the fusion had to wait for
     compute_s: float = 0.0         # running layers
     strategy: str = ""
-    ratio: float | None = None     # CacheBlend's recompute ratio (resolved when "auto")
+    ratio: float | None = None     # the recompute ratio (CacheBlend's "auto" resolved)
+    cached_attention_scale: float | None = None   # QueryAware's factor on attention to the reused tokens kept
     chunks_reused: int = 0         # distinct chunks whose KV came from the store (however many spans)
     chunks_missing: int = 0        # distinct chunks with no (usable) stored KV
     chunks_computed: int = 0       # of those, computed in isolation now and written back
@@ -110,6 +111,7 @@ class Prefill:
     values: list[torch.Tensor] = field(repr=False)
     recomputed: torch.Tensor = field(repr=False)     # bool [N]: tokens recomputed at the last layer
     layout: PromptLayout = field(repr=False)
+    key_bias: torch.Tensor | None = field(default=None, repr=False)   # score bias per key, decoding keeps it
 
 
 @dataclass
@@ -565,7 +567,7 @@ class BlendEngine:
         self.last_stats = stats
         self.last_prompt = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
         return Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
-                       fused.recomputed, layout)
+                       fused.recomputed, layout, fused.key_bias)
 
     def _fuse(self, layout: PromptLayout, strategy: Strategy, stats: Stats, computed: dict):
         """One fusion attempt. Returns the fused prefill, its source, and a mask of the
@@ -607,6 +609,7 @@ class BlendEngine:
                 reused = sum(sp.num_tokens for sp in spans)
                 strategy = replace(strategy, ratio=self.plan(len(layout.token_ids), reused, tier).ratio)
             stats.ratio = getattr(strategy, "ratio", None)
+            stats.cached_attention_scale = getattr(strategy, "cached_attention_scale", None)
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
             if self.prefetch and "disk" in tiers:
@@ -650,7 +653,7 @@ class BlendEngine:
     def _decoding(self, segments, system, strategy, params: SamplingParams) -> tuple[Prefill, Decoding]:
         pre = self.prefill(segments, system=system, strategy=strategy)
         capacity = min(len(pre.token_ids) + params.max_new_tokens, self.context_window)
-        decoder = KVDecoder(self._decoding_adapter(), pre.keys, pre.values, capacity)
+        decoder = KVDecoder(self._decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
         # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
         n = len(pre.token_ids)
         pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]

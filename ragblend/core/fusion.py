@@ -150,6 +150,14 @@ class QueryAware:
     fidelity prompts, where only it stayed within Qwen2.5's order noise
     (``docs/benchmarks.md``).
 
+    ``cached_attention_scale`` (APE's scaling factor): every attention weight on a reused
+    token that is not recomputed is multiplied by it before the softmax normalises, in the
+    fused prefill and in decoding after it. A chunk computed alone, without the chunks before
+    it, draws more attention than it would in context; scaling it down brings the fused
+    prefill closer to a full prefill. 0.7 lowered the KL to full prefill at equal compute on
+    every benchmark set of both benchmark models, where 0.5 or 0.4 helped Qwen2.5's long
+    prompts more but hurt its short ones (``docs/benchmarks.md``). 1.0 leaves attention as it is.
+
     ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
     when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
     means in the integrations and the CLI.
@@ -158,11 +166,15 @@ class QueryAware:
     ratio: float | None = 0.15
     whole_chunks: bool = False
     query_tokens: int | None = None
+    cached_attention_scale: float = 0.7
     name = "query_aware"
 
     def __post_init__(self):
         if self.ratio is not None:
             _check_ratio(self.ratio)
+        scale = self.cached_attention_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
+            raise InvalidInputError(f"QueryAware cached_attention_scale must be a number in (0, 1], got {scale!r}.")
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
@@ -171,7 +183,7 @@ class QueryAware:
         if self.ratio is None:
             raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
                                     "BlendEngine.prefill, or pass a number.")
-        return QuestionAttention(self.ratio, self.whole_chunks, self.query_tokens)
+        return QuestionAttention(self.ratio, self.whole_chunks, self.query_tokens, self.cached_attention_scale)
 
 
 DEVIATIONS = ("key", "value", "key_value")
@@ -306,6 +318,7 @@ class FusedPrefill:
     layer_positions: list[torch.Tensor] = field(default_factory=list)  # positions computed at each layer
     probe_token_layers: int = 0               # token-layers spent choosing (QueryAware's first stage)
     load_wait_s: float = 0.0                  # time spent waiting for cached layers
+    key_bias: torch.Tensor | None = None      # float [N] added to attention scores on each key (decoding too), or None
 
     @property
     def layer_selected(self) -> list[int]:
@@ -331,10 +344,15 @@ class Selection:
     ``check_layers``, once that layer's fresh K/V are known, :meth:`refine` may narrow the
     set (never widen it: a token dropped once has no hidden state to continue from).
     A selection is also accepted wherever a strategy is, so benchmarks can try their own.
+
+    ``cached_attention_scale``: the factor on every attention weight paid to the reused tokens
+    that :meth:`first` leaves out (they keep their cached K/V at every layer); see
+    :class:`QueryAware`.
     """
 
     name = "selection"
     check_layers: frozenset[int] = frozenset()
+    cached_attention_scale: float = 1.0
 
     def selection(self) -> "Selection":
         return self
@@ -439,8 +457,10 @@ class QuestionAttention(Selection):
 
     name = "query_aware"
 
-    def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None):
+    def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None,
+                 cached_attention_scale: float = 1.0):
         self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
+        self.cached_attention_scale = cached_attention_scale
 
     def first(self, prompt, probe):
         budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
@@ -483,16 +503,18 @@ class _QueryGroup:
 
 
 def attention_plan(query_pos: torch.Tensor, num_keys: int, window: int | None,
-                   dtype: torch.dtype, rows_per_group: int = 64) -> list[_QueryGroup]:
+                   dtype: torch.dtype, rows_per_group: int = 64,
+                   key_bias: torch.Tensor | None = None) -> list[_QueryGroup]:
     """Split the selected queries (sorted by position) into groups that each attend only to
     the keys up to the group's last position.
 
     A masked SDPA computes every query-key pair, so one big masked call costs about twice
     the causal work; groups recover most of the causal saving. Masks are additive floats,
     built once per selection rather than converted from booleans in every layer.
+    ``key_bias`` (float ``[num_keys]``) is added to every query's score on each key.
     """
     n = query_pos.numel()
-    if n == num_keys and (window is None or n <= window):
+    if n == num_keys and (window is None or n <= window) and key_bias is None:
         return [_QueryGroup(slice(0, n), slice(0, n), None)]
     groups = []
     for start in range(0, n, rows_per_group):
@@ -502,6 +524,8 @@ def attention_plan(query_pos: torch.Tensor, num_keys: int, window: int | None,
         keys = slice(first, int(pos[-1]) + 1)
         allowed = _causal_mask(pos, num_keys, window)[:, keys]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=query_pos.device)
+        if key_bias is not None:
+            mask += key_bias[keys].to(dtype)
         mask.masked_fill_(~allowed, float("-inf"))
         groups.append(_QueryGroup(rows, keys, mask))
     return groups
@@ -573,12 +597,24 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     # The question pass already placed every cached K/V: the second pass writes over it
     # (when it recomputes every token the question pass computed, as QueryAware does).
     earlier = probe_runs[0] if probe_runs and bool(selected[probe_runs[0].layer_positions[0]].all()) else None
+    key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale, adapter.dtype)
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
-                  selection, cos, sin, earlier=earlier)
+                  selection, cos, sin, earlier=earlier, key_bias=key_bias)
+    fused.key_bias = key_bias
     fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
     fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
     fused.compute_s = time.perf_counter() - t0 - fused.load_wait_s
     return fused
+
+
+def _cached_key_bias(prompt: FusionPrompt, selected: torch.Tensor, scale: float,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """APE's scaling as a score bias: ``log(scale)`` on every reused token left out of
+    ``selected`` (its K/V stay cached at every layer), 0 elsewhere; None when scale is 1."""
+    if scale == 1.0 or not prompt.num_reused:
+        return None
+    left_out = prompt.reused.to(selected.device) & ~selected
+    return left_out.to(dtype) * math.log(scale)
 
 
 def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor, start: int):
@@ -599,12 +635,12 @@ def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: 
 
 def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers: LayerSource | None,
           selected: torch.Tensor, check_layers, selection: Selection | None, cos, sin,
-          observe=None, earlier: FusedPrefill | None = None) -> FusedPrefill:
+          observe=None, earlier: FusedPrefill | None = None, key_bias: torch.Tensor | None = None) -> FusedPrefill:
     """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers).
 
     ``earlier``: a previous pass over the same prompt whose K/V may be taken over (and
     overwritten): its cached positions are already placed and rotated, and every position
-    it computed fresh is selected again here."""
+    it computed fresh is selected again here. ``key_bias``: added to every score on each key."""
     n, shape, device = prompt.num_tokens, adapter.shape, adapter.device
     sel_pos = selected.nonzero().squeeze(1)
     if prompt.num_reused:
@@ -657,7 +693,7 @@ def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers
         # 3. Attention over the assembled K/V, then the MLP.
         window = adapter.window(layer)
         if window not in plans:
-            plans[window] = attention_plan(sel_pos, n, window, x.dtype)
+            plans[window] = attention_plan(sel_pos, n, window, x.dtype, key_bias=key_bias)
         q = adapter.rope(adapter.q(layer, x), cos[sel_pos], sin[sel_pos])
         if observe is not None:
             observe(layer, q, layer_k, sel_pos)

@@ -52,12 +52,19 @@ class KVDecoder:
     """Decodes one token at a time over preallocated per-layer K/V buffers.
 
     ``keys``/``values``: the prompt's per-layer ``[kv_heads, N, head_dim]`` K (after RoPE)
-    and V; ``capacity``: the most positions the buffers will hold (prompt + answer).
+    and V; ``capacity``: the most positions the buffers will hold (prompt + answer);
+    ``key_bias``: the fused prefill's score bias on the prompt's keys (``[N]``, see
+    :attr:`~ragblend.core.fusion.FusedPrefill.key_bias`), kept for every answer token.
     """
 
-    def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int):
+    def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int,
+                 key_bias: torch.Tensor | None = None):
         shape, n = adapter.shape, keys[0].shape[1]
         self.adapter, self.length = adapter, n
+        self.key_bias = None
+        if key_bias is not None:
+            self.key_bias = key_bias.new_zeros(capacity)
+            self.key_bias[:n] = key_bias
         self.keys, self.values = [], []
         for k, v in zip(keys, values):
             key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim)
@@ -83,8 +90,9 @@ class KVDecoder:
             q = adapter.rope(adapter.q(layer, x), cos, sin)
             window = adapter.window(layer)
             first = 0 if window is None else max(0, position + 1 - window)
+            bias = None if self.key_bias is None else self.key_bias[first:position + 1]
             attn = adapter.attention_to_all(q, self.keys[layer][:, first:position + 1],
-                                            self.values[layer][:, first:position + 1])
+                                            self.values[layer][:, first:position + 1], bias)
             hidden = adapter.finish(layer, hidden, attn)
         self.length = position + 1
         return adapter.logits(hidden)[0]

@@ -313,11 +313,14 @@ class ModelAdapter:
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 
-    def attention_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attention_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         key_bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of queries ``q [H, n, D]`` that may see every key in ``k, v [Hkv, N, D]``
-        (a decoding step: the new token comes after all of them). Returns ``[n, H*D]``."""
+        (a decoding step: the new token comes after all of them), with ``key_bias [N]`` added
+        to the scores on each key if given. Returns ``[n, H*D]``."""
+        mask = None if key_bias is None else key_bias.to(q.dtype)[None, :]
         out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], scale=self.scaling,
+            q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
             enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
