@@ -273,6 +273,16 @@ def _serve(args) -> int:
     return 0
 
 
+def ratio_value(text: str) -> float | str:
+    """An argparse type: a number, or "auto" (CacheBlend's controller-chosen ratio)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'auto', got {text!r}") from None
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
     try:
@@ -300,8 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_answer_options(p):
         p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
-        p.add_argument("--ratio", type=float, default=None,
-                       help="recompute ratio in (0, 1] (default: the model's calibrated one)")
+        p.add_argument("--ratio", type=ratio_value, default=None,
+                       help="recompute ratio in (0, 1], or auto with --strategy cacheblend "
+                            "(default: the model's calibrated one)")
         p.add_argument("--max-new-tokens", type=positive_int, default=128)
 
     ask = sub.add_parser("ask", help="answer a question from the index")

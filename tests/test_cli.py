@@ -25,6 +25,8 @@ def test_demo_prints_both_answers_and_ttfts(capsys, tmp_path):
 def test_cli_reports_bad_input_as_an_error(capsys, tmp_path):
     assert main(["ask", "anything", "--ratio", "2", "--index", str(tmp_path)]) == 2
     assert "ratio must be a number in (0, 1]" in capsys.readouterr().err
+    assert main(["ask", "anything", "--ratio", "auto", "--index", str(tmp_path)]) == 2   # auto is CacheBlend's
+    assert "use strategy 'cacheblend'" in capsys.readouterr().err
 
 
 def test_cache_stats_verify_and_clear(tmp_path, capsys):

@@ -216,3 +216,23 @@ def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp
     assert main(["calibrate", "--model", str(folder)]) == 2
     assert "calibration could not run on this model" in capsys.readouterr().err
     assert not (cache / "calibration").exists() or not any((cache / "calibration").iterdir())
+
+
+def test_every_shipped_calibration_is_of_the_current_format():
+    """A format change (a new default strategy) must come with re-measured shipped files."""
+    from ragblend.core.calibration import SHIPPED_DIR, _from_json
+
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert len(files) >= 2   # the embedded SmolLM2's and the benchmark Qwen2.5's
+    for path in files:
+        calibration = _from_json(json.loads(path.read_text()))
+        assert path.stem == calibration.fingerprint[:32] and calibration.within_noise
+
+
+def test_auto_ratio_is_cacheblends_only():
+    from ragblend import CacheBlend
+
+    assert strategy_from_name("cacheblend", "auto") == CacheBlend(ratio="auto")
+    for name in ("default", "query_aware", "legolink", "full_recompute"):
+        with pytest.raises(RagblendError, match="use strategy 'cacheblend'"):
+            strategy_from_name(name, "auto")

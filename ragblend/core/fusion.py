@@ -204,6 +204,9 @@ def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: 
     give it. ``"default"`` is None, the engine's own (calibrated) choice, unless a ``ratio``
     is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps CacheBlend's
     default ratio and gives QueryAware the engine's own."""
+    if ratio == "auto" and name != CacheBlend.name:
+        raise InvalidInputError(f"ratio 'auto' is CacheBlend's (the loading controller picks it); use strategy "
+                                f"'cacheblend' with it, or give {name!r} a number in (0, 1].")
     if name == "default":
         return None if ratio is None else QueryAware(ratio)
     for cls in STRATEGIES:
