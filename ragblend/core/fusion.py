@@ -543,9 +543,11 @@ def _attend(adapter: ModelAdapter, q, k, v, plan: list[_QueryGroup]) -> torch.Te
 def attention_weights(adapter: ModelAdapter, q: torch.Tensor, keys: torch.Tensor, query_pos: torch.Tensor,
                       window: int | None) -> torch.Tensor:
     """Softmax attention ``[heads, queries, keys]`` of (rotated) ``q`` over (rotated) ``keys``."""
-    group = adapter.shape.num_heads // adapter.shape.num_kv_heads
-    k = keys.repeat_interleave(group, dim=0).to(q.dtype)
-    scores = (q @ k.transpose(1, 2)).float() * adapter.scaling
+    heads, n, dim = q.shape
+    kv_heads = keys.shape[0]
+    # The query heads that share a K/V head go through one matmul (no repeated keys).
+    grouped = q.reshape(kv_heads, heads // kv_heads * n, dim)
+    scores = (grouped @ keys.to(q.dtype).transpose(1, 2)).float().view(heads, n, -1) * adapter.scaling
     scores.masked_fill_(~_causal_mask(query_pos, keys.shape[1], window), float("-inf"))
     return torch.softmax(scores, dim=-1)
 
