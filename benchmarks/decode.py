@@ -57,7 +57,8 @@ def hf_decode_tokens_per_s(engine: BlendEngine, token_ids: list[int], tokens: in
 
 def decode_steps(engine: BlendEngine, pre, tokens: list[int]) -> tuple[float, list[torch.Tensor]]:
     """Feed ``tokens`` one by one after the prefill ``pre``; seconds taken and the logits after each."""
-    decoder = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + len(tokens))
+    decoder = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + len(tokens),
+                        pre.key_bias)
     logits = []
     t0 = time.perf_counter()
     with engine._lock:

@@ -311,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add_answer_options(p):
         p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
         p.add_argument("--ratio", type=ratio_value, default=None,
-                       help="recompute ratio in (0, 1], or auto with --strategy cacheblend "
-                            "(default: the model's calibrated one)")
+                       help="recompute ratio in (0, 1] (default: the model's calibrated one); "
+                            "auto for ask --strategy cacheblend")
         p.add_argument("--max-new-tokens", type=positive_int, default=128)
 
     ask = sub.add_parser("ask", help="answer a question from the index")

@@ -98,6 +98,7 @@ def test_the_embedded_model_runs_at_its_shipped_calibration(smol_engine):
     BlendEngine.from_pretrained() runs at SmolLM2's own ratio without a calibrate() first."""
     assert smol_engine.calibration is not None and smol_engine.calibration.within_noise
     assert smol_engine.strategy == smol_engine.calibration.strategy and smol_engine.calibration.ratio < 0.3
+    assert smol_engine.strategy.cached_attention_scale == 0.7   # the default attention scale, calibrated with it
     pre = smol_engine.prefill([Chunk("The ferry to Hallow Holm is the Sanderling."), Chunk("Gulls nest on the pier."),
                                "Question: which ferry goes to Hallow Holm?"])
     assert pre.stats.strategy_reason.startswith("calibrated")

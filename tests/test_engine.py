@@ -312,8 +312,8 @@ def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
     assert twin.model.embed_tokens.weight is half.hf_model.model.embed_tokens.weight   # shared, not copied
     pre = exact.prefill(segments())
     steps = a.token_ids[:6]
-    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6)
-    low = KVDecoder(half._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6)
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    low = KVDecoder(half._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
     assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
 
 

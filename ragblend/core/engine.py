@@ -77,7 +77,7 @@ class Stats:
     compute_s: float = 0.0         # running layers
     strategy: str = ""
     ratio: float | None = None     # the recompute ratio (CacheBlend's "auto" resolved)
-    cached_attention_scale: float | None = None   # QueryAware's factor on attention to the reused tokens kept
+    cached_attention_scale: float | None = None   # QueryAware's factor on attention to the reused tokens left cached
     chunks_reused: int = 0         # distinct chunks whose KV came from the store (however many spans)
     chunks_missing: int = 0        # distinct chunks with no (usable) stored KV
     chunks_computed: int = 0       # of those, computed in isolation now and written back
@@ -111,7 +111,9 @@ class Prefill:
     values: list[torch.Tensor] = field(repr=False)
     recomputed: torch.Tensor = field(repr=False)     # bool [N]: tokens recomputed at the last layer
     layout: PromptLayout = field(repr=False)
-    key_bias: torch.Tensor | None = field(default=None, repr=False)   # score bias per key, decoding keeps it
+    # float [N] added to every attention score on each key (QueryAware's cached_attention_scale),
+    # or None; decoding from keys/values must add it too, as generate() does
+    key_bias: torch.Tensor | None = field(default=None, repr=False)
 
 
 @dataclass

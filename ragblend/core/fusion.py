@@ -154,9 +154,10 @@ class QueryAware:
     token that is not recomputed is multiplied by it before the softmax normalises, in the
     fused prefill and in decoding after it. A chunk computed alone, without the chunks before
     it, draws more attention than it would in context; scaling it down brings the fused
-    prefill closer to a full prefill. 0.7 lowered the KL to full prefill at equal compute on
-    every benchmark set of both benchmark models, where 0.5 or 0.4 helped Qwen2.5's long
-    prompts more but hurt its short ones (``docs/benchmarks.md``). 1.0 leaves attention as it is.
+    prefill closer to a full prefill. At equal compute 0.7 lowered the mean KL to full prefill
+    on the fidelity prompts and SQuAD of both benchmark models, where 0.5 helped Qwen2.5's long
+    prompts more but hurt both models' SQuAD prompts (``docs/benchmarks.md``). 1.0 leaves
+    attention as it is.
 
     ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
     when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
@@ -615,11 +616,14 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 def _cached_key_bias(prompt: FusionPrompt, selected: torch.Tensor, scale: float,
                      dtype: torch.dtype) -> torch.Tensor | None:
     """APE's scaling as a score bias: ``log(scale)`` on every reused token left out of
-    ``selected`` (its K/V stay cached at every layer), 0 elsewhere; None when scale is 1."""
+    ``selected`` (its K/V stay cached at every layer), 0 elsewhere; None when scale is 1 or
+    nothing is left out (attention then keeps its plain causal path)."""
     if scale == 1.0 or not prompt.num_reused:
         return None
     left_out = prompt.reused.to(selected.device) & ~selected
-    return left_out.to(dtype) * math.log(scale)
+    if not left_out.any():
+        return None
+    return left_out.float() * math.log(scale)   # float32; cast where the masks are built
 
 
 def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: torch.Tensor, start: int):
