@@ -603,7 +603,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     # The question pass already placed every cached K/V: the second pass writes over it
     # (when it recomputes every token the question pass computed, as QueryAware does).
     earlier = probe_runs[0] if probe_runs and bool(selected[probe_runs[0].layer_positions[0]].all()) else None
-    key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale, adapter.dtype)
+    key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale)
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
                   selection, cos, sin, earlier=earlier, key_bias=key_bias)
     fused.key_bias = key_bias
@@ -613,8 +613,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     return fused
 
 
-def _cached_key_bias(prompt: FusionPrompt, selected: torch.Tensor, scale: float,
-                     dtype: torch.dtype) -> torch.Tensor | None:
+def _cached_key_bias(prompt: FusionPrompt, selected: torch.Tensor, scale: float) -> torch.Tensor | None:
     """APE's scaling as a score bias: ``log(scale)`` on every reused token left out of
     ``selected`` (its K/V stay cached at every layer), 0 elsewhere; None when scale is 1 or
     nothing is left out (attention then keeps its plain causal path)."""
