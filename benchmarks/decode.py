@@ -1,18 +1,26 @@
-"""Decoding speed and what float16 decoding matmuls change, against transformers.
+"""Decoding speed against transformers, and whether ragblend's decoding keeps the greedy answers.
+
+ragblend decodes on a twin of the model whose linear layers compute a step's few rows with a
+column product (``ColumnLinear``), and drafts tokens by prompt lookup that one pass verifies
+(``prompt_lookup_num_tokens``). Both are meant to leave greedy answers as they are; this
+measures it.
 
 Speed, on the benchmark prompt (6 chunks + question, ~3.1k tokens), medians of ``--runs``
-interleaved rounds of ``--tokens`` decoding steps after the same prompt:
+interleaved rounds of a ``--tokens``-token greedy answer (end tokens suppressed) after the
+same fused prefill:
 
 * transformers ``generate`` (its decode only: from its first new token to its last, noted by a streamer),
-* ragblend's decoder (:class:`~ragblend.core.generate.KVDecoder`) in float32 (exact),
+* the reference decoder: the model's own layers (``F.linear``), one token per pass, as before;
+* ragblend's decoding with each ``--drafts`` setting of ``prompt_lookup_num_tokens`` (0: no drafting),
 * the same with ``decode_dtype="float16"`` (float16 weights in the decoding matmuls).
 
-Fidelity of float16 decoding, per prompt (fused prefill with the engine's default strategy,
-then ``--tokens`` greedy tokens): whether the greedy answer is identical to float32 decoding's,
-ROUGE-L between the two, and the KL between the two decoders' next-token distributions at every
-step, both fed the float32 answer's tokens.
+Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
+``--tokens`` greedy tokens, stopping at the end token): answers identical to the reference
+decoder's, ROUGE-L to them, the decoding time of the set and its passes per token; for the
+column product alone, the KL between its next-token distributions and the reference's at
+every step (both fed the reference answer).
 
-    python -m benchmarks.decode --models smollm2 --sets fidelity:3 squad:32
+    python -m benchmarks.decode --models smollm2 --sets fidelity:6 squad:32
 """
 
 from __future__ import annotations
@@ -46,71 +54,123 @@ class TokenClock:
         pass
 
 
-def hf_decode_tokens_per_s(engine: BlendEngine, token_ids: list[int], tokens: int) -> float:
-    """transformers ``generate``'s decoding rate: from its first new token to its last."""
+def hf_decode_s(engine: BlendEngine, token_ids: list[int], tokens: int) -> float:
+    """Seconds transformers ``generate`` takes for ``tokens`` decoding steps (after its first token)."""
     clock = TokenClock()
     with torch.inference_mode():
         engine.hf_model.generate(torch.tensor([token_ids]), max_new_tokens=tokens + 1, min_new_tokens=tokens + 1,
                                  do_sample=False, streamer=clock)
-    return tokens / (clock.times[-1] - clock.times[1])
+    return clock.times[-1] - clock.times[1]
 
 
-def decode_steps(engine: BlendEngine, pre, tokens: list[int]) -> tuple[float, list[torch.Tensor]]:
-    """Feed ``tokens`` one by one after the prefill ``pre``; seconds taken and the logits after each."""
-    decoder = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + len(tokens),
-                        pre.key_bias)
-    logits = []
-    t0 = time.perf_counter()
+def reference_answer(engine: BlendEngine, pre, tokens: int, stop_at_end: bool = True) -> tuple[list[int], float]:
+    """Greedy answer after the prefill ``pre`` on the model's own layers, one token per pass
+    (what ragblend decoded with before the column product and drafting); its token ids and
+    the seconds its decoding steps took."""
+    decoder = KVDecoder(engine.adapter, pre.keys, pre.values, len(pre.token_ids) + tokens, pre.key_bias)
+    answer, logits, t0 = [], pre.logits, time.perf_counter()
     with engine._lock:
-        for token in tokens:
-            logits.append(decoder.step(token))
-    return time.perf_counter() - t0, logits
+        while len(answer) < tokens:
+            token = int(torch.argmax(logits))
+            if stop_at_end and token in engine.eos_ids:
+                break
+            answer.append(token)
+            if len(answer) < tokens:
+                logits = decoder.step(token)
+    return answer, time.perf_counter() - t0
 
 
-def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int) -> list[str]:
+def ragblend_answer(engine: BlendEngine, segments, tokens: int, drafts: int):
+    """ragblend's greedy answer with ``drafts`` tokens drafted per pass: (token ids, decode s, passes)."""
+    engine.prompt_lookup_num_tokens = drafts
+    result = engine.generate(segments, max_new_tokens=tokens)
+    return result.token_ids, engine.last_stats.decode_s, engine.last_stats.decode_steps
+
+
+def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
+    """Per step, KL between the reference layers' and the decoding twin's next-token distributions."""
+    capacity = len(pre.token_ids) + len(answer)
+    ref = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    twin = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
+    with engine._lock:
+        return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
+
+
+def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int, drafts: list[int]) -> list[str]:
     sample = load_sample()
     segments = [Chunk(c) for c in sample["chunks"]] + [sample["question"]]
     exact.precompute(sample["chunks"])
     pre = exact.prefill(segments)
-    steps = torch.randint(100, len(exact.tokenizer), (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    times = {"transformers generate (decode only)": [], "ragblend, float32 decoding": [],
-             "ragblend, decode_dtype='float16'": []}
+    ends = exact.eos_ids
+    exact.eos_ids = half.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
+    variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens),
+                "reference decoder (F.linear, one token a pass)":
+                    lambda: (reference_answer(exact, pre, tokens, stop_at_end=False)[1], tokens)}
+    for n in drafts:
+        variants[f"ragblend, prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
+    variants[f"ragblend, decode_dtype='float16', prompt_lookup_num_tokens={drafts[-1]}"] = \
+        lambda: ragblend_answer(half, segments, tokens, drafts[-1])[1:]
+    times = {name: [] for name in variants}
+    passes = {}
     for _ in range(runs):
-        times["transformers generate (decode only)"].append(hf_decode_tokens_per_s(exact, pre.token_ids, tokens))
-        times["ragblend, float32 decoding"].append(tokens / decode_steps(exact, pre, steps)[0])
-        times["ragblend, decode_dtype='float16'"].append(tokens / decode_steps(half, pre, steps)[0])
+        for name, run in variants.items():
+            seconds, passes[name] = run()
+            times[name].append(seconds)
+    exact.eos_ids = half.eos_ids = ends
     base = statistics.median(times["transformers generate (decode only)"])
-    lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} steps, median of "
-             f"{runs} interleaved rounds:", "", "| decoder | tokens/s | vs transformers |", "|---|---:|---:|"]
+    lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} greedy tokens, "
+             f"median of {runs} interleaved rounds:", "",
+             "| decoder | decode s | tokens/s | passes | speed-up vs transformers |", "|---|---:|---:|---:|---:|"]
     for name, values in times.items():
-        lines.append(f"| {name} | {statistics.median(values):.1f} | {statistics.median(values) / base:.2f}x |")
+        seconds = statistics.median(values)
+        lines.append(f"| {name} | {seconds:.3f} | {tokens / seconds:.1f} | {passes[name]} | {base / seconds:.2f}x |")
     return lines
 
 
-def fidelity(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int) -> list[str]:
+def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, drafts: list[int]) -> list[str]:
     if not any(sets.values()):
         return []
-    lines = ["", f"float16 decoding against float32 decoding ({tokens} greedy tokens after the same fused prefill):",
-             "", "| set | prompts | identical answers | ROUGE-L mean | step KL mean | step KL max |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, prompts in sets.items():
-        same, rouges, kls = 0, [], []
+    variants = [(f"prompt_lookup_num_tokens={n}", exact, n) for n in drafts]
+    variants.append((f"decode_dtype='float16', prompt_lookup_num_tokens={drafts[-1]}", half, drafts[-1]))
+    lines = ["", f"Against the reference decoder (up to {tokens} greedy tokens after the same fused prefill; "
+             "decode s and passes per token summed over the set):", "",
+             "| set | prompts | decoding | identical answers | ROUGE-L mean | decode s | passes per token |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    kl_lines = []
+    for set_name, prompts in sets.items():
+        if not prompts:
+            continue
+        same = {name: 0 for name, _, _ in variants}
+        rouges = {name: [] for name, _, _ in variants}
+        names = ["reference", *same]
+        seconds, passes = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        produced, kls = 0, []
         for prompt in prompts:
             exact.precompute(prompt.chunks)
             segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
-            a = exact.generate(segments, max_new_tokens=tokens)
-            b = half.generate(segments, max_new_tokens=tokens)
-            same += a.token_ids == b.token_ids
-            rouges.append(rouge_l(b.text, a.text))
             pre = exact.prefill(segments)
-            fed = a.token_ids[:-1]
-            _, exact_logits = decode_steps(exact, pre, fed)
-            _, half_logits = decode_steps(half, pre, fed)
-            kls += [first_token_kl(x, y) for x, y in zip(exact_logits, half_logits)]
-        if prompts:
-            lines.append(f"| {name} | {len(prompts)} | {same}/{len(prompts)} | {statistics.mean(rouges):.3f} | "
-                         f"{statistics.mean(kls) if kls else 0:.2e} | {max(kls, default=0):.2e} |")
-    return lines
+            ref, ref_s = reference_answer(exact, pre, tokens)
+            ref_text = exact.tokenizer.decode(ref, skip_special_tokens=True)
+            seconds["reference"] += ref_s
+            passes["reference"] += max(len(ref) - 1, 0)
+            produced += len(ref)
+            kls += step_kls(exact, pre, ref)
+            for name, engine, n in variants:
+                ids, decode_s, steps = ragblend_answer(engine, segments, tokens, n)
+                same[name] += ids == ref
+                rouges[name].append(rouge_l(engine.tokenizer.decode(ids, skip_special_tokens=True), ref_text))
+                seconds[name] += decode_s
+                passes[name] += steps
+        per_token = max(produced, 1)
+        lines.append(f"| {set_name} | {len(prompts)} | reference | - | - | {seconds['reference']:.2f} | "
+                     f"{passes['reference'] / per_token:.2f} |")
+        for name, _, _ in variants:
+            lines.append(f"| {set_name} | {len(prompts)} | {name} | {same[name]}/{len(prompts)} | "
+                         f"{statistics.mean(rouges[name]):.3f} | {seconds[name]:.2f} | {passes[name] / per_token:.2f} |")
+        kl_lines.append(f"| {set_name} | {len(kls)} | {statistics.mean(kls) if kls else 0:.2e} | "
+                        f"{max(kls, default=0):.2e} |")
+    return [*lines, "", "The column product's step KL against the reference layers (fed the reference answer):", "",
+            "| set | steps | KL mean | KL max |", "|---|---:|---:|---:|", *kl_lines]
 
 
 def main(argv=None) -> None:
@@ -119,16 +179,19 @@ def main(argv=None) -> None:
     parser.add_argument("--sets", nargs="+", default=["fidelity:3", "squad:32"])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
+                        help="prompt_lookup_num_tokens settings to time (the last also runs with float16)")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:
         exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
         half = BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype="float16")
-        return [f"## {model}", "", *speed(exact, half, args.runs, args.tokens),
-                *fidelity(exact, half, prompt_sets(args.sets, MUSIQUE), args.tokens), ""]
+        return [f"## {model}", "", *speed(exact, half, args.runs, args.tokens, args.drafts),
+                *agreement(exact, half, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]
 
     report_per_model(args.models, measure, args.out, "decode-run.md", "Decoding", "benchmarks.decode", argv)
+
 
 if __name__ == "__main__":
     main()

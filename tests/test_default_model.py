@@ -47,6 +47,8 @@ def test_greedy_generate_equals_transformers_generate(smol_engine):
     assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)
     assert out.text == smol_engine.tokenizer.decode(ref, skip_special_tokens=True)
     assert "1871" in out.text
+    # the answer copies the passage, so drafted tokens were accepted: fewer passes than tokens
+    assert smol_engine.last_stats.decode_steps < len(out.token_ids) - 1
 
 
 def test_stream_equals_generate_and_stats(smol_engine):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion import isolated_kv, packed_isolated_kv
 from ragblend.core.generate import KVDecoder
 from ragblend.core.kv import ChunkKV
@@ -294,6 +295,70 @@ def test_decoding_steps_equal_the_model_forward(tiny_engine):
         assert (logits - ref).abs().max() <= 1e-4
 
 
+def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
+    """KVDecoder.extend (how drafted tokens are verified) gives each token the logits that
+    one pass per token gives, on the decoding twin, with the fused prefill's key bias and
+    (Mistral) the sliding window; truncated positions are written again correctly."""
+    from ragblend import QueryAware
+
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
+    assert pre.key_bias is not None
+    answer = [5, 77, 300, 12]
+    adapter, capacity = tiny_engine._decoding_adapter(), len(pre.token_ids) + len(answer)
+    one = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    each = torch.stack([one.step(t) for t in answer])
+    many = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    assert (many.extend(answer) - each).abs().max() <= 1e-4
+    many.truncate(many.length - 3)
+    assert (many.extend([77, 300, 12]) - each[1:]).abs().max() <= 1e-4
+    with pytest.raises(InvalidInputError, match="no room"):
+        many.extend([1])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
+def test_column_linear_computes_the_linear_layer(rows):
+    from ragblend.core.model import ColumnLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    x = torch.randn(rows, 64)
+    out = ColumnLinear(linear)(x)
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    assert (out - linear(x)).abs().max() <= 1e-5
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match():
+    from ragblend.core.generate import PromptLookup
+
+    lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    lookup.append(2)
+    lookup.append(3)   # the tail (2, 3) last stood at positions 5-6, followed by 5, 6, 2
+    assert lookup.draft(3) == [5, 6, 2] and lookup.draft(1) == [5]
+    lookup.append(7)   # never seen: nothing to draft
+    assert lookup.draft(3) == []
+
+
+def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
+    tiny_engine.prompt_lookup_num_tokens = 0
+    plain = tiny_engine.generate(segments(), max_new_tokens=24)
+    assert tiny_engine.last_stats.decode_steps == len(plain.token_ids) - 1
+    tiny_engine.prompt_lookup_num_tokens = 3
+    drafted = tiny_engine.generate(segments(), max_new_tokens=24)
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert tiny_engine.last_stats.decode_steps <= len(drafted.token_ids) - 1
+    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # no drafting
+    assert tiny_engine.last_stats.decode_steps == len(sampled.token_ids) - 1
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_prompt_lookup_num_tokens_must_be_a_count(tokenizer, bad):
+    from .conftest import make_tiny_engine
+
+    with pytest.raises(InvalidInputError, match="prompt_lookup_num_tokens"):
+        make_tiny_engine("llama", tokenizer, prompt_lookup_num_tokens=bad)
+
+
 def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
     from ragblend.core.calibration import first_token_kl
     from ragblend.core.model import HalfLinear
@@ -318,8 +383,6 @@ def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
 
 
 def test_decode_dtype_must_be_known(tokenizer):
-    from ragblend import InvalidInputError
-
     from .conftest import make_tiny_engine
 
     with pytest.raises(InvalidInputError, match="decode_dtype"):
@@ -327,7 +390,6 @@ def test_decode_dtype_must_be_known(tokenizer):
 
 
 def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context(tokenizer):
-    from ragblend.core.errors import InvalidInputError
     from ragblend.core.prompt import CHUNK_CONTEXT
 
     from .conftest import make_tiny_engine

@@ -41,9 +41,9 @@ from .fusion import (
     packed_isolated_kv,
     sink_kv,
 )
-from .generate import Decoding, KVDecoder, SamplingParams
+from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
 from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
-from .model import ModelAdapter, cache_dir, load_model, with_half_linears
+from .model import ModelAdapter, cache_dir, load_model, with_decode_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
@@ -85,6 +85,7 @@ class Stats:
     tiers: dict = field(default_factory=dict)   # chunks served per tier, e.g. {"memory": 5, "disk": 1}
     generated_tokens: int = 0
     decode_s: float = 0.0
+    decode_steps: int = 0          # decoder passes; fewer than generated_tokens when prompt lookup drafts were accepted
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
@@ -171,7 +172,7 @@ class BlendEngine:
                  use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
                  name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32",
-                 precompute_batch_tokens: int = 1024):
+                 precompute_batch_tokens: int = 1024, prompt_lookup_num_tokens: int = 3):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)
@@ -209,6 +210,15 @@ class BlendEngine:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
                                     f"got {precompute_batch_tokens!r}.")
         self.precompute_batch_tokens = int(precompute_batch_tokens)
+        # Greedy decoding drafts this many tokens per pass by prompt lookup and keeps those
+        # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
+        # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-3 it decoded
+        # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
+        if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \
+                or prompt_lookup_num_tokens < 0:
+            raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer >= 0 (0: no drafting), "
+                                    f"got {prompt_lookup_num_tokens!r}.")
+        self.prompt_lookup_num_tokens = int(prompt_lookup_num_tokens)
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
@@ -240,7 +250,7 @@ class BlendEngine:
         Hugging Face directory. KV entries live in memory (LRU, ``memory_bytes``) in front of
         a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; LRU, ``disk_bytes``).
         Pass ``kv_dir=False`` for memory only. Other keyword arguments go to the constructor
-        (``kv_dtype``, ``decode_dtype``, ``precompute_batch_tokens``, ``prefetch``, ``write_back``,
+        (``kv_dtype``, ``decode_dtype``, ``prompt_lookup_num_tokens``, ``precompute_batch_tokens``, ``prefetch``, ``write_back``,
         ``separator``, ``sink_prefix``...).
         """
         if isinstance(dtype, str):
@@ -659,18 +669,25 @@ class BlendEngine:
         # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
         n = len(pre.token_ids)
         pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
+        lookup = None
+        if self.prompt_lookup_num_tokens and params.temperature == 0:
+            lookup = PromptLookup(pre.token_ids)
         decoding = Decoding(decoder, self.tokenizer, pre.logits.to(self.adapter.device),
-                            len(pre.token_ids), params, self.eos_ids, self.context_window, lock=self._lock)
+                            len(pre.token_ids), params, self.eos_ids, self.context_window, lock=self._lock,
+                            lookup=lookup, draft_tokens=self.prompt_lookup_num_tokens)
         return pre, decoding
 
     def _decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on: the model's own, or (``decode_dtype="float16"``) a
-        twin whose linear layers hold float16 weights, built on first use."""
-        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32:
+        """The adapter decoding runs on, built on first use: on CPU a twin of the model whose
+        linear layers compute the step's few rows with a faster kernel (float32, the same
+        weights) or, with ``decode_dtype="float16"``, hold float16 weights; elsewhere the
+        model's own."""
+        if self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
             return self.adapter
         with self._lock:
             if self._decode_adapter is None:
-                self._decode_adapter = ModelAdapter(with_half_linears(self.hf_model))
+                twin = with_decode_linears(self.hf_model, half=self.decode_dtype == "float16")
+                self._decode_adapter = ModelAdapter(twin)
         return self._decode_adapter
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
@@ -709,6 +726,7 @@ class BlendEngine:
     def _finish_stats(self, stats: Stats, decoding: Decoding) -> None:
         stats.generated_tokens = len(decoding.token_ids)
         stats.decode_s = decoding.decode_s
+        stats.decode_steps = decoding.steps
         stats.finish_reason = decoding.finish_reason
         self.last_stats = stats
 

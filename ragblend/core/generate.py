@@ -9,6 +9,7 @@ bookkeeping. With a full prefill, greedy decoding gives transformers' ``generate
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -18,6 +19,7 @@ from typing import Iterator
 import torch
 
 from .errors import InvalidInputError
+from .fusion import attention_plan
 
 
 @dataclass(frozen=True)
@@ -77,25 +79,82 @@ class KVDecoder:
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
         """Append ``token`` at the next position; return the logits ``[vocab]`` after it."""
-        adapter, position = self.adapter, self.length
-        if position >= self.keys[0].shape[1]:
-            raise InvalidInputError(f"The decoder's buffers hold {position} positions; no room for another token.")
-        cos, sin = self.cos[position:position + 1], self.sin[position:position + 1]
-        hidden = adapter.embed(torch.tensor([token], device=self.cos.device))
+        return self.extend([token])[0]
+
+    @torch.inference_mode()
+    def extend(self, tokens: list[int]) -> torch.Tensor:
+        """Append ``tokens`` at the next positions in one pass; return the logits after each
+        ``[len(tokens), vocab]``. One pass reads every weight once, whatever the number of
+        tokens, which is what makes verifying drafted tokens (:class:`PromptLookup`) cheap."""
+        adapter, start, n = self.adapter, self.length, len(tokens)
+        end = start + n
+        if n == 0 or end > self.capacity:
+            raise InvalidInputError(f"The decoder's buffers hold {self.capacity} positions; "
+                                    f"{start} are used, no room for {n} more.")
+        cos, sin = self.cos[start:end], self.sin[start:end]
+        positions = torch.arange(start, end, device=self.cos.device)
+        key_bias = None if self.key_bias is None else self.key_bias[:end]
+        plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their mask
+        hidden = adapter.embed(torch.tensor(tokens, device=self.cos.device))
         for layer in range(adapter.shape.num_layers):
             x = adapter.attn_input(layer, hidden)
             k, v = adapter.kv(layer, x)
-            self.keys[layer][:, position] = adapter.rope(k, cos, sin)[:, 0]
-            self.values[layer][:, position] = v[:, 0]
+            self.keys[layer][:, start:end] = adapter.rope(k, cos, sin)
+            self.values[layer][:, start:end] = v
             q = adapter.rope(adapter.q(layer, x), cos, sin)
             window = adapter.window(layer)
-            first = 0 if window is None else max(0, position + 1 - window)
-            bias = None if self.key_bias is None else self.key_bias[first:position + 1]
-            attn = adapter.attention_to_all(q, self.keys[layer][:, first:position + 1],
-                                            self.values[layer][:, first:position + 1], bias)
+            if window not in plans:
+                plans[window] = attention_plan(positions, end, window, self.cos.dtype, n, key_bias)[0]
+            plan = plans[window]
+            attn = adapter.attention(q, self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys], plan.mask)
             hidden = adapter.finish(layer, hidden, attn)
-        self.length = position + 1
-        return adapter.logits(hidden)[0]
+        self.length = end
+        return adapter.logits(hidden)
+
+    @property
+    def capacity(self) -> int:
+        """The most positions the buffers hold."""
+        return self.keys[0].shape[1]
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from ``length`` on (drafted tokens that were not accepted)."""
+        if not 0 <= length <= self.length:
+            raise InvalidInputError(f"Cannot truncate a decoder holding {self.length} positions to {length}.")
+        self.length = length
+
+
+class PromptLookup:
+    """Drafts the next tokens by prompt lookup: find the latest earlier place where the
+    sequence's last 1-3 tokens occurred, and propose the tokens that followed there.
+
+    RAG answers copy names, dates and phrases from the passages, so drafts taken from the
+    prompt are often right. The decoder checks a draft in one pass (:meth:`KVDecoder.extend`)
+    and keeps only the tokens greedy decoding would have produced anyway.
+    """
+
+    MAX_NGRAM = 3
+    MIN_NGRAM = 1
+
+    def __init__(self, token_ids: list[int]):
+        self.tokens: list[int] = []
+        self.follower: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest follower is
+        for token in token_ids:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        tokens = self.tokens
+        for n in range(1, self.MAX_NGRAM + 1):
+            if len(tokens) >= n:
+                self.follower[tuple(tokens[-n:])] = len(tokens)
+        tokens.append(token)
+
+    def draft(self, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the longest recurring tail, or []."""
+        for n in range(self.MAX_NGRAM, self.MIN_NGRAM - 1, -1):
+            start = self.follower.get(tuple(self.tokens[-n:])) if len(self.tokens) >= n else None
+            if start is not None:
+                return self.tokens[start:start + max_tokens]
+        return []
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -137,10 +196,13 @@ class Decoding:
     eos_ids: frozenset[int]
     context_window: int
     lock: object = None   # held around each model step (never across a yield)
+    lookup: PromptLookup | None = None   # drafts tokens to verify in each step (greedy only)
+    draft_tokens: int = 0                # the most tokens drafted per step
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     decode_s: float = 0.0
+    steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
 
     def __iter__(self) -> Iterator[str]:
         params = self.params
@@ -148,11 +210,13 @@ class Decoding:
         if params.temperature > 0:
             generator = torch.Generator(device=self.first_logits.device)
             generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        logits, emitted = self.first_logits, 0
+        # Logits already computed for the next tokens: one after a plain step, more when a
+        # step accepted drafted tokens (whose K/V are then in the cache already).
+        pending, emitted = collections.deque([self.first_logits]), 0
         t0 = time.perf_counter()
         with torch.inference_mode():
             while True:
-                token = pick_token(logits, params, generator)
+                token = pick_token(pending.popleft(), params, generator)
                 if token in self.eos_ids:
                     self.finish_reason = "stop"
                     break
@@ -173,8 +237,26 @@ class Decoding:
                 if len(self.token_ids) >= params.max_new_tokens or position + 1 >= self.context_window:
                     self.finish_reason = "length"
                     break
-                with self.lock or contextlib.nullcontext():
-                    logits = self.decoder.step(token)
+                if self.lookup is not None:
+                    self.lookup.append(token)
+                if not pending:   # the token is not in the cache yet
+                    with self.lock or contextlib.nullcontext():
+                        pending.extend(self._step(token))
         self.decode_s = time.perf_counter() - t0
         if len(self.text) > emitted:
             yield self.text[emitted:]
+
+    def _step(self, token: int) -> list[torch.Tensor]:
+        """Run ``token`` and a draft through the model; the logits for the next tokens, one
+        for the token and one per draft token greedy decoding accepts."""
+        decoder = self.decoder
+        room = min(self.draft_tokens, decoder.capacity - decoder.length - 1,
+                   self.params.max_new_tokens - len(self.token_ids) - 1)
+        draft = self.lookup.draft(room) if self.lookup is not None and room > 0 else []
+        logits = decoder.extend([token, *draft])
+        self.steps += 1
+        accepted = 0
+        while accepted < len(draft) and int(torch.argmax(logits[accepted])) == draft[accepted]:
+            accepted += 1
+        decoder.truncate(decoder.length - len(draft) + accepted)
+        return list(logits[:accepted + 1])

@@ -186,9 +186,36 @@ class HalfLinear(torch.nn.Module):
         return F.linear(x.half(), self.weight, self.bias).to(x.dtype)
 
 
-def with_half_linears(hf_model):
-    """A copy of ``hf_model`` whose linear layers (projections, MLP, LM head) hold float16
-    weights; everything else (embeddings, norms, rotary tables) is shared with the original."""
+class ColumnLinear(torch.nn.Module):
+    """A float32 linear layer for the few rows of a decoding step, computed as
+    ``weight @ x.T`` (one row is doubled to make two columns) instead of ``x @ weight.T``.
+
+    The math is the same, the kernel is not: on this project's CPU, ``F.linear`` streamed
+    SmolLM2's weights at ~17 GB/s for one row and slower still for 2-3 rows, while the
+    column product of up to 3 columns streamed them at ~37 GB/s (docs/benchmarks.md,
+    "Decoding"). Logits differ from ``F.linear``'s by float rounding (~1e-5). The weight
+    is shared with the wrapped layer, not copied; more rows go to ``F.linear`` as before.
+    """
+
+    MAX_ROWS = 8
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.dim() != 2 or rows > self.MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        columns = (x if rows > 1 else torch.cat([x, x])).T
+        out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
+        return out if self.bias is None else out + self.bias
+
+
+def with_decode_linears(hf_model, half: bool = False):
+    """A twin of ``hf_model`` for decoding: its linear layers (projections, MLP, LM head) are
+    :class:`ColumnLinear` over the same weights or, with ``half``, :class:`HalfLinear`
+    holding float16 copies; everything else (embeddings, norms, rotary tables) is shared."""
     import copy
 
     shared = {id(p): p for p in hf_model.parameters()}
@@ -197,7 +224,7 @@ def with_half_linears(hf_model):
     for name, module in list(twin.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(module, child_name, HalfLinear(child))
+                setattr(module, child_name, HalfLinear(child) if half else ColumnLinear(child))
     return twin
 
 
@@ -310,18 +337,6 @@ class ModelAdapter:
         out = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
             scale=self.scaling, enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
-        )
-        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
-
-    def attention_to_all(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         key_bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of queries ``q [H, n, D]`` that may see every key in ``k, v [Hkv, N, D]``
-        (a decoding step: the new token comes after all of them), with ``key_bias [N]`` added
-        to the scores on each key if given. Returns ``[n, H*D]``."""
-        mask = None if key_bias is None else key_bias.to(q.dtype)[None, :]
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
-            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
         )
         return out[0].transpose(0, 1).reshape(q.shape[1], -1)
 

@@ -26,7 +26,7 @@ class EngineFields(BaseModel):
     model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
     kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
     kv_dtype: Literal["float16", "bfloat16", "float32", "int8"] = Field(default="float16", description="How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost (see docs/benchmarks.md).")
-    decode_dtype: Literal["float32", "float16"] = Field(default="float32", description="'float16' decodes with float16 weights in the matmuls: about 2x faster on CPU, answers nearly always identical.")
+    decode_dtype: Literal["float32", "float16"] = Field(default="float32", description="'float16' decodes with float16 weights in the matmuls (half the bytes per token; answers nearly always identical, not always). On the project's CPU it was no faster than the default float32 decoding.")
     strategy: StrategyName = Field(default="default", description="Fusion strategy; default = the engine's calibrated choice.")
     ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
