@@ -55,20 +55,22 @@ class TokenClock:
 
 
 def hf_decode_s(engine: BlendEngine, token_ids: list[int], tokens: int) -> float:
-    """Seconds transformers ``generate`` takes for ``tokens`` decoding steps (after its first token)."""
+    """Seconds transformers ``generate`` takes from the first to the last token of a
+    ``tokens``-token answer (``tokens - 1`` passes, as ragblend's decoding makes)."""
     clock = TokenClock()
     with torch.inference_mode():
-        engine.hf_model.generate(torch.tensor([token_ids]), max_new_tokens=tokens + 1, min_new_tokens=tokens + 1,
+        engine.hf_model.generate(torch.tensor([token_ids]), max_new_tokens=tokens, min_new_tokens=tokens,
                                  do_sample=False, streamer=clock)
     return clock.times[-1] - clock.times[1]
 
 
-def reference_answer(engine: BlendEngine, pre, tokens: int, stop_at_end: bool = True) -> tuple[list[int], float]:
+def reference_answer(engine: BlendEngine, pre, tokens: int,
+                     stop_at_end: bool = True) -> tuple[list[int], float, int]:
     """Greedy answer after the prefill ``pre`` on the model's own layers, one token per pass
-    (what ragblend decoded with before the column product and drafting); its token ids and
-    the seconds its decoding steps took."""
+    (what ragblend decoded with before the column product and drafting): its token ids, the
+    seconds its passes took, and how many passes it made."""
     decoder = KVDecoder(engine.adapter, pre.keys, pre.values, len(pre.token_ids) + tokens, pre.key_bias)
-    answer, logits, t0 = [], pre.logits, time.perf_counter()
+    answer, logits, passes, t0 = [], pre.logits, 0, time.perf_counter()
     with engine._lock:
         while len(answer) < tokens:
             token = int(torch.argmax(logits))
@@ -76,8 +78,8 @@ def reference_answer(engine: BlendEngine, pre, tokens: int, stop_at_end: bool = 
                 break
             answer.append(token)
             if len(answer) < tokens:
-                logits = decoder.step(token)
-    return answer, time.perf_counter() - t0
+                logits, passes = decoder.step(token), passes + 1
+    return answer, time.perf_counter() - t0, passes
 
 
 def ragblend_answer(engine: BlendEngine, segments, tokens: int, drafts: int):
@@ -103,9 +105,9 @@ def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int, drafts:
     pre = exact.prefill(segments)
     ends = exact.eos_ids
     exact.eos_ids = half.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
-    variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens),
+    variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens - 1),
                 "reference decoder (F.linear, one token a pass)":
-                    lambda: (reference_answer(exact, pre, tokens, stop_at_end=False)[1], tokens)}
+                    lambda: reference_answer(exact, pre, tokens, stop_at_end=False)[1:]}
     for n in drafts:
         variants[f"ragblend, prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
     variants[f"ragblend, decode_dtype='float16', prompt_lookup_num_tokens={drafts[-1]}"] = \
@@ -123,7 +125,7 @@ def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int, drafts:
              "| decoder | decode s | tokens/s | passes | speed-up vs transformers |", "|---|---:|---:|---:|---:|"]
     for name, values in times.items():
         seconds = statistics.median(values)
-        lines.append(f"| {name} | {seconds:.3f} | {tokens / seconds:.1f} | {passes[name]} | {base / seconds:.2f}x |")
+        lines.append(f"| {name} | {seconds:.3f} | {(tokens - 1) / seconds:.1f} | {passes[name]} | {base / seconds:.2f}x |")
     return lines
 
 
@@ -149,10 +151,10 @@ def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, dr
             exact.precompute(prompt.chunks)
             segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
             pre = exact.prefill(segments)
-            ref, ref_s = reference_answer(exact, pre, tokens)
+            ref, ref_s, ref_passes = reference_answer(exact, pre, tokens)
             ref_text = exact.tokenizer.decode(ref, skip_special_tokens=True)
             seconds["reference"] += ref_s
-            passes["reference"] += max(len(ref) - 1, 0)
+            passes["reference"] += ref_passes
             produced += len(ref)
             kls += step_kls(exact, pre, ref)
             for name, engine, n in variants:

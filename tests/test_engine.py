@@ -339,19 +339,70 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     assert lookup.draft(3) == []
 
 
+class ScriptedDecoder:
+    """Stands in for KVDecoder: a 'model' whose greedy choice after token t is ``successor[t]``."""
+
+    def __init__(self, successor: dict[int, int], length: int, capacity: int, vocab: int):
+        self.successor, self.length, self.capacity, self.vocab, self.passes = successor, length, capacity, vocab, 0
+
+    def logits_after(self, token: int) -> torch.Tensor:
+        logits = torch.zeros(self.vocab)
+        logits[self.successor.get(token, 0)] = 1.0
+        return logits
+
+    def extend(self, tokens):
+        assert self.length + len(tokens) <= self.capacity
+        self.length, self.passes = self.length + len(tokens), self.passes + 1
+        return torch.stack([self.logits_after(t) for t in tokens])
+
+    def truncate(self, length):
+        self.length = length
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 30])
+@pytest.mark.parametrize("stop", [(), ("ferry",)])
+@pytest.mark.parametrize("room", [10_000, 6])
+def test_drafted_decoding_emits_what_one_pass_a_token_emits(tokenizer, max_new_tokens, stop, room):
+    """Greedy decoding with prompt-lookup drafts gives the same tokens, text and finish reason
+    as one pass per token, in fewer passes, whatever ends it (length, EOS, a stop string, the
+    context window)."""
+    from ragblend.core.generate import Decoding, PromptLookup, SamplingParams
+
+    chain = tokenizer.encode(" the ferry crossed to the north pier at dawn", add_special_tokens=False)
+    eos = 0
+    successor = dict(zip(chain, chain[1:] + [eos]))   # the model recites the chain, then ends
+    prompt = [5, 6, *chain, 7]                           # the prompt holds the chain too
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
+    runs = {}
+    for drafts in (0, 3):
+        decoder = ScriptedDecoder({6: chain[0], **successor}, len(prompt), len(prompt) + max_new_tokens,
+                                  len(tokenizer))
+        decoding = Decoding(decoder, tokenizer, decoder.logits_after(6), len(prompt), params, frozenset({eos}),
+                            context_window=len(prompt) + room, lookup=PromptLookup(prompt) if drafts else None,
+                            draft_tokens=drafts)
+        pieces = list(decoding)
+        assert "".join(pieces) == decoding.text and decoding.steps == decoder.passes
+        runs[drafts] = decoding
+    plain, drafted = runs[0], runs[3]
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert drafted.finish_reason == plain.finish_reason
+    if len(plain.token_ids) > 4:
+        assert drafted.steps < plain.steps
+
+
 def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
     tiny_engine.prompt_lookup_num_tokens = 0
     plain = tiny_engine.generate(segments(), max_new_tokens=24)
-    assert tiny_engine.last_stats.decode_steps == len(plain.token_ids) - 1
+    plain_steps = tiny_engine.last_stats.decode_steps
     tiny_engine.prompt_lookup_num_tokens = 3
     drafted = tiny_engine.generate(segments(), max_new_tokens=24)
     assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
-    assert tiny_engine.last_stats.decode_steps <= len(drafted.token_ids) - 1
-    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # no drafting
-    assert tiny_engine.last_stats.decode_steps == len(sampled.token_ids) - 1
+    assert tiny_engine.last_stats.decode_steps <= plain_steps
+    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # never drafts
+    assert tiny_engine.last_stats.decode_steps in (len(sampled.token_ids) - 1, len(sampled.token_ids))
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", 8])
 def test_prompt_lookup_num_tokens_must_be_a_count(tokenizer, bad):
     from .conftest import make_tiny_engine
 

@@ -43,7 +43,7 @@ from .fusion import (
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
 from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
-from .model import ModelAdapter, cache_dir, load_model, with_decode_linears
+from .model import ColumnLinear, ModelAdapter, cache_dir, load_model, with_decode_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
@@ -85,7 +85,7 @@ class Stats:
     tiers: dict = field(default_factory=dict)   # chunks served per tier, e.g. {"memory": 5, "disk": 1}
     generated_tokens: int = 0
     decode_s: float = 0.0
-    decode_steps: int = 0          # decoder passes; fewer than generated_tokens when prompt lookup drafts were accepted
+    decode_steps: int = 0          # model passes after the prefill: one per token after the first, fewer when drafts were kept
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
@@ -194,8 +194,8 @@ class BlendEngine:
         self.strategy = check_strategy(strategy, self.adapter.shape.num_layers)
         self.kv_dtype = _storage_dtype(kv_dtype)
         if decode_dtype not in ("float32", "float16"):
-            raise InvalidInputError(f"decode_dtype must be 'float32' (exact) or 'float16' (faster decoding "
-                                    f"matmuls on CPU), got {decode_dtype!r}.")
+            raise InvalidInputError(f"decode_dtype must be 'float32' (the default) or 'float16' (float16 weights "
+                                    f"in the decoding matmuls), got {decode_dtype!r}.")
         self.decode_dtype = decode_dtype
         self._decode_adapter: ModelAdapter | None = None
         self.prefetch = prefetch
@@ -214,9 +214,10 @@ class BlendEngine:
         # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
         # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-3 it decoded
         # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
+        most = ColumnLinear.MAX_ROWS - 1   # a pass over more rows leaves the column product
         if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \
-                or prompt_lookup_num_tokens < 0:
-            raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer >= 0 (0: no drafting), "
+                or not 0 <= prompt_lookup_num_tokens <= most:
+            raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to {most}, "
                                     f"got {prompt_lookup_num_tokens!r}.")
         self.prompt_lookup_num_tokens = int(prompt_lookup_num_tokens)
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
@@ -678,15 +679,15 @@ class BlendEngine:
         return pre, decoding
 
     def _decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on, built on first use: on CPU a twin of the model whose
-        linear layers compute the step's few rows with a faster kernel (float32, the same
-        weights) or, with ``decode_dtype="float16"``, hold float16 weights; elsewhere the
-        model's own."""
-        if self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
+        """The adapter decoding runs on, built on first use: a twin of the float32 model whose
+        linear layers hold float16 weights (``decode_dtype="float16"``) or, on CPU, compute a
+        pass's few rows with a faster kernel over the same weights; else the model's own."""
+        half = self.decode_dtype == "float16"
+        if self.adapter.dtype != torch.float32 or not (half or self.adapter.device.type == "cpu"):
             return self.adapter
         with self._lock:
             if self._decode_adapter is None:
-                twin = with_decode_linears(self.hf_model, half=self.decode_dtype == "float16")
+                twin = with_decode_linears(self.hf_model, half=half)
                 self._decode_adapter = ModelAdapter(twin)
         return self._decode_adapter
 

@@ -1,10 +1,12 @@
 """Decoding from a fused KV cache: greedy or sampled, with stop strings, EOS and streaming.
 
 The fused prefill leaves the post-RoPE K/V of every prompt token. :class:`KVDecoder` copies
-them into buffers sized for the whole answer and runs one token at a time through the
-model's own modules (the adapter's per-layer steps), writing each new token's K/V in place:
-the same operations as transformers' decoding, without its per-step cache and mask
-bookkeeping. With a full prefill, greedy decoding gives transformers' ``generate`` tokens.
+them into buffers sized for the whole answer and runs new tokens through the model's own
+modules (the adapter's per-layer steps), writing their K/V in place: the same operations as
+transformers' decoding, without its per-step cache and mask bookkeeping. Greedy decoding
+drafts tokens by :class:`PromptLookup` and verifies them in the same pass, keeping only those
+it would have chosen anyway. With a full prefill, greedy decoding gives transformers'
+``generate`` tokens.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class SamplingParams:
 
 
 class KVDecoder:
-    """Decodes one token at a time over preallocated per-layer K/V buffers.
+    """Runs new tokens, one or a few per pass, over preallocated per-layer K/V buffers.
 
     ``keys``/``values``: the prompt's per-layer ``[kv_heads, N, head_dim]`` K (after RoPE)
     and V; ``capacity``: the most positions the buffers will hold (prompt + answer);
@@ -203,6 +205,10 @@ class Decoding:
     finish_reason: str | None = None
     decode_s: float = 0.0
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
+
+    def __post_init__(self):
+        if self.params.temperature > 0:
+            self.lookup = None   # a draft is checked against the greedy choice: sampling never drafts
 
     def __iter__(self) -> Iterator[str]:
         params = self.params

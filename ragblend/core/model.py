@@ -204,9 +204,9 @@ class ColumnLinear(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dim() != 2 or rows > self.MAX_ROWS:
+        if x.dim() != 2 or x.shape[0] > self.MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
+        rows = x.shape[0]
         columns = (x if rows > 1 else torch.cat([x, x])).T
         out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
         return out if self.bias is None else out + self.bias
@@ -223,7 +223,7 @@ def with_decode_linears(hf_model, half: bool = False):
     twin = copy.deepcopy(hf_model, memo=shared)
     for name, module in list(twin.named_modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, torch.nn.Linear):
+            if type(child) is torch.nn.Linear:   # not subclasses: quantized layers pack their weights
                 setattr(module, child_name, HalfLinear(child) if half else ColumnLinear(child))
     return twin
 
