@@ -143,7 +143,8 @@ if st.button("Ask", key="ask"):
         left, right = st.columns(2)
         with left:
             st.markdown(f"**ragblend: {STRATEGIES[strategy]}**")
-            fused = answer(rag, question, strategy, None if strategy == "default" else ratio, top_k, st.empty())
+            takes_ratio = strategy in ("query_aware", "cacheblend")   # the others recompute a fixed set
+            fused = answer(rag, question, strategy, ratio if takes_ratio else None, top_k, st.empty())
         full = None
         if compare:
             with right:

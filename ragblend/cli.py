@@ -97,10 +97,10 @@ def _ask(args) -> int:
     if args.compare:
         # Untimed warm-up, so the first timed answer does not pay the process's one-off costs
         # (thread pools, allocator) and look slower than the second.
-        rag.ask(args.question, strategy="full_recompute", **{**options, "max_new_tokens": 1})
+        rag.ask(args.question, strategy="full_recompute", **{**options, "max_new_tokens": 1, "ratio": None})
     _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
-    if args.compare:
-        _print_answer("full prefill", rag.ask(args.question, strategy="full_recompute", **options))
+    if args.compare:   # a full prefill recomputes everything: --ratio is not its
+        _print_answer("full prefill", rag.ask(args.question, strategy="full_recompute", **{**options, "ratio": None}))
     return 0
 
 
@@ -119,7 +119,8 @@ def _demo(args) -> int:
     for item in load_sample()["demo"][: args.questions]:
         print(f"Q: {item['question']}   (the documents say: {item['answer']})")
         for label, strategy in (("BlendLLM", "default"), ("full prefill", "full_recompute")):
-            answer = rag.ask(item["question"], strategy=strategy, ratio=args.ratio, top_k=args.top_k,
+            ratio = args.ratio if strategy == "default" else None   # a full prefill takes no ratio
+            answer = rag.ask(item["question"], strategy=strategy, ratio=ratio, top_k=args.top_k,
                              max_new_tokens=args.max_new_tokens)
             _print_answer(label, answer)
     return 0

@@ -229,6 +229,13 @@ def test_every_shipped_calibration_is_of_the_current_format():
         assert path.stem == calibration.fingerprint[:32] and calibration.within_noise
 
 
+@pytest.mark.parametrize("name", ["legolink", "full_reuse", "full_recompute"])
+def test_a_ratio_for_a_strategy_without_one_is_an_error(name):
+    with pytest.raises(RagblendError, match=f"{name}' takes no ratio"):
+        strategy_from_name(name, 0.3)
+    assert strategy_from_name(name) is not None
+
+
 def test_auto_ratio_is_cacheblends_only():
     from ragblend import CacheBlend
 

@@ -212,6 +212,9 @@ def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: 
         return None if ratio is None else QueryAware(ratio)
     for cls in STRATEGIES:
         if cls.name == name:
+            if ratio is not None and cls not in (QueryAware, CacheBlend):
+                raise InvalidInputError(f"Strategy {name!r} takes no ratio (it recomputes a fixed set of tokens); "
+                                        f"drop the ratio, or use 'query_aware' or 'cacheblend' with it.")
             if cls is LegoLink:
                 return LegoLink(legolink_k)
             if cls is QueryAware:   # without a ratio: the engine's own (calibrated or safe) one
