@@ -1,7 +1,7 @@
 """Decoding speed against transformers, and whether ragblend's decoding keeps the greedy answers.
 
 ragblend decodes on a twin of the model whose linear layers compute a step's few rows with a
-column product (``ColumnLinear``), and drafts tokens by prompt lookup that one pass verifies
+column product (``CpuLinear``), and drafts tokens by prompt lookup that one pass verifies
 (``prompt_lookup_num_tokens``). Both are meant to leave greedy answers as they are; this
 measures it.
 
@@ -34,6 +34,7 @@ import torch
 from ragblend import BlendEngine, Chunk
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.generate import KVDecoder
+from ragblend.core.model import ModelAdapter
 
 from .fidelity import MUSIQUE, prompt_sets
 from .models import MODELS, model_path
@@ -69,7 +70,8 @@ def reference_answer(engine: BlendEngine, pre, tokens: int,
     """Greedy answer after the prefill ``pre`` on the model's own layers, one token per pass
     (what ragblend decoded with before the column product and drafting): its token ids, the
     seconds its passes took, and how many passes it made."""
-    decoder = KVDecoder(engine.adapter, pre.keys, pre.values, len(pre.token_ids) + tokens, pre.key_bias)
+    decoder = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, len(pre.token_ids) + tokens,
+                        pre.key_bias)
     answer, logits, passes, t0 = [], pre.logits, 0, time.perf_counter()
     with engine._lock:
         while len(answer) < tokens:
@@ -92,8 +94,8 @@ def ragblend_answer(engine: BlendEngine, segments, tokens: int, drafts: int):
 def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
     """Per step, KL between the reference layers' and the decoding twin's next-token distributions."""
     capacity = len(pre.token_ids) + len(answer)
-    ref = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias)
-    twin = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
+    ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)
+    twin = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias)
     with engine._lock:
         return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
 

@@ -316,16 +316,18 @@ def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
         many.extend([1])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9])
-def test_column_linear_computes_the_linear_layer(rows):
-    from ragblend.core.model import ColumnLinear
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_linear_computes_the_linear_layer(rows, bias):
+    from ragblend.core.model import CpuLinear
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 96)
+    linear = torch.nn.Linear(64, 96, bias=bias)
     x = torch.randn(rows, 64)
-    out = ColumnLinear(linear)(x)
-    assert out.shape == (rows, 96) and out.is_contiguous()
-    assert (out - linear(x)).abs().max() <= 1e-5
+    out = CpuLinear(linear)(x)
+    assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
+    assert (out - linear(x)).abs().max() <= 1e-5 if rows else True
+    assert CpuLinear(linear)(x[None]).shape == (1, rows, 96)   # other shapes: F.linear
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():

@@ -43,7 +43,7 @@ from .fusion import (
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
 from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
-from .model import ColumnLinear, ModelAdapter, cache_dir, load_model, with_decode_linears
+from .model import CpuLinear, HalfLinear, ModelAdapter, cache_dir, load_model, with_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
@@ -175,7 +175,10 @@ class BlendEngine:
                  precompute_batch_tokens: int = 1024, prompt_lookup_num_tokens: int = 3):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
-        self.adapter = ModelAdapter(hf_model)
+        self.adapter = ModelAdapter(hf_model)   # checks the architecture first
+        if self.adapter.dtype == torch.float32 and self.adapter.device.type == "cpu":
+            # The same weights through faster CPU kernels (model.CpuLinear); the model itself is left as it is.
+            self.adapter = ModelAdapter(with_linears(hf_model, CpuLinear))
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=separator, use_chat_template=use_chat_template)
         if not isinstance(chunk_context, str):
@@ -214,7 +217,7 @@ class BlendEngine:
         # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
         # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-3 it decoded
         # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
-        most = ColumnLinear.MAX_ROWS - 1   # a pass over more rows leaves the column product
+        most = CpuLinear.MAX_COLUMN_ROWS - 1   # a pass over more rows leaves the column product
         if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \
                 or not 0 <= prompt_lookup_num_tokens <= most:
             raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to {most}, "
@@ -679,16 +682,13 @@ class BlendEngine:
         return pre, decoding
 
     def _decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on, built on first use: a twin of the float32 model whose
-        linear layers hold float16 weights (``decode_dtype="float16"``) or, on CPU, compute a
-        pass's few rows with a faster kernel over the same weights; else the model's own."""
-        half = self.decode_dtype == "float16"
-        if self.adapter.dtype != torch.float32 or not (half or self.adapter.device.type == "cpu"):
+        """The adapter decoding runs on: the engine's own, or (``decode_dtype="float16"``) a
+        twin whose linear layers hold float16 weights, built on first use."""
+        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32:
             return self.adapter
         with self._lock:
             if self._decode_adapter is None:
-                twin = with_decode_linears(self.hf_model, half=half)
-                self._decode_adapter = ModelAdapter(twin)
+                self._decode_adapter = ModelAdapter(with_linears(self.hf_model, HalfLinear))
         return self._decode_adapter
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,

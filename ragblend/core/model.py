@@ -186,36 +186,52 @@ class HalfLinear(torch.nn.Module):
         return F.linear(x.half(), self.weight, self.bias).to(x.dtype)
 
 
-class ColumnLinear(torch.nn.Module):
-    """A float32 linear layer for the few rows of a decoding step, computed as
-    ``weight @ x.T`` (one row is doubled to make two columns) instead of ``x @ weight.T``.
+def _onednn_linear():
+    """oneDNN's linear op in this torch build (dense weight, optional bias), or None."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+    return op if torch.backends.mkldnn.is_available() else None
 
-    The math is the same, the kernel is not: on this project's CPU, ``F.linear`` streamed
-    SmolLM2's weights at ~17 GB/s for one row and slower still for 2-3 rows, while the
-    column product of up to 3 columns streamed them at ~37 GB/s (docs/benchmarks.md,
-    "Decoding"). Logits differ from ``F.linear``'s by float rounding (~1e-5). The weight
-    is shared with the wrapped layer, not copied; more rows go to ``F.linear`` as before.
+
+class CpuLinear(torch.nn.Module):
+    """A float32 linear layer with the CPU kernel that suits its rows; the weight (and bias)
+    are the wrapped layer's, shared, not copied. Same math as ``F.linear``, other kernels,
+    so results differ by float rounding (logits by ~1e-5).
+
+    * Up to ``MAX_COLUMN_ROWS`` rows (a decoding pass): ``weight @ x.T``, one row doubled to
+      make two columns. ``F.linear`` streamed SmolLM2's weights at ~17 GB/s for one row and
+      slower for 2-3; the column product at ~37 GB/s.
+    * More rows (a prefill, a precompute): oneDNN's matmul, where ``F.linear`` calls MKL's.
+      On SmolLM2's and Qwen2.5's layer shapes MKL ran at 200-225 GFLOPS, oneDNN at 360-500.
+
+    Both measured on this project's 2-core AMD EPYC host with AVX-512 (docs/benchmarks.md,
+    "Decoding" and "Linear-layer kernels"); a build without oneDNN keeps ``F.linear``.
     """
 
-    MAX_ROWS = 8
+    MAX_COLUMN_ROWS = 8
+    _onednn = staticmethod(_onednn_linear())
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[0] > self.MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.shape[0]
-        columns = (x if rows > 1 else torch.cat([x, x])).T
-        out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
-        return out if self.bias is None else out + self.bias
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if 0 < rows <= self.MAX_COLUMN_ROWS:
+            columns = (x if rows > 1 else torch.cat([x, x])).T
+            out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
+            return out if self.bias is None else out + self.bias
+        if rows and self._onednn is not None:
+            return self._onednn(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
-def with_decode_linears(hf_model, half: bool = False):
-    """A twin of ``hf_model`` for decoding: its linear layers (projections, MLP, LM head) are
-    :class:`ColumnLinear` over the same weights or, with ``half``, :class:`HalfLinear`
-    holding float16 copies; everything else (embeddings, norms, rotary tables) is shared."""
+def with_linears(hf_model, make):
+    """A twin of ``hf_model`` whose linear layers (projections, MLP, LM head) are
+    ``make(layer)`` (:class:`CpuLinear`, :class:`HalfLinear`); everything else (embeddings,
+    norms, rotary tables) is shared with the original, not copied."""
     import copy
 
     shared = {id(p): p for p in hf_model.parameters()}
@@ -224,7 +240,7 @@ def with_decode_linears(hf_model, half: bool = False):
     for name, module in list(twin.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:   # not subclasses: quantized layers pack their weights
-                setattr(module, child_name, HalfLinear(child) if half else ColumnLinear(child))
+                setattr(module, child_name, make(child))
     return twin
 
 

@@ -1,0 +1,76 @@
+"""Linear-layer kernels on this CPU: ``F.linear`` against ragblend's ``CpuLinear``.
+
+For every linear layer of a benchmark model (projections, MLP, LM head), run in order as a
+forward pass does, the time of ``F.linear`` (what transformers calls; MKL's sgemm on x86)
+and of :class:`~ragblend.core.model.CpuLinear` (a column product up to 8 rows, oneDNN's
+matmul above) at several row counts: 1-4 rows as a decoding pass has, ~140 as a chunk, ~660
+as a fused prefill's selected tokens, ~3k as a full prefill. Best of ``--runs``; GFLOPS and
+GB/s of weights read, and the largest difference between the two outputs.
+
+    python -m benchmarks.kernels --models smollm2 qwen2.5-0.5b
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ragblend import BlendEngine
+from ragblend.core.model import CpuLinear
+
+from .models import MODELS, model_path
+from .run import report_per_model
+
+ROWS = (1, 2, 3, 4, 140, 660, 3116)
+
+
+def best_of(runs: int, fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(model: str, runs: int) -> list[str]:
+    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    layers = [m for m in engine.hf_model.modules() if type(m) is torch.nn.Linear]
+    fast = [CpuLinear(m) for m in layers]
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    lines = [f"## {model}", "", f"{len(layers)} linear layers, {weight_bytes / 1e6:.0f} MB of float32 weights, "
+             f"best of {runs}:", "",
+             "| rows | F.linear ms | GFLOPS | GB/s | CpuLinear ms | GFLOPS | GB/s | speed-up | max abs diff |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for rows in ROWS:
+            inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
+            flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
+            plain = best_of(runs, lambda: [F.linear(inputs[m.in_features], m.weight, m.bias) for m in layers])
+            ours = best_of(runs, lambda: [f(inputs[m.in_features]) for m, f in zip(layers, fast)])
+            diff = max((f(inputs[m.in_features]) - F.linear(inputs[m.in_features], m.weight, m.bias)).abs().max().item()
+                       for m, f in zip(layers, fast))
+            lines.append(f"| {rows:,} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | {weight_bytes / plain / 1e9:.0f} | "
+                         f"{ours * 1e3:.1f} | {flops / ours / 1e9:.0f} | {weight_bytes / ours / 1e9:.0f} | "
+                         f"{plain / ours:.2f}x | {diff:.1e} |")
+            print(lines[-1], flush=True)
+    return [*lines, ""]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", default="docs")
+    args = parser.parse_args(argv)
+    report_per_model(args.models, lambda model: measure(model, args.runs), args.out, "kernels-run.md",
+                     "Linear-layer kernels", "benchmarks.kernels", argv)
+
+
+if __name__ == "__main__":
+    main()
