@@ -215,7 +215,7 @@ class BlendEngine:
         self.precompute_batch_tokens = int(precompute_batch_tokens)
         # Greedy decoding drafts this many tokens per pass by prompt lookup and keeps those
         # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
-        # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-3 it decoded
+        # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-4 it decoded
         # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
         most = CpuLinear.MAX_COLUMN_ROWS - 1   # a pass over more rows leaves the column product
         if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \

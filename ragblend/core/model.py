@@ -223,7 +223,7 @@ class CpuLinear(torch.nn.Module):
             columns = (x if rows > 1 else torch.cat([x, x])).T
             out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
             return out if self.bias is None else out + self.bias
-        if rows and self._onednn is not None:
+        if rows and self._onednn is not None and not torch.is_grad_enabled():   # oneDNN's op has no backward
             return self._onednn(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
