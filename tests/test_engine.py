@@ -326,9 +326,10 @@ def test_cpu_linear_computes_the_linear_layer(rows, bias):
     x = torch.randn(rows, 64)
     with torch.inference_mode():   # how the engine runs it (oneDNN's op has no backward)
         out = CpuLinear(linear)(x)
+        batched = CpuLinear(linear)(x[None])   # leading dimensions are flattened and restored
     assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
     assert (out - linear(x)).abs().max() <= 1e-5 if rows else True
-    assert CpuLinear(linear)(x[None]).shape == (1, rows, 96)   # other shapes: F.linear
+    assert batched.shape == (1, rows, 96) and (batched[0] - out).abs().max() <= 1e-5 if rows else True
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_match():

@@ -100,7 +100,8 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_tok
             cached_v[layer][:, where] = entry.values[layer][:, window].float()
     key_bias = expected_key_bias(n, spans, fused, strategy)
     with torch.inference_mode():
-        logits, keys, values = dense_reference(engine.hf_model, layout.token_ids, fused.layer_positions,
+        # The engine's own twin of the model (its linear kernels), so only the fusion differs.
+        logits, keys, values = dense_reference(engine.adapter.hf_model, layout.token_ids, fused.layer_positions,
                                                cached_k, cached_v, key_bias)
     selected_somewhere = 0
     for layer, positions in enumerate(fused.layer_positions):
@@ -119,7 +120,7 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_tok
         grow = lambda t: torch.cat([t, torch.zeros(t.shape[0], 1, t.shape[2])], dim=1)  # noqa: E731
         with torch.inference_mode():
             expected, _, _ = dense_reference(
-                engine.hf_model, layout.token_ids + [answer_token],
+                engine.adapter.hf_model, layout.token_ids + [answer_token],
                 [torch.cat([p, torch.tensor([n])]) for p in fused.layer_positions],
                 [grow(k) for k in cached_k], [grow(v) for v in cached_v], torch.cat([key_bias, torch.zeros(1)]))
         assert (step_logits - expected.float()).abs().max() <= atol

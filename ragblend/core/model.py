@@ -218,14 +218,19 @@ class CpuLinear(torch.nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0] if x.dim() == 2 else 0
-        if 0 < rows <= self.MAX_COLUMN_ROWS:
-            columns = (x if rows > 1 else torch.cat([x, x])).T
+        if x.dim() < 2 or x.numel() == 0:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])   # [tokens, in] whatever the leading dimensions
+        rows = flat.shape[0]
+        if rows <= self.MAX_COLUMN_ROWS:
+            columns = (flat if rows > 1 else torch.cat([flat, flat])).T
             out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
-            return out if self.bias is None else out + self.bias
-        if rows and self._onednn is not None and not torch.is_grad_enabled():   # oneDNN's op has no backward
-            return self._onednn(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            out = out if self.bias is None else out + self.bias
+        elif self._onednn is not None and not torch.is_grad_enabled():   # oneDNN's op has no backward
+            out = self._onednn(flat, self.weight, self.bias, "none", [], "")
+        else:
+            return F.linear(x, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def with_linears(hf_model, make):
