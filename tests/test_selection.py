@@ -240,6 +240,9 @@ def test_auto_ratio_is_cacheblends_only():
     from ragblend import CacheBlend
 
     assert strategy_from_name("cacheblend", "auto") == CacheBlend(ratio="auto")
-    for name in ("default", "query_aware", "legolink", "full_recompute"):
+    for name in ("default", "query_aware"):
         with pytest.raises(RagblendError, match="use strategy 'cacheblend'"):
+            strategy_from_name(name, "auto")
+    for name in ("legolink", "full_recompute"):   # no advice to give them a number
+        with pytest.raises(RagblendError, match="takes no ratio"):
             strategy_from_name(name, "auto")

@@ -205,6 +205,10 @@ def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: 
     give it. ``"default"`` is None, the engine's own (calibrated) choice, unless a ``ratio``
     is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps CacheBlend's
     default ratio and gives QueryAware the engine's own."""
+    takes_no_ratio = {cls.name for cls in STRATEGIES if cls not in (QueryAware, CacheBlend)}
+    if ratio is not None and name in takes_no_ratio:
+        raise InvalidInputError(f"Strategy {name!r} takes no ratio (it recomputes a fixed set of tokens); "
+                                f"drop the ratio, or use 'query_aware' or 'cacheblend' with it.")
     if ratio == "auto" and name != CacheBlend.name:
         raise InvalidInputError(f"ratio 'auto' is CacheBlend's (the loading controller picks it); use strategy "
                                 f"'cacheblend' with it, or give {name!r} a number in (0, 1].")
@@ -212,9 +216,6 @@ def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: 
         return None if ratio is None else QueryAware(ratio)
     for cls in STRATEGIES:
         if cls.name == name:
-            if ratio is not None and cls not in (QueryAware, CacheBlend):
-                raise InvalidInputError(f"Strategy {name!r} takes no ratio (it recomputes a fixed set of tokens); "
-                                        f"drop the ratio, or use 'query_aware' or 'cacheblend' with it.")
             if cls is LegoLink:
                 return LegoLink(legolink_k)
             if cls is QueryAware:   # without a ratio: the engine's own (calibrated or safe) one
