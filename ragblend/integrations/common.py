@@ -44,8 +44,11 @@ class EngineFields(BaseModel):
     def generation_options(self, kwargs: dict, max_new_tokens: int) -> dict:
         """Keyword arguments for ``engine.generate/stream``: this call's ``kwargs`` (popped)
         over the fields."""
-        strategy = make_strategy(kwargs.pop("strategy", self.strategy), kwargs.pop("ratio", self.ratio),
-                                 self.legolink_k)
+        name = kwargs.pop("strategy", self.strategy)
+        # The field's ratio belongs to the field's strategy: a call naming another strategy and
+        # no ratio gets that strategy's own default (full_recompute takes none at all).
+        ratio = kwargs.pop("ratio", self.ratio if name == self.strategy else None)
+        strategy = make_strategy(name, ratio, self.legolink_k)
         return dict(strategy=strategy, max_new_tokens=max_new_tokens,
                     temperature=kwargs.pop("temperature", self.temperature), top_p=kwargs.pop("top_p", self.top_p),
                     seed=kwargs.pop("seed", self.seed), stop=kwargs.pop("stop", None))
