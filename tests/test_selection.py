@@ -246,3 +246,16 @@ def test_auto_ratio_is_cacheblends_only():
     for name in ("legolink", "full_recompute"):   # no advice to give them a number
         with pytest.raises(RagblendError, match="takes no ratio"):
             strategy_from_name(name, "auto")
+
+
+def test_a_call_naming_another_strategy_leaves_the_fields_ratio_behind(tokenizer):
+    from ragblend.integrations.llamaindex_llm import BlendLLM
+
+    from .conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    llm = BlendLLM(engine=engine, strategy="query_aware", ratio=0.3, max_new_tokens=2)
+    llm.complete("Say hi.", strategy="full_recompute")   # the 0.3 is query_aware's, not full_recompute's
+    assert engine.last_stats.strategy == "full_recompute"
+    with pytest.raises(RagblendError, match="takes no ratio"):
+        llm.complete("Say hi.", strategy="full_recompute", ratio=0.3)
