@@ -24,16 +24,48 @@ the rest), let the selection refine at its check layers, attention, MLP.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, RagblendError
 from .model import ModelAdapter
+
+# ---------------------------------------------------------------------------- cancellation
+
+
+class Cancelled(RagblendError):
+    """The computation was stopped by its caller's ``should_stop`` (see :func:`cancellable`)."""
+
+
+_cancel = threading.local()
+
+
+@contextlib.contextmanager
+def cancellable(should_stop: Callable[[], bool]):
+    """Within this block, on this thread, every model pass (fused prefill, chunk precompute,
+    decoding step) calls ``should_stop()`` before each layer or step and raises
+    :class:`Cancelled` once it returns true. A server uses it to stop the work of a client
+    that left or timed out; a thread-local, so the engine's signatures stay as they are."""
+    previous = getattr(_cancel, "should_stop", None)
+    _cancel.should_stop = should_stop
+    try:
+        yield
+    finally:
+        _cancel.should_stop = previous
+
+
+def check_cancelled() -> None:
+    """Raise :class:`Cancelled` if this thread's :func:`cancellable` caller asks to stop."""
+    should_stop = getattr(_cancel, "should_stop", None)
+    if should_stop is not None and should_stop():
+        raise Cancelled("The computation was cancelled by its caller.")
 
 # ---------------------------------------------------------------------------- strategies
 
@@ -664,6 +696,7 @@ def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers
     load_wait = 0.0
     last_layer = shape.num_layers - 1
     for layer in range(shape.num_layers):
+        check_cancelled()
         # 1. K/V of this layer: fresh for the selected tokens, cached (rotated) for the rest.
         x = adapter.attn_input(layer, hidden)
         k_raw, v = adapter.kv(layer, x)
@@ -732,6 +765,7 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
     hidden = adapter.embed(ids)
     keys, values = [], []
     for layer in range(adapter.shape.num_layers):
+        check_cancelled()
         x = adapter.attn_input(layer, hidden)
         k, v = adapter.kv(layer, x)
         keys.append(k[:, start:])
@@ -768,6 +802,7 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     hidden = adapter.embed(ids)
     keys, values = [], []
     for layer in range(adapter.shape.num_layers):
+        check_cancelled()
         # 1. K/V of every chunk token at once; they are what is stored.
         x = adapter.attn_input(layer, hidden)
         k, v = adapter.kv(layer, x)

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from .errors import InvalidInputError
-from .fusion import attention_plan
+from .fusion import attention_plan, check_cancelled
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,7 @@ class Decoding:
                 if self.lookup is not None:
                     self.lookup.append(token)
                 if not pending:   # the token is not in the cache yet
+                    check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
                     with self.lock or contextlib.nullcontext():
                         pending.extend(self._step(token))
         self.decode_s = time.perf_counter() - t0
