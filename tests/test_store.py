@@ -162,8 +162,9 @@ def test_corrupt_layer_raises_from_reader(tmp_path):
 def test_pickled_values_are_never_unpickled(tmp_path):
     import diskcache
 
+    DiskStore(tmp_path, SPEC).close()   # a ragblend store (with its marker)...
     raw = diskcache.Cache(str(tmp_path))
-    raw.set("a" * 64, Exploit())  # stored pickled by plain diskcache
+    raw.set("a" * 64, Exploit())  # ...where plain diskcache stored a pickled value
     raw.close()
     store = DiskStore(tmp_path, SPEC)
     assert store.open("a" * 64) is None

@@ -511,6 +511,120 @@ def _safe_disk_class():
     return SafeDisk
 
 
+MARKER = "ragblend-store.json"
+MARKER_FORMAT = "ragblend-kv-store"
+# What a ragblend store's folder may hold: the marker (and its temporary file while a
+# process writes it), diskcache's database files and the xx/ sub-folders of entry files.
+_STORE_NAMES = re.compile(r"ragblend-store\.json(\.\d+\.tmp)?|cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2}")
+
+
+class NotAStoreError(StoreUnavailableError):
+    """A KV store folder that holds files ragblend did not write; nothing in it is read,
+    changed or deleted."""
+
+
+def _read_marker(path: Path) -> dict | None:
+    """The marker's content, or None when it is not a small regular JSON file (never
+    follows a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            return None
+        raw = handle.read(4097)
+    try:
+        content = json.loads(raw) if len(raw) <= 4096 else None
+    except ValueError:
+        return None
+    return content if isinstance(content, dict) else None
+
+
+def _write_marker(directory: Path) -> None:
+    """Write the marker atomically (a temporary file renamed over), so a concurrent opener
+    reads either none or a whole one."""
+    partial = directory / f"{MARKER}.{os.getpid()}.tmp"
+    partial.write_text(json.dumps({"format": MARKER_FORMAT, "version": 1,
+                                   "about": "a ragblend KV store (a cache: deleting it only costs recomputation)"}))
+    os.replace(partial, directory / MARKER)
+
+
+def _looks_like_old_store(directory: Path) -> str | None:
+    """Why ``directory`` (no marker, non-empty) is not a store written by an earlier ragblend,
+    or None when it unmistakably is one: only diskcache's files, its database opened
+    read-only (``immutable``: nothing is written, not even a lock) with exactly diskcache's
+    two tables, the settings ragblend gives it (cull_limit 0, least-recently-used) and only
+    ragblend's rows (64-hex string keys stored as entry files)."""
+    import sqlite3
+
+    names = sorted(os.listdir(directory))
+    foreign = [n for n in names if not _STORE_NAMES.fullmatch(n)]
+    if foreign:
+        return f"it holds {', '.join(repr(n) for n in foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
+    database = directory / DiskStore.DATABASE
+    try:
+        if not stat.S_ISREG(database.lstat().st_mode):
+            return f"its {DiskStore.DATABASE} is not a regular file"
+    except FileNotFoundError:
+        return f"it has sub-folders but no {DiskStore.DATABASE}"
+    try:
+        connection = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if tables != {"Cache", "Settings"}:
+                return f"its {DiskStore.DATABASE} has tables {sorted(tables)}, not a KV store's"
+            settings = dict(connection.execute("SELECT key, value FROM Settings"))
+            if settings.get("cull_limit") != 0 or settings.get("eviction_policy") != "least-recently-used":
+                return f"its {DiskStore.DATABASE} is a diskcache with other settings than ragblend's"
+            (others,) = connection.execute(
+                "SELECT COUNT(*) FROM Cache WHERE raw != 1 OR typeof(key) != 'text' OR length(key) != 64 "
+                "OR filename IS NULL OR mode != 2").fetchone()
+            if others:
+                return f"its {DiskStore.DATABASE} holds {others} row(s) ragblend does not write"
+        finally:
+            connection.close()
+    except sqlite3.Error as err:
+        return f"its {DiskStore.DATABASE} cannot be read ({err})"
+    return None
+
+
+def check_store_folder(directory: str | os.PathLike, create: bool = True) -> None:
+    """Refuse (:class:`NotAStoreError`) a folder that is not ragblend's KV store, before
+    anything in it is read or changed.
+
+    A store's folder has the marker ``ragblend-store.json``. A missing or empty folder is
+    fine: with ``create`` it is made a store (folder and marker). A folder without the marker
+    written by an earlier ragblend (see :func:`_looks_like_old_store`) is adopted: the
+    marker is added, and a log line says so (with ``create`` only). Anything else, e.g.
+    another application's cache, is refused.
+    """
+    directory = Path(directory).expanduser()
+    marker = directory / MARKER
+    if os.path.lexists(marker):
+        content = _read_marker(marker)
+        if content is None or content.get("format") != MARKER_FORMAT:
+            raise NotAStoreError(f"{directory} has a {MARKER} that is not ragblend's (format "
+                                 f"{MARKER_FORMAT!r}); ragblend will not use this folder as a KV store. "
+                                 "Use another folder (ragblend creates it).")
+        return
+    if not directory.exists() or not any(directory.iterdir()):
+        if create:
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_marker(directory)
+        return
+    reason = _looks_like_old_store(directory)
+    if reason is not None:
+        raise NotAStoreError(
+            f"{directory} is not a ragblend KV store: it has no {MARKER} and {reason}. ragblend will not read, "
+            "change or delete anything in it. Pass a new or empty folder as the KV store (--kv-dir, kv_dir=, or "
+            "another --index); if this folder is one you gave ragblend before, delete it (the KV is a cache: "
+            "ragblend recomputes it).")
+    if create:
+        _write_marker(directory)
+        log.info("ragblend: adopted the KV store in %s, written by an earlier ragblend (added %s).", directory, MARKER)
+
+
 def store_faults() -> tuple[type[BaseException], ...]:
     """What a disk tier can raise when its files or database fail: I/O errors (full disk,
     read-only or vanished folder), SQLite errors (malformed or locked database) and
@@ -547,6 +661,7 @@ class DiskStore(KVStore):
         self.directory = Path(directory).expanduser()
         if self.directory.exists() and not self.directory.is_dir():
             raise StoreUnavailableError(f"{self.directory} is a file, not a KV store folder")
+        check_store_folder(self.directory)   # before diskcache creates or opens anything in it
         self.spec = spec
         self.max_bytes = max_bytes
         self.faults = 0
@@ -753,11 +868,17 @@ class DiskStore(KVStore):
     @classmethod
     def remove_files(cls, directory: str | os.PathLike) -> int:
         """Delete a store that cannot be opened (e.g. a garbage ``cache.db``): its database
-        and the entry files named by its own scheme, then its empty sub-folders. Nothing
-        else in ``directory`` is touched. Returns how many entry files were removed."""
+        and the entry files named by its own scheme, then its empty sub-folders and its
+        marker. Nothing else in ``directory`` is touched; a folder without the marker is
+        refused (:class:`NotAStoreError`). Returns how many entry files were removed."""
         directory = Path(directory).expanduser()
         if not directory.is_dir():
             raise StoreUnavailableError(f"{directory} is not a KV store folder")
+        if not os.path.lexists(directory / MARKER):
+            # a broken database cannot show it is an earlier ragblend's: not ours to delete
+            raise NotAStoreError(f"{directory} has no {MARKER}: ragblend cannot tell it is its own KV store, so it "
+                                 "deletes nothing there. If it is, delete the folder yourself (the KV is a cache).")
+        check_store_folder(directory, create=False)
         removed = 0
         for _, path in _entry_files(directory):
             with contextlib.suppress(FileNotFoundError):
@@ -767,7 +888,7 @@ class DiskStore(KVStore):
                 directory.glob("[0-9a-f][0-9a-f]")):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty and a real folder
-        for name in (cls.DATABASE, cls.DATABASE + "-wal", cls.DATABASE + "-shm"):
+        for name in (cls.DATABASE, cls.DATABASE + "-wal", cls.DATABASE + "-shm", MARKER):   # the marker last
             path = directory / name
             if path.is_file() and not path.is_symlink():
                 path.unlink()
