@@ -1,10 +1,11 @@
 """Command line.
 
     ragblend ingest PATH...          add text/markdown files or folders to the default index
+                                     (--rebuild: start the index over; --follow-links, --max-file-mb)
     ragblend ask "question"          answer from the index with BlendLLM (--compare: also full prefill)
     ragblend demo                    ingest the sample documents, ask the sample questions both ways
     ragblend calibrate               measure the model's cheapest safe recompute ratio, once
-    ragblend app                     the Streamlit demo app
+    ragblend app                     the Streamlit demo app (127.0.0.1 unless --host; --files-root DIR)
     ragblend cache stats|clear|verify
 
 The default index (Chroma + KV store) lives under ``<user cache>/ragblend/index``; ``--index``
@@ -32,28 +33,39 @@ def _open_index(args):
 def _ingest(args) -> int:
     from pathlib import Path
 
-    from ragblend.integrations.local_index import TEXT_SUFFIXES, read_text_files
+    from ragblend.integrations.local_index import TEXT_SUFFIXES, printable, read_text_files
 
     # Everything that can fail without the model fails before spending seconds loading it.
-    missing = [p for p in args.paths if not Path(p).expanduser().exists()]
+    missing = [p for p in args.paths if not os.path.lexists(Path(p).expanduser())]
     if missing:
-        raise InvalidInputError(f"no such file or folder: {', '.join(missing)}")
-    documents, report = read_text_files(args.paths)
+        raise InvalidInputError(f"no such file or folder: {', '.join(printable(p) for p in missing)}")
+    if not args.max_file_mb > 0:
+        raise InvalidInputError(f"--max-file-mb must be a number > 0, got {args.max_file_mb:g}.")
+    documents, report = read_text_files(args.paths, follow_links=args.follow_links, max_file_mb=args.max_file_mb)
     if not documents:
-        for path, reason in report.skipped:
-            print(f"skipped {path}: {reason}", file=sys.stderr)
-        print(f"Nothing to ingest in {', '.join(args.paths)}: ragblend ingests text files "
+        _print_skipped(report)
+        print(f"Nothing to ingest in {', '.join(printable(p) for p in args.paths)}: ragblend ingests text files "
               f"({', '.join(sorted(TEXT_SUFFIXES))}), searching folders recursively.", file=sys.stderr)
         return 1
     rag = _open_index(args)
+    rag.lock_wait_s = args.wait
+    if args.rebuild:
+        rag.rebuild()
+        print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
     report = rag.ingest_documents(documents, report)
     _print_ingest_report(report, rag)
     return 0
 
 
+def _print_skipped(report) -> None:
+    from ragblend.integrations.local_index import printable
+
+    for path, reason in report.skipped:   # names escaped: a file name must not write to the terminal
+        print(f"skipped {printable(path)}: {printable(reason)}", file=sys.stderr)
+
+
 def _print_ingest_report(report, rag) -> None:
-    for path, reason in report.skipped:
-        print(f"skipped {path}: {reason}", file=sys.stderr)
+    _print_skipped(report)
     changed = len(report.files) - report.unchanged
     skipped = f"; {report.unchanged} file(s) already in the index unchanged were skipped" if report.unchanged else ""
     print(f"Ingested {changed} new or changed file(s) as {report.nodes} chunk(s){skipped}. "
@@ -140,11 +152,13 @@ def _store_folder(args):
 
 
 def _disk_store(args, spec=None):
-    from ragblend.core.store import DiskStore, EntrySpec, store_faults
+    from ragblend.core.store import DiskStore, EntrySpec, NotAStoreError, store_faults
 
     folder = _store_folder(args)
     try:
         return DiskStore(folder, spec or EntrySpec("", 0, 0, 0))
+    except NotAStoreError:
+        raise   # its message says what to do; nothing in the folder was touched
     except store_faults() as err:
         if _is_broken_database(err):
             advice = f"`ragblend cache clear --kv-dir {folder}` removes the broken store"
@@ -162,10 +176,14 @@ def _is_broken_database(err: BaseException) -> bool:
 
 
 def _cache(args) -> int:
+    from ragblend.core.store import check_store_folder
+
     folder = _store_folder(args)
-    if not (folder / "cache.db").exists():   # look, never create (--kv-dir may be any folder)
+    if not (folder / "cache.db").exists():   # look, never create
         print(f"No KV store at {folder}: nothing has been stored there yet.")
         return 0
+    # Only a folder that is a ragblend store is read or changed (--kv-dir may be any folder).
+    check_store_folder(folder, create=False)
     if args.action == "stats":
         disk = _disk_store(args).stats()["disk"]
         lookups = disk["hits"] + disk["misses"]
@@ -233,6 +251,17 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _app(args) -> int:
     """Start the Streamlit demo app (apps/streamlit_app.py of the source checkout)."""
     import subprocess
@@ -248,8 +277,19 @@ def _app(args) -> int:
         env["RAGBLEND_INDEX_DIR"] = args.index
     if args.chroma_url:
         env["RAGBLEND_CHROMA_URL"] = args.chroma_url
-    command = [sys.executable, "-m", "streamlit", "run", str(app), "--server.port", str(args.port),
-               "--browser.gatherUsageStats", "false"]
+    env.pop("RAGBLEND_FILES_ROOT", None)
+    if args.files_root:
+        root = Path(args.files_root).expanduser()
+        if not root.is_dir():
+            raise InvalidInputError(f"--files-root {args.files_root} is not a folder.")
+        env["RAGBLEND_FILES_ROOT"] = str(root.resolve())
+    if not _is_loopback(args.host):
+        print(f"ragblend: warning: the app listens on {args.host}:{args.port} without authentication: anyone who "
+              "can reach it can upload documents, ask questions" + (f" and ingest files under {args.files_root}"
+                                                                     if args.files_root else "")
+              + ". Use --host 127.0.0.1 (the default) unless this network is trusted.", file=sys.stderr)
+    command = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
+               "--server.port", str(args.port), "--browser.gatherUsageStats", "false"]
     return subprocess.call(command, env=env)
 
 
@@ -306,6 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ingest = sub.add_parser("ingest", help="add text/markdown files or folders to the index")
     ingest.add_argument("paths", nargs="+", help="files or folders (searched recursively)")
+    ingest.add_argument("--follow-links", action="store_true",
+                        help="follow symbolic links that point outside the folders given (default: skip them)")
+    ingest.add_argument("--max-file-mb", type=float, default=10.0,
+                        help="skip files larger than this, with a message (default: 10)")
+    ingest.add_argument("--rebuild", action="store_true",
+                        help="empty the index first (its chunks and its docstore, e.g. a damaged one), then "
+                             "ingest PATHS; the KV store is kept, so known chunks are not recomputed")
+    ingest.add_argument("--wait", type=float, default=10.0,
+                        help="seconds to wait for another ingest into the same index to finish (default: 10)")
     add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
@@ -341,7 +390,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.set_defaults(func=_calibrate)
 
     app = sub.add_parser("app", help="start the Streamlit demo app")
+    app.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on (default 127.0.0.1: this machine only; the app has no login)")
     app.add_argument("--port", type=int, default=8501)
+    app.add_argument("--files-root", default=os.environ.get("RAGBLEND_FILES_ROOT") or None,
+                     help="let the app's path box ingest files and folders under this folder (default: "
+                          "$RAGBLEND_FILES_ROOT; unset: the box is off and only uploads are ingested)")
     add_index(app, default="<user cache>/ragblend/app-index")
     app.set_defaults(func=_app)
 

@@ -23,14 +23,17 @@ Example::
 from __future__ import annotations
 
 import codecs
+import contextlib
 import logging
 import os
+import stat
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
-from ragblend.core.errors import InvalidInputError
+from ragblend.core.errors import InvalidInputError, RagblendError
 from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.model import cache_dir
 
@@ -69,38 +72,160 @@ def decode_text(data: bytes) -> str | None:
     return None if b"\x00" in data else data.decode("utf-8")
 
 
-def read_text_files(paths: Iterable[str | os.PathLike]) -> tuple[list, IngestReport]:
+DEFAULT_MAX_FILE_MB = 10.0
+LOCK_FILE = "ingest.lock"
+# Kernel pseudo-filesystems: their "files" are live process or device state, never documents.
+_PSEUDO_ROOTS = ("/proc", "/sys", "/dev")
+
+
+class IndexBusyError(RagblendError, RuntimeError):
+    """Another process is writing to the same index (ingest, delete, rebuild)."""
+
+
+class IndexCorruptError(RagblendError, ValueError):
+    """A file of the index (its docstore) cannot be read."""
+
+
+def printable(text) -> str:
+    """``text`` with every control or invisible formatting character escaped (``\\x1b``,
+    ``\\n``, ``\\u202e``), so a hostile file name cannot move the cursor, colour or forge
+    lines of the terminal output it is printed in."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in str(text))
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def path_under_root(path: str | os.PathLike, root: str | os.PathLike) -> Path:
+    """``path`` (relative paths are taken from ``root``) resolved through its links and
+    ``..``; :class:`InvalidInputError` unless it exists and lies inside ``root``.
+
+    The app uses it for its "file or folder on this machine" box: a client may name only
+    what the operator put under ``--files-root``."""
+    real_root = os.path.realpath(Path(root).expanduser())
+    text = os.fspath(path).strip()
+    if not text:
+        raise InvalidInputError("Type a file or folder path.")
+    if "\x00" in text:
+        raise InvalidInputError("A path cannot contain a NUL character.")
+    resolved = os.path.realpath(os.path.join(real_root, Path(text).expanduser()))
+    if not _inside(resolved, real_root):
+        raise InvalidInputError(f"{printable(text)} is outside the folder this app may read ({real_root}); "
+                                "name a file or folder under it.")
+    if not os.path.exists(resolved):
+        raise InvalidInputError(f"No such file or folder under {real_root}: {printable(text)}")
+    return Path(resolved)
+
+
+def _list_folder(folder: Path, follow_links: bool, report: IngestReport) -> list[Path]:
+    """The files under ``folder``, recursively. Unless ``follow_links``, a symlink whose
+    target lies outside ``folder`` (a file or a folder) is skipped with a reason; links
+    inside it are followed, and a folder reached twice (a loop) is listed once."""
+    root = os.path.realpath(folder)
+    files, stack, seen = [], [folder], set()
+    while stack:
+        current = stack.pop()
+        try:
+            st = os.stat(current)
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            with os.scandir(current) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as err:
+            report.skipped.append((str(current), f"unreadable folder ({err.strerror})"))
+            continue
+        for entry in entries:
+            path = Path(entry.path)
+            try:
+                if entry.is_symlink() and not follow_links:
+                    target = os.path.realpath(path)
+                    if not _inside(target, root):
+                        report.skipped.append((str(path), f"a link to {target}, outside {folder}; ragblend does "
+                                                          "not follow links out of the folder it is given "
+                                                          "(--follow-links allows it)"))
+                        continue
+                is_dir = entry.is_dir()   # follows a link (kept only when allowed above)
+            except OSError as err:
+                report.skipped.append((str(path), f"unreadable ({err.strerror})"))
+                continue
+            (stack if is_dir else files).append(path)
+    return files
+
+
+def _read_file(path: Path, max_bytes: int) -> tuple[str | None, str | None]:
+    """``(text, None)`` for a readable text file, else ``(None, reason)``. Never opens
+    anything but a regular file: a FIFO would block, a device may never end."""
+    real = os.path.realpath(path)
+    if any(_inside(real, pseudo) for pseudo in _PSEUDO_ROOTS):
+        return None, f"a system file ({real}), not a document"
+    try:
+        st = os.stat(real)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file (a FIFO, socket, device or folder)"
+        if st.st_size > max_bytes:
+            return None, (f"{st.st_size / 2**20:.1f} MB, over the {max_bytes / 2**20:g} MB limit per file "
+                          "(--max-file-mb raises it)")
+        # O_NONBLOCK: should the file have been swapped for a FIFO since the check, the open
+        # returns at once and fstat refuses it.
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                return None, "not a regular file (a FIFO, socket, device or folder)"
+            data = handle.read(max_bytes + 1)   # the file may have grown since the check
+    except OSError as err:
+        return None, f"unreadable ({err.strerror})"
+    if len(data) > max_bytes:
+        return None, f"over the {max_bytes / 2**20:g} MB limit per file (--max-file-mb raises it)"
+    try:
+        text = decode_text(data)
+    except UnicodeDecodeError:
+        return None, "neither UTF-8 nor UTF-16/32 with a byte-order mark"
+    if text is None:
+        return None, "binary content"
+    return (text, None) if text.strip() else (None, "empty")
+
+
+def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = False,
+                    max_file_mb: float = DEFAULT_MAX_FILE_MB) -> tuple[list, IngestReport]:
     """Documents from text/markdown files and folders (recursively); the rest is skipped
-    with a reason: unsupported type, binary content, not UTF-8, empty, unreadable."""
+    with a reason: unsupported type, binary content, not UTF-8, empty, unreadable, larger
+    than ``max_file_mb``, not a regular file (FIFO, socket, device, ``/proc``-like file),
+    or reached through a link out of the folder given (unless ``follow_links``).
+
+    A path given itself is read even when it is a link (whoever named it chose it)."""
     from llama_index.core import Document
 
+    if isinstance(max_file_mb, bool) or not isinstance(max_file_mb, (int, float)) or not max_file_mb > 0:
+        raise InvalidInputError(f"max_file_mb must be a number > 0, got {max_file_mb!r}.")
+    max_bytes = int(max_file_mb * 2**20)
     report, documents = IngestReport(), []
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file())
-        elif path.is_file():
+            files += _list_folder(path, follow_links, report)
+        elif os.path.lexists(path):
             files.append(path)
         else:
             report.skipped.append((str(path), "no such file or folder"))
-    for path in files:
-        reason = None
+    seen = set()
+    for path in sorted(files):
+        doc_id = os.path.realpath(path)
+        if doc_id in seen:   # one file reached twice (a link to it, or given twice): one document
+            continue
+        seen.add(doc_id)
         if path.suffix.lower() not in TEXT_SUFFIXES:
-            reason = f"unsupported file type {path.suffix or '(none)'}; ragblend ingests {', '.join(sorted(TEXT_SUFFIXES))}"
+            text, reason = None, (f"unsupported file type {path.suffix or '(none)'}; ragblend ingests "
+                                  f"{', '.join(sorted(TEXT_SUFFIXES))}")
         else:
-            try:
-                text = decode_text(path.read_bytes())
-                reason = "binary content" if text is None else None if text.strip() else "empty"
-            except UnicodeDecodeError:
-                reason = "neither UTF-8 nor UTF-16/32 with a byte-order mark"
-            except OSError as err:
-                reason = f"unreadable ({err.strerror})"
+            text, reason = _read_file(path, max_bytes)
         if reason:
-            log.info("skipping %s: %s", path, reason)   # the report carries it; the CLI prints it once
+            log.info("skipping %s: %s", printable(path), reason)   # the report carries it; the CLI prints it once
             report.skipped.append((str(path), reason))
             continue
-        documents.append(Document(text=text, id_=str(path.resolve()), metadata={"file_name": path.name}))
+        documents.append(Document(text=text, id_=doc_id, metadata={"file_name": path.name}))
         report.files.append(str(path))
     return documents, report
 
@@ -153,9 +278,60 @@ def default_embed_model():
 def _persist_atomically(docstore, path: Path) -> None:
     """Write the docstore beside ``path``, then rename it over: an interrupt never leaves a
     half-written docstore."""
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
     docstore.persist(str(partial))
     os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def index_lock(folder: Path, wait_s: float = 10.0):
+    """Hold the index's writer lock (``ingest.lock``, an ``flock``) for the block: one
+    writer per index, across processes. Waits up to ``wait_s`` seconds for another writer,
+    then raises :class:`IndexBusyError` naming its pid. The kernel releases the lock when
+    its holder exits, however it dies, so a stale lock file never blocks anyone."""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: no cross-process lock (ragblend targets Linux)
+        yield
+        return
+    path = Path(folder) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        deadline = time.monotonic() + max(0.0, wait_s)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+                    raise IndexBusyError(
+                        f"another ingest is running on {folder} (pid {holder}); wait for it to finish and "
+                        "run this command again (`ragblend ingest --wait SECONDS` waits longer).") from None
+                time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
+
+
+def load_docstore(path: Path, index_folder: Path):
+    """The index's docstore (which files it holds, with their hashes); a new one when the
+    file does not exist. A damaged file is an :class:`IndexCorruptError` saying how to rebuild."""
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    if not path.exists():
+        return SimpleDocumentStore()
+    try:
+        docstore = SimpleDocumentStore.from_persist_path(str(path))
+        docstore.get_all_document_hashes()   # a valid JSON file of the wrong shape fails here
+        return docstore
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as err:
+        raise IndexCorruptError(
+            f"The index's docstore {path} is damaged ({type(err).__name__}: {str(err)[:200]}); it records which "
+            f"files the index holds. Rebuild the index from your files: `ragblend ingest --rebuild --index "
+            f"{index_folder} PATH...` (the KV store is kept, so chunks are not recomputed).") from None
 
 
 class LocalIndex:
@@ -181,6 +357,24 @@ class LocalIndex:
         self.collection = client.get_or_create_collection(collection)
         self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
         self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)
+        self.lock_wait_s = 10.0   # how long a writer waits for another one (ingest, delete)
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        """Warn when Chroma holds no chunk but the docstore lists files (e.g. the Chroma folder
+        was deleted): the next ingest of those files re-adds them (see :meth:`_reconcile`)."""
+        docstore_file = self.path / "docstore.json"
+        if len(self) or not docstore_file.exists():
+            return
+        try:
+            listed = len(load_docstore(docstore_file, self.path).get_all_document_hashes())
+        except IndexCorruptError as err:
+            log.warning("ragblend: %s", err)
+            return
+        if listed:
+            log.warning("ragblend: the index at %s holds no chunk, but its docstore lists %d file(s) (was its Chroma "
+                        "database deleted?). Ingest them again: they are re-added, not skipped as unchanged.",
+                        self.path, listed)
 
     def __len__(self) -> int:
         """Number of nodes (chunks) in the index."""
@@ -191,45 +385,69 @@ class LocalIndex:
     def pipeline(self):
         from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
         from llama_index.core.node_parser import SentenceSplitter
-        from llama_index.core.storage.docstore import SimpleDocumentStore
 
         from ragblend.vectorstore_hooks.llamaindex import KVPrecompute
 
         docstore_file = self.path / "docstore.json"
-        docstore = (SimpleDocumentStore.from_persist_path(str(docstore_file)) if docstore_file.exists()
-                    else SimpleDocumentStore())
+        docstore = load_docstore(docstore_file, self.path)
         splitter = SentenceSplitter(chunk_size=self.chunk_size, chunk_overlap=self.chunk_overlap,
                                     tokenizer=self.engine.tokenize)
         return IngestionPipeline(transformations=[splitter, KVPrecompute(self.engine), self.embed_model],
                                  vector_store=self.vector_store, docstore=docstore,
                                  docstore_strategy=DocstoreStrategy.UPSERTS), docstore_file
 
-    def ingest(self, paths: Sequence[str | os.PathLike], show_progress: bool = True) -> IngestReport:
-        """Read, split, precompute KV, embed and store. Unsupported files are skipped."""
-        return self.ingest_documents(*read_text_files(paths), show_progress=show_progress)
+    def ingest(self, paths: Sequence[str | os.PathLike], show_progress: bool = True, *, follow_links: bool = False,
+               max_file_mb: float = DEFAULT_MAX_FILE_MB) -> IngestReport:
+        """Read, split, precompute KV, embed and store. Unsupported files are skipped (see
+        :func:`read_text_files`)."""
+        documents, report = read_text_files(paths, follow_links=follow_links, max_file_mb=max_file_mb)
+        return self.ingest_documents(documents, report, show_progress=show_progress)
+
+    def _chroma_doc_ids(self, doc_ids: list[str]) -> set[str]:
+        """Which of ``doc_ids`` have at least one node in Chroma."""
+        found = self.collection.get(where={"document_id": {"$in": doc_ids}}, include=["metadatas"])
+        return {m.get("document_id") for m in found["metadatas"] or []}
+
+    def _reconcile(self, docstore, batch: list) -> None:
+        """Make the docstore and Chroma agree on ``batch``'s documents before it is ingested.
+
+        A document in Chroma that the docstore does not list comes from an ingest stopped
+        between the two (interrupted, or killed): its nodes are dropped so they are not added
+        twice (their KV stays in the store and is reused). A document the docstore lists with
+        no node in Chroma (e.g. the Chroma folder was deleted) is forgotten by the docstore,
+        so it is ingested again instead of skipped as unchanged."""
+        present = self._chroma_doc_ids([d.id_ for d in batch])
+        for doc in batch:
+            listed = docstore.get_document_hash(doc.id_) is not None
+            if not listed and doc.id_ in present:
+                self.vector_store.inner.delete(doc.id_)
+            elif listed and doc.id_ not in present:
+                docstore.delete_document(doc.id_, raise_error=False)
 
     def ingest_documents(self, documents: list, report: IngestReport | None = None,
                          show_progress: bool = True, batch_size: int = 64) -> IngestReport:
         """Split, precompute KV, embed and store LlamaIndex ``Document`` objects (e.g. from
         :func:`read_text_files`), adding to ``report``.
 
-        Documents go through in batches of ``batch_size``. Each batch reaches Chroma and the
-        docstore before the next starts, so an interrupted ingest resumes where it stopped:
-        documents already stored unchanged are skipped, and KV already in the store is not
-        recomputed.
+        One writer at a time: another process's ingest is waited for up to ``lock_wait_s``
+        seconds, then :class:`IndexBusyError`. Documents go through in batches of
+        ``batch_size``. Each batch reaches Chroma and the docstore before the next starts,
+        so an interrupted ingest resumes where it stopped: documents already stored unchanged
+        are skipped, nodes of a batch that never reached the docstore are replaced (never
+        duplicated), and KV already in the store is not recomputed.
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         report = report or IngestReport()
         if not documents:
             return report
+        with index_lock(self.path, self.lock_wait_s):
+            return self._ingest_locked(documents, report, show_progress, batch_size)
+
+    def _ingest_locked(self, documents: list, report: IngestReport, show_progress: bool, batch_size: int):
         pipeline, docstore_file = self.pipeline()
-        # A marker present at the start means the last ingest stopped mid-way: a batch may have
-        # reached Chroma but not the docstore, so its documents' nodes are dropped before they
-        # are added again (their KV stays in the store and is reused, not recomputed).
-        marker = self.path / "ingest-in-progress"
-        interrupted = marker.exists()
-        marker.touch()
+        # The marker of earlier versions (an ingest in progress); _reconcile supersedes it.
+        (self.path / "ingest-in-progress").unlink(missing_ok=True)
         bar = None
         if show_progress:
             from tqdm.auto import tqdm
@@ -237,12 +455,9 @@ class LocalIndex:
         try:
             for start in range(0, len(documents), batch_size):
                 batch = documents[start:start + batch_size]
+                self._reconcile(pipeline.docstore, batch)
                 known = [pipeline.docstore.get_document_hash(d.id_) for d in batch]
                 report.unchanged += sum(h == d.hash for h, d in zip(known, batch))
-                if interrupted:
-                    for h, d in zip(known, batch):
-                        if h is None:
-                            self.vector_store.inner.delete(d.id_)
                 nodes = pipeline.run(documents=batch, show_progress=False)
                 _persist_atomically(pipeline.docstore, docstore_file)
                 report.nodes += len(nodes)
@@ -250,21 +465,29 @@ class LocalIndex:
                 if bar is not None:
                     bar.set_postfix(chunks=report.nodes, refresh=False)
                     bar.update(len(batch))
-            marker.unlink()
         finally:
             if bar is not None:
                 bar.close()
         return report
 
+    def rebuild(self) -> None:
+        """Empty the index (Chroma's nodes and the docstore, damaged or not) so the next
+        ingest starts over; the KV store is kept, so known chunks are not recomputed."""
+        with index_lock(self.path, self.lock_wait_s):
+            self.vector_store.inner.clear()
+            for name in ("docstore.json", "ingest-in-progress"):
+                (self.path / name).unlink(missing_ok=True)
+
     def delete(self, file_path: str | os.PathLike) -> None:
         """Remove a file's nodes from the index, and their KV from the store."""
         doc_id = str(Path(file_path).expanduser().resolve())
-        self.index.delete_ref_doc(doc_id, delete_from_docstore=True)
-        pipeline, docstore_file = self.pipeline()
-        if pipeline.docstore.get_document_hash(doc_id) is not None:
-            pipeline.docstore.delete_ref_doc(doc_id, raise_error=False)
-            pipeline.docstore.delete_document(doc_id, raise_error=False)
-        _persist_atomically(pipeline.docstore, docstore_file)
+        with index_lock(self.path, self.lock_wait_s):
+            pipeline, docstore_file = self.pipeline()   # a damaged docstore fails before anything is deleted
+            self.index.delete_ref_doc(doc_id, delete_from_docstore=True)
+            if pipeline.docstore.get_document_hash(doc_id) is not None:
+                pipeline.docstore.delete_ref_doc(doc_id, raise_error=False)
+                pipeline.docstore.delete_document(doc_id, raise_error=False)
+            _persist_atomically(pipeline.docstore, docstore_file)
 
     # ------------------------------------------------------------------ querying
 
