@@ -6,14 +6,21 @@ Ingest text/markdown files into a persistent Chroma index (their KV is precomput
 questions, and see what fusion does: the streamed answer and its time to first token, the
 same for a full prefill of the same prompt, which chunks were reused, the prompt with the
 recomputed tokens highlighted, and TTFT over the session. ``RAGBLEND_INDEX_DIR`` and
-``RAGBLEND_MODEL`` set the defaults of the index folder and the model path, ``RAGBLEND_CHROMA_URL``
-a Chroma server to use instead of the database in the index folder.
+``RAGBLEND_MODEL`` set the index folder and the model path, ``RAGBLEND_CHROMA_URL`` a Chroma
+server to use instead of the database in the index folder: the operator's settings, shown to
+the page's visitors but not changeable by them.
+
+The app has no login: ``ragblend app`` listens on 127.0.0.1 unless given ``--host``. Visitors
+ingest what they upload; the "file or folder on this machine" box exists only when the operator
+names a folder it may read (``ragblend app --files-root DIR``, or ``RAGBLEND_FILES_ROOT``), and
+takes only paths inside it (after resolving links and ``..``).
 """
 
 from __future__ import annotations
 
 import html
 import os
+import re
 from pathlib import Path
 
 import streamlit as st
@@ -37,6 +44,14 @@ def open_index(index_dir: str, model_path: str, chroma_url: str):
     chroma_client(Path(index_dir), chroma_url or None)  # an unreachable server fails before the model loads
     engine = BlendEngine.from_pretrained(model_path or None, kv_dir=Path(index_dir) / "kv")
     return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None)
+
+
+def md(text) -> str:
+    """``text`` shown literally in Streamlit markdown: control characters escaped, the
+    punctuation of links, HTML and formatting backslash-escaped (a file name cannot add any)."""
+    from ragblend.integrations.local_index import printable
+
+    return re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", printable(text))
 
 
 def highlighted_prompt(engine, trace) -> str:
@@ -71,13 +86,19 @@ def answer(rag, question: str, strategy: str, ratio: float, top_k: int, placehol
 
 # ---------------------------------------------------------------------------- settings
 
+files_root = os.environ.get("RAGBLEND_FILES_ROOT", "").strip() or None
 with st.sidebar:
     st.header("Settings")
-    model_path = st.text_input("Model path", value=os.environ.get("RAGBLEND_MODEL", ""),
-                               help="A local Hugging Face model folder or .gguf file; empty = embedded SmolLM2-135M-Instruct.")
-    index_dir = st.text_input("Index folder", value=os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index")))
-    chroma_url = st.text_input("Chroma server URL", value=os.environ.get("RAGBLEND_CHROMA_URL", ""),
-                               help="e.g. http://127.0.0.1:8000 (`chroma run`); empty = the Chroma database in the index folder.")
+    # The operator's settings (ragblend app --index/--chroma-url, RAGBLEND_MODEL): a visitor
+    # cannot point the app at another folder, model or server.
+    model_path = os.environ.get("RAGBLEND_MODEL", "")
+    index_dir = os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index"))
+    chroma_url = os.environ.get("RAGBLEND_CHROMA_URL", "")
+    st.text_input("Model path", value=model_path or "embedded SmolLM2-135M-Instruct", disabled=True,
+                  help="Set by the operator: RAGBLEND_MODEL.")
+    st.text_input("Index folder", value=index_dir, disabled=True, help="Set by the operator: ragblend app --index.")
+    st.text_input("Chroma server URL", value=chroma_url or "the database in the index folder", disabled=True,
+                  help="Set by the operator: ragblend app --chroma-url.")
     strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
     ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0, 0.3, 0.01)
     top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
@@ -97,32 +118,50 @@ st.caption("Retrieval-augmented generation that reuses each chunk's precomputed 
 
 st.subheader("1. Ingest documents")
 uploads = st.file_uploader("Upload text or markdown files", accept_multiple_files=True)
-folder = st.text_input("…or a file or folder on this machine", key="folder", placeholder=str(sample_dir()))
+if files_root:
+    folder = st.text_input(f"…or a file or folder on this machine, under {files_root}", key="folder",
+                           placeholder=files_root)
+else:
+    folder = ""
+    st.caption("Reading files on the server is off: the operator can allow a folder with "
+               "`ragblend app --files-root DIR`.")
 if st.button("Ingest", key="ingest"):
-    paths = []
+    from ragblend.integrations.local_index import path_under_root, read_text_files
+
+    paths, refused = [], None
     if uploads:
         upload_dir = Path(index_dir) / "uploads"
         upload_dir.mkdir(parents=True, exist_ok=True)
         for upload in uploads:
-            target = upload_dir / Path(upload.name).name
+            name = Path(upload.name).name
+            if name in ("", ".", ".."):
+                continue
+            target = upload_dir / name
             target.write_bytes(upload.getvalue())
             paths.append(target)
     if folder.strip():
-        paths.append(Path(folder.strip()).expanduser())
+        try:
+            paths.append(path_under_root(folder, files_root))
+        except RagblendError as err:
+            refused = str(err)
+            st.error(md(refused))
     if not paths:
-        st.warning("Choose files to upload or type a folder path first.")
+        if refused is None:
+            st.warning("Choose files to upload" + (" or type a path" if files_root else "") + " first.")
     else:
-        from ragblend.integrations.local_index import read_text_files
-
         _, listing = read_text_files(paths)
         files = [Path(f) for f in listing.files]
         progress = st.progress(0.0, text="Ingesting…")
         new_chunks = 0
-        for i, path in enumerate(files, 1):
-            new_chunks += rag.ingest([path], show_progress=False).nodes
-            progress.progress(i / len(files), text=f"Ingested {path.name} ({i}/{len(files)})")
+        try:
+            for i, path in enumerate(files, 1):
+                new_chunks += rag.ingest([path], show_progress=False).nodes
+                progress.progress(i / len(files), text=f"Ingested {md(path.name)} ({i}/{len(files)})")
+        except RagblendError as err:   # another writer on the index, a damaged docstore
+            st.error(md(err))
+            files = []
         for path, reason in listing.skipped:
-            st.warning(f"Skipped {Path(path).name}: {reason}")
+            st.warning(f"Skipped {md(Path(path).name)}: {md(reason)}")
         if files:
             st.success(f"Ingested {len(files)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
         else:

@@ -22,15 +22,24 @@ APP = str(Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py")
 QUESTION = "In which year did the Lowenmark Kite Festival begin?"
 
 
-@pytest.fixture
-def app(tmp_path, monkeypatch):
+def start_app(monkeypatch, index_dir, files_root=None):
     from streamlit.testing.v1 import AppTest
 
-    monkeypatch.setenv("RAGBLEND_INDEX_DIR", str(tmp_path / "index"))
+    monkeypatch.setenv("RAGBLEND_INDEX_DIR", str(index_dir))
+    if files_root is None:
+        monkeypatch.delenv("RAGBLEND_FILES_ROOT", raising=False)
+    else:
+        monkeypatch.setenv("RAGBLEND_FILES_ROOT", str(files_root))
     at = AppTest.from_file(APP, default_timeout=300)
     at.run()
     assert not at.exception
     return at
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    """The app, allowed to read files under tmp_path."""
+    return start_app(monkeypatch, tmp_path / "index", files_root=tmp_path)
 
 
 def button(at, key):
@@ -74,6 +83,64 @@ def test_ingest_ask_and_compare(app, tmp_path):
     assert {m.label: m.value for m in app.metric}["TTFT full prefill"] == "–"
 
 
+def test_without_a_files_root_the_path_box_is_off(tmp_path, monkeypatch):
+    at = start_app(monkeypatch, tmp_path / "index")
+    assert "folder" not in [t.key for t in at.text_input]
+    assert any("--files-root" in c.value for c in at.caption)
+    assert all(t.disabled for t in at.sidebar.text_input)   # index, model, Chroma: the operator's
+
+
+def test_a_path_outside_the_files_root_is_refused(tmp_path, monkeypatch):
+    root, outside = tmp_path / "shared", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the password is swordfish\n")
+    (root / "leak.txt").symlink_to(outside / "secret.txt")
+    at = start_app(monkeypatch, tmp_path / "index", files_root=root)
+    for hostile in (str(outside / "secret.txt"), "../outside/secret.txt", "leak.txt", "/etc/passwd"):
+        at.text_input(key="folder").input(hostile)
+        button(at, "ingest").click().run()
+        assert not at.exception
+        assert any("outside the folder this app may read" in e.value for e in at.error), hostile
+        assert not at.success
+    assert "0 chunk(s)" in " ".join(c.value for c in at.caption)
+
+
+def test_ragblend_app_listens_on_this_machine_only(tmp_path):
+    import signal
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))   # no packet is sent: this only picks the outgoing interface
+        address = probe.getsockname()[0]
+    except OSError:
+        address = None
+    finally:
+        probe.close()
+    if not address or address.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address to test from")
+    port = free_port()
+    env = {**os.environ, "STREAMLIT_SERVER_HEADLESS": "true"}
+    server = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port),
+                               "--index", str(tmp_path / "index")], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    raise AssertionError("the app did not start")
+                time.sleep(0.5)
+        with pytest.raises(OSError):   # refused: nothing listens on the network's interface
+            socket.create_connection((address, port), timeout=3).close()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)   # the CLI and the streamlit process it started
+        server.wait(10)
+
+
 # ---------------------------------------------------------------------------- real browser
 
 
@@ -110,7 +177,7 @@ def test_app_in_headless_chromium(tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
 
     port = free_port()
-    env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index")}
+    env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index"), "RAGBLEND_FILES_ROOT": str(sample_dir())}
     server = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
