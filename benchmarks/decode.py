@@ -12,13 +12,14 @@ same fused prefill:
 * transformers ``generate`` (its decode only: from its first new token to its last, noted by a streamer),
 * the reference decoder: the model's own layers (``F.linear``), one token per pass, as before;
 * ragblend's decoding with each ``--drafts`` setting of ``prompt_lookup_num_tokens`` (0: no drafting),
-* the same with ``decode_dtype="float16"`` (float16 weights in the decoding matmuls).
+* the same with each ``--decode-dtypes`` setting: ``"float16"`` (float16 weights in the decoding
+  matmuls), ``"int4"`` (4-bit weights with bfloat16 activations; the LM head stays float32).
 
 Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
 ``--tokens`` greedy tokens, stopping at the end token): answers identical to the reference
 decoder's, ROUGE-L to them, the decoding time of the set and its passes per token; for the
-column product alone, the KL between its next-token distributions and the reference's at
-every step (both fed the reference answer).
+engine's float32 kernels and each other decode dtype, the KL between its next-token
+distributions and the reference's at every step (both fed the reference answer).
 
     python -m benchmarks.decode --models smollm2 --sets fidelity:6 squad:32
 """
@@ -34,6 +35,7 @@ import torch
 from ragblend import BlendEngine, Chunk
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.generate import KVDecoder
+from ragblend.core.kernels import cpu_summary
 from ragblend.core.model import ModelAdapter
 
 from .fidelity import MUSIQUE, prompt_sets
@@ -92,35 +94,39 @@ def ragblend_answer(engine: BlendEngine, segments, tokens: int, drafts: int):
 
 
 def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
-    """Per step, KL between the reference layers' and the decoding twin's next-token distributions."""
+    """Per step, KL between the reference layers' and ``engine``'s decoding next-token distributions."""
     capacity = len(pre.token_ids) + len(answer)
     ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)
-    twin = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    twin = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
     with engine._lock:
         return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
 
 
-def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int, drafts: list[int]) -> list[str]:
+def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens: int, drafts: list[int]) -> list[str]:
     sample = load_sample()
     segments = [Chunk(c) for c in sample["chunks"]] + [sample["question"]]
     exact.precompute(sample["chunks"])
     pre = exact.prefill(segments)
     ends = exact.eos_ids
-    exact.eos_ids = half.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
+    for engine in (exact, *others.values()):
+        engine.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
     variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens - 1),
                 "reference decoder (F.linear, one token a pass)":
                     lambda: reference_answer(exact, pre, tokens, stop_at_end=False)[1:]}
     for n in drafts:
         variants[f"ragblend, prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
-    variants[f"ragblend, decode_dtype='float16', prompt_lookup_num_tokens={drafts[-1]}"] = \
-        lambda: ragblend_answer(half, segments, tokens, drafts[-1])[1:]
+    for dtype, other in others.items():
+        for n in sorted({0, drafts[-1]}):
+            variants[f"ragblend, decode_dtype={dtype!r}, prompt_lookup_num_tokens={n}"] = \
+                lambda other=other, n=n: ragblend_answer(other, segments, tokens, n)[1:]
     times = {name: [] for name in variants}
     passes = {}
     for _ in range(runs):
         for name, run in variants.items():
             seconds, passes[name] = run()
             times[name].append(seconds)
-    exact.eos_ids = half.eos_ids = ends
+    for engine in (exact, *others.values()):
+        engine.eos_ids = ends
     base = statistics.median(times["transformers generate (decode only)"])
     lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} greedy tokens, "
              f"median of {runs} interleaved rounds:", "",
@@ -131,11 +137,14 @@ def speed(exact: BlendEngine, half: BlendEngine, runs: int, tokens: int, drafts:
     return lines
 
 
-def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, drafts: list[int]) -> list[str]:
+def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, tokens: int,
+              drafts: list[int]) -> list[str]:
     if not any(sets.values()):
         return []
     variants = [(f"prompt_lookup_num_tokens={n}", exact, n) for n in drafts]
-    variants.append((f"decode_dtype='float16', prompt_lookup_num_tokens={drafts[-1]}", half, drafts[-1]))
+    variants += [(f"decode_dtype={dtype!r}, prompt_lookup_num_tokens={drafts[-1]}", other, drafts[-1])
+                 for dtype, other in others.items()]
+    dtypes = {"float32 (the engine's kernels)": exact, **others}
     lines = ["", f"Against the reference decoder (up to {tokens} greedy tokens after the same fused prefill; "
              "decode s and passes per token summed over the set):", "",
              "| set | prompts | decoding | identical answers | ROUGE-L mean | decode s | passes per token |",
@@ -148,7 +157,7 @@ def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, dr
         rouges = {name: [] for name, _, _ in variants}
         names = ["reference", *same]
         seconds, passes = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-        produced, kls = 0, []
+        produced, kls = 0, {dtype: [] for dtype in dtypes}
         for prompt in prompts:
             exact.precompute(prompt.chunks)
             segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
@@ -158,7 +167,8 @@ def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, dr
             seconds["reference"] += ref_s
             passes["reference"] += ref_passes
             produced += len(ref)
-            kls += step_kls(exact, pre, ref)
+            for dtype, engine in dtypes.items():
+                kls[dtype] += step_kls(engine, pre, ref)
             for name, engine, n in variants:
                 ids, decode_s, steps = ragblend_answer(engine, segments, tokens, n)
                 same[name] += ids == ref
@@ -171,10 +181,11 @@ def agreement(exact: BlendEngine, half: BlendEngine, sets: dict, tokens: int, dr
         for name, _, _ in variants:
             lines.append(f"| {set_name} | {len(prompts)} | {name} | {same[name]}/{len(prompts)} | "
                          f"{statistics.mean(rouges[name]):.3f} | {seconds[name]:.2f} | {passes[name] / per_token:.2f} |")
-        kl_lines.append(f"| {set_name} | {len(kls)} | {statistics.mean(kls) if kls else 0:.2e} | "
-                        f"{max(kls, default=0):.2e} |")
-    return [*lines, "", "The column product's step KL against the reference layers (fed the reference answer):", "",
-            "| set | steps | KL mean | KL max |", "|---|---:|---:|---:|", *kl_lines]
+        for dtype, values in kls.items():
+            kl_lines.append(f"| {set_name} | {dtype} | {len(values)} | {statistics.mean(values) if values else 0:.2e} | "
+                            f"{statistics.median(values) if values else 0:.2e} | {max(values, default=0):.2e} |")
+    return [*lines, "", "Step KL against the reference layers (float32 F.linear, fed the reference answer):", "",
+            "| set | decoding | steps | KL mean | KL median | KL max |", "|---|---|---:|---:|---:|---:|", *kl_lines]
 
 
 def main(argv=None) -> None:
@@ -184,15 +195,17 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
-                        help="prompt_lookup_num_tokens settings to time (the last also runs with float16)")
+                        help="prompt_lookup_num_tokens settings to time (the last also runs with --decode-dtypes)")
+    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float16", "int4"])
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:
         exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
-        half = BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype="float16")
-        return [f"## {model}", "", *speed(exact, half, args.runs, args.tokens, args.drafts),
-                *agreement(exact, half, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]
+        others = {dtype: BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype=dtype)
+                  for dtype in args.decode_dtypes}
+        return [f"## {model}", "", f"Host: {cpu_summary()}", "", *speed(exact, others, args.runs, args.tokens, args.drafts),
+                *agreement(exact, others, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]
 
     report_per_model(args.models, measure, args.out, "decode-run.md", "Decoding", "benchmarks.decode", argv)
 

@@ -441,7 +441,7 @@ def test_decode_dtype_must_be_known(tokenizer):
     from .conftest import make_tiny_engine
 
     with pytest.raises(InvalidInputError, match="decode_dtype"):
-        make_tiny_engine("llama", tokenizer, decode_dtype="int4")
+        make_tiny_engine("llama", tokenizer, decode_dtype="int3")
 
 
 def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context(tokenizer):

