@@ -1,8 +1,9 @@
 """ragblend beside what a user would run instead, on one prompt, in one run.
 
 The benchmark prompt (6 chunks + question, ~3.1k tokens with SmolLM2's template) is answered
-by each peer with the same token ids, 32 greedy tokens (end-of-sequence suppressed, so every
-peer decodes exactly 32), in two scenarios:
+by each peer with the same token ids, for each ``--tokens`` length (32: a short answer; 256: a
+paragraph, what RAG answers run to) greedy tokens (end-of-sequence suppressed, so every peer
+decodes exactly that many), in two scenarios (``--scenarios``):
 
 * **same prompt** — the chunks in the order seen before: prefix caches hit as far as they can;
 * **reordered** — the same chunks in a new order every round, as retrieval returns them in
@@ -14,12 +15,14 @@ Peers (each skipped with a message when it cannot be loaded):
 * ``transformers`` with the prompt's prefix up to the first chunk (template and system prompt)
   computed once and reused (a deep copy of the cache per call);
 * ``llama-cpp-python`` on the same GGUF file, its RAM prompt cache on, threads = cores;
-* ragblend's default (chunks precomputed), decoding in float32, and with ``decode_dtype="float16"``.
+* ragblend's default (chunks precomputed), and the same with each ``--decode-dtypes`` setting
+  (``int4``: decoding passes on the GGUF's 4-bit blocks).
 
-Reported: TTFT and time to the 32-token answer, medians of ``--runs`` interleaved rounds
-(after one warm-up round), and each as a speed-up over transformers' full prefill.
+Reported: TTFT, time to the whole answer and decoding tokens/s (after the first token),
+medians of ``--runs`` interleaved rounds (after one warm-up round), each as a speed-up over
+transformers' full prefill; the host's CPU heads the report.
 
-    python -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5
+    python -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5 --tokens 32 256 --scenarios reordered
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def gguf_file(model: str) -> str:
 
 
 def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: int, tokens: int,
-               n_ctx: int) -> tuple[dict, dict[str, str]]:
+               n_ctx: int, decode_dtypes: list[str]) -> tuple[dict, dict[str, str]]:
     """The peers that load here, and a note per peer (its settings, or why it was skipped)."""
     peers = {"transformers, full prefill": HFPeer(engine, tokens),
              "transformers, cached system prefix": HFPeer(engine, tokens, prefix_len)}
@@ -133,29 +136,35 @@ def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: i
         notes["llama-cpp-python"] = f"skipped: {type(err).__name__}: {err}"
         print(notes["llama-cpp-python"], flush=True)
     peers["ragblend default"] = RagblendPeer(engine, chunks, tokens)
-    half = BlendEngine(engine.hf_model, engine.tokenizer, store=engine.store, decode_dtype="float16")
-    peers["ragblend, decode_dtype='float16'"] = RagblendPeer(half, chunks, tokens)
     strategy = engine.strategy
-    notes["ragblend default"] = f"{strategy.name}({getattr(strategy, 'ratio', '')}), float32 decoding, KV in memory"
-    notes["ragblend, decode_dtype='float16'"] = "the same, float16 decoding matmuls"
+    notes["ragblend default"] = (f"{strategy.name}({getattr(strategy, 'ratio', '')}), decode_dtype="
+                                 f"{engine.decode_dtype!r}, KV in memory")
+    for dtype in decode_dtypes:
+        if dtype == engine.decode_dtype:
+            continue
+        other = BlendEngine(engine.hf_model, engine.tokenizer, store=engine.store, decode_dtype=dtype)
+        peers[f"ragblend, decode_dtype={dtype!r}"] = RagblendPeer(other, chunks, tokens)
+        notes[f"ragblend, decode_dtype={dtype!r}"] = "the same strategy and store, other decoding matmuls"
     return peers, notes
 
 
-def measure(model: str, runs: int, tokens: int) -> list[str]:
+def measure(model: str, runs: int, tokens: int, scenarios=SCENARIOS, decode_dtypes=()) -> list[str]:
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
     sample = load_sample()
     chunks, question = sample["chunks"], sample["question"]
     layout = engine.build_prompt([Chunk(c) for c in chunks] + [question])
     prefix_len = layout.chunk_spans[0].start
     n_ctx = 1 << (len(layout.token_ids) + tokens).bit_length()
-    peers, notes = make_peers(model, engine, chunks, prefix_len, tokens, n_ctx)
+    peers, notes = make_peers(model, engine, chunks, prefix_len, tokens, n_ctx, list(decode_dtypes))
     rng = random.Random(0)
-    times = {(s, p): [] for s in SCENARIOS for p in peers}
+    times = {(s, p): [] for s in scenarios for p in peers}
     for round_ in range(runs + 1):                    # round 0 warms every peer up
         order = chunks[:]
         while order[0] == chunks[0]:       # another first chunk: prefix caches stop at the system prompt
             rng.shuffle(order)
         for scenario, texts in zip(SCENARIOS, (chunks, order)):
+            if scenario not in scenarios:
+                continue
             segments = [Chunk(c) for c in texts] + [question]
             token_ids = engine.build_prompt(segments).token_ids
             for name, peer in peers.items():
@@ -164,17 +173,25 @@ def measure(model: str, runs: int, tokens: int) -> list[str]:
                     times[scenario, name].append(result)
                 print(f"round {round_} {scenario:11} {name:35} TTFT {result[0]:6.2f} s, answer {result[1]:6.2f} s",
                       flush=True)
-    lines = [f"## {model}", "", f"{len(layout.token_ids)}-token prompt, {tokens}-token greedy answers, median of "
-             f"{runs} interleaved rounds. Speed-up = transformers full prefill's time / the peer's.", ""]
-    for scenario in SCENARIOS:
-        base_ttft = statistics.median(t for t, _ in times[scenario, "transformers, full prefill"])
-        base_total = statistics.median(a for _, a in times[scenario, "transformers, full prefill"])
-        lines += [f"**{scenario}**", "", "| peer | TTFT s | answer s | TTFT speed-up | answer speed-up |",
-                  "|---|---:|---:|---:|---:|"]
+    lines = [f"## {model}, {tokens}-token answers", "", f"{len(layout.token_ids)}-token prompt, {tokens}-token greedy "
+             f"answers, median of {runs} interleaved rounds. Speed-up = transformers full prefill's time / the peer's; "
+             f"decoding = tokens/s after the first token.", ""]
+
+    def decode_rate(first_s: float, total_s: float) -> float:
+        return (tokens - 1) / max(total_s - first_s, 1e-9)
+
+    for scenario in scenarios:
+        base = times[scenario, "transformers, full prefill"]
+        base_ttft, base_total = statistics.median(t for t, _ in base), statistics.median(a for _, a in base)
+        base_rate = statistics.median(decode_rate(t, a) for t, a in base)
+        lines += [f"**{scenario}**", "", "| peer | TTFT s | answer s | decoding tokens/s | TTFT speed-up | "
+                  "answer speed-up | decoding speed-up |", "|---|---:|---:|---:|---:|---:|---:|"]
         for name in peers:
             ttft = statistics.median(t for t, _ in times[scenario, name])
             total = statistics.median(a for _, a in times[scenario, name])
-            lines.append(f"| {name} | {ttft:.2f} | {total:.2f} | {base_ttft / ttft:.2f}x | {base_total / total:.2f}x |")
+            rate = statistics.median(decode_rate(t, a) for t, a in times[scenario, name])
+            lines.append(f"| {name} | {ttft:.2f} | {total:.2f} | {rate:.1f} | {base_ttft / ttft:.2f}x | "
+                         f"{base_total / total:.2f}x | {rate / base_rate:.2f}x |")
         lines.append("")
     lines += ["Settings:", "", *[f"- {name}: {note}" for name, note in notes.items()], ""]
     return lines
@@ -184,11 +201,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float32", "float16", "int4"],
+                        help="ragblend's decoding matmuls to compare beside the default")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
-    report_per_model(args.models, lambda model: measure(model, args.runs, args.tokens), args.out, "peers-run.md",
-                     "Peers", "benchmarks.peers", argv)
+
+    def measure_all(model: str) -> list[str]:
+        return [line for tokens in args.tokens
+                for line in measure(model, args.runs, tokens, args.scenarios, args.decode_dtypes)]
+
+    report_per_model(args.models, measure_all, args.out, "peers-run.md", "Peers", "benchmarks.peers", argv)
 
 
 if __name__ == "__main__":

@@ -251,6 +251,28 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _info(args) -> int:
+    from ragblend import BlendEngine
+    from ragblend.core.kernels import cpu_summary
+    from ragblend.core.model import int4_available
+
+    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    plan = engine.kernel_plan
+    print(f"Host: {cpu_summary()}")
+    print(f"Model: {engine.name} ({engine.adapter.arch}, {engine.adapter.shape.num_layers} layers, "
+          f"{engine.adapter.dtype}, {engine.adapter.device})")
+    if plan is None:
+        print("Kernels: the model does not run in float32 on the CPU, so its own (transformers') kernels run it.")
+    else:
+        when = "measured just now" if plan.source == "measured" else "measured earlier on this host, cached"
+        print(f"Kernels per pass size ({when}; RAGBLEND_KERNELS=linear keeps F.linear everywhere):")
+        for line in plan.describe():
+            print(f"  {line}")
+    why_not = int4_available()
+    print(f"4-bit decoding (decode_dtype='int4'): {'available' if why_not is None else 'unavailable: ' + why_not}")
+    return 0
+
+
 def _is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -388,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "on, in place of a shipped calibration")
     calibrate.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
     calibrate.set_defaults(func=_calibrate)
+
+    info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
+                                       "(measured once per host, then cached)")
+    info.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    info.set_defaults(func=_info)
 
     app = sub.add_parser("app", help="start the Streamlit demo app")
     app.add_argument("--host", default="127.0.0.1",

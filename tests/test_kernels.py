@@ -283,3 +283,18 @@ def test_an_unknown_decode_dtype_is_refused(tokenizer):
 
     with pytest.raises(InvalidInputError, match="'int4'"):
         make_tiny_engine("llama", tokenizer, decode_dtype="int3")
+
+
+def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, tokenizer, capsys):
+    from ragblend.cli import main
+
+    from .conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Host:" in out and "torch CPU capability" in out
+    for bucket in BUCKETS:
+        assert f"{bucket.name} rows:" in out
+    assert "GFLOPS" in out and "4-bit decoding" in out
