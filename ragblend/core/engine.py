@@ -42,7 +42,7 @@ from .fusion import (
     sink_kv,
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
-from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
+from .kv import ChunkKV, ChunkRef, calibration_key, chunk_key, to_storage
 from .model import CpuLinear, HalfLinear, ModelAdapter, cache_dir, load_model, with_linears
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
@@ -186,8 +186,9 @@ class BlendEngine:
         # What every chunk is precomputed after: the template's opening, then a neutral passage
         # (chunk_context), so that a chunk's cached KV is that of a passage in the middle of a
         # prompt, as it will be used (docs/benchmarks.md, "Chunk context").
-        self.sink_ids = (self.prompts.tokenize(sink_prefix) if sink_prefix is not None
-                         else self.prompts.sink_ids(chunk_context))
+        # A sink_prefix is the developer's own template text: its control tokens are parsed.
+        self.sink_ids = (self.prompts.tokenize_template(check_text(sink_prefix, "sink_prefix"))
+                         if sink_prefix is not None else self.prompts.sink_ids(chunk_context))
         self._sink_kv: list | None = None   # the sink's K/V, computed once (see _compute_entries)
         self.fingerprint = self.adapter.fingerprint(tokenizer)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
@@ -438,7 +439,7 @@ class BlendEngine:
     @property
     def calibration_id(self) -> str:
         """What a calibration holds for: the model and what chunks are precomputed after."""
-        return chunk_key(self.fingerprint, self.sink_ids, [], "calibration")
+        return calibration_key(self.fingerprint, self.sink_ids)
 
     def _compute_entry(self, token_ids: list[int]) -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""

@@ -10,7 +10,9 @@ import torch
 # Bump when what a stored entry means changes (layout, sink handling, pre/post RoPE...):
 # old entries then simply stop matching.
 # v2: the storage dtype joined the key.
-KV_FORMAT_VERSION = 2
+# v3: text is tokenized as text (control-token strings in a chunk no longer become control
+#     tokens, core/prompt.py), so ids stored under v2 must not be found in new prompts.
+KV_FORMAT_VERSION = 3
 
 
 # Where ingestion hooks record a chunk's key in its document's metadata (LlamaIndex nodes,
@@ -25,8 +27,22 @@ def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], stora
     A KV entry can therefore never be used for another model, tokenizer, compute dtype,
     storage dtype or sink prefix: any of those changes the key.
     """
+    return _key(KV_FORMAT_VERSION, fingerprint, storage_dtype, sink_ids, token_ids)
+
+
+def calibration_key(fingerprint: str, sink_ids: list[int]) -> str:
+    """What a calibration is stored under: the model fingerprint and sink prefix.
+
+    A calibration measures the model with the sink, not the KV format, so its key keeps the
+    format version it was first made with (2): bumping :data:`KV_FORMAT_VERSION` must not
+    orphan the calibrations shipped in ``ragblend/data/calibration``.
+    """
+    return _key(2, fingerprint, "calibration", sink_ids, [])
+
+
+def _key(version: int, fingerprint: str, kind: str, sink_ids: list[int], token_ids: list[int]) -> str:
     h = hashlib.sha256()
-    h.update(f"ragblend-kv-v{KV_FORMAT_VERSION}|{fingerprint}|{storage_dtype}|".encode())
+    h.update(f"ragblend-kv-v{version}|{fingerprint}|{kind}|".encode())
     h.update(torch.tensor(sink_ids, dtype=torch.int64).numpy().tobytes())
     h.update(b"|")
     h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())

@@ -5,10 +5,21 @@ A prompt is a list of *segments*: :class:`Chunk` (text whose KV may be cached) o
 model's chat template, joined by a separator. Each piece is tokenized on its own and the
 ids are concatenated, so a chunk's ids in the prompt are exactly the ids it was
 precomputed with, wherever it lands.
+
+Text is always tokenized as text. Documents, user messages, system prompts and history may
+contain the strings of the model's control tokens (``<|im_start|>``...); those become ordinary
+tokens, so retrieved text cannot open a turn of its own. Only the chat template's own text is
+tokenized with its control tokens parsed (see :class:`TextEncoder` and
+:meth:`PromptBuilder.chat_ids`).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import threading
+import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -59,9 +70,9 @@ class Chunk:
 
 Segment = Union[str, Chunk]
 
-# Stands in for the user message while rendering the template; the text around it is the
-# template's own prefix and suffix.
-_MARKER = "RAGBLENDSEGMENTSMARKER"
+# A role is written into the template as template text (``'<|im_start|>' + role``), so it
+# must be a plain name, never free text.
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -102,8 +113,139 @@ def check_segments(segments: Sequence[Segment]) -> list[Segment]:
     return list(segments)
 
 
+def _checked_role(role, what: str) -> str:
+    if not isinstance(role, str) or not _ROLE.fullmatch(role):
+        raise InvalidInputError(f"{what} role must be a plain name such as 'user' or 'assistant', got {str(role)[:40]!r}.")
+    return role
+
+
+def _checked_history(history) -> list[tuple[str, str]]:
+    """``history`` as a list of ``(role, text)`` turns, each checked."""
+    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
+        raise InvalidInputError("history must be a list of (role, text) pairs, e.g. [('user', 'Hi'), ('assistant', 'Hello')].")
+    turns = []
+    for i, turn in enumerate(history):
+        if not isinstance(turn, (tuple, list)) or len(turn) != 2:
+            raise InvalidInputError(f"history turn {i} must be a (role, text) pair, got {type(turn).__name__}.")
+        turns.append((_checked_role(turn[0], f"history turn {i}'s"), check_text(turn[1], f"history turn {i}")))
+    return turns
+
+
+def _checked_messages(messages) -> list[tuple[str, str]]:
+    """Chat messages (``{"role", "content"}`` dicts) as ``(role, text)`` turns."""
+    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+    turns = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidInputError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}.")
+        content = message.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            if not all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+                       for b in content):
+                raise InvalidInputError(f"message {i}'s content blocks must all be {{'type': 'text', 'text': ...}}.")
+            content = "".join(b["text"] for b in content)
+        turns.append((_checked_role(message.get("role"), f"message {i}'s"), check_text(content, f"message {i}")))
+    return turns
+
+
+class TextEncoder:
+    """Tokenizes text *as text*: the string of a control token (``<|im_start|>``) in it
+    becomes ordinary tokens, never the control token itself.
+
+    Control tokens are the tokenizer's special added tokens, plus the other added tokens its
+    chat template writes (Qwen's ``<tool_call>``...), except whitespace ones. For text without
+    them the ids are exactly the tokenizer's own (``tokenizer(text, add_special_tokens=False)``).
+
+    Hugging Face's ``split_special_tokens=True`` does the splitting, but it works by setting a
+    flag on the tokenizer shared by every thread; this encoder runs on a private copy of the
+    fast tokenizer with the flag set once, so no other call can flip it under it. Built
+    once per tokenizer (:func:`text_encoder`).
+    """
+
+    # Ordinary text whose ids the private copy must reproduce exactly (else it is not used).
+    PROBE = "Hello, world! It's 2024: 3.14 apples.\n\n  Indented\ttext, café, 東京 🙂 end"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.state = self.state_of(tokenizer)
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        control = {i: t.content for i, t in added.items()
+                   if t.special or (t.content in template and not t.content.isspace())}
+        self.control_ids = frozenset(control)
+        self.control_strings = tuple(sorted(set(control.values()), key=len, reverse=True))
+        self._backend = self._private_backend(set(control.values()))
+        if self._backend is not None and self._encode_backend(self.PROBE) != self._encode_wrapper(self.PROBE):
+            self._backend = None   # the wrapper does more than the Rust tokenizer: use the wrapper
+
+    @staticmethod
+    def state_of(tokenizer) -> tuple:
+        """What the encoder depends on besides the vocabulary: the added tokens and the template."""
+        return len(getattr(tokenizer, "added_tokens_decoder", {}) or {}), str(getattr(tokenizer, "chat_template", None))
+
+    def _private_backend(self, control: set[str]):
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        from tokenizers import Tokenizer
+
+        state = json.loads(backend.to_str())
+        state["truncation"] = state["padding"] = None
+        for token in state.get("added_tokens", []):
+            if token["content"] in control:
+                token["special"] = True   # split by encode_special_tokens like the special ones
+        copy = Tokenizer.from_str(json.dumps(state))
+        copy.encode_special_tokens = True
+        return copy
+
+    def _encode_backend(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def _encode_wrapper(self, text: str) -> list[int]:
+        with _split_flag_lock:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._encode_backend(text) if self._backend is not None else self._encode_wrapper(text)
+        if self.control_ids.intersection(ids):
+            # Never seen with the supported tokenizers (tests/test_injection.py checks them).
+            raise InvalidInputError(
+                "This model's tokenizer turns plain text into a control token, so ragblend cannot keep the text "
+                "from acting as the chat template's markup; remove the control-token strings from the text.")
+        return ids
+
+    def contains_control(self, text: str) -> bool:
+        return any(s in text for s in self.control_strings)
+
+
+# A fast tokenizer keeps split_special_tokens as a flag on itself: calls that set it hold this lock.
+_split_flag_lock = threading.Lock()
+_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_encoders_lock = threading.Lock()
+
+
+def text_encoder(tokenizer) -> TextEncoder:
+    """The :class:`TextEncoder` of ``tokenizer`` (copying a large tokenizer takes ~0.2 s, so
+    engines over the same tokenizer share one)."""
+    with _encoders_lock:
+        try:
+            encoder = _encoders.get(tokenizer)
+        except TypeError:   # not weak-referenceable: no sharing
+            return TextEncoder(tokenizer)
+        if encoder is None or encoder.state != TextEncoder.state_of(tokenizer):   # tokens or template changed since
+            encoder = _encoders[tokenizer] = TextEncoder(tokenizer)
+        return encoder
+
+
 class PromptBuilder:
-    """Turns segments into prompt token ids with the model's chat template."""
+    """Turns segments into prompt token ids with the model's chat template.
+
+    Every piece of text (chunks, segments, system, history) is tokenized as text
+    (:class:`TextEncoder`); only the template's own text has its control tokens parsed.
+    """
 
     def __init__(self, tokenizer, *, separator: str = "\n\n", use_chat_template: bool | None = None):
         self.tokenizer = tokenizer
@@ -111,32 +253,119 @@ class PromptBuilder:
         if use_chat_template is None:
             use_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.use_chat_template = use_chat_template
+        self.text_encoder = text_encoder(tokenizer)
         self._separator_ids = self.tokenize(separator) if separator else []
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """Ids of ``text`` as text: control-token strings in it are ordinary characters."""
+        return self.text_encoder(text)
+
+    def tokenize_template(self, text: str) -> list[int]:
+        """Ids of text with its control tokens parsed: only for text the chat template or the
+        developer wrote (a ``sink_prefix``), never for documents or messages."""
+        with _split_flag_lock:
+            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------ the chat template
 
     def template_parts(self, system: str | None, history: Sequence[tuple[str, str]] = ()) -> tuple[list[int], list[int]]:
         """Token ids the template puts before and after the (last) user message.
 
         ``history`` holds earlier turns as ``(role, text)`` with role "user" or "assistant".
         """
-        if system is not None:
-            check_text(system, "system")
+        turns = ([] if system is None else [("system", check_text(system, "system"))]) + _checked_history(history)
         if not self.use_chat_template:
             prefix = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-            for text in ([system] if system else []) + [text for _, text in history]:
-                prefix += self.tokenize(text) + self._separator_ids
+            for role, text in turns:
+                if text or role != "system":   # an empty system prompt adds nothing
+                    prefix += self.tokenize(text) + self._separator_ids
             return prefix, []
-        messages = [] if system is None else [{"role": "system", "content": system}]
-        messages += [{"role": role, "content": text} for role, text in history]
-        messages.append({"role": "user", "content": _MARKER})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        before, marker, after = text.partition(_MARKER)
-        if not marker:
-            raise InvalidInputError("The model's chat template drops the user message; "
-                                    "pass use_chat_template=False.")
-        return self.tokenize(before), self.tokenize(after)
+        pieces = self._chat_pieces(turns + [("user", None)], add_generation_prompt=True)
+        hole = pieces.index(None)
+        return self._encode(pieces[:hole]), self._encode(pieces[hole + 1:])
+
+    def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a whole chat, ``[{"role": ..., "content": ...}, ...]``, every
+        message's content tokenized as text.
+
+        What ``tokenizer.apply_chat_template(messages, tokenize=True)`` gives for ordinary
+        text (and what :meth:`build` lays out for the same turns), without letting a message
+        open turns of its own. ``content`` is a str or a list of ``{"type": "text", "text":
+        ...}`` blocks (joined); other message keys are ignored.
+        """
+        turns = _checked_messages(messages)
+        if not self.use_chat_template:
+            ids = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+            for i, (_, text) in enumerate(turns):
+                ids += (self._separator_ids if i else []) + self.tokenize(text)
+            return ids
+        return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
+
+    def _render(self, turns, contents, add_generation_prompt: bool) -> str:
+        messages = [{"role": role, "content": content} for (role, _), content in zip(turns, contents)]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _chat_pieces(self, turns: list[tuple[str, str | None]], *, add_generation_prompt: bool) -> list:
+        """The rendered chat as pieces: ``(text, True)`` for the template's own text,
+        ``(text, False)`` for a message's text, and None where the turn whose text is None
+        (the last user message, laid out by :meth:`build`) goes.
+
+        The template is rendered with a fresh random placeholder for every message, so no
+        input can forge one (a fixed marker in a system prompt would split the template
+        there). Each message's text is then what the template makes of it (a template may
+        trim it), read off a render with only that message filled in.
+        """
+        marks = [f"ragblend{uuid.uuid4().hex}" for _ in turns]
+        rendered = self._render(turns, marks, add_generation_prompt)
+        parts = re.split(f"({'|'.join(marks)})", rendered)
+        for mark, (role, text) in zip(marks, turns):
+            count = parts[1::2].count(mark)
+            if text is None and count == 0:
+                raise InvalidInputError("The model's chat template drops the user message; "
+                                        "pass use_chat_template=False.")
+            if count > 1:
+                raise InvalidInputError(f"The model's chat template writes the {role} message's text more than "
+                                        "once; ragblend cannot lay out such a prompt. Pass use_chat_template=False.")
+        pieces: list = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if part:
+                    pieces.append((part, True))
+                continue
+            i = marks.index(part)
+            if turns[i][1] is None:
+                pieces.append(None)
+                continue
+            start = rendered.index(part)
+            before, after = rendered[:start], rendered[start + len(part):]
+            filled = self._render(turns, marks[:i] + [turns[i][1]] + marks[i + 1:], add_generation_prompt)
+            if filled.startswith(before) and filled.endswith(after) and len(filled) >= len(before) + len(after):
+                pieces.append((filled[len(before):len(filled) - len(after)], False))
+            else:   # the template treats this text specially: take it as given
+                pieces.append((turns[i][1], False))
+        return pieces
+
+    def _encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
+        """Ids of template and message pieces: the template's control tokens parsed, the
+        messages' as text.
+
+        Tokenizing the pieces joined is what the template gives ordinary text (tokens may
+        merge across a piece boundary), so that is used whenever it is safe: no message
+        holds a control token's string and the joined ids hold exactly the template's own
+        control tokens. Otherwise each piece is tokenized on its own.
+        """
+        if not pieces:
+            return []
+        ids = self.tokenize_template("".join(text for text, _ in pieces))
+        control = self.text_encoder.control_ids
+        if not any(not own and self.text_encoder.contains_control(text) for text, own in pieces):
+            template_controls = [i for text, own in pieces if own for i in self.tokenize_template(text) if i in control]
+            if [i for i in ids if i in control] == template_controls:
+                return ids
+        out: list[int] = []
+        for text, own in pieces:
+            out += self.tokenize_template(text) if own else self.tokenize(text)
+        return out
 
     def sink_ids(self, context: str = "") -> list[int]:
         """The fixed prefix chunks are precomputed after (its KV is dropped).

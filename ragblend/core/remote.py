@@ -38,7 +38,7 @@ from .engine import Stats, TextStream
 from .errors import InvalidInputError, PromptTooLongError, RagblendError
 from .generate import SamplingParams
 from .kv import ChunkRef
-from .prompt import Chunk, check_segments, check_text
+from .prompt import Chunk, PromptBuilder, check_segments, check_text
 
 log = logging.getLogger("ragblend")
 
@@ -90,9 +90,15 @@ class RemoteEngine:
         root = base_url.rstrip("/")
         self.base_url = root[:-3] if root.endswith("/v1") else root
         self.backend, self.blend_special_str = backend, blend_special_str
+        if hasattr(api_key, "get_secret_value"):   # a pydantic SecretStr: its str() is "**********"
+            api_key = api_key.get_secret_value()
+        if api_key is not None and not isinstance(api_key, str):
+            raise InvalidInputError(f"api_key must be a str, got {type(api_key).__name__}.")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self._tokenizer = tokenizer
+        # Local tokenization goes through a PromptBuilder: text is tokenized as text.
+        self._prompts = None if tokenizer is None else PromptBuilder(tokenizer)
         self.last_stats = None
         listed = self._request("GET", "/v1/models")["data"]
         if not listed:
@@ -160,8 +166,8 @@ class RemoteEngine:
         """Token ids of ``text`` without special tokens (the local tokenizer if given, else
         the server's ``/tokenize``)."""
         check_text(text, "text")
-        if self._tokenizer is not None:
-            return self._tokenizer.encode(text, add_special_tokens=False)
+        if self._prompts is not None:
+            return self._prompts.tokenize(text)
         body = {"model": self.name, "prompt": text, "add_special_tokens": False}
         return list(self._request("POST", "/tokenize", body)["tokens"])
 
@@ -308,10 +314,9 @@ class RemoteEngine:
         if self._tokenizer is None:
             body = {"model": self.name, "messages": messages, "add_generation_prompt": True}
             return list(self._request("POST", "/tokenize", body)["tokens"])
-        if not getattr(self._tokenizer, "chat_template", None):
-            return self._tokenizer.encode(user_text, add_special_tokens=False)
-        ids = self._tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)   # a BatchEncoding in transformers 5
+        if not self._prompts.use_chat_template:
+            return self._prompts.tokenize(user_text)
+        return self._prompts.chat_ids(messages)
 
 
 def _update_stats(stats, event: dict) -> None:

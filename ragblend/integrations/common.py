@@ -9,7 +9,7 @@ import os
 import threading
 from typing import Any, Literal, Optional, Sequence
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
@@ -83,7 +83,9 @@ def lazy_engine(owner) -> BlendEngine | RemoteEngine:
     and ``_lock`` private attributes)."""
     with owner._lock:
         if owner._engine is None and owner.base_url:
-            owner._engine = RemoteEngine(owner.base_url, api_key=owner.api_key or os.environ.get("RAGBLEND_API_KEY"),
+            # BlendChatModel keeps its key as a pydantic SecretStr, whose str() is "**********".
+            key = owner.api_key.get_secret_value() if isinstance(owner.api_key, SecretStr) else owner.api_key
+            owner._engine = RemoteEngine(owner.base_url, api_key=key or os.environ.get("RAGBLEND_API_KEY"),
                                          backend=owner.backend)
         elif owner._engine is None:
             owner._engine = BlendEngine.from_pretrained(owner.model_path, kv_dir=owner.kv_dir, kv_dtype=owner.kv_dtype,

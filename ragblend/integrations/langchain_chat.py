@@ -78,7 +78,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
     # code that passes them keeps working.
     timeout: Optional[float] = Field(default=None, description="Accepted for compatibility; unused locally.")
     max_retries: int = Field(default=2, description="Accepted for compatibility; unused locally.")
-    api_key: Optional[SecretStr] = Field(default=None, description="Accepted for compatibility; unused locally.")
+    api_key: Optional[SecretStr] = Field(default=None, description="Bearer key for base_url (None = $RAGBLEND_API_KEY, if set); unused locally.")
 
     _engine: Optional[BlendEngine] = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
