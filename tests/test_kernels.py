@@ -298,3 +298,17 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
     for bucket in BUCKETS:
         assert f"{bucket.name} rows:" in out
     assert "GFLOPS" in out and "4-bit decoding" in out
+
+
+def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer):
+    from ragblend import BlendEngine
+
+    from .conftest import tiny_model
+
+    snapped = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)   # as from a Q4_1 GGUF
+    plain = BlendEngine(tiny_model("llama"), tokenizer)                      # float weights: 4 bits would lose
+    assert snapped.decode_dtype == plain.decode_dtype == "auto"
+    layers = snapped._decoding_adapter().hf_model.model.layers
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
+    assert plain._decoding_adapter() is plain.adapter
+    assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids

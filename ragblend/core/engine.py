@@ -42,8 +42,21 @@ from .fusion import (
     sink_kv,
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
+from .kernels import DRAFT_ROWS, KernelPlan
 from .kv import ChunkKV, ChunkRef, calibration_key, chunk_key, to_storage
-from .model import CpuLinear, HalfLinear, ModelAdapter, cache_dir, load_model, with_linears
+from .model import (
+    EXACT_INT4,
+    CpuLinear,
+    HalfLinear,
+    Int4Linear,
+    ModelAdapter,
+    cache_dir,
+    int4_available,
+    kernel_plan_for,
+    load_model,
+    on_int4_grid,
+    with_linears,
+)
 from .pipeline import PrefetchSource, SequentialSource
 from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
@@ -60,6 +73,8 @@ from .store import (
 )
 
 log = logging.getLogger("ragblend")
+
+DECODE_DTYPES = ("auto", "float32", "float16", "int4")
 
 
 @dataclass
@@ -171,14 +186,17 @@ class BlendEngine:
                  sink_prefix: str | None = None, chunk_context: str = CHUNK_CONTEXT,
                  use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
-                 name: str | None = None, decode_dtype: Literal["float32", "float16"] = "float32",
+                 name: str | None = None, decode_dtype: Literal["auto", "float32", "float16", "int4"] = "auto",
                  precompute_batch_tokens: int = 1024, prompt_lookup_num_tokens: int = 3):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)   # checks the architecture first
+        self.kernel_plan: KernelPlan | None = None
         if self.adapter.dtype == torch.float32 and self.adapter.device.type == "cpu":
-            # The same weights through faster CPU kernels (model.CpuLinear); the model itself is left as it is.
-            self.adapter = ModelAdapter(with_linears(hf_model, CpuLinear))
+            # The same weights through the CPU kernels measured fastest on this host (core.kernels);
+            # the model itself is left as it is.
+            self.kernel_plan = kernel_plan_for(hf_model)
+            self.adapter = ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, self.kernel_plan)))
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=separator, use_chat_template=use_chat_template)
         if not isinstance(chunk_context, str):
@@ -197,9 +215,10 @@ class BlendEngine:
             strategy = self.calibration.strategy if self.calibration else UNCALIBRATED
         self.strategy = check_strategy(strategy, self.adapter.shape.num_layers)
         self.kv_dtype = _storage_dtype(kv_dtype)
-        if decode_dtype not in ("float32", "float16"):
-            raise InvalidInputError(f"decode_dtype must be 'float32' (the default) or 'float16' (float16 weights "
-                                    f"in the decoding matmuls), got {decode_dtype!r}.")
+        if decode_dtype not in DECODE_DTYPES:
+            raise InvalidInputError(f"decode_dtype must be 'auto' (the default: 4-bit weights where the model's already "
+                                    f"are 4-bit, else float32), 'float32', 'float16' (float16 weights in the decoding "
+                                    f"matmuls) or 'int4' (4-bit weights, bfloat16 activations), got {decode_dtype!r}.")
         self.decode_dtype = decode_dtype
         self._decode_adapter: ModelAdapter | None = None
         self.prefetch = prefetch
@@ -218,7 +237,7 @@ class BlendEngine:
         # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
         # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-4 it decoded
         # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
-        most = CpuLinear.MAX_COLUMN_ROWS - 1   # a pass over more rows leaves the column product
+        most = DRAFT_ROWS - 1   # a pass over more rows is timed and run as a prefill (kernels.BUCKETS)
         if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \
                 or not 0 <= prompt_lookup_num_tokens <= most:
             raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to {most}, "
@@ -685,14 +704,51 @@ class BlendEngine:
         return pre, decoding
 
     def _decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on: the engine's own, or (``decode_dtype="float16"``) a
-        twin whose linear layers hold float16 weights, built on first use."""
-        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32:
+        """The adapter decoding runs on: the engine's own, or a twin built on first use whose
+        linear layers hold float16 weights (``decode_dtype="float16"``) or 4-bit ones
+        (``"int4"``; with ``"auto"`` only the layers whose weights already are 4-bit, as a Q4_0/Q4_1
+        GGUF's are; the LM head stays float32, its logits pick the answer)."""
+        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
             return self.adapter
         with self._lock:
             if self._decode_adapter is None:
-                self._decode_adapter = ModelAdapter(with_linears(self.hf_model, HalfLinear))
+                self._decode_adapter = self._build_decoding_adapter()
         return self._decode_adapter
+
+    def _build_decoding_adapter(self) -> ModelAdapter:
+        if self.decode_dtype == "float16":
+            return ModelAdapter(with_linears(self.hf_model, HalfLinear))
+        auto = self.decode_dtype == "auto"
+        why_not = int4_available()
+        if why_not:
+            if not auto:
+                log.warning("ragblend: decode_dtype='int4' cannot run here (%s); decoding in float32.", why_not)
+            return self.adapter
+        head = getattr(self.hf_model, "lm_head", None)
+        head_weight = getattr(head, "weight", None)
+        skipped, packed = [], []
+
+        def make(layer: torch.nn.Linear) -> torch.nn.Module:
+            # The LM head stays float32 (its logits pick the answer); "auto" packs only weights
+            # that lose nothing (already on a 4-bit grid).
+            if layer.weight is not head_weight and not (auto and not on_int4_grid(layer.weight)):
+                try:
+                    four = Int4Linear(layer, self.kernel_plan)
+                    if not auto or four.quantization_error <= EXACT_INT4:
+                        packed.append(four)
+                        return four
+                except (ValueError, RuntimeError) as err:   # a shape the 4-bit packing does not take
+                    skipped.append(f"{layer.out_features}x{layer.in_features} ({err})")
+            return CpuLinear(layer, self.kernel_plan)
+
+        twin = with_linears(self.hf_model, make)
+        if skipped and not auto:
+            log.warning("ragblend: %d linear layer(s) cannot hold 4-bit weights and decode in float32: %s",
+                        len(skipped), "; ".join(sorted(set(skipped))))
+        if not packed:
+            return self.adapter
+        log.info("ragblend: %d linear layer(s) decode on 4-bit weights (decode_dtype=%r)", len(packed), self.decode_dtype)
+        return ModelAdapter(twin)
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,

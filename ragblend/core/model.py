@@ -234,12 +234,36 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return codes.reshape(out_features, in_features), scales, low
 
 
+def int4_error(weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, low: torch.Tensor) -> float:
+    """Largest difference between ``weight`` and its 4-bit form, relative to its largest value."""
+    grid = scales[..., None] * codes.reshape(*scales.shape, INT4_GROUP).float() + low[..., None]
+    error = (grid - weight.detach().float().reshape(grid.shape)).abs().max()
+    return float(error / weight.detach().abs().max().clamp_min(1e-30))
+
+
+def on_int4_grid(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` loses nothing in 4-bit groups of 32 (it was dequantized from Q4_0/Q4_1),
+    judged on its first rows: a weight that is not on the grid is almost never so on them."""
+    if weight.dim() != 2 or weight.shape[1] % INT4_GROUP:
+        return False
+    rows = weight[:8]
+    return int4_error(rows, *quantize_int4(rows)) <= EXACT_INT4
+
+
+EXACT_INT4 = 1e-6   # relative error below which 4-bit weights count as the weights themselves
+
+
 class Int4Linear(torch.nn.Module):
     """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 4-bit
     weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
     which runs on bfloat16 activations, so a step reads ~1/8 of the float32 weight bytes and
     rounds activations and scales to bfloat16. Longer passes use the float32 weight through
-    the host's kernel plan, unchanged. The output is float32 either way."""
+    the host's kernel plan, unchanged. The output is float32 either way.
+
+    ``quantization_error`` is the weight's largest change, relative to its largest value: 0
+    (to float rounding) for a weight dequantized from a Q4_0/Q4_1 GGUF, whose blocks come back
+    exactly (see :func:`quantize_int4`).
+    """
 
     def __init__(self, linear: torch.nn.Linear, plan: KernelPlan | None = None):
         super().__init__()
@@ -248,12 +272,10 @@ class Int4Linear(torch.nn.Module):
         if linear.in_features % INT4_GROUP or linear.out_features % 16:
             raise ValueError(f"4-bit packing needs inputs in groups of {INT4_GROUP} and outputs in 16s")
         codes, scales, low = quantize_int4(linear.weight)
+        self.quantization_error = int4_error(linear.weight, codes, scales, low)
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
         self.scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
-        self.quantization_error = (scales[..., None] * codes.reshape(scales.shape + (INT4_GROUP,)).float()
-                                   + low[..., None] - linear.weight.detach().reshape(scales.shape + (INT4_GROUP,))
-                                   ).abs().max().item()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2 or x.numel() == 0:

@@ -26,7 +26,7 @@ class EngineFields(BaseModel):
     model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
     kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
     kv_dtype: Literal["float16", "bfloat16", "float32", "int8"] = Field(default="float16", description="How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost (see docs/benchmarks.md).")
-    decode_dtype: Literal["float32", "float16"] = Field(default="float32", description="'float16' decodes with float16 weights in the matmuls (half the bytes per token; answers nearly always identical, not always). On the project's CPU it was no faster than the default float32 decoding.")
+    decode_dtype: Literal["auto", "float32", "float16", "int4"] = Field(default="auto", description="Weights of the decoding matmuls. 'auto': 4-bit where the model's weights already are 4-bit (a Q4_0/Q4_1 GGUF such as the embedded SmolLM2; lossless for the weights, activations rounded to bfloat16), float32 elsewhere. 'int4': 4-bit for every layer (quantized at load where the weights are not 4-bit). 'float32' and 'float16' as named. Measured trade-offs: docs/benchmarks.md, 'Decoding'.")
     strategy: StrategyName = Field(default="default", description="Fusion strategy; default = the engine's calibrated choice.")
     ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
