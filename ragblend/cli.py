@@ -254,10 +254,13 @@ def _calibrate(args) -> int:
 def _info(args) -> int:
     from ragblend import BlendEngine
     from ragblend.core.kernels import cpu_summary
-    from ragblend.core.model import int4_available
+    from ragblend.core.model import int4_available, kernel_plan_for
 
     engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
     plan = engine.kernel_plan
+    if args.measure and plan is not None:
+        print("Measuring the kernels again (a few seconds; best on an otherwise idle machine)...", flush=True)
+        plan = kernel_plan_for(engine.hf_model, remeasure=True)   # cached for the next engines
     print(f"Host: {cpu_summary()}")
     print(f"Model: {engine.name} ({engine.adapter.arch}, {engine.adapter.shape.num_layers} layers, "
           f"{engine.adapter.dtype}, {engine.adapter.device})")
@@ -414,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
                                        "(measured once per host, then cached)")
     info.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    info.add_argument("--measure", action="store_true",
+                      help="measure the kernels again and cache the new choice (e.g. if the first measurement "
+                           "ran on a busy machine)")
     info.set_defaults(func=_info)
 
     app = sub.add_parser("app", help="start the Streamlit demo app")

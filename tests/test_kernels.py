@@ -128,6 +128,14 @@ def test_a_kernel_that_fails_at_run_time_falls_back_to_f_linear(monkeypatch, cap
     assert len(calls) == 1 and caplog.text.count("failed") == 1   # one log line, then F.linear
 
 
+def test_remeasure_ignores_the_cache(tmp_path):
+    plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.1}}))
+    calls = []
+    again = plan_for(layers(), directory=tmp_path, timer=fake_timer({}, calls), remeasure=True)
+    assert calls and again.source == "measured" and again.choices["1"].kernel == "linear"
+    assert plan_for(layers(), directory=tmp_path, timer=fake_timer({}, [])).choices["1"].kernel == "linear"
+
+
 def test_ragblend_kernels_linear_turns_the_choice_off(tmp_path, monkeypatch):
     monkeypatch.setenv("RAGBLEND_KERNELS", "linear")
     calls = []
@@ -298,6 +306,8 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
     for bucket in BUCKETS:
         assert f"{bucket.name} rows:" in out
     assert "GFLOPS" in out and "4-bit decoding" in out
+    assert main(["info", "--model", str(tmp_path), "--measure"]) == 0
+    assert "measured just now" in capsys.readouterr().out
 
 
 def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer):

@@ -311,8 +311,9 @@ _PLANS: dict[str, KernelPlan] = {}   # per process, by key: engines over one mod
 
 
 def plan_for(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence[torch.nn.Linear] = (), *,
-             directory: Path | None = None, timer: Callable = time_workload) -> KernelPlan:
-    """The kernel plan for these layers on this host: from this process, the cache, or measured."""
+             directory: Path | None = None, timer: Callable = time_workload, remeasure: bool = False) -> KernelPlan:
+    """The kernel plan for these layers on this host: from this process, the cache, or measured
+    (``remeasure``: measured now whatever is cached, e.g. after a measurement on a busy machine)."""
     if os.environ.get("RAGBLEND_KERNELS", "").strip().lower() == "linear":
         return KernelPlan.fixed("linear")
     if directory is None:
@@ -322,9 +323,9 @@ def plan_for(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence
     key = host_key(layer_shapes([m for layer in decoder_layers for m in layer] + list(head)))
     path = _cache_path(key, directory)
     memo = str(path)
-    if memo in _PLANS and timer is time_workload:
+    if memo in _PLANS and timer is time_workload and not remeasure:
         return _PLANS[memo]
-    choices = _read_cached(path, key)
+    choices = None if remeasure else _read_cached(path, key)
     source = "cache"
     if choices is None:
         start = time.perf_counter()

@@ -306,12 +306,13 @@ def with_linears(hf_model, make):
     return twin
 
 
-def kernel_plan_for(hf_model) -> KernelPlan:
+def kernel_plan_for(hf_model, remeasure: bool = False) -> KernelPlan:
     """The CPU kernel per row bucket for ``hf_model``'s linear layers on this host, measured
     once and cached (:func:`ragblend.core.kernels.plan_for`)."""
     decoder = [[m for m in layer.modules() if type(m) is torch.nn.Linear] for layer in hf_model.model.layers]
     head = getattr(hf_model, "lm_head", None)
-    return plan_for([layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else [])
+    return plan_for([layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else [],
+                    remeasure=remeasure)
 
 
 @dataclass(frozen=True)
