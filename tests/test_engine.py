@@ -267,6 +267,19 @@ def test_chunk_finder_finds_whole_and_partial_chunks():
     assert finder.find([1, 2, 3]) == [] and len(finder) == 2
 
 
+def test_chunk_finder_work_is_bounded_for_repeated_token_chunks():
+    """Stored text is untrusted: chunks of one repeated token must not make matching quadratic."""
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    for extra in range(200):
+        finder.add([5] * (100 + extra))
+    assert all(len(places) <= ChunkFinder.MAX_CHUNKS_PER_NGRAM for places in finder._index.values())
+    spans = finder.find([5] * 20000)
+    assert sum(s.end - s.start for s in spans) == 20000     # still reused, whole
+    assert all(s.end - s.start <= 299 for s in spans)
+
+
 def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
     from ragblend import BlendEngine
     from ragblend.core.store import MemoryStore

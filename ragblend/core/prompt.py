@@ -424,6 +424,10 @@ class ChunkFinder:
     NGRAM = 8
     STRIDE = 8
     MIN_RUN = 16  # shorter matches are not worth reusing
+    # Chunks indexed under one n-gram, at most. Stored text is untrusted: without a bound, chunks
+    # of one repeated token make every prompt position try every chunk (200 such chunks and a
+    # 48k-token prompt took 13 s). Ordinary passages share an 8-gram with few others.
+    MAX_CHUNKS_PER_NGRAM = 32
 
     def __init__(self):
         self._index: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
@@ -434,8 +438,15 @@ class ChunkFinder:
         if len(ids) < self.MIN_RUN or ids in self._chunks:
             return
         self._chunks.add(ids)
+        seen = set()
         for offset in range(0, len(ids) - self.NGRAM + 1, self.STRIDE):
-            self._index.setdefault(ids[offset:offset + self.NGRAM], []).append((ids, offset))
+            ngram = ids[offset:offset + self.NGRAM]
+            if ngram in seen:   # a repeat inside the chunk: its first place is extended both ways anyway
+                continue
+            seen.add(ngram)
+            places = self._index.setdefault(ngram, [])
+            if len(places) < self.MAX_CHUNKS_PER_NGRAM:
+                places.append((ids, offset))
 
     def __len__(self) -> int:
         return len(self._chunks)
