@@ -234,6 +234,8 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
         ("__init__.py", "AttributeError"),            # the module __getattr__ protocol
         ("core/calibration.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
         ("core/store.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
+        ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
+        ("core/model.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
     }   # NotImplementedError (abstract methods, unsupported framework constructors) is a protocol too
     package = Path(ragblend.__file__).parent
     bare = set()
