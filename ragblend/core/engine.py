@@ -21,6 +21,7 @@ import numbers
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Iterator, Literal, Sequence
@@ -75,6 +76,8 @@ from .store import (
 log = logging.getLogger("ragblend")
 
 DECODE_DTYPES = ("auto", "float32", "float16", "int4")
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # hf_model -> {decode_dtype: ModelAdapter}
+_TWINS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -261,6 +264,8 @@ class BlendEngine:
         if tokenizer.eos_token_id is not None:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        # Built now (a few seconds for 4-bit weights), not in the first answer's time to first token.
+        self._decoding_adapter()
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *,
@@ -712,10 +717,15 @@ class BlendEngine:
             return self.adapter
         with self._lock:
             if self._decode_adapter is None:
-                self._decode_adapter = self._build_decoding_adapter()
+                # Engines over one model share its decoding twin (building a 4-bit one takes seconds).
+                with _TWINS_LOCK:
+                    twins = _TWINS.setdefault(self.hf_model, {})
+                    if self.decode_dtype not in twins:   # None: no twin, decode on the engine's own adapter
+                        twins[self.decode_dtype] = self._build_decoding_adapter()
+                    self._decode_adapter = twins[self.decode_dtype] or self.adapter
         return self._decode_adapter
 
-    def _build_decoding_adapter(self) -> ModelAdapter:
+    def _build_decoding_adapter(self) -> ModelAdapter | None:
         if self.decode_dtype == "float16":
             return ModelAdapter(with_linears(self.hf_model, HalfLinear))
         auto = self.decode_dtype == "auto"
@@ -723,7 +733,7 @@ class BlendEngine:
         if why_not:
             if not auto:
                 log.warning("ragblend: decode_dtype='int4' cannot run here (%s); decoding in float32.", why_not)
-            return self.adapter
+            return None
         head = getattr(self.hf_model, "lm_head", None)
         head_weight = getattr(head, "weight", None)
         skipped, packed = [], []
@@ -746,7 +756,7 @@ class BlendEngine:
             log.warning("ragblend: %d linear layer(s) cannot hold 4-bit weights and decode in float32: %s",
                         len(skipped), "; ".join(sorted(set(skipped))))
         if not packed:
-            return self.adapter
+            return None
         log.info("ragblend: %d linear layer(s) decode on 4-bit weights (decode_dtype=%r)", len(packed), self.decode_dtype)
         return ModelAdapter(twin)
 
