@@ -21,6 +21,7 @@ import tempfile
 
 from ragblend.core.errors import InvalidInputError, RagblendError, StoreUnavailableError
 from ragblend.core.fusion import STRATEGY_NAMES
+from ragblend.core.net import is_loopback
 
 
 def _open_index(args):
@@ -276,17 +277,6 @@ def _info(args) -> int:
     return 0
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _app(args) -> int:
     """Start the Streamlit demo app (apps/streamlit_app.py of the source checkout)."""
     import subprocess
@@ -308,7 +298,7 @@ def _app(args) -> int:
         if not root.is_dir():
             raise InvalidInputError(f"--files-root {args.files_root} is not a folder.")
         env["RAGBLEND_FILES_ROOT"] = str(root.resolve())
-    if not _is_loopback(args.host):
+    if not is_loopback(args.host):
         print(f"ragblend: warning: the app listens on {args.host}:{args.port} without authentication: anyone who "
               "can reach it can upload documents, ask questions" + (f" and ingest files under {args.files_root}"
                                                                      if args.files_root else "")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -54,6 +53,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.fusion import cancellable, strategy_from_name
 from ragblend.core.generate import SamplingParams
+from ragblend.core.net import is_loopback
 from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, check_text
 
 log = logging.getLogger("ragblend.server")
@@ -888,15 +888,6 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_window})
 
     return app
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
