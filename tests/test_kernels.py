@@ -254,6 +254,17 @@ def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer)
     assert drafted.token_ids == plain.token_ids
 
 
+def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, caplog):
+    from ragblend import BlendEngine
+
+    from .conftest import tiny_model
+
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        four = BlendEngine(tiny_model("mistral"), tokenizer, decode_dtype="int4")
+    assert isinstance(four._decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert "quantized at load" in caplog.text
+
+
 def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
     from ragblend.core import engine as engine_module
 

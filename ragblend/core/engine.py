@@ -755,6 +755,11 @@ class BlendEngine:
         if skipped and not auto:
             log.warning("ragblend: %d linear layer(s) cannot hold 4-bit weights and decode in float32: %s",
                         len(skipped), "; ".join(sorted(set(skipped))))
+        lossy = sum(layer.quantization_error > EXACT_INT4 for layer in packed)
+        if lossy:
+            log.warning("ragblend: decode_dtype='int4': %d of %d layers' weights are not 4-bit, so they were "
+                        "quantized at load; answers can differ from float32 decoding (docs/benchmarks.md, "
+                        "'Decoding'). decode_dtype='auto' keeps such layers in float32.", lossy, len(packed))
         if not packed:
             return None
         log.info("ragblend: %d linear layer(s) decode on 4-bit weights (decode_dtype=%r)", len(packed), self.decode_dtype)
