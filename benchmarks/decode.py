@@ -114,7 +114,7 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
                 "reference decoder (F.linear, one token a pass)":
                     lambda: reference_answer(exact, pre, tokens, stop_at_end=False)[1:]}
     for n in drafts:
-        variants[f"ragblend, prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
+        variants[f"ragblend, decode_dtype='float32', prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
     for dtype, other in others.items():
         for n in sorted({0, drafts[-1]}):
             variants[f"ragblend, decode_dtype={dtype!r}, prompt_lookup_num_tokens={n}"] = \
@@ -141,7 +141,7 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
               drafts: list[int]) -> list[str]:
     if not any(sets.values()):
         return []
-    variants = [(f"prompt_lookup_num_tokens={n}", exact, n) for n in drafts]
+    variants = [(f"decode_dtype='float32', prompt_lookup_num_tokens={n}", exact, n) for n in drafts]
     variants += [(f"decode_dtype={dtype!r}, prompt_lookup_num_tokens={drafts[-1]}", other, drafts[-1])
                  for dtype, other in others.items()]
     dtypes = {"float32 (the engine's kernels)": exact, **others}
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:
-        exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+        exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_dtype="float32")
         others = {dtype: BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype=dtype)
                   for dtype in args.decode_dtypes}
         return [f"## {model}", "", f"Host: {cpu_summary()}", "", *speed(exact, others, args.runs, args.tokens, args.drafts),
