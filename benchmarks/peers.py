@@ -120,7 +120,7 @@ def gguf_file(model: str) -> str:
 
 
 def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: int, tokens: int,
-               n_ctx: int, decode_dtypes: list[str]) -> tuple[dict, dict[str, str]]:
+               n_ctx: int, decode_dtypes=("int4",)) -> tuple[dict, dict[str, str]]:
     """The peers that load here, and a note per peer (its settings, or why it was skipped)."""
     peers = {"transformers, full prefill": HFPeer(engine, tokens),
              "transformers, cached system prefix": HFPeer(engine, tokens, prefix_len)}

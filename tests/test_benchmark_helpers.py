@@ -109,5 +109,6 @@ def test_peers_decode_the_same_number_of_tokens_and_skip_what_is_missing(tokeniz
                                   else layout.token_ids)
         assert 0 < ttft <= total, name
     assert engine.last_stats.generated_tokens == 5 and engine.last_stats.chunks_reused == 2
+    assert "ragblend, decode_dtype='int4'" in peers   # the default's decoding beside 4-bit decoding
     prefixed = peers["transformers, cached system prefix"]
     assert isinstance(prefixed, HFPeer) and prefixed.prefix_cache.get_seq_length() == layout.chunk_spans[0].start
