@@ -30,7 +30,6 @@ import math
 import os
 import platform
 import stat
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -47,6 +46,9 @@ CACHE_VERSION = 1
 # A candidate must beat F.linear by this much to be chosen: less is within the noise of a
 # shared 2-core machine, and F.linear is what the model would run without ragblend.
 MIN_GAIN = 1.05
+# Rounds of one candidate further apart than this mean the machine was busy while measuring:
+# the choice then serves this process only and is measured again by the next.
+MAX_SPREAD = 2.0
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -101,7 +103,7 @@ DRAFT_ROWS = 8   # the most rows a decoding pass has (BUCKETS' second bucket)
 @dataclass
 class BucketChoice:
     kernel: str
-    seconds: dict[str, float] = field(default_factory=dict)   # median time of each candidate
+    seconds: dict[str, float] = field(default_factory=dict)   # fastest round of each candidate
     flops: float = 0.0          # of one timed workload
     weight_bytes: float = 0.0   # read by one timed workload
 
@@ -211,19 +213,21 @@ def time_workload(kernel: Callable, inputs: dict[int, torch.Tensor], layers: Seq
 
 
 def measure(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence[torch.nn.Linear] = (), *,
-            timer: Callable = time_workload, rounds: int = 5) -> dict[str, BucketChoice]:
+            timer: Callable = time_workload, rounds: int = 5) -> tuple[dict[str, BucketChoice], bool]:
     """Time every kernel in :data:`KERNELS` for every bucket and keep the fastest.
 
     ``decoder_layers`` holds each decoder layer's linear layers; ``head`` the LM head. Decoding
     buckets run the whole model's layers (the weights do not fit in the CPU's caches, as in a
     real step); prefill buckets one decoder layer (compute-bound, the cache does not matter).
-    Rounds interleave the candidates so that a noisy neighbour slows them alike; the median
-    of each counts. ``timer(kernel, inputs, layers) -> seconds`` is replaceable (tests).
+    Rounds interleave the candidates so that a noisy neighbour slows them alike, and each
+    candidate's fastest round counts (a busy machine only ever adds time). Returns the choices
+    and whether the measurement looked disturbed (a candidate's rounds over ``MAX_SPREAD`` apart).
+    ``timer(kernel, inputs, layers) -> seconds`` is replaceable (tests).
     """
     every = [m for layer in decoder_layers for m in layer] + list(head)
     one_layer = list(decoder_layers[0]) if decoder_layers else every
     generator = torch.Generator().manual_seed(0)
-    choices = {}
+    choices, disturbed = {}, False
     with torch.inference_mode():
         for bucket in BUCKETS:
             layers = every if bucket.sample_rows <= DRAFT_ROWS else one_layer
@@ -239,14 +243,15 @@ def measure(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence[
             for _ in range(rounds):
                 for name in times:
                     times[name].append(timer(KERNELS[name], inputs, layers))
-            seconds = {name: statistics.median(t) for name, t in times.items()}
+            seconds = {name: min(t) for name, t in times.items()}
+            disturbed = disturbed or any(max(t) > MAX_SPREAD * min(t) for t in times.values())
             best = min(seconds, key=seconds.get)
             if best != "linear" and seconds[best] * MIN_GAIN > seconds["linear"]:
                 best = "linear"   # not faster beyond the noise
             choices[bucket.name] = BucketChoice(
                 best, seconds, flops=sum(2.0 * rows * m.in_features * m.out_features for m in layers),
                 weight_bytes=float(sum(m.weight.numel() * m.weight.element_size() for m in layers)))
-    return choices
+    return choices, disturbed
 
 
 # ------------------------------------------------------------------------------- the cache
@@ -329,11 +334,15 @@ def plan_for(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence
     source = "cache"
     if choices is None:
         start = time.perf_counter()
-        choices = measure(decoder_layers, head, timer=timer)
+        choices, disturbed = measure(decoder_layers, head, timer=timer)
         source = "measured"
         log.info("ragblend: measured the CPU kernels for this host in %.1f s: %s", time.perf_counter() - start,
                  ", ".join(f"{name} rows {c.kernel}" for name, c in choices.items()))
-        _write_cache(path, key, choices)
+        if disturbed:
+            log.info("ragblend: the machine was busy while the kernels were measured (rounds over %.0fx apart); "
+                     "the choice serves this process and is not cached.", MAX_SPREAD)
+        else:
+            _write_cache(path, key, choices)
     plan = KernelPlan(choices, source, key)
     if timer is time_workload:
         _PLANS[memo] = plan
