@@ -266,24 +266,28 @@ def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer)
 
 
 def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, caplog):
+    import copy
+
     from ragblend import BlendEngine
 
     from .conftest import tiny_model
 
-    with caplog.at_level(logging.WARNING, logger="ragblend"):
-        four = BlendEngine(tiny_model("mistral"), tokenizer, decode_dtype="int4")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):   # a copy: no other engine built its twin before
+        four = BlendEngine(copy.deepcopy(tiny_model("mistral")), tokenizer, decode_dtype="int4")
     assert isinstance(four._decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
     assert "quantized at load" in caplog.text
 
 
 def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    from ragblend import BlendEngine
     from ragblend.core import engine as engine_module
 
-    from .conftest import make_tiny_engine
+    from .conftest import tiny_model
 
     monkeypatch.setattr(engine_module, "int4_available", lambda: "this torch has no int4 kernel")
-    four = make_tiny_engine("llama", tokenizer, decode_dtype="int4")
+    model = snapped_to_int4(tiny_model("llama"))   # its own copy: no other engine built its twin before
     with caplog.at_level(logging.WARNING, logger="ragblend"):
+        four = BlendEngine(model, tokenizer, decode_dtype="int4")
         out = four.generate(segments(), max_new_tokens=4, temperature=0)
     assert four._decoding_adapter() is four.adapter and out.token_ids
     assert "no int4 kernel" in caplog.text and "float32" in caplog.text
