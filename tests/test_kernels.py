@@ -245,7 +245,7 @@ def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer)
     twin = four._decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].mlp.down_proj, Int4Linear)
     assert twin.model.layers[0].mlp.down_proj.quantization_error < 1e-6   # the grid's own blocks
-    assert isinstance(twin.lm_head, CpuLinear)                   # logits stay float32
+    assert type(twin.lm_head) is CpuLinear                   # logits stay float32
     assert all(p.dtype == torch.float32 for p in four.hf_model.parameters())
     pre = exact.prefill(segments())
     answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
@@ -308,7 +308,7 @@ def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         engine.generate(segments(), max_new_tokens=3, temperature=0)
     mlp = engine._decoding_adapter().hf_model.model.layers[0].mlp
-    assert isinstance(mlp.down_proj, CpuLinear) and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
+    assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
     assert "cannot hold 4-bit weights" in caplog.text and "groups of 32" in caplog.text
 
 

@@ -709,7 +709,7 @@ class BlendEngine:
         return pre, decoding
 
     def _decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on: the engine's own, or a twin built on first use whose
+        """The adapter decoding runs on: the engine's own, or a twin (built with the engine) whose
         linear layers hold float16 weights (``decode_dtype="float16"``) or 4-bit ones
         (``"int4"``; with ``"auto"`` only the layers whose weights already are 4-bit, as a Q4_0/Q4_1
         GGUF's are; the LM head stays float32, its logits pick the answer)."""

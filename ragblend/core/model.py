@@ -202,8 +202,12 @@ class CpuLinear(torch.nn.Module):
         if x.dim() < 2 or x.numel() == 0:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1])   # [tokens, in] whatever the leading dimensions
-        out = self.plan.run(flat, self.weight, self.bias)
+        out = self.rows(flat)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[tokens, out]`` for ``[tokens, in]``."""
+        return self.plan.run(flat, self.weight, self.bias)
 
 
 INT4_GROUP = 32   # weights per scale and minimum: a GGUF Q4_0/Q4_1 block
@@ -253,7 +257,7 @@ def on_int4_grid(weight: torch.Tensor) -> bool:
 EXACT_INT4 = 1e-6   # relative error below which 4-bit weights count as the weights themselves
 
 
-class Int4Linear(torch.nn.Module):
+class Int4Linear(CpuLinear):
     """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 4-bit
     weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
     which runs on bfloat16 activations, so a step reads ~1/8 of the float32 weight bytes and
@@ -266,9 +270,7 @@ class Int4Linear(torch.nn.Module):
     """
 
     def __init__(self, linear: torch.nn.Linear, plan: KernelPlan | None = None):
-        super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
-        self.plan = plan if plan is not None else KernelPlan.fixed()
+        super().__init__(linear, plan)
         if linear.in_features % INT4_GROUP or linear.out_features % 16:
             raise ValueError(f"4-bit packing needs inputs in groups of {INT4_GROUP} and outputs in 16s")
         codes, scales, low = quantize_int4(linear.weight)
@@ -277,17 +279,12 @@ class Int4Linear(torch.nn.Module):
         # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
         self.scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.numel() == 0:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1])
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > DRAFT_ROWS:
-            out = self.plan.run(flat, self.weight, self.bias)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, INT4_GROUP,
-                                                             self.scales_and_zeros)
-            out = out.float() if self.bias is None else out.float() + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+            return super().rows(flat)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                         self.scales_and_zeros)
+        return out.float() if self.bias is None else out.float() + self.bias
 
 
 def with_linears(hf_model, make):
