@@ -125,15 +125,7 @@ def test_ragblend_app_listens_on_this_machine_only(tmp_path):
                                "--index", str(tmp_path / "index")], env=env, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise AssertionError("the app did not start")
-                time.sleep(0.5)
+        wait_until_serving(port, server)
         with pytest.raises(OSError):   # refused: nothing listens on the network's interface
             socket.create_connection((address, port), timeout=3).close()
     finally:
@@ -167,6 +159,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_serving(port: int, server: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Wait until the app on ``port`` answers its health check; fail if ``server`` exits or it takes too long."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+            return
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                raise AssertionError("the app did not start")
+            time.sleep(0.5)
+
+
 def test_app_in_headless_chromium(tmp_path):
     chromium, chromedriver = chromium_or_skip()
     from selenium import webdriver
@@ -190,15 +195,7 @@ def test_app_in_headless_chromium(tmp_path):
         options.add_argument(flag)
     driver = None
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise AssertionError("the app did not start")
-                time.sleep(0.5)
+        wait_until_serving(port, server)
         driver = webdriver.Chrome(service=Service(chromedriver), options=options)
         driver.get(f"http://127.0.0.1:{port}")
         wait = WebDriverWait(driver, 300)
