@@ -309,9 +309,9 @@ def _app(args) -> int:
 
 
 def _serve(args) -> int:
-    """Start the OpenAI-compatible server (ragblend.server) over one engine."""
+    """Start the OpenAI-compatible server (ragblend.serving) over one engine."""
     try:
-        from ragblend.server import serve
+        from ragblend.serving.app import serve
     except ImportError as err:
         print(f"ragblend: error: the server needs FastAPI and uvicorn ({err.name} is missing): "
               "pip install 'ragblend[serve]'", file=sys.stderr)

@@ -28,7 +28,7 @@ class RunningServer:
     def __init__(self, engine, **options):
         import uvicorn
 
-        from ragblend.server import create_app
+        from ragblend.serving.app import create_app
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -161,7 +161,7 @@ def test_blend_llm_and_chat_model_against_the_server(server, bench_prompt, smol_
     from llama_index.core.schema import TextNode
 
     from ragblend import BlendChatModel, BlendLLM, KVPrecompute
-    from ragblend.core.remote import RemoteEngine
+    from ragblend.serving.client import RemoteEngine
 
     texts = bench_prompt[0][3:5]                       # not yet on the server
     nodes = KVPrecompute(RemoteEngine(server.url))([TextNode(text=t) for t in texts])   # ingestion warms it
@@ -185,7 +185,7 @@ def test_vllm_lmcache_backend_against_ragblend_serve(server, bench_prompt, smol_
     """The LMCache wire format (token ids, " # # " separators, max_tokens=1 warm-up) against
     `ragblend serve`, which speaks it too."""
     from ragblend import Chunk
-    from ragblend.core.remote import RemoteEngine
+    from ragblend.serving.client import RemoteEngine
 
     remote = RemoteEngine(server.url, backend="vllm-lmcache",
                           tokenizer=smol_engine.tokenizer if local_tokenizer else None)
@@ -200,7 +200,7 @@ def test_vllm_lmcache_backend_against_ragblend_serve(server, bench_prompt, smol_
 
 def test_remote_errors_are_ragblend_errors(server):
     from ragblend import InvalidInputError
-    from ragblend.core.remote import RemoteEngine, RemoteError
+    from ragblend.serving.client import RemoteEngine, RemoteError
 
     with pytest.raises(RemoteError, match="Cannot reach"):
         RemoteEngine(f"http://127.0.0.1:{free_port()}")
@@ -328,7 +328,7 @@ def test_metrics_and_health(server, chunks):
 def test_a_non_loopback_bind_without_a_key_warns(smol_engine, caplog, monkeypatch):
     import uvicorn
 
-    from ragblend.server import is_loopback, serve
+    from ragblend.serving.app import is_loopback, serve
 
     bound = []
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: bound.append(host))  # never bind 0.0.0.0 here
@@ -347,7 +347,7 @@ def test_against_a_real_vllm_lmcache_server(bench_prompt):
     import os
 
     from ragblend import Chunk
-    from ragblend.core.remote import RemoteEngine
+    from ragblend.serving.client import RemoteEngine
 
     url = os.environ.get("RAGBLEND_VLLM_URL")
     if not url:
@@ -365,7 +365,7 @@ def test_langchain_ingestion_warms_the_server(server, bench_prompt, smol_engine)
     from langchain_core.embeddings import DeterministicFakeEmbedding
     from langchain_core.vectorstores import InMemoryVectorStore
 
-    from ragblend.core.remote import RemoteEngine
+    from ragblend.serving.client import RemoteEngine
     from ragblend.vectorstore_hooks.langchain import KVPrecomputeVectorStore
 
     store = KVPrecomputeVectorStore(InMemoryVectorStore(DeterministicFakeEmbedding(size=16)), RemoteEngine(server.url))
@@ -377,7 +377,7 @@ def test_langchain_ingestion_warms_the_server(server, bench_prompt, smol_engine)
 
 
 def test_timeouts_and_the_window_cap(smol_engine):
-    from ragblend.server import sampling
+    from ragblend.serving.protocol import sampling
 
     assert sampling({"max_tokens": 10**6}, smol_engine, 8000).max_new_tokens == smol_engine.context_window - 8000
     assert sampling({}, smol_engine, 100).max_new_tokens == smol_engine.context_window - 100

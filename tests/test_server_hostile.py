@@ -19,7 +19,8 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from ragblend.server import MAX_MESSAGES, MAX_PARTS, MAX_TEXTS, ROUTES, Metrics, _label  # noqa: E402
+from ragblend.serving.app import ROUTES, Metrics, _label  # noqa: E402
+from ragblend.serving.protocol import MAX_MESSAGES, MAX_PARTS, MAX_TEXTS  # noqa: E402
 
 from .conftest import make_tiny_engine  # noqa: E402
 from .test_server import RunningServer, free_port  # noqa: E402
@@ -120,7 +121,7 @@ import sys
 sys.path.insert(0, {root!r})
 from transformers import AutoTokenizer
 from tests.conftest import TOKENIZER_DIR, make_tiny_engine
-from ragblend.server import serve
+from ragblend.serving.app import serve
 engine = make_tiny_engine("llama", AutoTokenizer.from_pretrained(TOKENIZER_DIR))
 serve(engine, port={port}, request_timeout_s=4)
 """
@@ -387,7 +388,7 @@ def test_serve_binds_loopback_by_default():
     import inspect
 
     from ragblend.cli import build_parser
-    from ragblend.server import serve
+    from ragblend.serving.app import serve
 
     assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
     assert build_parser().parse_args(["serve"]).host == "127.0.0.1"

@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field, SecretStr
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
-from ragblend.core.remote import Backend, RemoteEngine
+from ragblend.serving.client import Backend, RemoteEngine
 
 # Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]

@@ -1,0 +1,525 @@
+"""``ragblend serve``: an OpenAI-compatible HTTP server over one :class:`~ragblend.BlendEngine`.
+
+Endpoints (the OpenAI API's shapes, plus ragblend's own):
+
+* ``GET /health`` (no key needed), ``GET /v1/models``, ``GET /metrics`` (Prometheus text);
+* ``POST /v1/chat/completions`` and ``POST /v1/completions``, with or without SSE streaming;
+* ``POST /v1/chunks`` — precompute texts' KV (``{"texts": [...]}``), returns keys and token counts;
+* ``POST /tokenize`` — token ids of a text or of chat messages, as vLLM's server answers it.
+
+Where chunks are: chat content blocks carrying ``"cache_control": {"type": "ephemeral"}`` are
+chunks; otherwise stored chunks are found in the plain text, as the engine does locally. A
+completions prompt of token ids follows LMCache's blending convention: segments separated by
+the ids of ``" # # "``; the first is the template's start, the last the question, every one in
+between a chunk. Usage reports the prompt tokens served from the KV store in
+``usage.prompt_tokens_details.cached_tokens``;
+every answer's ``ragblend`` field carries the engine's full stats (``reused_tokens``: the
+cached tokens the fusion kept, ``recomputed_tokens``: those it computed again). A request may pick the
+fusion with ``"ragblend": {"strategy": "cacheblend", "ratio": 0.3}``.
+
+One engine serves every request, one at a time, from a bounded queue: a full queue answers
+429 with ``Retry-After``. The event loop only reads, size-checks and type-checks requests;
+everything that costs CPU (tokenizing, finding chunks, the model) runs in the worker thread,
+so ``/health`` answers at once whatever a request holds. A request that waits and runs longer
+than ``request_timeout_s`` fails with 504, and a client that disconnects is let go: either way
+its work stops within one layer or one decoding step. Errors have the OpenAI shape
+``{"error": {"message", "type", "param", "code"}}``, name the field at fault and never carry a
+traceback; a field for a feature this server lacks (tools, structured output, logprobs...) is
+a 400, never ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import hmac
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
+from ragblend.core.net import is_loopback
+from ragblend.core.prompt import PromptLayout, check_text
+
+from .protocol import (
+    BLEND_SPECIAL_STR,
+    MAX_JSON_VALUES,
+    MAX_TEXTS,
+    ApiError,
+    ChatPrompt,
+    ClientGone,
+    TextLimit,
+    check_options,
+    check_prompt,
+    completion_layout,
+    parse_json,
+    requested_strategy,
+    sampling,
+    usage,
+)
+from .worker import Job, Worker
+
+log = logging.getLogger("ragblend.server")
+TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# cannot add series (or forge labels) by requesting made-up paths.
+ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
+                    "/v1/chunks", "/tokenize"})
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def route_label(path: str) -> str:
+    """The ``path`` label of a request: its route, or "other" (a fixed set of values)."""
+    return path if path in ROUTES else "other"
+
+
+def _label(value) -> str:
+    """A Prometheus label value, escaped as the text format requires."""
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Metrics:
+    """Counters and a TTFT histogram, written as Prometheus text."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.reused_tokens = self.recomputed_tokens = self.prompt_tokens = self.generated_tokens = 0
+        self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self.ttft_sum = 0.0
+
+    def request(self, path: str, status: int) -> None:
+        key = (route_label(path), int(status))
+        with self.lock:
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def answer(self, stats: Stats) -> None:
+        with self.lock:
+            self.reused_tokens += stats.reused_tokens
+            self.recomputed_tokens += stats.recomputed_tokens
+            self.prompt_tokens += stats.prompt_tokens
+            self.generated_tokens += stats.generated_tokens
+            self.ttft_sum += stats.ttft_s
+            bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
+            self.ttft_counts[bucket] += 1
+
+    def text(self, queue_depth: int, store) -> str:
+        lines = []
+
+        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+        with self.lock:
+            metric("ragblend_requests_total", "counter", "HTTP requests by route and status.",
+                   [(f'{{path="{_label(p)}",status="{_label(s)}"}}', n) for (p, s), n in sorted(self.requests.items())])
+            metric("ragblend_errors_total", "counter", "HTTP requests answered with an error status.",
+                   [("", sum(n for (_, s), n in self.requests.items() if s >= 400))])
+            metric("ragblend_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
+            cumulative, samples = 0, []
+            for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
+                cumulative += count
+                samples.append((f'_bucket{{le="{edge}"}}', cumulative))
+            samples += [("_sum", round(self.ttft_sum, 6)), ("_count", cumulative)]
+            lines.extend(["# HELP ragblend_ttft_seconds Time to first token of each answer.",
+                          "# TYPE ragblend_ttft_seconds histogram"])
+            lines.extend(f"ragblend_ttft_seconds{suffix} {value}" for suffix, value in samples)
+            for name, value, help_text in (
+                    ("ragblend_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of all answers."),
+                    ("ragblend_reused_tokens_total", self.reused_tokens, "Prompt tokens whose KV came from the store."),
+                    ("ragblend_recomputed_tokens_total", self.recomputed_tokens, "Prompt tokens computed through every layer."),
+                    ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated.")):
+                metric(name, "counter", help_text, [("", value)])
+        tiers = {"memory": getattr(store, "memory", None), "disk": getattr(store, "disk", None)}
+        if tiers["memory"] is None and tiers["disk"] is None:
+            tiers = {"memory": store}
+        metric("ragblend_store_bytes", "gauge", "Bytes of KV held per store tier.",
+               [(f'{{tier="{_label(tier)}"}}', _nbytes(s)) for tier, s in tiers.items() if s is not None])
+        return "\n".join(lines) + "\n"
+
+
+def _nbytes(store) -> int:
+    try:
+        return int(getattr(store, "nbytes", 0) or 0)
+    except Exception:   # a broken disk tier must not take /metrics down
+        return 0
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+class Guard:
+    """Checks the API key and the declared body size before any route runs. Plain ASGI (not
+    Starlette's BaseHTTPMiddleware), so handlers keep the server's own ``receive`` and see a
+    client's disconnect."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, refuse: Callable):
+        self.app, self.max_body_bytes, self.refuse = app, max_body_bytes, refuse
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        error = None
+        if path != "/health" and self.expected is not None:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                error = ApiError(401, "Missing or wrong API key: send Authorization: Bearer <key>.",
+                                 kind="authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length")
+        if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            error = ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+        if error is None:
+            return await self.app(scope, receive, send)
+        await self.refuse(error, path)(scope, receive, send)
+
+
+class Stream(StreamingResponse):
+    """An SSE response that calls ``on_end(finished)`` once it is over, also when the client
+    left before the first event (then the body iterator never ran, and nothing else would)."""
+
+    def __init__(self, content, on_end: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream")
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:   # how ASGI 2.4 servers report a client gone (a failed send)
+            pass
+        finally:
+            self.on_end()
+
+
+def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: int = 16,
+               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None):
+    """The FastAPI app serving ``engine`` (see the module docstring)."""
+    if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
+        raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
+    app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
+    worker, metrics = Worker(queue_size), Metrics()
+    model_id = model_name or engine.name
+    separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
+    limit = TextLimit(engine)
+    # What the tokenizer adds around a text with add_special_tokens (a BOS, say), so that
+    # /tokenize can tokenize the text itself through the engine's own tokenize.
+    probe = "a"
+    with_specials = list(engine.tokenizer(probe, add_special_tokens=True)["input_ids"])
+    bare = engine.tokenize(probe)
+    at = next((i for i in range(len(with_specials)) if with_specials[i:i + len(bare)] == bare), 0)
+    special_head, special_tail = with_specials[:at], with_specials[at + len(bare):]
+
+    def error_response(err: BaseException, path: str) -> JSONResponse:
+        if not isinstance(err, ApiError):
+            if isinstance(err, PromptTooLongError):
+                err = ApiError(400, str(err), code="context_length_exceeded")
+            elif isinstance(err, (InvalidInputError, RagblendError)):
+                err = ApiError(400, str(err))
+            else:
+                log.error("internal error on %s", route_label(path), exc_info=err)
+                err = ApiError(500, "Internal server error; see the server's log.", kind="server_error")
+        if isinstance(err, ClientGone):
+            log.info("client disconnected from %s before its answer; its work was stopped", route_label(path))
+        metrics.request(path, err.status)
+        headers = {"Retry-After": "1"} if err.status == 429 else {}
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=error_response)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
+        return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
+
+    async def read_json(request: Request) -> dict:
+        body = bytearray()
+        async for piece in request.stream():   # also bounds bodies sent without a Content-Length
+            body += piece
+            if len(body) > max_body_bytes:
+                raise ApiError(413, f"The request body is larger than {max_body_bytes} bytes.")
+        data = await run_in_threadpool(parse_json, bytes(body), MAX_JSON_VALUES + engine.context_window)
+        if not isinstance(data, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        model = data.get("model")
+        if model is not None and model != model_id:
+            raise ApiError(404, f"The model {model!r} does not exist; this server serves {model_id!r}.",
+                           param="model", code="model_not_found")
+        return data
+
+    class Call:
+        """One request's job, seen from its handler: the job's events, the deadline, and a
+        watch on the client's connection (a disconnect cancels the job)."""
+
+        def __init__(self, request: Request, run: Callable[[Job], Any]):
+            loop = asyncio.get_running_loop()
+            self.loop, self.events = loop, asyncio.Queue()
+            self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item))
+            self.deadline = loop.time() + request_timeout_s
+            self.finished = False
+            worker.submit(self.job)   # a full queue raises 429 here, before any response starts
+            self.watch = asyncio.create_task(self._watch(request))
+
+        async def _watch(self, request: Request) -> None:
+            # The body is read: the next message the server sends is the disconnect.
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.job.cancelled.set()
+            self.events.put_nowait(("gone", None))
+
+        async def next(self) -> tuple[str, Any]:
+            """The job's next event: ("ready" | "item", value); raises its error, ClientGone, or 504."""
+            try:
+                kind, value = await asyncio.wait_for(self.events.get(), max(0.0, self.deadline - self.loop.time()))
+            except asyncio.TimeoutError:
+                self.close()
+                raise ApiError(504, f"The request took longer than {request_timeout_s:g} s.",
+                               kind="timeout_error", code="timeout") from None
+            if kind == "gone":
+                raise ClientGone()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                self.finished = True
+            return kind, value
+
+        async def until(self, wanted: str, on_item: Callable[[Any], None] | None = None):
+            while True:
+                kind, value = await self.next()
+                if kind == "item" and on_item is not None:
+                    on_item(value)
+                if kind == wanted:
+                    return value
+
+        def stop_watching(self) -> None:
+            self.watch.cancel()
+
+        def close(self) -> None:
+            """Stop the job unless it finished (a timeout, an error, a client gone)."""
+            self.stop_watching()
+            self.job.cancelled.set()
+
+    async def run_job(request: Request, run: Callable[[Job], Any]):
+        call = Call(request, run)
+        try:
+            return await call.until("done")
+        finally:
+            call.close()
+
+    async def answer(request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout], chat: bool):
+        check_options(body)
+        strategy = requested_strategy(body)
+
+        def run(job: Job) -> Stats:   # the worker's side: tokenize, then prefill and decode
+            layout = layout_of()
+            params = sampling(body, engine, len(layout.token_ids))
+            job.emit(("ready", None))
+            stream = engine.stream(layout, strategy=strategy, params=params)
+            try:
+                for delta in stream:
+                    job.emit(("item", delta))
+            finally:
+                stream.close()
+            metrics.answer(stream.stats)
+            return stream.stats
+
+        created, ident = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
+            if not chat:
+                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            message = ({} if text is None else {"content": text}) if delta else {"role": "assistant", "content": text}
+            return {"index": 0, ("delta" if delta else "message"): message, "logprobs": None, "finish_reason": finish}
+
+        call = Call(request, run)
+        if not body.get("stream"):
+            pieces: list[str] = []
+            try:
+                stats = await call.until("done", pieces.append)
+            finally:
+                call.close()
+            metrics.request(path, 200)
+            return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
+                                 "choices": [choice("".join(pieces), stats.finish_reason, False)],
+                                 "usage": usage(stats), "ragblend": dict(stats.__dict__)})
+
+        # Streaming: wait until the prompt is tokenized and checked, so that a bad prompt is a
+        # real 400 (not an error event after a 200); from then on the stream reports errors.
+        try:
+            await call.until("ready")
+        except BaseException:
+            call.close()
+            raise
+        call.stop_watching()   # the streaming response listens for the disconnect from here on
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(data: dict) -> bytes:
+            return f"data: {json.dumps({'id': ident, 'object': chunk_kind, 'created': created, 'model': model_id, **data})}\n\n".encode()
+
+        async def events() -> AsyncIterator[bytes]:
+            if chat:
+                yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+            try:
+                while True:
+                    kind, value = await call.next()
+                    if kind == "item":
+                        yield event({"choices": [choice(value, None, True)]})
+                    elif kind == "done":
+                        break
+            except Exception as err:   # not CancelledError: a client gone is handled in ended()
+                response = error_response(err, path)
+                call.finished = True
+                yield f"data: {response.body.decode()}\n\n".encode()
+            else:
+                yield event({"choices": [choice(None if chat else "", value.finish_reason, True)],
+                             "ragblend": dict(value.__dict__)})
+                if include_usage:
+                    yield event({"choices": [], "usage": usage(value)})
+                metrics.request(path, 200)
+            yield b"data: [DONE]\n\n"
+
+        def ended() -> None:
+            call.close()
+            if not call.finished:
+                log.info("client disconnected from %s during its stream; its generation was stopped",
+                         route_label(path))
+                metrics.request(path, 499)
+
+        return Stream(events(), ended)
+
+    def endpoint(path: str):
+        """Route errors of ``path``'s handler into OpenAI-shaped responses."""
+        def wrap(handler):
+            async def handle(request: Request):
+                try:
+                    return await handler(request)
+                except Exception as err:
+                    return error_response(err, path)
+            return handle
+        return wrap
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_id, "queue_depth": worker.depth}
+
+    @app.get("/v1/models")
+    async def models():
+        metrics.request("/v1/models", 200)
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragblend",
+                                            "max_model_len": engine.context_window}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.text(worker.depth, engine.store), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    @endpoint("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        prompt = ChatPrompt.parse(body.get("messages"), limit)
+        return await answer(request, "/v1/chat/completions", body, lambda: prompt.layout(engine), True)
+
+    @app.post("/v1/completions")
+    @endpoint("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        prompt = check_prompt(body.get("prompt"), limit, engine.entry_spec.vocab_size, engine.context_window)
+        return await answer(request, "/v1/completions", body,
+                            lambda: completion_layout(engine, prompt, separator_ids), False)
+
+    @app.post("/v1/chunks")
+    @endpoint("/v1/chunks")
+    async def chunks(request: Request):
+        body = await read_json(request)
+        texts = body.get("texts")
+        if isinstance(texts, list) and len(texts) > MAX_TEXTS:
+            raise ApiError(400, f"texts has {len(texts)} texts; send at most {MAX_TEXTS} per request.", param="texts")
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+            raise ApiError(400, "texts must be a non-empty list of non-empty strings.", param="texts")
+        skip = body.get("skip_unusable", False)
+        if not isinstance(skip, bool):
+            raise ApiError(400, "skip_unusable must be true or false.", param="skip_unusable")
+        # A text over the character limit cannot fit the window: refused, or skipped, untokenized.
+        fits = [len(t) <= limit.max_chars for t in texts]
+        if not skip:
+            for i, text in enumerate(texts):
+                limit.check(len(text), f"texts[{i}]", f"texts[{i}]")
+        kept = [t for t, ok in zip(texts, fits) if ok]
+        refs = await run_job(request, lambda job: engine.precompute(kept, skip_unusable=skip) if kept else [])
+        refs = iter(refs)
+        refs = [next(refs) if ok else None for ok in fits]
+        metrics.request("/v1/chunks", 200)
+        # With skip_unusable, a chunk too short to be found or too long for the window has no KV.
+        # JSONResponse, not a dict: FastAPI's encoder would walk a large answer on the event loop.
+        return JSONResponse({"object": "list", "data": [
+            {"key": None, "tokens": 0, "stored": False} if r is None else
+            {"key": r.key, "tokens": r.num_tokens, "stored": r.stored} for r in refs]})
+
+    @app.post("/tokenize")
+    @endpoint("/tokenize")
+    async def tokenize(request: Request):
+        body = await read_json(request)
+        for name in ("tools", "chat_template", "continue_final_message"):
+            if body.get(name) not in (None, False, []):
+                raise ApiError(400, f"{name} is not supported by this server's /tokenize; leave it out.",
+                               param=name, code="unsupported_parameter")
+        for name in ("add_generation_prompt", "add_special_tokens"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise ApiError(400, f"{name} must be true or false.", param=name)
+        if "messages" in body:
+            if body.get("add_generation_prompt") is False:
+                raise ApiError(400, "add_generation_prompt=false is not supported: messages are tokenized as "
+                                    "the chat endpoint's prompt, which ends with the assistant's turn.",
+                               param="add_generation_prompt", code="unsupported_parameter")
+            # The very prompt the chat endpoint would build (the engine's PromptBuilder).
+            prompt = ChatPrompt.parse(body["messages"], limit)
+
+            def run(job: Job) -> list[int]:
+                return prompt.layout(engine, find_chunks=False).token_ids
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ApiError(400, "prompt must be a string (or send messages).", param="prompt")
+            limit.check(len(text), "prompt", "prompt")
+            check_text(text, "prompt")
+            specials = body.get("add_special_tokens", True)
+
+            def run(job: Job) -> list[int]:
+                ids = engine.tokenize(text)
+                return special_head + ids + special_tail if specials else ids
+        ids = await run_job(request, run)
+        metrics.request("/tokenize", 200)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_window})
+
+    return app
+
+
+def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          **options) -> None:
+    """Serve ``engine`` with uvicorn until interrupted."""
+    import uvicorn
+
+    if api_key is None and not is_loopback(host):
+        log.warning("ragblend serve binds %s without an API key: anyone who can reach it can use the model. "
+                    "Pass --api-key or set RAGBLEND_API_KEY.", host)
+    app = create_app(engine, api_key=api_key, **options)
+    # The model, tokenizer and libraries are a few million objects that live as long as the
+    # process; left to the garbage collector, each full collection walks them all with the GIL
+    # held (~0.1-0.4 s here, /health stalled meanwhile). Frozen, collections walk only what
+    # requests allocate.
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,364 @@
+"""The wire protocol of ``ragblend serve``, written once for the server and its clients.
+
+What a request means (messages and content blocks to prompt segments, LMCache's token-id
+blending convention, the sampling fields), what an answer reports (usage), and the errors a
+request gets (:class:`ApiError`, in the OpenAI error shape). The server
+(:mod:`ragblend.serving.app`), :class:`~ragblend.serving.client.RemoteEngine` and the
+LangChain chat model read and write requests through this module. No web framework here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import PromptTooLongError, RagblendError
+from ragblend.core.fusion import strategy_from_name
+from ragblend.core.generate import SamplingParams
+from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, check_text
+
+BLEND_SPECIAL_STR = " # # "
+
+# Counts checked before anything is tokenized. Every message and every non-empty block costs
+# at least one token, so more than these never fit a small model's window anyway; the caps keep
+# the per-item work of a request (validation, one chunk per marked block) bounded.
+MAX_MESSAGES = 1024
+MAX_PARTS = 1024       # content blocks over all messages of a request
+MAX_TEXTS = 1024       # texts of one /v1/chunks request
+MAX_STOPS = 16
+# JSON values (outside strings) a body may hold beyond a token-id prompt's (one per token):
+# ample for the caps above. Parsing (and freeing) millions of values holds the GIL for
+# 0.1-0.5 s at a time, which would stall the event loop; counting them first costs ~ms.
+MAX_JSON_VALUES = 16384
+
+# The paths /metrics counts by name; any other path is counted as "other", so that a client
+
+# Fields of the OpenAI API for features this server does not implement, with the values that
+# mean "not used" (clients often send those); any other value is a 400, never silently dropped.
+UNSUPPORTED = {
+    "tools": ((None, []), "tool calling"),
+    "tool_choice": ((None, "none"), "tool calling"),
+    "parallel_tool_calls": ((None,), "tool calling"),
+    "functions": ((None, []), "function calling"),
+    "function_call": ((None, "none"), "function calling"),
+    "response_format": ((None, {"type": "text"}), "structured output (only {\"type\": \"text\"})"),
+    "logprobs": ((None, False), "log probabilities"),
+    "top_logprobs": ((None, 0), "log probabilities"),
+    "logit_bias": ((None, {}), "logit bias"),
+    "presence_penalty": ((None, 0, 0.0), "presence and frequency penalties"),
+    "frequency_penalty": ((None, 0, 0.0), "presence and frequency penalties"),
+    "best_of": ((None, 1), "best_of (one choice per request)"),
+    "echo": ((None, False), "echoing the prompt"),
+    "suffix": ((None, ""), "a suffix (insertion)"),
+    "audio": ((None,), "audio"),
+    "modalities": ((None, ["text"]), "output other than text"),
+    "prediction": ((None,), "predicted outputs"),
+}
+
+
+class ApiError(RagblendError):
+    """An error answered to the client with ``status`` in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class ClientGone(ApiError):
+    """The client disconnected before its answer was ready (nginx's 499; nobody reads it)."""
+
+    def __init__(self):
+        super().__init__(499, "The client closed the connection.", kind="client_closed_request")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+def json_values(body: bytes, step: int = 1 << 16) -> int:
+    """About how many JSON values ``body`` holds (its commas, brackets and braces outside
+    strings, an upper bound for valid JSON), counted slice by slice so that other threads run
+    in between."""
+    body = body.replace(b"\\\\", b"").replace(b'\\"', b"")   # escaped backslashes, then escaped quotes
+    count, in_string = 0, False
+    for start in range(0, len(body), step):
+        parts = body[start:start + step].split(b'"')
+        count += sum(p.count(b",") + p.count(b"[") + p.count(b"{") for p in parts[1 if in_string else 0::2])
+        in_string ^= len(parts) % 2 == 0   # an odd number of quotes in this slice
+    return count
+
+
+def parse_json(body: bytes, max_values: int):
+    """The JSON value of a request body, refused before parsing if it holds more values than
+    any valid request (run in a thread: the count lets the event loop run)."""
+    values = json_values(body)
+    if values > max_values:
+        raise ApiError(400, f"The request body holds about {values} JSON values; a request here needs at most "
+                            f"{max_values}.")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ApiError(400, "The request body nests JSON too deeply.") from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not valid JSON.") from None
+
+
+def check_unsupported(body: dict) -> None:
+    """A 400 for each OpenAI field asking for a feature this server does not implement."""
+    for name, (unused, feature) in UNSUPPORTED.items():
+        value = body.get(name)
+        # compared with the type too, so that True is not taken for 1, nor 0 for False
+        if not any(value == u and type(value) is type(u) for u in unused):
+            raise ApiError(400, f"{name} is not supported: this server does not implement {feature}. "
+                                "Leave the field out.", param=name, code="unsupported_parameter")
+
+
+def check_options(body: dict) -> None:
+    """Type checks of the fields every completion request may carry (each error names its field)."""
+    check_unsupported(body)
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ApiError(400, "stream must be true or false.", param="stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ApiError(400, "stream_options must be an object such as {\"include_usage\": true}.",
+                           param="stream_options")
+        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
+            raise ApiError(400, "stream_options.include_usage must be true or false.",
+                           param="stream_options.include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "user must be a string.", param="user")
+    sampling_fields(body)
+
+
+def sampling_fields(body: dict) -> dict:
+    """The OpenAI sampling fields, checked: ``max_tokens`` (or None), ``temperature``,
+    ``top_p``, ``seed`` and ``stop`` as SamplingParams takes them."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    requested = body.get(name)
+    if requested is not None and (type(requested) is not int or requested < 1):
+        raise ApiError(400, f"{name} must be an integer >= 1, got {requested!r}.", param=name)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise ApiError(400, f"n must be 1: this server answers one choice per request (got {n!r}).", param="n")
+    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
+    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
+        raise ApiError(400, f"temperature must be a number from 0 to 2, got {temperature!r}.", param="temperature")
+    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
+        raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}.", param="top_p")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
+        raise ApiError(400, f"seed must be an integer in [0, 2**63), got {seed!r}.", param="seed")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None
+    if stop is not None and (stops is None or len(stops) > MAX_STOPS
+                             or not all(isinstance(s, str) and s for s in stops)):
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings.",
+                       param="stop")
+    return {"requested": requested, "temperature": 1.0 if temperature is None else temperature,
+            "top_p": 1.0 if top_p is None else top_p, "seed": seed, "stop": tuple(stops or ())}
+
+
+def check_window(engine: BlendEngine, prompt_tokens: int) -> None:
+    if prompt_tokens >= engine.context_window:
+        raise PromptTooLongError(f"The prompt has {prompt_tokens} tokens and fills the model's context window "
+                                 f"({engine.context_window}); shorten it.")
+
+
+def sampling(body: dict, engine: BlendEngine, prompt_tokens: int) -> SamplingParams:
+    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left."""
+    check_window(engine, prompt_tokens)
+    room = engine.context_window - prompt_tokens
+    fields = sampling_fields(body)
+    return SamplingParams(max_new_tokens=min(fields["requested"] or room, room), temperature=fields["temperature"],
+                          top_p=fields["top_p"], seed=fields["seed"], stop=fields["stop"])
+
+
+def requested_strategy(body: dict):
+    options = body.get("ragblend") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "ragblend must be an object such as {\"strategy\": \"cacheblend\", \"ratio\": 0.3}.",
+                       param="ragblend")
+    name = options.get("strategy") or "default"
+    if not isinstance(name, str):
+        raise ApiError(400, "ragblend.strategy must be a strategy name.", param="ragblend.strategy")
+    return strategy_from_name(name, options.get("ratio"))
+
+
+class TextLimit:
+    """The most characters a prompt can have and still fit the window: no token covers more
+    characters than the vocabulary's longest entry (twice that, for tokenizers that normalize).
+    Checked before tokenizing, so an oversized prompt costs no tokenizer time."""
+
+    def __init__(self, engine: BlendEngine):
+        longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
+        self.window, self.max_chars = engine.context_window, 2 * engine.context_window * max(longest, 1)
+
+    def check(self, chars: int, what: str, param: str) -> None:
+        if chars > self.max_chars:
+            raise ApiError(400, f"{what}: {chars} characters, more than fit the model's context window "
+                                f"({self.window} tokens, at most {self.max_chars} characters); shorten it.",
+                           param=param, code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------- requests → prompts
+
+
+def _text_of(content, where: str) -> tuple[str | None, list]:
+    """``(plain text, [])`` for a string content, or ``(None, segments)`` for content blocks
+    (blocks marked with cache_control become Chunks)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list) or not content:
+        raise ApiError(400, f"{where}.content must be a string or a non-empty list of text blocks.",
+                       param=f"{where}.content")
+    segments: list = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise ApiError(400, f"{where}.content[{i}] is a {kind!r} block; this server reads text blocks only "
+                                "({\"type\": \"text\", \"text\": \"...\"}).", param=f"{where}.content[{i}]")
+        mark = block.get("cache_control")
+        if mark is not None and not (isinstance(mark, dict) and mark.get("type") == "ephemeral"):
+            raise ApiError(400, f"{where}.content[{i}].cache_control must be {{\"type\": \"ephemeral\"}}.",
+                           param=f"{where}.content[{i}].cache_control")
+        segments.append(Chunk(block["text"]) if mark is not None and block["text"] else block["text"])
+    return None, [s for s in segments if s != ""]
+
+
+def _joined(text: str | None, segments: list) -> str:
+    return text if text is not None else "".join(s.text if isinstance(s, Chunk) else s for s in segments)
+
+
+@dataclass
+class ChatPrompt:
+    """A chat request's messages, checked: system and developer messages are the system
+    prompt, earlier turns the history, the last user message the segments."""
+
+    system: str | None
+    history: list[tuple[str, str]]
+    text: str | None
+    segments: list
+
+    @classmethod
+    def parse(cls, messages, limit: TextLimit) -> "ChatPrompt":
+        """Structure, counts and characters only: nothing here tokenizes."""
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list.", param="messages")
+        if len(messages) > MAX_MESSAGES:
+            raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
+                           param="messages")
+        system, history, last, parts, chars = [], [], None, 0, 0
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
+                               param=f"messages[{i}]")
+            role = message.get("role")
+            if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+                raise ApiError(400, f"messages[{i}] is a tool call or result; this server does not implement "
+                                    "tool calling.", param=f"messages[{i}]", code="unsupported_parameter")
+            if role not in ("system", "developer", "user", "assistant"):
+                raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, "
+                                    f"got {role!r}.", param=f"messages[{i}].role")
+            content = message.get("content")
+            if isinstance(content, list):
+                parts += len(content)
+                if parts > MAX_PARTS:
+                    raise ApiError(400, f"The messages hold more than {MAX_PARTS} content blocks; merge them.",
+                                   param=f"messages[{i}].content")
+            text, segments = _text_of(content, f"messages[{i}]")
+            chars += len(_joined(text, segments))
+            limit.check(chars, "The messages", "messages")
+            if role in ("system", "developer"):
+                system.append(_joined(text, segments))
+            elif i == len(messages) - 1 and role == "user":
+                last = (text, segments)
+            else:
+                history.append((role, _joined(text, segments)))
+        if last is None:
+            raise ApiError(400, "The last message must be the user's.", param="messages")
+        return cls("\n\n".join(system) or None, history, *last)
+
+    def layout(self, engine: BlendEngine, *, find_chunks: bool = True) -> PromptLayout:
+        """Tokenize (worker thread). With ``find_chunks``, a prompt over the window is refused
+        before stored chunks are looked for in it."""
+        if any(isinstance(s, Chunk) for s in self.segments):
+            return engine.build_prompt(self.segments, system=self.system, history=self.history, separator="")
+        layout = engine.build_prompt([_joined(self.text, self.segments)], system=self.system, history=self.history)
+        if not find_chunks:
+            return layout
+        check_window(engine, len(layout.token_ids))
+        return engine.find_chunks_in_ids(layout.token_ids)
+
+
+def check_prompt(prompt, limit: TextLimit, vocab: int, window: int):
+    """A completions prompt, checked without tokenizing: a text, or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        limit.check(len(prompt), "prompt", "prompt")
+        check_text(prompt, "prompt")
+        if not prompt:
+            raise ApiError(400, "prompt is empty.", param="prompt")
+        return prompt
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request).",
+                       param="prompt")
+    if len(prompt) >= window:
+        raise ApiError(400, f"The prompt has {len(prompt)} tokens and fills the model's context window ({window}); "
+                            "shorten it.", param="prompt", code="context_length_exceeded")
+    if not all(type(t) is int for t in prompt):
+        raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request).",
+                       param="prompt")
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+    return prompt
+
+
+def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> PromptLayout:
+    """The prompt of a completions request (checked by :func:`check_prompt`): raw text (stored
+    chunks found inside it, no chat template), or token ids in LMCache's blending convention."""
+    if isinstance(prompt, str):
+        ids = engine.tokenize(prompt)
+        check_window(engine, len(ids))
+        return engine.find_chunks_in_ids(ids)
+    segments = _split(prompt, separator_ids)
+    if len(segments) == 1:   # a chunk on its own: LMCache's way of warming its KV
+        return PromptLayout(list(prompt), [ChunkSpan(0, len(prompt), tuple(prompt))])
+    if any(not s for s in segments):
+        raise ApiError(400, "The token-id prompt has an empty segment: two separators in a row, or one at "
+                            "the start or end.", param="prompt")
+    ids, spans = list(segments[0]), []
+    for segment in segments[1:-1]:
+        ids += separator_ids
+        spans.append(ChunkSpan(len(ids), len(ids) + len(segment), tuple(segment)))
+        ids += segment
+    ids += separator_ids + segments[-1]
+    return PromptLayout(ids, spans)
+
+
+def _split(ids: list[int], separator: list[int]) -> list[list[int]]:
+    parts, start, i, n = [], 0, 0, len(separator)
+    while n and i <= len(ids) - n:
+        if ids[i:i + n] == separator:
+            parts.append(ids[start:i])
+            i = start = i + n
+        else:
+            i += 1
+    return parts + [ids[start:]]
+
+
+def usage(stats: Stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            # Like a prefix cache's count: every prompt token whose KV the store served (the
+            # fusion then recomputed a share of them; `ragblend.reused_tokens` are the rest).
+            "prompt_tokens_details": {"cached_tokens": stats.cache_hit_tokens}}
