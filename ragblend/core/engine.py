@@ -43,16 +43,18 @@ from .fusion import (
     sink_kv,
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
-from .kernels import DRAFT_ROWS, KernelPlan
+from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
 from .kv import ChunkKV, ChunkRef, calibration_key, chunk_key, to_storage
 from .model import (
     EXACT_INT4,
     CpuLinear,
     HalfLinear,
     Int4Linear,
+    Int8Linear,
     ModelAdapter,
     cache_dir,
     int4_available,
+    int8_available,
     kernel_plan_for,
     load_model,
     on_int4_grid,
@@ -75,7 +77,7 @@ from .store import (
 
 log = logging.getLogger("ragblend")
 
-DECODE_DTYPES = ("auto", "float32", "float16", "int4")
+DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
 _TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # hf_model -> {decode_dtype: ModelAdapter}
 _TWINS_LOCK = threading.Lock()
 
@@ -189,7 +191,7 @@ class BlendEngine:
                  sink_prefix: str | None = None, chunk_context: str = CHUNK_CONTEXT,
                  use_chat_template: bool | None = None,
                  kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
-                 name: str | None = None, decode_dtype: Literal["auto", "float32", "float16", "int4"] = "auto",
+                 name: str | None = None, decode_dtype: Literal["auto", "float32", "float16", "int4", "int8"] = "auto",
                  precompute_batch_tokens: int = 1024, prompt_lookup_num_tokens: int = 3):
         self.hf_model = hf_model
         self.tokenizer = tokenizer
@@ -221,7 +223,8 @@ class BlendEngine:
         if decode_dtype not in DECODE_DTYPES:
             raise InvalidInputError(f"decode_dtype must be 'auto' (the default: 4-bit weights where the model's already "
                                     f"are 4-bit, else float32), 'float32', 'float16' (float16 weights in the decoding "
-                                    f"matmuls) or 'int4' (4-bit weights, bfloat16 activations), got {decode_dtype!r}.")
+                                    f"matmuls), 'int4' (4-bit weights, bfloat16 activations) or 'int8' (8-bit weights, bfloat16 "
+                                    f"activations), got {decode_dtype!r}.")
         self.decode_dtype = decode_dtype
         self._decode_adapter: ModelAdapter | None = None
         self.prefetch = prefetch
@@ -728,42 +731,93 @@ class BlendEngine:
     def _build_decoding_adapter(self) -> ModelAdapter | None:
         if self.decode_dtype == "float16":
             return ModelAdapter(with_linears(self.hf_model, HalfLinear))
-        auto = self.decode_dtype == "auto"
-        why_not = int4_available()
-        if why_not:
-            if not auto:
-                log.warning("ragblend: decode_dtype='int4' cannot run here (%s); decoding in float32.", why_not)
+        low_bit = self._low_bit_layers()
+        if not low_bit:
             return None
-        head = getattr(self.hf_model, "lm_head", None)
-        head_weight = getattr(head, "weight", None)
-        skipped, packed = [], []
-
-        def make(layer: torch.nn.Linear) -> torch.nn.Module:
-            # The LM head stays float32 (its logits pick the answer); "auto" packs only weights
-            # that lose nothing (already on a 4-bit grid).
-            if layer.weight is not head_weight and not (auto and not on_int4_grid(layer.weight)):
-                try:
-                    four = Int4Linear(layer, self.kernel_plan)
-                    if not auto or four.quantization_error <= EXACT_INT4:
-                        packed.append(four)
-                        return four
-                except (ValueError, RuntimeError) as err:   # a shape the 4-bit packing does not take
-                    skipped.append(f"{layer.out_features}x{layer.in_features} ({err})")
-            return CpuLinear(layer, self.kernel_plan)
-
-        twin = with_linears(self.hf_model, make)
-        if skipped and not auto:
-            log.warning("ragblend: %d linear layer(s) cannot hold 4-bit weights and decode in float32: %s",
-                        len(skipped), "; ".join(sorted(set(skipped))))
-        lossy = sum(layer.quantization_error > EXACT_INT4 for layer in packed)
-        if lossy:
-            log.warning("ragblend: decode_dtype='int4': %d of %d layers' weights are not 4-bit, so they were "
-                        "quantized at load; answers can differ from float32 decoding (docs/benchmarks.md, "
-                        "'Decoding'). decode_dtype='auto' keeps such layers in float32.", lossy, len(packed))
-        if not packed:
-            return None
-        log.info("ragblend: %d linear layer(s) decode on 4-bit weights (decode_dtype=%r)", len(packed), self.decode_dtype)
+        twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
+                            CpuLinear(layer, self.kernel_plan))
+        kinds = sorted({type(layer).__name__ for layer in low_bit.values()})
+        log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r)", len(low_bit),
+                 ", ".join(kinds), self.decode_dtype)
         return ModelAdapter(twin)
+
+    def _low_bit_layers(self) -> dict[int, CpuLinear]:
+        """The low-bit layer to decode with, by the id of the float32 weight it replaces.
+
+        ``"int4"``: 4-bit weights for every layer but the LM head; ``"int8"``: 8-bit weights for
+        every layer. ``"auto"``: 4-bit where the weights already are 4-bit (lossless), 8-bit
+        elsewhere, the LM head included, each kind kept only if a decoding step over its layers
+        measures faster than float32 on this host (see :meth:`_keep_faster`).
+        """
+        wanted = self.decode_dtype
+        if wanted != "auto":
+            why_not = int4_available() if wanted == "int4" else int8_available()
+            if why_not:
+                log.warning("ragblend: decode_dtype=%r cannot run here (%s); decoding in float32.", wanted, why_not)
+                return {}
+        head_weight = getattr(getattr(self.hf_model, "lm_head", None), "weight", None)
+        layers: dict[int, CpuLinear] = {}
+        skipped = []
+        for module in self.hf_model.modules():
+            if type(module) is not torch.nn.Linear:
+                continue
+            is_head = module.weight is head_weight
+            if wanted == "auto":
+                kinds = ["int4", "int8"] if not is_head and on_int4_grid(module.weight) else ["int8"]
+            else:
+                kinds = [wanted] if wanted == "int8" or not is_head else []
+            for kind in kinds:
+                if (int4_available() if kind == "int4" else int8_available()):
+                    continue
+                try:
+                    layer = (Int4Linear if kind == "int4" else Int8Linear)(module, self.kernel_plan)
+                except (ValueError, RuntimeError) as err:   # a shape the packing does not take
+                    skipped.append(f"{module.out_features}x{module.in_features} ({err})")
+                    continue
+                if wanted == "auto" and kind == "int4" and layer.quantization_error > EXACT_INT4:
+                    continue
+                layers[id(module.weight)] = layer
+                break
+        if wanted != "auto":
+            if skipped:
+                log.warning("ragblend: %d linear layer(s) cannot hold %s weights and decode in float32: %s",
+                            len(skipped), wanted, "; ".join(sorted(set(skipped))))
+            lossy = sum(isinstance(layer, Int4Linear) and layer.quantization_error > EXACT_INT4
+                        for layer in layers.values())
+            if lossy:
+                log.warning("ragblend: decode_dtype='int4': %d of %d layers' weights are not 4-bit, so they were "
+                            "quantized at load; answers can differ from float32 decoding (docs/benchmarks.md, "
+                            "'Decoding'). decode_dtype='auto' keeps 4-bit for weights that already are.",
+                            lossy, len(layers))
+            return layers
+        return self._keep_faster(layers)
+
+    def _keep_faster(self, layers: dict[int, CpuLinear]) -> dict[int, CpuLinear]:
+        """``layers`` less each kind (4-bit, 8-bit) whose decoding step -- one row through all
+        its layers, as a step runs them -- is not faster than the same layers in float32 on this
+        host beyond the noise (a 4-bit or 8-bit kernel can lose to float32 on some CPUs).
+        ``RAGBLEND_KERNELS=linear`` keeps float32 everywhere."""
+        if os.environ.get("RAGBLEND_KERNELS", "").strip().lower() == "linear":
+            return {}
+        kept = {}
+        with torch.inference_mode():
+            for kind in (Int4Linear, Int8Linear):
+                group = {key: layer for key, layer in layers.items() if type(layer) is kind}
+                if not group:
+                    continue
+                inputs = {n: torch.randn(1, n) for n in {layer.weight.shape[1] for layer in group.values()}}
+                seconds = fastest_rounds({
+                    "float32": lambda g=group: [layer.plan.run(inputs[layer.weight.shape[1]], layer.weight, layer.bias)
+                                                for layer in g.values()],
+                    "low-bit": lambda g=group: [layer.rows(inputs[layer.weight.shape[1]]) for layer in g.values()],
+                })
+                faster = seconds["low-bit"] * MIN_GAIN < seconds["float32"]
+                log.info("ragblend: %s decoding step over %d layers: %.2f ms against %.2f ms in float32: %s",
+                         kind.__name__, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
+                         "used" if faster else "not faster here, float32 kept")
+                if faster:
+                    kept.update(group)
+        return kept
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
@@ -797,6 +851,21 @@ class BlendEngine:
         self._finish_stats(pre.stats, decoding)
         return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids,
                           pre.logits)
+
+    def begin(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
+              strategy: Strategy | None = None, params: SamplingParams | None = None) -> Decoding:
+        """Prefill with fusion and return the decoding, not yet stepped, for a loop that decodes
+        many requests together (:class:`~ragblend.core.batching.BatchDecoder`). Its ``stats``
+        are this call's; :meth:`finish` completes them once the decoding is done."""
+        params = _sampling(params, 256, 0.0, 1.0, None, None)
+        pre, decoding = self._decoding(segments, system, strategy, params)
+        decoding.stats = pre.stats
+        return decoding
+
+    def finish(self, decoding: Decoding) -> Stats:
+        """The stats of a decoding from :meth:`begin`, completed with its answer's."""
+        self._finish_stats(decoding.stats, decoding)
+        return decoding.stats
 
     def _finish_stats(self, stats: Stats, decoding: Decoding) -> None:
         stats.generated_tokens = len(decoding.token_ids)

@@ -205,53 +205,78 @@ class Decoding:
     finish_reason: str | None = None
     decode_s: float = 0.0
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
+    stats: object = None                 # the engine's Stats of this request, when it made the decoding
 
     def __post_init__(self):
         if self.params.temperature > 0:
             self.lookup = None   # a draft is checked against the greedy choice: sampling never drafts
+        self.generator = None
+        if self.params.temperature > 0:
+            self.generator = torch.Generator(device=self.first_logits.device)
+            self.generator.manual_seed(self.params.seed if self.params.seed is not None else torch.seed())
+        # Logits already computed for the next tokens: the prompt's at first, one after a plain
+        # step, more when a step accepted drafted tokens (whose K/V are then in the cache already).
+        self.pending = collections.deque([self.first_logits])
+        self.emitted = 0   # characters of text handed out as deltas
 
     def __iter__(self) -> Iterator[str]:
-        params = self.params
-        generator = None
-        if params.temperature > 0:
-            generator = torch.Generator(device=self.first_logits.device)
-            generator.manual_seed(params.seed if params.seed is not None else torch.seed())
-        # Logits already computed for the next tokens: one after a plain step, more when a
-        # step accepted drafted tokens (whose K/V are then in the cache already).
-        pending, emitted = collections.deque([self.first_logits]), 0
         t0 = time.perf_counter()
         with torch.inference_mode():
             while True:
-                token = pick_token(pending.popleft(), params, generator)
-                if token in self.eos_ids:
-                    self.finish_reason = "stop"
+                delta = self.take(self.pending.popleft())
+                if delta:
+                    yield delta
+                if self.finish_reason is not None:
                     break
-                self.token_ids.append(token)
-                full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-                cut = min((i for i in (full.find(s) for s in params.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    self.text, self.finish_reason = full[:cut], "stop"
-                    break
-                self.text = full
-                safe = len(full) - _stop_holdback(full, params.stop)
-                while safe > emitted and full[safe - 1] == "\ufffd":  # half a UTF-8 character
-                    safe -= 1
-                if safe > emitted:
-                    yield full[emitted:safe]
-                    emitted = safe
-                position = self.prompt_len + len(self.token_ids) - 1
-                if len(self.token_ids) >= params.max_new_tokens or position + 1 >= self.context_window:
-                    self.finish_reason = "length"
-                    break
-                if self.lookup is not None:
-                    self.lookup.append(token)
-                if not pending:   # the token is not in the cache yet
+                if not self.pending:   # the token is not in the cache yet
                     check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
                     with self.lock or contextlib.nullcontext():
-                        pending.extend(self._step(token))
+                        self.pending.extend(self._step(self.token_ids[-1]))
         self.decode_s = time.perf_counter() - t0
-        if len(self.text) > emitted:
-            yield self.text[emitted:]
+        rest = self.rest()
+        if rest:
+            yield rest
+
+    # -- one token at a time, for a loop that steps many decodings together (core.batching)
+
+    @property
+    def needs_step(self) -> bool:
+        """Whether the next token's logits must be computed (by a model pass over the last token)."""
+        return self.finish_reason is None and not self.pending
+
+    def take(self, logits: torch.Tensor) -> str:
+        """Pick the next token from ``logits``; return the text it releases (often "", when a
+        stop string may be starting or a character is half decoded). Sets ``finish_reason``
+        at EOS, a stop string or the length limit."""
+        params = self.params
+        token = pick_token(logits, params, self.generator)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return ""
+        self.token_ids.append(token)
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in params.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = full[:cut], "stop"
+            return ""
+        self.text = full
+        delta = ""
+        safe = len(full) - _stop_holdback(full, params.stop)
+        while safe > self.emitted and full[safe - 1] == "\ufffd":  # half a UTF-8 character
+            safe -= 1
+        if safe > self.emitted:
+            delta, self.emitted = full[self.emitted:safe], safe
+        position = self.prompt_len + len(self.token_ids) - 1
+        if len(self.token_ids) >= params.max_new_tokens or position + 1 >= self.context_window:
+            self.finish_reason = "length"
+        elif self.lookup is not None:
+            self.lookup.append(token)
+        return delta
+
+    def rest(self) -> str:
+        """Once finished: the text not yet handed out (held back for a stop string that did not come)."""
+        rest, self.emitted = self.text[self.emitted:], max(self.emitted, len(self.text))
+        return rest
 
     def _step(self, token: int) -> list[torch.Tensor]:
         """Run ``token`` and a draft through the model; the logits for the next tokens, one

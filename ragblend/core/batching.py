@@ -1,0 +1,181 @@
+"""Decoding many requests together: one pass over the weights per step for every active sequence.
+
+Decoding one token reads every weight of the model (~540 MB a token for SmolLM2 in float32,
+~1/8 of that on 4-bit weights) to do very little arithmetic with them, so on a CPU a step over
+8 sequences costs about what a step over one does. :class:`BatchDecoder` keeps several
+:class:`~ragblend.core.generate.Decoding` objects (each made by its own fused prefill, each with
+its own KV buffers, sampling settings and stop strings) and advances them all at once:
+
+* the projections, the MLP and the LM head run on one ``[sequences, hidden]`` matrix
+  (:func:`batch_extend`), so their weights are read once per step for the whole batch;
+* attention runs per sequence, over that sequence's own keys (their lengths differ). Padding
+  every sequence's keys to the longest and masking would copy all of them in every layer of
+  every step; the per-sequence calls cost a small share of a step (measured in the benchmark);
+* sequences join and leave between steps (continuous batching).
+
+A lone sequence keeps its single-sequence step, prompt-lookup drafts included; in a batch every
+sequence takes plain one-token steps (drafts would make the batch's rows uneven).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidInputError
+from .fusion import attention_plan
+from .generate import Decoding, KVDecoder
+
+
+def kv_bytes_per_position(decoder: KVDecoder) -> int:
+    """Bytes of K and V one position holds over all layers of ``decoder``'s model."""
+    k = decoder.keys[0]
+    return 2 * len(decoder.keys) * k.shape[0] * k.shape[2] * k.element_size()
+
+
+@torch.inference_mode()
+def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
+    """Append ``tokens[i]`` to ``decoders[i]`` for every i in one pass over the weights; return the
+    logits after each, ``[len(decoders), vocab]``. Row i equals ``decoders[i].step(tokens[i])``
+    to float rounding (the matmuls run over more rows, which can pick another kernel)."""
+    if not decoders or len(decoders) != len(tokens):
+        raise InvalidInputError("batch_extend takes one token per decoder, and at least one decoder.")
+    adapter = decoders[0].adapter
+    if any(d.adapter is not adapter for d in decoders):
+        raise InvalidInputError("Decoders batched together must run on one model (the same adapter).")
+    for d in decoders:
+        if d.length >= d.capacity:
+            raise InvalidInputError(f"A decoder's buffers hold {d.capacity} positions, all used: no room for a token.")
+    starts = [d.length for d in decoders]
+    # Each sequence sits at its own position: its own row of RoPE angles.
+    cos = torch.stack([d.cos[p] for d, p in zip(decoders, starts)])
+    sin = torch.stack([d.sin[p] for d, p in zip(decoders, starts)])
+    plans = [{} for _ in decoders]   # per sequence, per sliding window: the keys its token sees, and their mask
+    hidden = adapter.embed(torch.tensor(tokens, device=cos.device))
+    for layer in range(adapter.shape.num_layers):
+        x = adapter.attn_input(layer, hidden)
+        k, v = adapter.kv(layer, x)   # [kv_heads, sequences, head_dim]
+        k = adapter.rope(k, cos, sin)
+        q = adapter.rope(adapter.q(layer, x), cos, sin)
+        window = adapter.window(layer)
+        outs = []
+        for i, (d, p) in enumerate(zip(decoders, starts)):
+            d.keys[layer][:, p] = k[:, i]
+            d.values[layer][:, p] = v[:, i]
+            if window not in plans[i]:
+                bias = None if d.key_bias is None else d.key_bias[:p + 1]
+                positions = torch.tensor([p], device=cos.device)
+                plans[i][window] = attention_plan(positions, p + 1, window, d.cos.dtype, 1, bias)[0]
+            plan = plans[i][window]
+            outs.append(adapter.attention(q[:, i:i + 1], d.keys[layer][:, plan.keys], d.values[layer][:, plan.keys],
+                                          plan.mask))
+        hidden = adapter.finish(layer, hidden, torch.cat(outs))
+    for d, p in zip(decoders, starts):
+        d.length = p + 1
+    return adapter.logits(hidden)
+
+
+@dataclass(eq=False)
+class Member:
+    """One sequence of a :class:`BatchDecoder`: its decoding, and whatever its owner tags it with."""
+
+    decoding: Decoding
+    tag: object = None
+    joined: float = field(default_factory=time.perf_counter)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV memory its decoder holds (prompt and answer, allocated at the start)."""
+        return self.decoding.decoder.capacity * kv_bytes_per_position(self.decoding.decoder)
+
+
+@dataclass
+class Event:
+    """What a step did for one member: the text it released, and whether it finished (then
+    ``member.decoding.finish_reason`` says why, and the member has left the batch)."""
+
+    member: Member
+    delta: str
+    finished: bool
+
+
+class BatchDecoder:
+    """Steps every member's decoding together. Not thread-safe: one thread adds, removes and steps.
+
+    ``max_batch`` bounds the members and ``max_kv_bytes`` (None: no bound) their KV memory;
+    :meth:`fits` says whether another decoding of a given size may join. ``lock`` is held
+    around each model pass (the engine's, so that other calls on the engine wait for it).
+    """
+
+    def __init__(self, max_batch: int = 8, max_kv_bytes: int | None = None, lock=None):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidInputError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
+        if max_kv_bytes is not None and (isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int)
+                                         or max_kv_bytes < 1):
+            raise InvalidInputError(f"max_kv_bytes must be a positive integer or None, got {max_kv_bytes!r}.")
+        self.max_batch, self.max_kv_bytes, self.lock = max_batch, max_kv_bytes, lock
+        self.members: list[Member] = []
+        self.passes = 0          # model passes run (a batched one counts once)
+        self.batched_rows = 0    # sequences those passes advanced
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(m.kv_bytes for m in self.members)
+
+    def fits(self, kv_bytes: int = 0) -> bool:
+        """Whether a decoding holding ``kv_bytes`` may join now. An empty batch takes any one
+        (a request larger than the whole budget is served alone rather than never)."""
+        if not self.members:
+            return True
+        if len(self.members) >= self.max_batch:
+            return False
+        return self.max_kv_bytes is None or self.kv_bytes + kv_bytes <= self.max_kv_bytes
+
+    def add(self, decoding: Decoding, tag: object = None) -> Member:
+        """Let ``decoding`` (fresh from its prefill, not iterated) join at the next step."""
+        if decoding.finish_reason is not None or decoding.token_ids:
+            raise InvalidInputError("Only a decoding that has not started can join a batch.")
+        if self.members and decoding.decoder.adapter is not self.members[0].decoding.decoder.adapter:
+            raise InvalidInputError("Every decoding in a batch must run on one model (the same engine).")
+        member = Member(decoding, tag)
+        self.members.append(member)
+        return member
+
+    def remove(self, member: Member) -> None:
+        """Drop ``member`` (its client left); the others carry on at the next step."""
+        if member in self.members:
+            self.members.remove(member)
+
+    @torch.inference_mode()
+    def step(self) -> list[Event]:
+        """Every member takes its next token (from logits computed before); those that finish
+        leave; then one model pass computes the next logits of every member that needs them."""
+        events = []
+        for member in list(self.members):
+            decoding = member.decoding
+            delta = decoding.take(decoding.pending.popleft())
+            finished = decoding.finish_reason is not None
+            if finished:
+                delta += decoding.rest()
+                decoding.decode_s = time.perf_counter() - member.joined
+                self.members.remove(member)
+            events.append(Event(member, delta, finished))
+        stepping = [m.decoding for m in self.members if m.decoding.needs_step]
+        if stepping:
+            with stepping[0].lock or contextlib.nullcontext():
+                if len(stepping) == 1:   # alone: the single-sequence step, with its drafts
+                    stepping[0].pending.extend(stepping[0]._step(stepping[0].token_ids[-1]))
+                else:
+                    logits = batch_extend([d.decoder for d in stepping], [d.token_ids[-1] for d in stepping])
+                    for d, row in zip(stepping, logits):
+                        d.pending.append(row)
+                        d.steps += 1
+            self.passes += 1
+            self.batched_rows += len(stepping)
+        return events
