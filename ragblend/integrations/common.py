@@ -15,6 +15,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
+from ragblend.serving.protocol import cached_tokens
 
 # Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
@@ -65,10 +66,11 @@ def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
 
 
 def token_usage(stats: Stats) -> dict[str, Any]:
-    """OpenAI-style usage of one call; ``cached_prompt_tokens`` are the reused ones."""
+    """OpenAI-style usage of one call; ``cached_prompt_tokens`` as the server counts them
+    (:func:`ragblend.serving.protocol.cached_tokens`: prompt tokens whose KV came from the store)."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "cached_prompt_tokens": stats.reused_tokens}
+            "cached_prompt_tokens": cached_tokens(stats)}
 
 
 def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int = 16):

@@ -39,22 +39,11 @@ from pydantic import Field, PrivateAttr, SecretStr
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
+from ragblend.serving.protocol import is_marked, segments_of, text_of
 
 from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-def _marked(block: dict) -> bool:
-    return bool(block.get("cache_control") or (block.get("extras") or {}).get("cache_control"))
-
-
-def _text(content) -> str:
-    """Plain text of a message's content (string, or the text of its text blocks)."""
-    if isinstance(content, str):
-        return content
-    return "".join(b if isinstance(b, str) else b.get("text", "") for b in content
-                   if isinstance(b, str) or b.get("type") == "text")
 
 
 def usage_metadata(stats: Stats) -> UsageMetadata:
@@ -128,14 +117,12 @@ class BlendChatModel(EngineFields, BaseChatModel):
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         engine = self.engine
         turns = [("system" if isinstance(m, SystemMessage) else "assistant" if isinstance(m, AIMessage)
-                  else "user" if isinstance(m, HumanMessage) else m.type, _text(m.content)) for m in messages]
+                  else "user" if isinstance(m, HumanMessage) else m.type, text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")
         content = messages[-1].content
-        if isinstance(content, list) and any(isinstance(b, dict) and _marked(b) for b in content):
-            segments = [Chunk(b["text"]) if isinstance(b, dict) and _marked(b) else _text([b])
-                        for b in content if isinstance(b, str) or b.get("type") == "text"]
-            return engine.build_prompt(segments, system=system, history=history)
-        text = _text(content)
+        if isinstance(content, list) and any(is_marked(b) for b in content):
+            return engine.build_prompt(segments_of(content), system=system, history=history)
+        text = text_of(content)
         if kv_chunks:
             return engine.build_prompt(_split_on(text, kv_chunks), system=system, history=history, separator="")
         return engine.find_chunks(text, system=system, history=history)

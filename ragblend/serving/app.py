@@ -59,19 +59,26 @@ from .protocol import (
     ChatPrompt,
     ClientGone,
     TextLimit,
+    cached_tokens,
     check_options,
     check_prompt,
     completion_layout,
     parse_json,
+    passages,
     requested_strategy,
     sampling,
     usage,
 )
+from .reuse import PassageKeeper
 from .worker import Job, Worker
 
 log = logging.getLogger("ragblend.server")
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Other names clients sent as `model` (all served by the one model), listed in /v1/models; a
+# bound, so that clients cannot grow the list without end.
+MAX_ALIASES = 32
 
+# The paths /metrics counts by name; any other path is counted as "other", so that a client
 # cannot add series (or forge labels) by requesting made-up paths.
 ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
                     "/v1/chunks", "/tokenize"})
@@ -211,6 +218,10 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
     app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
     worker, metrics = Worker(queue_size), Metrics()
     model_id = model_name or engine.name
+    aliases: dict[str, None] = {}   # in the order clients first sent them
+    # Passages of the requests' plain text, stored between requests (serving.reuse).
+    keeper = PassageKeeper(engine, worker.submit, lambda: worker.depth)
+    app.state.keeper = keeper
     separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
     limit = TextLimit(engine)
     # What the tokenizer adds around a text with add_special_tokens (a BOS, say), so that
@@ -232,9 +243,19 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                 err = ApiError(500, "Internal server error; see the server's log.", kind="server_error")
         if isinstance(err, ClientGone):
             log.info("client disconnected from %s before its answer; its work was stopped", route_label(path))
+        elif err.status < 500:   # a 500 is logged above, with its traceback
+            log.info("%s %d: %s", route_label(path), err.status, err.message[:200])
         metrics.request(path, err.status)
         headers = {"Retry-After": "1"} if err.status == 429 else {}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def record(path: str, stats: Stats | None = None, what: str = "") -> None:
+        """Count a request answered 200 and log its one line (errors: error_response)."""
+        metrics.request(path, 200)
+        if stats is not None:
+            what = (f"{stats.prompt_tokens} prompt tokens ({cached_tokens(stats)} cached), "
+                    f"{stats.generated_tokens} generated, TTFT {stats.ttft_s:.3f} s, {stats.finish_reason}")
+        log.info("%s 200: %s", route_label(path), what)
 
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=error_response)
 
@@ -252,9 +273,13 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         if not isinstance(data, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         model = data.get("model")
-        if model is not None and model != model_id:
-            raise ApiError(404, f"The model {model!r} does not exist; this server serves {model_id!r}.",
-                           param="model", code="model_not_found")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "model must be a string.", param="model")
+        # Any name is served by the one model (ChatOpenAI sends "gpt-3.5-turbo" unless told
+        # otherwise); the first few are listed in /v1/models as its aliases.
+        if model and model != model_id and model not in aliases and len(aliases) < MAX_ALIASES \
+                and len(model) <= 256 and model.isprintable():
+            aliases[model] = None
         return data
 
     class Call:
@@ -316,7 +341,10 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         finally:
             call.close()
 
-    async def answer(request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout], chat: bool):
+    async def answer(request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout], chat: bool,
+                     texts: list[str]):
+        """Answer a completion; then store the KV of ``texts`` (the passages of its plain
+        text) between requests, so that the next prompt holding them reuses it."""
         check_options(body)
         strategy = requested_strategy(body)
 
@@ -349,7 +377,8 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                 stats = await call.until("done", pieces.append)
             finally:
                 call.close()
-            metrics.request(path, 200)
+            record(path, stats)
+            keeper.add(texts)
             return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
                                  "choices": [choice("".join(pieces), stats.finish_reason, False)],
                                  "usage": usage(stats), "ragblend": dict(stats.__dict__)})
@@ -384,11 +413,15 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                 call.finished = True
                 yield f"data: {response.body.decode()}\n\n".encode()
             else:
-                yield event({"choices": [choice(None if chat else "", value.finish_reason, True)],
-                             "ragblend": dict(value.__dict__)})
-                if include_usage:
+                last = {"choices": [choice(None if chat else "", value.finish_reason, True)],
+                        "ragblend": dict(value.__dict__)}
+                if not include_usage:   # usage rides on the last chunk (ChatOpenAI.stream shows it as is)
+                    last["usage"] = usage(value)
+                yield event(last)
+                if include_usage:   # the OpenAI way: a chunk of its own, with no choices
                     yield event({"choices": [], "usage": usage(value)})
-                metrics.request(path, 200)
+                record(path, value)
+                keeper.add(texts)
             yield b"data: [DONE]\n\n"
 
         def ended() -> None:
@@ -418,8 +451,11 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
     @app.get("/v1/models")
     async def models():
         metrics.request("/v1/models", 200)
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "ragblend",
-                                            "max_model_len": engine.context_window}]}
+        # The served model first (clients that take the first entry get it), then the other
+        # names clients asked for, each an alias of it ("root", as vLLM lists its served names).
+        entry = {"object": "model", "created": 0, "owned_by": "ragblend", "root": model_id,
+                 "max_model_len": engine.context_window}
+        return {"object": "list", "data": [{"id": name, **entry} for name in (model_id, *aliases)]}
 
     @app.get("/metrics")
     async def prometheus():
@@ -430,7 +466,8 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
     async def chat_completions(request: Request):
         body = await read_json(request)
         prompt = ChatPrompt.parse(body.get("messages"), limit)
-        return await answer(request, "/v1/chat/completions", body, lambda: prompt.layout(engine), True)
+        return await answer(request, "/v1/chat/completions", body, lambda: prompt.layout(engine), True,
+                            prompt.passages())
 
     @app.post("/v1/completions")
     @endpoint("/v1/completions")
@@ -438,7 +475,8 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         body = await read_json(request)
         prompt = check_prompt(body.get("prompt"), limit, engine.entry_spec.vocab_size, engine.context_window)
         return await answer(request, "/v1/completions", body,
-                            lambda: completion_layout(engine, prompt, separator_ids), False)
+                            lambda: completion_layout(engine, prompt, separator_ids), False,
+                            passages([prompt]) if isinstance(prompt, str) else [])
 
     @app.post("/v1/chunks")
     @endpoint("/v1/chunks")
@@ -461,7 +499,7 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         refs = await run_job(request, lambda job: engine.precompute(kept, skip_unusable=skip) if kept else [])
         refs = iter(refs)
         refs = [next(refs) if ok else None for ok in fits]
-        metrics.request("/v1/chunks", 200)
+        record("/v1/chunks", what=f"{sum(r is not None for r in refs)} of {len(refs)} texts stored")
         # With skip_unusable, a chunk too short to be found or too long for the window has no KV.
         # JSONResponse, not a dict: FastAPI's encoder would walk a large answer on the event loop.
         return JSONResponse({"object": "list", "data": [
@@ -501,7 +539,7 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
                 ids = engine.tokenize(text)
                 return special_head + ids + special_tail if specials else ids
         ids = await run_job(request, run)
-        metrics.request("/tokenize", 200)
+        record("/tokenize", what=f"{len(ids)} tokens")
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_window})
 
     return app
@@ -522,4 +560,9 @@ def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api
     # requests allocate.
     gc.collect()
     gc.freeze()
+    if not log.handlers:   # one line per request on stderr (uvicorn's access log stays off)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from ragblend.core.engine import Stats, TextStream
@@ -39,6 +39,8 @@ from ragblend.core.errors import InvalidInputError, PromptTooLongError, Ragblend
 from ragblend.core.generate import SamplingParams
 from ragblend.core.kv import ChunkRef
 from ragblend.core.prompt import Chunk, PromptBuilder, check_segments, check_text
+
+from .protocol import BLEND_SPECIAL_STR, blocks_of, lmcache_ids, read_stats, strategy_to_json
 
 log = logging.getLogger("ragblend")
 
@@ -80,7 +82,7 @@ class RemoteEngine:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, backend: Backend = "ragblend",
                  model: str | None = None, timeout_s: float = 300.0, tokenizer=None,
-                 blend_special_str: str = " # # "):
+                 blend_special_str: str = BLEND_SPECIAL_STR):
         import httpx
 
         if backend not in BACKENDS:
@@ -104,6 +106,8 @@ class RemoteEngine:
         if not listed:
             raise RemoteError(f"The server at {self.base_url} serves no model.")
         entry = next((m for m in listed if m["id"] == model), None) if model else listed[0]
+        if entry is None and backend == "ragblend":   # ragblend serves any name with its one model
+            entry = dict(listed[0], id=model)
         if entry is None:
             raise InvalidInputError(f"The server at {self.base_url} does not serve {model!r}; it serves "
                                     f"{', '.join(m['id'] for m in listed)}.")
@@ -254,7 +258,7 @@ class RemoteEngine:
                     yield delta
                 if choice.get("finish_reason"):
                     stats.finish_reason = choice["finish_reason"]
-            _update_stats(stats, event)
+            read_stats(stats, event)
         self.last_stats = stats
 
     def _request_body(self, prompt: RemotePrompt, strategy, params: SamplingParams) -> tuple[str, dict]:
@@ -269,12 +273,10 @@ class RemoteEngine:
             body["prompt"] = self._lmcache_ids(prompt)
             return "/v1/completions", body
         if strategy is not None:
-            body["ragblend"] = {"strategy": strategy.name, "ratio": getattr(strategy, "ratio", None)}
+            body["ragblend"] = strategy_to_json(strategy)   # every setting, not just the name
         messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
         messages += [{"role": role, "content": text} for role, text in prompt.history]
-        blocks = [{"type": "text", "text": s.text, "cache_control": {"type": "ephemeral"}} if isinstance(s, Chunk)
-                  else {"type": "text", "text": s} for s in prompt.segments]
-        messages.append({"role": "user", "content": blocks})
+        messages.append({"role": "user", "content": blocks_of(prompt.segments)})
         body["messages"] = messages
         return "/v1/chat/completions", body
 
@@ -282,18 +284,17 @@ class RemoteEngine:
         """LMCache's blending prompt: template start (+ system), each chunk, then the rest of the
         user message and the template's end, separated by ``blend_special_str``'s tokens."""
         head, tail = self._template_parts(prompt)
-        separator = self.tokenize(self.blend_special_str)
-        ids = list(head)
-        text = ""
+        segments, text = [], ""
         for segment in prompt.segments:
             if isinstance(segment, Chunk):
                 if text.strip():
-                    ids += separator + self.tokenize(text)
-                ids += separator + self.tokenize(segment.text)
+                    segments.append(self.tokenize(text))
+                segments.append(self.tokenize(segment.text))
                 text = ""
             else:
                 text += segment
-        return ids + separator + self.tokenize(text) + list(tail)
+        segments.append(self.tokenize(text) + list(tail))
+        return lmcache_ids(head, segments, self.tokenize(self.blend_special_str))
 
     def _template_parts(self, prompt: RemotePrompt) -> tuple[list[int], list[int]]:
         """Token ids of the chat template before and after the last user message: the parts
@@ -318,20 +319,3 @@ class RemoteEngine:
             return self._prompts.tokenize(user_text)
         return self._prompts.chat_ids(messages)
 
-
-def _update_stats(stats, event: dict) -> None:
-    """Fill ``stats`` from a response event: the ``ragblend`` extension when the server sends
-    one, else the OpenAI usage (cached tokens as the store hits)."""
-    extension = event.get("ragblend")
-    if isinstance(extension, dict):
-        known = {f.name for f in fields(stats)}
-        for name, value in extension.items():
-            if name in known:
-                setattr(stats, name, value)
-    usage = event.get("usage")
-    if isinstance(usage, dict):
-        stats.prompt_tokens = usage.get("prompt_tokens", stats.prompt_tokens)
-        stats.generated_tokens = usage.get("completion_tokens", stats.generated_tokens)
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        if cached is not None:
-            stats.cache_hit_tokens = cached

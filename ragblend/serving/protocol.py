@@ -9,17 +9,26 @@ LangChain chat model read and write requests through this module. No web framewo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
-from ragblend.core.errors import PromptTooLongError, RagblendError
-from ragblend.core.fusion import strategy_from_name
+from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
+from ragblend.core.fusion import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 from ragblend.core.generate import SamplingParams
 from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, check_text
 
+# LMCache's blending convention: a token-id prompt's segments (template start, chunks, question)
+# are separated by the token ids of this string.
 BLEND_SPECIAL_STR = " # # "
+# What marks a content block as a chunk whose KV is reused (Anthropic's prompt-caching mark).
+CACHE_CONTROL = {"type": "ephemeral"}
+# Where frameworks join the texts they retrieve (LangChain's stuff chain and LlamaIndex's
+# synthesizers put "\n\n" between documents): unmarked text is split into passages here.
+PASSAGE_BREAK = "\n\n"
 
 # Counts checked before anything is tokenized. Every message and every non-empty block costs
 # at least one token, so more than these never fit a small model's window anyway; the caps keep
@@ -33,7 +42,6 @@ MAX_STOPS = 16
 # 0.1-0.5 s at a time, which would stall the event loop; counting them first costs ~ms.
 MAX_JSON_VALUES = 16384
 
-# The paths /metrics counts by name; any other path is counted as "other", so that a client
 
 # Fields of the OpenAI API for features this server does not implement, with the values that
 # mean "not used" (clients often send those); any other value is a 400, never silently dropped.
@@ -183,14 +191,66 @@ def sampling(body: dict, engine: BlendEngine, prompt_tokens: int) -> SamplingPar
 
 
 def requested_strategy(body: dict):
+    """The strategy a request asks for in its ``ragblend`` field (None: the engine's own)."""
     options = body.get("ragblend") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "ragblend must be an object such as {\"strategy\": \"cacheblend\", \"ratio\": 0.3}.",
                        param="ragblend")
+    return strategy_from_json(options)
+
+
+# ---------------------------------------------------------------------------- strategies
+
+
+def _settings(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def strategy_to_json(strategy) -> dict:
+    """A strategy as the ``ragblend`` field of a request: its name and every setting (None:
+    ``{"strategy": "default"}``, the server engine's own choice)."""
+    if strategy is None:
+        return {"strategy": "default"}
+    if not isinstance(strategy, STRATEGIES):
+        raise InvalidInputError(f"{type(strategy).__name__} cannot be sent to a server; use one of "
+                                f"{', '.join(cls.__name__ for cls in STRATEGIES)}.")
+    out = {"strategy": strategy.name}
+    for name in _settings(type(strategy)):
+        value = getattr(strategy, name)
+        out[name] = [list(step) for step in value] if isinstance(value, tuple) else value
+    return out
+
+
+def strategy_from_json(options: dict):
+    """The strategy of a request's ``ragblend`` field: ``strategy`` (a name) and any of that
+    strategy's settings (``ratio``, ``check_layer``, ``gradual``, ``deviation``, ``k`` or
+    ``legolink_k``, ``whole_chunks``, ``query_tokens``, ``cached_attention_scale``). A setting
+    the strategy does not have is a 400, never ignored."""
     name = options.get("strategy") or "default"
     if not isinstance(name, str):
         raise ApiError(400, "ragblend.strategy must be a strategy name.", param="ragblend.strategy")
-    return strategy_from_name(name, options.get("ratio"))
+    settings = {k: v for k, v in options.items() if k != "strategy"}
+    if "legolink_k" in settings:   # the integrations' and the CLI's name for LegoLink's k
+        settings["k"] = settings.pop("legolink_k")
+    if set(settings) <= {"ratio"}:   # the common case, with strategy_from_name's defaults and checks
+        return strategy_from_name(name, settings.get("ratio"))
+    cls = next((c for c in STRATEGIES if c.name == name), None)
+    if cls is None:
+        raise ApiError(400, f"ragblend.strategy {name!r} takes no settings but a ratio; choose one of "
+                            f"{', '.join(STRATEGY_NAMES)}.", param="ragblend.strategy")
+    unknown = sorted(set(settings) - set(_settings(cls)))
+    if unknown:
+        raise ApiError(400, f"ragblend.{unknown[0]} is not a setting of strategy {name!r}; its settings are "
+                            f"{', '.join(_settings(cls)) or 'none'}.", param=f"ragblend.{unknown[0]}")
+    if "gradual" in settings:
+        gradual = settings["gradual"]
+        if not isinstance(gradual, list) or not all(isinstance(g, list) and len(g) == 2 for g in gradual):
+            raise ApiError(400, "ragblend.gradual must be a list of [layer, ratio] pairs.", param="ragblend.gradual")
+        settings["gradual"] = tuple(tuple(step) for step in gradual)
+    try:
+        return cls(**settings)
+    except (TypeError, ValueError) as err:   # InvalidInputError (the strategy's own checks) included
+        raise ApiError(400, f"ragblend: {err}", param="ragblend") from None
 
 
 class TextLimit:
@@ -212,9 +272,38 @@ class TextLimit:
 # ---------------------------------------------------------------------------- requests → prompts
 
 
+def is_marked(block) -> bool:
+    """Whether a content block is marked as a chunk: ``cache_control`` at its top level, or
+    under ``extras`` (where LangChain keeps fields it does not know)."""
+    return isinstance(block, dict) and bool(block.get("cache_control")
+                                            or (block.get("extras") or {}).get("cache_control"))
+
+
+def blocks_of(segments: Sequence) -> list[dict]:
+    """Chat content blocks of prompt segments: each :class:`Chunk` a block marked with
+    ``cache_control``, each string a plain text block (joined as they are by the server)."""
+    return [{"type": "text", "text": s.text, "cache_control": dict(CACHE_CONTROL)} if isinstance(s, Chunk)
+            else {"type": "text", "text": s} for s in segments]
+
+
+def text_of(content) -> str:
+    """The plain text of a message's content: a string, or its text blocks joined as they are."""
+    if isinstance(content, str):
+        return content
+    return "".join(b if isinstance(b, str) else b.get("text", "") for b in content
+                   if isinstance(b, str) or (isinstance(b, dict) and b.get("type") == "text"))
+
+
+def segments_of(content) -> list:
+    """Prompt segments of a content list, leniently (a client's own messages): marked text
+    blocks are Chunks, other text blocks and strings plain text, other blocks dropped."""
+    return [Chunk(b["text"]) if is_marked(b) and b.get("text") else text_of([b]) for b in content
+            if isinstance(b, str) or (isinstance(b, dict) and b.get("type") == "text")]
+
+
 def _text_of(content, where: str) -> tuple[str | None, list]:
     """``(plain text, [])`` for a string content, or ``(None, segments)`` for content blocks
-    (blocks marked with cache_control become Chunks)."""
+    (blocks marked with cache_control become Chunks), strictly: a request's."""
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list) or not content:
@@ -227,7 +316,7 @@ def _text_of(content, where: str) -> tuple[str | None, list]:
             raise ApiError(400, f"{where}.content[{i}] is a {kind!r} block; this server reads text blocks only "
                                 "({\"type\": \"text\", \"text\": \"...\"}).", param=f"{where}.content[{i}]")
         mark = block.get("cache_control")
-        if mark is not None and not (isinstance(mark, dict) and mark.get("type") == "ephemeral"):
+        if mark is not None and not (isinstance(mark, dict) and mark.get("type") == CACHE_CONTROL["type"]):
             raise ApiError(400, f"{where}.content[{i}].cache_control must be {{\"type\": \"ephemeral\"}}.",
                            param=f"{where}.content[{i}].cache_control")
         segments.append(Chunk(block["text"]) if mark is not None and block["text"] else block["text"])
@@ -236,6 +325,19 @@ def _text_of(content, where: str) -> tuple[str | None, list]:
 
 def _joined(text: str | None, segments: list) -> str:
     return text if text is not None else "".join(s.text if isinstance(s, Chunk) else s for s in segments)
+
+
+def passages(texts: Iterable[str]) -> list[str]:
+    """The passages of unmarked texts, split where frameworks join documents (paragraph
+    breaks), each once, in order. Their KV is stored after an answer so that the next prompt
+    holding them reuses it, with no setup by the client."""
+    seen: dict[str, None] = {}
+    for text in texts:
+        for piece in text.split(PASSAGE_BREAK):
+            piece = piece.strip()
+            if piece:
+                seen.setdefault(piece)
+    return list(seen)
 
 
 @dataclass
@@ -247,6 +349,7 @@ class ChatPrompt:
     history: list[tuple[str, str]]
     text: str | None
     segments: list
+    unmarked: list[str] = dataclasses.field(default_factory=list)   # texts and unmarked blocks, for passages()
 
     @classmethod
     def parse(cls, messages, limit: TextLimit) -> "ChatPrompt":
@@ -256,7 +359,7 @@ class ChatPrompt:
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
                            param="messages")
-        system, history, last, parts, chars = [], [], None, 0, 0
+        system, history, last, parts, chars, unmarked = [], [], None, 0, 0, []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
@@ -275,6 +378,7 @@ class ChatPrompt:
                     raise ApiError(400, f"The messages hold more than {MAX_PARTS} content blocks; merge them.",
                                    param=f"messages[{i}].content")
             text, segments = _text_of(content, f"messages[{i}]")
+            unmarked += [text] if text is not None else [s for s in segments if isinstance(s, str)]
             chars += len(_joined(text, segments))
             limit.check(chars, "The messages", "messages")
             if role in ("system", "developer"):
@@ -285,7 +389,11 @@ class ChatPrompt:
                 history.append((role, _joined(text, segments)))
         if last is None:
             raise ApiError(400, "The last message must be the user's.", param="messages")
-        return cls("\n\n".join(system) or None, history, *last)
+        return cls("\n\n".join(system) or None, history, *last, unmarked)
+
+    def passages(self) -> list[str]:
+        """The passages of the messages' unmarked text (marked chunks are stored by the fusion)."""
+        return passages(self.unmarked)
 
     def layout(self, engine: BlendEngine, *, find_chunks: bool = True) -> PromptLayout:
         """Tokenize (worker thread). With ``find_chunks``, a prompt over the window is refused
@@ -330,7 +438,7 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> 
         ids = engine.tokenize(prompt)
         check_window(engine, len(ids))
         return engine.find_chunks_in_ids(ids)
-    segments = _split(prompt, separator_ids)
+    segments = split_lmcache(prompt, separator_ids)
     if len(segments) == 1:   # a chunk on its own: LMCache's way of warming its KV
         return PromptLayout(list(prompt), [ChunkSpan(0, len(prompt), tuple(prompt))])
     if any(not s for s in segments):
@@ -345,7 +453,8 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> 
     return PromptLayout(ids, spans)
 
 
-def _split(ids: list[int], separator: list[int]) -> list[list[int]]:
+def split_lmcache(ids: list[int], separator: list[int]) -> list[list[int]]:
+    """The segments of a token-id prompt in LMCache's convention (see :func:`lmcache_ids`)."""
     parts, start, i, n = [], 0, 0, len(separator)
     while n and i <= len(ids) - n:
         if ids[i:i + n] == separator:
@@ -356,9 +465,45 @@ def _split(ids: list[int], separator: list[int]) -> list[list[int]]:
     return parts + [ids[start:]]
 
 
+def lmcache_ids(head: Sequence[int], segments: Sequence[Sequence[int]], separator: Sequence[int]) -> list[int]:
+    """A token-id prompt in LMCache's blending convention: ``head`` (the template's start), then
+    every segment (chunks, and the text between them; the last one is the question and the
+    template's end), each after ``separator`` (the ids of :data:`BLEND_SPECIAL_STR`)."""
+    ids = list(head)
+    for segment in segments:
+        ids += list(separator) + list(segment)
+    return ids
+
+
+def cached_tokens(stats: Stats) -> int:
+    """The prompt tokens an answer reports as cached, everywhere (the server's
+    ``usage.prompt_tokens_details.cached_tokens``, BlendChatModel's ``cache_read``, BlendLLM's
+    ``cached_prompt_tokens``): every prompt token whose KV came from the store, as a prefix
+    cache counts its hits. The fusion then recomputes a share of them; ``Stats.reused_tokens``
+    are the ones it kept."""
+    return stats.cache_hit_tokens
+
+
 def usage(stats: Stats) -> dict:
+    """The OpenAI ``usage`` object of an answer."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            # Like a prefix cache's count: every prompt token whose KV the store served (the
-            # fusion then recomputed a share of them; `ragblend.reused_tokens` are the rest).
-            "prompt_tokens_details": {"cached_tokens": stats.cache_hit_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens(stats)}}
+
+
+def read_stats(stats: Stats, event: dict) -> None:
+    """Fill ``stats`` from an answer or a stream event: the ``ragblend`` field when the server
+    sends one (its full stats), else the OpenAI usage (another server, such as vLLM's)."""
+    extension = event.get("ragblend")
+    if isinstance(extension, dict):
+        known = {f.name for f in dataclasses.fields(stats)}
+        for name, value in extension.items():
+            if name in known:
+                setattr(stats, name, value)
+    answer_usage = event.get("usage")
+    if isinstance(answer_usage, dict):
+        stats.prompt_tokens = answer_usage.get("prompt_tokens", stats.prompt_tokens)
+        stats.generated_tokens = answer_usage.get("completion_tokens", stats.generated_tokens)
+        cached = (answer_usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            stats.cache_hit_tokens = cached

@@ -1,0 +1,108 @@
+"""Reuse for any client, with no setup: the server stores the KV of the passages it sees.
+
+A client that knows nothing of ragblend (ChatOpenAI in a LangChain retrieval chain, LlamaIndex's
+OpenAILike, the openai SDK) sends its retrieved documents as plain text. The server splits that
+text where frameworks join documents (:func:`~ragblend.serving.protocol.passages`) and, once the
+answer is complete, computes and stores each new passage's KV as a chunk. The next prompt that
+holds the same passages finds them in the store, as the engine finds any stored chunk in a flat
+prompt, and reuses their KV.
+
+The storing runs as jobs of the server's worker (the one thread that runs the model), queued only
+when no request is waiting, a bounded number of tokens at a time, so that an answer never waits
+for it and a request that arrives meanwhile waits at most one such job. A passage that cannot be
+stored (store full or broken, the job refused) is only a miss: its next prompt computes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Callable, Iterable
+
+from ragblend.core.engine import BlendEngine
+
+from .protocol import ApiError
+from .worker import Job
+
+log = logging.getLogger("ragblend.server")
+
+MAX_PENDING = 512   # passages waiting to be stored; beyond it the oldest are dropped (misses)
+
+
+class PassageKeeper:
+    """Stores the KV of passages from requests, in the worker, between requests.
+
+    ``submit`` queues a :class:`Job` on the worker; ``load()`` counts the jobs waiting or
+    running there (the worker's ``depth``): storing starts only at 0, when no request is
+    waiting, prefilling or decoding.
+    ``batch_tokens`` bounds one job's work (the tokens it computes), so that a request arriving
+    during it waits little.
+    """
+
+    def __init__(self, engine: BlendEngine, submit: Callable[[Job], None], load: Callable[[], int], *,
+                 batch_tokens: int = 1024, max_pending: int = MAX_PENDING):
+        self.engine, self.submit, self.load, self.batch_tokens = engine, submit, load, batch_tokens
+        self.pending: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.max_pending = max_pending
+        self.lock = threading.Lock()
+        self.scheduled = False   # a storing job is queued or running
+        self.stored = self.failed = 0
+
+    def add(self, texts: Iterable[str]) -> None:
+        """Remember passages to store once the worker is free (call after the answer)."""
+        with self.lock:
+            for text in texts:
+                self.pending[text] = None
+                self.pending.move_to_end(text)
+            while len(self.pending) > self.max_pending:
+                self.pending.popitem(last=False)
+        self.schedule()
+
+    def schedule(self, own: int = 0) -> None:
+        """Queue a storing job if passages wait, none is queued, and the worker has no other
+        work (``own``: the jobs of ours the worker counts, 1 from inside a storing job)."""
+        with self.lock:
+            if self.scheduled or not self.pending or self.load() > own:
+                return
+            self.scheduled = True
+        try:
+            self.submit(Job(self._run, lambda outcome: None))
+        except ApiError:   # the queue filled meanwhile: the next answer schedules it again
+            with self.lock:
+                self.scheduled = False
+
+    def _take(self) -> list[str]:
+        """New passages (not stored yet, long enough to be found) up to ``batch_tokens``."""
+        engine, taken, tokens = self.engine, [], 0
+        limit = engine.context_window // 2   # a passage longer than that is no RAG chunk
+        while tokens < self.batch_tokens:
+            with self.lock:
+                if not self.pending:
+                    break
+                text, _ = self.pending.popitem(last=False)
+            ids = engine.tokenize(text)
+            if not engine.min_chunk_tokens <= len(ids) <= limit or engine.key_of(text) in engine.store:
+                continue
+            taken.append(text)
+            tokens += len(ids)
+        return taken
+
+    def _run(self, job: Job) -> None:
+        """The storing job (worker thread). Never raises: a failure is logged and counted."""
+        try:
+            texts = self._take()
+            if texts:
+                refs = self.engine.precompute(texts, skip_unusable=True)
+                stored = sum(ref is not None and ref.stored for ref in refs)
+                self.stored += stored
+                self.failed += len(texts) - stored
+                log.debug("stored the KV of %d of %d new passage(s)", stored, len(texts))
+        except Exception as err:   # a broken store, a cancelled job...: these passages are misses
+            self.failed += 1
+            log.warning("could not store passages' KV (%s: %s); their next prompts compute them",
+                        type(err).__name__, err)
+        finally:
+            with self.lock:
+                self.scheduled = False
+        self.schedule(own=1)   # more passages wait: go on while no request does
