@@ -29,7 +29,7 @@ def prompts():
 def run_batch(engine, decodings, join_after=()):
     """Decode ``decodings`` in one BatchDecoder; ``join_after[i]`` steps pass before the i-th
     joins (all at once by default). Returns the text each received as deltas."""
-    batch = BatchDecoder(max_batch=8, lock=engine._lock)
+    batch = BatchDecoder(max_batch=8)
     waiting = list(zip(join_after or [0] * len(decodings), decodings))
     texts, step = {id(d): "" for d in decodings}, 0
     while waiting or len(batch):
@@ -103,7 +103,7 @@ def test_a_member_removed_mid_batch_leaves_the_others_unchanged(tokenizer):
     params = SamplingParams(max_new_tokens=10)
     alone = [engine.generate(p, params=params) for p in prompts()[:3]]
     decodings = [engine.begin(p, params=params) for p in prompts()[:3]]
-    batch = BatchDecoder(lock=engine._lock)
+    batch = BatchDecoder()
     members = [batch.add(d) for d in decodings]
     for _ in range(3):
         batch.step()

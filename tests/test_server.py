@@ -276,7 +276,7 @@ def test_api_key_guards_everything_but_health(smol_engine):
 
 
 def test_a_full_queue_answers_429_and_loses_nothing(smol_engine):
-    busy = RunningServer(smol_engine, queue_size=1)
+    busy = RunningServer(smol_engine, queue_size=1, max_batch=1)   # one answer at a time: the queue fills
     body = {"messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 24, "temperature": 0}
     results = []
 

@@ -36,6 +36,13 @@ def kv_bytes_per_position(decoder: KVDecoder) -> int:
     return 2 * len(decoder.keys) * k.shape[0] * k.shape[2] * k.element_size()
 
 
+def kv_bytes_for(adapter, positions: int) -> int:
+    """Bytes of the KV buffers a decoder over ``adapter``'s model holds for ``positions`` positions
+    (:class:`~ragblend.core.generate.KVDecoder` keeps K and V in the model's dtype)."""
+    shape = adapter.shape
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * adapter.dtype.itemsize * positions
+
+
 @torch.inference_mode()
 def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     """Append ``tokens[i]`` to ``decoders[i]`` for every i in one pass over the weights; return the
@@ -106,20 +113,21 @@ class BatchDecoder:
     """Steps every member's decoding together. Not thread-safe: one thread adds, removes and steps.
 
     ``max_batch`` bounds the members and ``max_kv_bytes`` (None: no bound) their KV memory;
-    :meth:`fits` says whether another decoding of a given size may join. ``lock`` is held
-    around each model pass (the engine's, so that other calls on the engine wait for it).
+    :meth:`fits` says whether another decoding of a given size may join. Each model pass holds
+    the decodings' lock (their engine's, so that other calls on the engine wait for it).
     """
 
-    def __init__(self, max_batch: int = 8, max_kv_bytes: int | None = None, lock=None):
+    def __init__(self, max_batch: int = 8, max_kv_bytes: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidInputError(f"max_batch must be an integer >= 1, got {max_batch!r}.")
         if max_kv_bytes is not None and (isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int)
                                          or max_kv_bytes < 1):
             raise InvalidInputError(f"max_kv_bytes must be a positive integer or None, got {max_kv_bytes!r}.")
-        self.max_batch, self.max_kv_bytes, self.lock = max_batch, max_kv_bytes, lock
+        self.max_batch, self.max_kv_bytes = max_batch, max_kv_bytes
         self.members: list[Member] = []
         self.passes = 0          # model passes run (a batched one counts once)
         self.batched_rows = 0    # sequences those passes advanced
+        self.most_rows = 0       # the most sequences one pass advanced
 
     def __len__(self) -> int:
         return len(self.members)
@@ -178,4 +186,5 @@ class BatchDecoder:
                         d.steps += 1
             self.passes += 1
             self.batched_rows += len(stepping)
+            self.most_rows = max(self.most_rows, len(stepping))
         return events

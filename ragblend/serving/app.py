@@ -17,10 +17,12 @@ every answer's ``ragblend`` field carries the engine's full stats (``reused_toke
 cached tokens the fusion kept, ``recomputed_tokens``: those it computed again). A request may pick the
 fusion with ``"ragblend": {"strategy": "cacheblend", "ratio": 0.3}``.
 
-One engine serves every request, one at a time, from a bounded queue: a full queue answers
-429 with ``Retry-After``. The event loop only reads, size-checks and type-checks requests;
-everything that costs CPU (tokenizing, finding chunks, the model) runs in the worker thread,
-so ``/health`` answers at once whatever a request holds. A request that waits and runs longer
+One engine serves every request from a bounded queue: a full queue answers 429 with
+``Retry-After``. Each request is prefilled on its own; the answers then decode together, one
+pass over the weights per step for all of them (``serving.worker``, up to ``max_batch`` answers
+and ``max_kv_bytes`` of KV; a request that does not fit waits in the queue). The event loop
+only reads, size-checks and type-checks requests; everything that costs CPU (tokenizing,
+finding chunks, the model) runs in the worker thread, so ``/health`` answers at once whatever a request holds. A request that waits and runs longer
 than ``request_timeout_s`` fails with 504, and a client that disconnects is let go: either way
 its work stops within one layer or one decoding step. Errors have the OpenAI shape
 ``{"error": {"message", "type", "param", "code"}}``, name the field at fault and never carry a
@@ -46,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ragblend.core.batching import kv_bytes_for
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.net import is_loopback
@@ -70,7 +73,7 @@ from .protocol import (
     usage,
 )
 from .reuse import PassageKeeper
-from .worker import Job, Worker
+from .worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_KV_BYTES, Decode, Job, Worker
 
 log = logging.getLogger("ragblend.server")
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -211,12 +214,15 @@ class Stream(StreamingResponse):
 
 
 def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: int = 16,
-               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None):
-    """The FastAPI app serving ``engine`` (see the module docstring)."""
+               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None,
+               max_batch: int = DEFAULT_MAX_BATCH, max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
+    """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
+    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker)."""
     if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
         raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
     app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
-    worker, metrics = Worker(queue_size), Metrics()
+    worker, metrics = Worker(queue_size, max_batch, max_kv_bytes), Metrics()
+    app.state.worker = worker   # for tests and tools: its batch's counters
     model_id = model_name or engine.name
     aliases: dict[str, None] = {}   # in the order clients first sent them
     # Passages of the requests' plain text, stored between requests (serving.reuse).
@@ -348,18 +354,18 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
         check_options(body)
         strategy = requested_strategy(body)
 
-        def run(job: Job) -> Stats:   # the worker's side: tokenize, then prefill and decode
+        def run(job: Job) -> Decode:   # the worker's side: tokenize; the worker then prefills and decodes
             layout = layout_of()
             params = sampling(body, engine, len(layout.token_ids))
             job.emit(("ready", None))
-            stream = engine.stream(layout, strategy=strategy, params=params)
-            try:
-                for delta in stream:
-                    job.emit(("item", delta))
-            finally:
-                stream.close()
-            metrics.answer(stream.stats)
-            return stream.stats
+            positions = min(len(layout.token_ids) + params.max_new_tokens, engine.context_window)
+            return Decode(lambda: engine.begin(layout, strategy=strategy, params=params),
+                          kv_bytes_for(engine.adapter, positions), finished)
+
+        def finished(decoding) -> Stats:
+            stats = engine.finish(decoding)
+            metrics.answer(stats)
+            return stats
 
         created, ident = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         kind = "chat.completion" if chat else "text_completion"

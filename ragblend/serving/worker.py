@@ -1,15 +1,37 @@
-"""The server's work queue: one worker thread runs the requests' jobs, one at a time."""
+"""The server's work queue: one worker thread runs the requests' jobs and decodes their answers
+together (continuous batching, :mod:`ragblend.core.batching`).
+
+A job's ``run`` does its request's own work (tokenizing, checks; a whole /v1/chunks or
+/tokenize request). A completion's ``run`` returns a :class:`Decode` instead of a result: the
+worker then prefills it (alone, as before) once the batch has room for it, and from then on
+every decoding step advances all the answers in one pass over the weights. Between two steps
+the worker takes at most one new job, so a new request waits for one step at most before its
+prefill, and the answers under way wait for one prefill at most.
+
+Bounds: ``max_batch`` answers decode together and their KV buffers hold at most
+``max_kv_bytes``; a request that does not fit waits (holding the queue behind it, first come
+first served) until answers finish, and the queue holds ``queue_size`` requests: beyond it, 429.
+A request alone is always served, whatever its size.
+"""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ragblend.core.fusion import cancellable
+from ragblend.core.batching import BatchDecoder, Member
+from ragblend.core.fusion import Cancelled, cancellable
+from ragblend.core.generate import Decoding
 
 from .protocol import ApiError
+
+log = logging.getLogger("ragblend.server")
+
+DEFAULT_MAX_BATCH = 8             # kernels.DRAFT_ROWS: the most rows a pass runs on the decoding kernels
+DEFAULT_MAX_KV_BYTES = 2 << 30    # ~45 answers of 1,000 positions with SmolLM2 (46 KB a position)
 
 # ---------------------------------------------------------------------------- the work queue
 
@@ -24,12 +46,27 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-class Worker:
-    """Runs jobs one at a time from a bounded queue (the engine computes one prompt at a time)."""
+@dataclass
+class Decode:
+    """What a completion's ``run`` returns: the answer to decode in the batch.
 
-    def __init__(self, queue_size: int):
+    ``start`` prefills the prompt and returns its :class:`~ragblend.core.generate.Decoding`
+    (``BlendEngine.begin``); ``kv_bytes`` is the KV memory that decoding will hold (prompt and
+    answer); ``finish`` turns the finished decoding into the job's result."""
+
+    start: Callable[[], Decoding]
+    kv_bytes: int
+    finish: Callable[[Decoding], Any]
+
+
+class Worker:
+    """Runs jobs from a bounded queue in one thread and decodes their answers together."""
+
+    def __init__(self, queue_size: int, max_batch: int = DEFAULT_MAX_BATCH,
+                 max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self.running = 0
+        self.batch = BatchDecoder(max_batch, max_kv_bytes)
+        self.running = 0   # jobs taken from the queue and not done: the one at hand, and those decoding
         threading.Thread(target=self._loop, name="ragblend-serve-worker", daemon=True).start()
 
     def submit(self, job: Job) -> None:
@@ -44,21 +81,89 @@ class Worker:
         return self.jobs.qsize() + self.running
 
     def _loop(self) -> None:
+        waiting: tuple[Job, Decode] | None = None   # a prefill waiting for room in the batch
         while True:
-            job = self.jobs.get()
+            if waiting is None:
+                try:   # idle, sleep until a job comes; else only look
+                    job = self.jobs.get(block=not len(self.batch))
+                except queue.Empty:
+                    job = None
+                if job is not None and not job.cancelled.is_set():
+                    waiting = self._run(job)
+            if waiting is not None:
+                job, decode = waiting
+                if job.cancelled.is_set():
+                    waiting = None
+                    self._end(job, ("error", Cancelled("The request was cancelled before its prefill.")))
+                elif self.batch.fits(decode.kv_bytes):
+                    waiting = None
+                    self._start(job, decode)
+            if len(self.batch):
+                self._step()
+
+    def _run(self, job: Job) -> tuple[Job, Decode] | None:
+        """Run ``job``; its Decode if it has an answer to decode, else None (it is done)."""
+        self.running += 1
+        try:
+            # Every model pass in this block checks the flag per layer and raises
+            # fusion.Cancelled once the request has timed out or its client left.
+            with cancellable(job.cancelled.is_set):
+                result = job.run(job)
+        except BaseException as err:   # handed to the request's handler
+            self._end(job, ("error", err))
+            return None
+        if isinstance(result, Decode):
+            return job, result
+        self._end(job, ("done", result))
+        return None
+
+    def _start(self, job: Job, decode: Decode) -> None:
+        try:
+            with cancellable(job.cancelled.is_set):
+                decoding = decode.start()
+        except BaseException as err:
+            self._end(job, ("error", err))
+            return
+        self.batch.add(decoding, (job, decode))
+
+    def _step(self) -> None:
+        for member in list(self.batch.members):   # a client gone (or timed out) frees its slot now
+            job, _ = member.tag
             if job.cancelled.is_set():
-                continue
-            self.running = 1
-            try:
-                # Every model pass in this block checks the flag per layer / decoding step and
-                # raises fusion.Cancelled once the request has timed out or its client left.
-                with cancellable(job.cancelled.is_set):
-                    outcome = ("done", job.run(job))
-            except BaseException as err:   # handed to the request's handler
-                outcome = ("error", err)
-            finally:
-                self.running = 0
-            try:
-                job.emit(outcome)
-            except RuntimeError:   # the request's event loop is gone; nobody is waiting
-                pass
+                self.batch.remove(member)
+                self._end(job, ("error", Cancelled("The request was cancelled during its answer.")))
+        if not len(self.batch):
+            return
+        try:
+            events = self.batch.step()
+        except BaseException as err:   # a failed pass fails the answers it was computing, not the server
+            log.error("a batched decoding step failed", exc_info=err)
+            for member in list(self.batch.members):
+                self.batch.remove(member)
+                self._end(member.tag[0], ("error", err))
+            return
+        for event in events:
+            job, decode = event.member.tag
+            if event.delta:
+                self._emit(job, ("item", event.delta))
+            if event.finished:
+                self._finish(event.member, job, decode)
+
+    def _finish(self, member: Member, job: Job, decode: Decode) -> None:
+        try:
+            outcome = ("done", decode.finish(member.decoding))
+        except BaseException as err:
+            outcome = ("error", err)
+        self._end(job, outcome)
+
+    def _end(self, job: Job, outcome) -> None:
+        self.running -= 1
+        self._emit(job, outcome)
+
+    @staticmethod
+    def _emit(job: Job, item) -> None:
+        try:
+            job.emit(item)
+        except RuntimeError:   # the request's event loop is gone; nobody is waiting
+            pass
+
