@@ -32,7 +32,16 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        try:
+            module = importlib.import_module(_LAZY[name])
+        except ModuleNotFoundError as err:   # its framework is an extra: say how to install it
+            from .core.extras import missing_extra
+
+            hint = missing_extra(err.name, name)
+            if hint is None:
+                raise
+            raise hint from None
+        return getattr(module, name)
     raise AttributeError(f"module 'ragblend' has no attribute {name!r}")
 
 __all__ = [

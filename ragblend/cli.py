@@ -310,13 +310,11 @@ def _app(args) -> int:
 
 def _serve(args) -> int:
     """Start the OpenAI-compatible server (ragblend.serving) over one engine."""
-    try:
-        from ragblend.serving.app import serve
-    except ImportError as err:
-        print(f"ragblend: error: the server needs FastAPI and uvicorn ({err.name} is missing): "
-              "pip install 'ragblend[serve]'", file=sys.stderr)
-        return 2
+    from ragblend.core.extras import require
+
+    require("serve", "ragblend serve")   # before the model loads, not after
     from ragblend import BlendEngine
+    from ragblend.serving.app import serve
 
     kv_dir = False if args.kv_dir == "none" else args.kv_dir
     print(f"Loading the model{'' if args.model is None else ' ' + args.model}...", file=sys.stderr, flush=True)
@@ -351,8 +349,12 @@ def positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ragblend import __version__
+
     parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ragblend {__version__}")
+    # Not required: `ragblend` alone prints this help, its commands listed (main).
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     def add_index(p, default="<user cache>/ragblend/index"):
         p.add_argument("--index", default=None, help=f"index folder (default: {default})")
         p.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
@@ -448,11 +450,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:   # `ragblend` alone: what it can do
+        parser.print_help()
+        return 0
     try:
         return args.func(args)
     except (RagblendError, ValueError) as err:
         print(f"ragblend: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:   # an optional extra (LlamaIndex, LangChain...) is not installed
+        from ragblend.core.extras import missing_extra
+
+        hint = missing_extra(err.name, f"ragblend {args.command}")
+        if hint is None:
+            raise
+        print(f"ragblend: error: {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         hint = (" Files already ingested are kept; run the same command again to go on." if args.func is _ingest
