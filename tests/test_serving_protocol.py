@@ -144,3 +144,15 @@ def test_a_stream_carries_usage_on_its_last_chunk(server):
         events = [json.loads(line[5:]) for line in response.iter_lines()
                   if line.startswith("data:") and "[DONE]" not in line]
     assert sum("usage" in e for e in events) == 1 and events[-1]["choices"] == []   # counted once, the OpenAI way
+
+
+def test_chat_openai_stream_shows_usage_without_stream_usage(server):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_tokens=3, max_retries=0, timeout=60)
+    total = None
+    for chunk in chat.stream("hi"):
+        total = chunk if total is None else total + chunk
+    assert total.usage_metadata and total.usage_metadata["output_tokens"] >= 1
+    assert "cache_read" in total.usage_metadata["input_token_details"]
