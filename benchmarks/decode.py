@@ -13,7 +13,10 @@ same fused prefill:
 * the reference decoder: the model's own layers (``F.linear``), one token per pass, as before;
 * ragblend's decoding with each ``--drafts`` setting of ``prompt_lookup_num_tokens`` (0: no drafting),
 * the same with each ``--decode-dtypes`` setting: ``"float16"`` (float16 weights in the decoding
-  matmuls), ``"int4"`` (4-bit weights with bfloat16 activations; the LM head stays float32).
+  matmuls), ``"int4"`` (4-bit weights with bfloat16 activations; the LM head stays float32),
+  ``"int8"`` (8-bit weights, one scale per row, bfloat16 activations; the LM head too), ``"auto"``
+  (the default: 4-bit where the weights already are, 8-bit elsewhere, each kept where it
+  measures faster than float32 on the host).
 
 Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
 ``--tokens`` greedy tokens, stopping at the end token): answers identical to the reference
@@ -192,11 +195,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--sets", nargs="+", default=["fidelity:3", "squad:32"])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=5, help="speed rounds (0: agreement only)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
                         help="prompt_lookup_num_tokens settings to time (the last also runs with --decode-dtypes)")
-    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float16", "int4"])
+    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["auto", "float16", "int4", "int8"])
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
 
@@ -204,7 +207,8 @@ def main(argv=None) -> None:
         exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_dtype="float32")
         others = {dtype: BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype=dtype)
                   for dtype in args.decode_dtypes}
-        return [f"## {model}", "", f"Host: {cpu_summary()}", "", *speed(exact, others, args.runs, args.tokens, args.drafts),
+        timed = speed(exact, others, args.runs, args.tokens, args.drafts) if args.runs else []
+        return [f"## {model}", "", f"Host: {cpu_summary()}", "", *timed,
                 *agreement(exact, others, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]
 
     report_per_model(args.models, measure, args.out, "decode-run.md", "Decoding", "benchmarks.decode", argv)

@@ -336,15 +336,119 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
     assert "measured just now" in capsys.readouterr().out
 
 
-def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer):
+def low_bit_measures(monkeypatch, faster: bool):
+    """Make the decoding-format measurement say low-bit weights are (or are not) faster here."""
+    from ragblend.core import engine as engine_module
+
+    seen = []
+
+    def fake(workloads, rounds=5):
+        seen.append(sorted(workloads))
+        return {"float32": 1.0, "low-bit": 0.5 if faster else 1.0}
+
+    monkeypatch.setattr(engine_module, "fastest_rounds", fake)
+    return seen
+
+
+def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer, monkeypatch):
     from ragblend import BlendEngine
 
     from .conftest import tiny_model
 
+    low_bit_measures(monkeypatch, faster=True)
     snapped = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)   # as from a Q4_1 GGUF
-    plain = BlendEngine(tiny_model("llama"), tokenizer)                      # float weights: 4 bits would lose
+    plain = BlendEngine(tiny_model("llama"), tokenizer)   # float weights, not from a GGUF: low bits would lose
     assert snapped.decode_dtype == plain.decode_dtype == "auto"
     layers = snapped._decoding_adapter().hf_model.model.layers
     assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
     assert plain._decoding_adapter() is plain.adapter
     assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids
+
+
+def test_int8_linear_rounds_each_row_to_8_bits_and_keeps_long_passes_float32():
+    from ragblend.core.model import Int8Linear, quantize_int8
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 64)
+    codes, scales = quantize_int8(linear.weight)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales)   # the kernel's bfloat16 scales are exact
+    assert (codes.float() * scales[:, None] - linear.weight).abs().max() <= scales.max() / 2 + 1e-7
+    eight = Int8Linear(linear)
+    assert 0 < eight.quantization_error < 1 / 127
+    with torch.no_grad():
+        x = torch.randn(3, 96)
+        assert torch.allclose(eight(x), linear(x), rtol=0, atol=0.02)        # a decoding pass: 8-bit
+        long = torch.randn(40, 96)
+        assert torch.allclose(eight(long), linear(long), atol=1e-5)         # a prefill: float32
+
+
+def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.generate import KVDecoder
+    from ragblend.core.model import Int8Linear
+
+    from .conftest import tiny_model
+
+    model = copy.deepcopy(tiny_model("qwen2"))   # its own copy: its twin is built here
+    exact = BlendEngine(model, tokenizer, decode_dtype="float32")
+    eight = BlendEngine(model, tokenizer, decode_dtype="int8")
+    twin = eight._decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert isinstance(twin.lm_head, Int8Linear)                   # the LM head too
+    assert eight.decoding_layers() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
+    pre = exact.prefill(segments())
+    answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(eight._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2   # wrong scales: > 1
+    eight.prompt_lookup_num_tokens = 0
+    plain = eight.generate(segments(), max_new_tokens=12, temperature=0)
+    eight.prompt_lookup_num_tokens = 3
+    assert eight.generate(segments(), max_new_tokens=12, temperature=0).token_ids == plain.token_ids
+
+
+def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster(tokenizer, monkeypatch):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import model as model_module
+    from ragblend.core.model import Int8Linear
+
+    from .conftest import tiny_model
+
+    seen = low_bit_measures(monkeypatch, faster=True)
+    gguf = snapped_to_int4(tiny_model("llama"))
+    gguf.lm_head.weight = torch.nn.Parameter(torch.randn_like(gguf.lm_head.weight))   # a Q8_0-like head
+    model_module._FROM_GGUF.add(gguf)                        # as load_model marks a model read from a GGUF file
+    engine = BlendEngine(gguf, tokenizer)
+    assert engine.decoding_layers() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
+                                        "8-bit": 1}
+    assert isinstance(engine._decoding_adapter().hf_model.lm_head, Int8Linear)
+    assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
+
+    low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
+    slower = copy.deepcopy(gguf)
+    model_module._FROM_GGUF.add(slower)
+    engine = BlendEngine(slower, tokenizer)
+    assert engine._decoding_adapter() is engine.adapter and engine.decoding_layers() == {
+        "float32": 7 * gguf.config.num_hidden_layers + 1}
+
+
+def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import engine as engine_module
+
+    from .conftest import tiny_model
+
+    monkeypatch.setattr(engine_module, "int8_available", lambda: "this torch has no int8 kernel")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        eight = BlendEngine(copy.deepcopy(tiny_model("llama")), tokenizer, decode_dtype="int8")
+        out = eight.generate(segments(), max_new_tokens=3, temperature=0)
+    assert eight._decoding_adapter() is eight.adapter and out.token_ids
+    assert "no int8 kernel" in caplog.text and "float32" in caplog.text

@@ -53,6 +53,7 @@ from .model import (
     Int8Linear,
     ModelAdapter,
     cache_dir,
+    from_gguf,
     int4_available,
     int8_available,
     kernel_plan_for,
@@ -728,6 +729,17 @@ class BlendEngine:
                     self._decode_adapter = twins[self.decode_dtype] or self.adapter
         return self._decode_adapter
 
+    def decoding_layers(self) -> dict[str, int]:
+        """How many linear layers a decoding step runs in each weight format on this host, e.g.
+        ``{"4-bit": 210, "8-bit": 1}`` (the decoding twin is built if it was not yet)."""
+        names = {Int4Linear: "4-bit", Int8Linear: "8-bit", HalfLinear: "float16"}
+        counts: dict[str, int] = {}
+        for module in self._decoding_adapter().hf_model.modules():
+            if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear)):
+                kind = names.get(type(module), "float32")
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
     def _build_decoding_adapter(self) -> ModelAdapter | None:
         if self.decode_dtype == "float16":
             return ModelAdapter(with_linears(self.hf_model, HalfLinear))
@@ -745,9 +757,10 @@ class BlendEngine:
         """The low-bit layer to decode with, by the id of the float32 weight it replaces.
 
         ``"int4"``: 4-bit weights for every layer but the LM head; ``"int8"``: 8-bit weights for
-        every layer. ``"auto"``: 4-bit where the weights already are 4-bit (lossless), 8-bit
-        elsewhere, the LM head included, each kind kept only if a decoding step over its layers
-        measures faster than float32 on this host (see :meth:`_keep_faster`).
+        every layer. ``"auto"``: 4-bit where the weights already are 4-bit (lossless); for a model
+        loaded from a GGUF file (its weights quantized already, at 5-8 bits where not 4), 8-bit
+        for the others, the LM head included; each kind kept only if a decoding step over its
+        layers measures faster than float32 on this host (see :meth:`_keep_faster`).
         """
         wanted = self.decode_dtype
         if wanted != "auto":
@@ -762,8 +775,9 @@ class BlendEngine:
             if type(module) is not torch.nn.Linear:
                 continue
             is_head = module.weight is head_weight
-            if wanted == "auto":
-                kinds = ["int4", "int8"] if not is_head and on_int4_grid(module.weight) else ["int8"]
+            if wanted == "auto":   # 8-bit only for weights a GGUF file had quantized already
+                kinds = ["int4"] if not is_head and on_int4_grid(module.weight) else []
+                kinds += ["int8"] if from_gguf(self.hf_model) else []
             else:
                 kinds = [wanted] if wanted == "int8" or not is_head else []
             for kind in kinds:
@@ -780,8 +794,8 @@ class BlendEngine:
                 break
         if wanted != "auto":
             if skipped:
-                log.warning("ragblend: %d linear layer(s) cannot hold %s weights and decode in float32: %s",
-                            len(skipped), wanted, "; ".join(sorted(set(skipped))))
+                log.warning("ragblend: %d linear layer(s) cannot hold %s-bit weights and decode in float32: %s",
+                            len(skipped), wanted[3:], "; ".join(sorted(set(skipped))))
             lossy = sum(isinstance(layer, Int4Linear) and layer.quantization_error > EXACT_INT4
                         for layer in layers.values())
             if lossy:

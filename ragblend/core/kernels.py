@@ -254,6 +254,20 @@ def measure(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence[
     return choices, disturbed
 
 
+def fastest_rounds(workloads: dict[str, Callable[[], object]], rounds: int = 5) -> dict[str, float]:
+    """Seconds of each zero-argument workload: the fastest of ``rounds`` interleaved rounds
+    (after one untimed call each), as :func:`measure` times kernels."""
+    for work in workloads.values():
+        work()
+    times: dict[str, list[float]] = {name: [] for name in workloads}
+    for _ in range(rounds):
+        for name, work in workloads.items():
+            start = time.perf_counter()
+            work()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
+
+
 # ------------------------------------------------------------------------------- the cache
 
 

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,12 +144,22 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     )
 
 
+_FROM_GGUF: "weakref.WeakSet" = weakref.WeakSet()   # models loaded from a (quantized) GGUF file
+
+
+def from_gguf(hf_model) -> bool:
+    """Whether ``hf_model`` was loaded from a GGUF file, whose weights were quantized already
+    (the decoding may then read 8-bit copies of them: see ``BlendEngine(decode_dtype="auto")``)."""
+    return hf_model in _FROM_GGUF
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu"):
     """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(model)
+    gguf = model is None or Path(model).expanduser().suffix == ".gguf"
     if (model_dir / "tokenizer.json").exists():
         # Same tokenizer as AutoTokenizer gives, without its ~1 s of class resolution.
         from transformers import PreTrainedTokenizerFast
@@ -166,6 +177,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
         if bar_was_on:
             hf_logging.enable_progress_bar()
     hf_model.to(device).eval()
+    if gguf:
+        _FROM_GGUF.add(hf_model)
     return hf_model, tokenizer
 
 
@@ -284,6 +297,57 @@ class Int4Linear(CpuLinear):
             return super().rows(flat)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, INT4_GROUP,
                                                          self.scales_and_zeros)
+        return out.float() if self.bias is None else out.float() + self.bias
+
+
+def int8_available() -> str | None:
+    """None if this torch can run 8-bit weight matmuls on CPU, else why not."""
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return f"this torch ({torch.__version__}) has no aten._weight_int8pack_mm"
+    return None
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` with ``weight ~= scales[:, None] * codes``: symmetric, one scale per
+    output row, codes in -127..127. Each scale is rounded *up* to a bfloat16 value before the
+    codes are chosen, so the kernel's bfloat16 scales are the scales the codes were made for."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-30)
+    scales = _round_up_bfloat16(scales)
+    codes = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def _round_up_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    rounded = x.to(torch.bfloat16).float()
+    below = rounded < x
+    rounded[below] = torch.nextafter(rounded[below].to(torch.bfloat16), torch.tensor(float("inf"),
+                                     dtype=torch.bfloat16)).float()
+    return rounded
+
+
+class Int8Linear(CpuLinear):
+    """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 8-bit
+    weights, one scale per output row: PyTorch's own CPU kernel (``aten._weight_int8pack_mm``)
+    on bfloat16 activations, so a step reads 1/4 of the float32 weight bytes. For the weights of a
+    5-, 6- or 8-bit GGUF (Qwen2.5's Q5_0/Q6_K/Q8_0 blocks) the rounding is a fraction of the
+    file's own step. Longer passes use the float32 weight through the host's kernel plan.
+
+    ``quantization_error``: the weight's largest change, relative to its largest value.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, plan: KernelPlan | None = None):
+        super().__init__(linear, plan)
+        codes, scales = quantize_int8(linear.weight)
+        weight = linear.weight.detach().float()
+        error = (codes.float() * scales[:, None] - weight).abs().max()
+        self.quantization_error = float(error / weight.abs().max().clamp_min(1e-30))
+        self.codes, self.scales = codes, scales.to(torch.bfloat16)
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.shape[0] > DRAFT_ROWS:
+            return super().rows(flat)
+        out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.codes, self.scales)
         return out.float() if self.bias is None else out.float() + self.bias
 
 
@@ -418,11 +482,21 @@ class ModelAdapter:
         ``mask`` is ``[n, N]``, boolean (True = may attend) or additive float, or None for the plain causal
         case where the queries are exactly the last ``n == N`` keys. Returns ``[n, H*D]``.
         """
+        heads, n, dim = q.shape
+        group = heads // k.shape[0]   # query heads per K/V head
+        if mask is not None and group > 1 and n <= DRAFT_ROWS:
+            # A decoding pass: the heads that share a K/V head become rows of one query, so K/V
+            # are read once. (Masked SDPA with enable_gqa copies K/V once per query head on CPU,
+            # which made it several times slower over a long prompt.) Same math.
+            folded = q.reshape(k.shape[0], group * n, dim)
+            out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask.repeat(group, 1),
+                                                 scale=self.scaling)
+            return out[0].reshape(heads, n, dim).transpose(0, 1).reshape(n, -1)
         out = F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
-            scale=self.scaling, enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+            scale=self.scaling, enable_gqa=group > 1,
         )
-        return out[0].transpose(0, 1).reshape(q.shape[1], -1)
+        return out[0].transpose(0, 1).reshape(n, -1)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm, MLP, residual."""
