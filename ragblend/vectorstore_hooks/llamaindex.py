@@ -20,8 +20,9 @@ vector store in :class:`KVAwareVectorStore` so deleting a document drops its KV 
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TransformComponent
@@ -67,6 +68,10 @@ class KVPrecompute(TransformComponent):
         default=None, description="Precompute the node with its text replaced by this metadata value, as "
                                   "MetadataReplacementPostProcessor(target_metadata_key=...) will show it to the LLM "
                                   "(e.g. 'window' for SentenceWindowNodeParser). None: the node's own text.")
+    compute: bool = Field(
+        default=True, description="Compute the KV now. False: only write each node's key, so the node is "
+                                   "searchable at once and its KV can be computed later (LocalIndex's KV filler "
+                                   "finds the nodes whose key is not in the store).")
     _engine: BlendEngine = PrivateAttr()
 
     def __init__(self, engine: BlendEngine, **kwargs: Any):
@@ -82,15 +87,29 @@ class KVPrecompute(TransformComponent):
             for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
                 if KV_KEY not in excluded:
                     excluded.append(KV_KEY)
-        # One call: the engine runs many chunks through the model per pass.
-        refs = self._engine.precompute([llm_text(self._as_shown(node)) for node in nodes], skip_unusable=True,
-                                       progress=kwargs.get("show_progress", self.show_progress))
-        for node, ref in zip(nodes, refs):
-            if ref is None:
+        texts = [llm_text(self._as_shown(node)) for node in nodes]
+        if self.compute:
+            # One call: the engine runs many chunks through the model per pass.
+            refs = self._engine.precompute(texts, skip_unusable=True,
+                                           progress=kwargs.get("show_progress", self.show_progress))
+            keys = [None if ref is None else ref.key for ref in refs]
+        else:
+            keys = [self._key_if_usable(text) for text in texts]
+        for node, key in zip(nodes, keys):
+            if key is None:
                 node.metadata.pop(KV_KEY, None)
             else:
-                node.metadata[KV_KEY] = ref.key
+                node.metadata[KV_KEY] = key
         return nodes
+
+    def _key_if_usable(self, text: str) -> Optional[str]:
+        """The key ``precompute(text, skip_unusable=True)`` would store under, without
+        computing: None for a chunk it would skip (too short to find, too long for the window)."""
+        engine = self._engine
+        ids = engine.tokenize(text)
+        if not text.strip() or not engine.min_chunk_tokens <= len(ids) <= engine.context_window - len(engine.sink_ids):
+            return None
+        return engine.key_of(text)
 
     def _as_shown(self, node: BaseNode) -> BaseNode:
         """The node as the LLM will see it: its text replaced by ``metadata_key``'s value."""
@@ -99,6 +118,40 @@ class KVPrecompute(TransformComponent):
         shown = node.model_copy()
         shown.set_content(str(node.metadata[self.metadata_key]))
         return shown
+
+
+class EmbedWithProgress(TransformComponent):
+    """An embedding step that reports progress per document: it embeds one embedding batch
+    at a time and calls ``on_documents_done(n)`` as documents get their last chunk embedded,
+    so a progress bar over files moves per file, not once per batch of files."""
+
+    embed_model: BaseEmbedding
+    _on_documents_done: Optional[Callable[[int], Any]] = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EmbedWithProgress"
+
+    @property
+    def on_documents_done(self) -> Optional[Callable[[int], Any]]:
+        return self._on_documents_done
+
+    @on_documents_done.setter
+    def on_documents_done(self, callback: Optional[Callable[[int], Any]]) -> None:
+        self._on_documents_done = callback
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        nodes = list(nodes)
+        ends = sorted({node.ref_doc_id: i for i, node in enumerate(nodes)}.values())   # each document's last chunk
+        step = max(1, int(getattr(self.embed_model, "embed_batch_size", 10) or 10))
+        done = 0
+        for start in range(0, len(nodes), step):
+            self.embed_model(nodes[start:start + step], **kwargs)
+            finished = sum(1 for i in ends if i < start + step)
+            if self._on_documents_done is not None and finished > done:
+                self._on_documents_done(finished - done)
+            done = finished
+        return nodes
 
 
 class KVChunkHints(BaseNodePostprocessor):

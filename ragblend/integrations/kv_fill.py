@@ -1,0 +1,358 @@
+"""Filling in the KV of an index's chunks after they are searchable.
+
+Ingestion (``LocalIndex.ingest``) first commits chunks and embeddings, each chunk carrying
+the key its KV will be stored under (``KVPrecompute(compute=False)``); the index answers
+from then on. :class:`KVFiller` then computes the KV of every chunk whose key is not in the
+store, in the foreground (:meth:`KVFiller.run`, what ``ragblend ingest --kv now`` and
+``ragblend cache fill`` do) or in a background thread (:meth:`KVFiller.start`).
+
+* **Resumable**: what is left to do is derived each time from the index (the keys in Chroma's
+  metadata) and the store (the keys it holds), so a filler stopped by Ctrl-C, a crash or a
+  kill resumes where it stopped, computing nothing twice.
+* **Recently retrieved first**: chunks of documents that queries retrieved from go first.
+* **Yields to queries**: between passes (one pass is at most ``engine.precompute_batch_tokens``
+  chunk tokens, ~1 s on a 2-core CPU) it waits while a query runs (:meth:`KVFiller.query`).
+* **One filler per index**, across processes: a second one finds ``kv-fill.lock`` held and
+  leaves the work to the first.
+
+A query whose chunks have no KV yet is answered at once: ``KVChunkHints`` marks the retrieved
+chunks, and the engine computes a missing chunk's KV in the prefill and stores it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from ragblend.core.errors import RagblendError
+from ragblend.core.kv import KV_METADATA_KEY
+
+log = logging.getLogger(__name__)
+
+FILL_LOCK_FILE = "kv-fill.lock"
+_RECENT_DOCUMENTS = 64   # documents remembered as recently retrieved
+_FETCH = 32              # chunks read from Chroma at a time
+
+
+class KVFillBusyError(RagblendError, RuntimeError):
+    """Another process is already computing this index's KV."""
+
+
+@dataclass
+class KVCoverage:
+    """How much of an index's KV is computed."""
+
+    chunks: int   # chunks in the index
+    keyed: int    # chunks that get KV (the others are too short to find in a prompt, or too long)
+    stored: int   # keyed chunks whose KV is in the store
+
+    @property
+    def pending(self) -> int:
+        return self.keyed - self.stored
+
+    @property
+    def fraction(self) -> float:
+        return self.stored / self.keyed if self.keyed else 1.0
+
+    def as_dict(self) -> dict:
+        return {"chunks": self.chunks, "keyed": self.keyed, "stored": self.stored, "pending": self.pending,
+                "fraction": self.fraction}
+
+    def describe(self) -> str:
+        no_kv = self.chunks - self.keyed
+        extra = f"; {no_kv} chunk(s) too short or too long to need KV" if no_kv else ""
+        return f"KV for {self.stored:,} of {self.keyed:,} chunk(s) ({self.fraction:.1%}), {self.pending:,} to compute{extra}"
+
+
+def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, str | None]]:
+    """``(node id, KV key or None, document id)`` of every chunk in a Chroma collection,
+    in the order Chroma lists them, reading metadata only."""
+    offset = 0
+    while True:
+        got = collection.get(include=["metadatas"], limit=page, offset=offset)
+        ids = got["ids"] or []
+        for node_id, meta in zip(ids, got["metadatas"] or [{}] * len(ids)):
+            meta = meta or {}
+            yield node_id, meta.get(KV_METADATA_KEY) or None, meta.get("ref_doc_id") or meta.get("document_id")
+        if len(ids) < page:
+            return
+        offset += page
+
+
+def coverage_of(collection, stored_keys: Iterable[str]) -> KVCoverage:
+    """The coverage of a Chroma collection's chunks by a set of stored KV keys (works
+    without the model: ``ragblend cache stats`` uses it)."""
+    stored_keys = stored_keys if isinstance(stored_keys, (set, frozenset)) else set(stored_keys)
+    chunks = keyed = stored = 0
+    for _, key, _ in scan_index(collection):
+        chunks += 1
+        if key:
+            keyed += 1
+            stored += key in stored_keys
+    return KVCoverage(chunks, keyed, stored)
+
+
+@contextlib.contextmanager
+def fill_lock(folder: Path):
+    """Hold ``folder/kv-fill.lock`` (an ``flock``, released by the kernel however its holder
+    dies) or raise :class:`KVFillBusyError` at once naming the holder's pid."""
+    try:
+        import fcntl
+    except ImportError:   # not POSIX: no cross-process lock
+        yield
+        return
+    fd = os.open(Path(folder) / FILL_LOCK_FILE, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise KVFillBusyError(f"another process (pid {holder}) is computing the KV of the index at {folder}; "
+                                  "it goes on there (`ragblend cache stats` shows the coverage).") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+class KVFiller:
+    """Computes the KV of a :class:`LocalIndex`'s chunks that have none (see the module doc)."""
+
+    def __init__(self, index):
+        self.index = index
+        self.engine = index.engine
+        self._queries = 0
+        self._changed = threading.Condition()
+        self._recent: OrderedDict[str, None] = OrderedDict()   # document ids, most recently retrieved last
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._again = threading.Event()   # new chunks arrived while the thread was filling
+        self._exiting = False             # the thread found nothing more to do and is ending
+        self._warned_unstorable = False
+        self.state = "idle"               # idle | filling | paused for a query | stopped | another process...
+        self.error: BaseException | None = None   # what stopped the background thread, if it failed
+        self.computed = 0                 # chunks this filler computed
+        self.tokens = 0                   # their tokens
+        self.compute_s = 0.0              # seconds spent computing them (not waiting for queries)
+
+    # ------------------------------------------------------------------ what queries tell it
+
+    @contextlib.contextmanager
+    def query(self):
+        """Hold for the time a query runs: the filler starts no new pass meanwhile (a pass it
+        is in finishes first, ~1 s at most)."""
+        with self._changed:
+            self._queries += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._queries -= 1
+                self._changed.notify_all()
+
+    def retrieved(self, document_ids: Iterable[str | None]) -> None:
+        """Chunks of these documents are computed before the others (a document asked about
+        once is likely to be asked about again)."""
+        with self._changed:
+            for doc_id in document_ids:
+                if doc_id:
+                    self._recent.pop(doc_id, None)
+                    self._recent[doc_id] = None
+            while len(self._recent) > _RECENT_DOCUMENTS:
+                self._recent.popitem(last=False)
+
+    # ------------------------------------------------------------------ state
+
+    def coverage(self) -> KVCoverage:
+        return coverage_of(self.index.collection, self.engine.store.keys())
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def rate(self) -> float | None:
+        """Chunk tokens computed per second of computing (waits for queries excluded)."""
+        return self.tokens / self.compute_s if self.compute_s else None
+
+    # ------------------------------------------------------------------ foreground
+
+    def run(self, *, progress: bool = False) -> int:
+        """Compute every missing KV now; returns how many chunks were computed. Raises
+        :class:`KVFillBusyError` when another process is filling this index. Ctrl-C stops it
+        between two passes of the model: what was stored stays, the rest is done next time."""
+        with fill_lock(self.index.path):
+            return self._fill(progress)
+
+    # ------------------------------------------------------------------ background
+
+    def start(self) -> None:
+        """Fill in a daemon thread (a no-op if it is already filling: it rescans when done)."""
+        with self._changed:
+            self._again.set()
+            if self.running and not self._exiting:
+                return   # it rescans the index when its round ends
+        if self._thread is not None:
+            self._thread.join()   # an ending thread still holds the fill lock for an instant
+        self._stop.clear()
+        self.error, self._exiting, self.state = None, False, "filling"
+        self._thread = threading.Thread(target=self._background, name="ragblend-kv-fill", daemon=True)
+        self._thread.start()
+        _running.add(self)
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the thread after its current pass (what it stored stays)."""
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background thread to finish; True if it did. Re-raises its error."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def _background(self) -> None:
+        try:
+            with fill_lock(self.index.path):
+                while not self._stop.is_set():
+                    with self._changed:
+                        if not self._again.is_set():
+                            self._exiting = True
+                            break
+                        self._again.clear()
+                    self._fill(progress=False)
+            self.state = "stopped" if self._stop.is_set() else "idle"
+        except KVFillBusyError as err:
+            self.state = str(err)
+            log.info("ragblend: %s", err)
+        except BaseException as err:   # kept for wait() and the coverage display; queries are unaffected
+            self.error, self.state = err, f"failed: {type(err).__name__}: {err}"
+            log.warning("ragblend: computing the index's KV in the background failed (%s: %s); queries compute "
+                        "the KV of the chunks they use. `ragblend cache fill` resumes it.", type(err).__name__, err)
+
+    # ------------------------------------------------------------------ the work
+
+    def _pending(self, tried: set[str]) -> list[tuple[str, str, str | None]]:
+        stored = set(self.engine.store.keys())
+        return [(node_id, key, doc) for node_id, key, doc in scan_index(self.index.collection)
+                if key and key not in stored and key not in tried]
+
+    def _order(self, pending: list) -> list:
+        """Chunks of recently retrieved documents first (the most recent first), then index order."""
+        with self._changed:
+            rank = {doc: i for i, doc in enumerate(reversed(self._recent))}
+        if not rank:
+            return pending
+        return sorted(pending, key=lambda item: rank.get(item[2], len(rank)))   # stable: index order kept
+
+    def _wait_for_queries(self) -> None:
+        with self._changed:
+            while self._queries and not self._stop.is_set():
+                self.state = "paused for a query"
+                self._changed.wait(0.5)
+            self.state = "filling"
+
+    def _fill(self, progress: bool) -> int:
+        """Rounds of: list what is missing, compute it in passes. A round ends when nothing is
+        missing, or nothing new (a chunk whose KV could not be stored is tried once per call)."""
+        from ragblend.vectorstore_hooks.llamaindex import llm_text
+
+        tried: set[str] = set()
+        done = 0
+        bar = None
+        try:
+            while not self._stop.is_set():
+                pending = self._pending(tried)
+                if not pending:
+                    break
+                if progress:
+                    if bar is None:
+                        from tqdm.auto import tqdm
+                        bar = tqdm(total=len(pending), desc="Computing KV", unit="chunk")
+                    else:
+                        bar.total = bar.n + len(pending)
+                        bar.refresh()
+                while pending and not self._stop.is_set():
+                    self._wait_for_queries()
+                    pending = self._order(pending)
+                    batch, pending = pending[:_FETCH], pending[_FETCH:]
+                    with self.index.writing:   # the nodes cannot be deleted between reading and storing
+                        nodes = self.index.vector_store.get_nodes(node_ids=[node_id for node_id, _, _ in batch])
+                        by_id = {node.node_id: node for node in nodes}
+                        items = [(key, llm_text(by_id[node_id])) for node_id, key, _ in batch if node_id in by_id]
+                    for group in self._passes(items):
+                        self._wait_for_queries()
+                        if self._stop.is_set():
+                            break
+                        with self.index.writing:
+                            t0 = time.perf_counter()
+                            refs = self.engine.precompute([text for _, text in group], skip_unusable=True)
+                            self.compute_s += time.perf_counter() - t0
+                        for (key, _), ref in zip(group, refs):
+                            tried.add(key)
+                            if ref is not None and ref.key == key and ref.stored:
+                                self.computed += 1
+                                self.tokens += ref.num_tokens
+                                done += 1
+                            else:
+                                self._warn_unstorable(key, ref)
+                        if bar is not None:
+                            bar.update(len(group))
+                    tried.update(key for _, key, _ in batch)   # deleted meanwhile, or failed: not again this call
+        finally:
+            if bar is not None:
+                bar.close()
+        return done
+
+    def _passes(self, items: list[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
+        """Groups of chunks that fill one pass of the model (``precompute_batch_tokens``)."""
+        budget = self.engine.precompute_batch_tokens
+        group, tokens = [], 0
+        for key, text in items:
+            n = self.engine.count_tokens(text)
+            if group and tokens + n > budget:
+                yield group
+                group, tokens = [], 0
+            group.append((key, text))
+            tokens += n
+        if group:
+            yield group
+
+    def _warn_unstorable(self, key: str, ref) -> None:
+        if self._warned_unstorable:
+            return
+        self._warned_unstorable = True
+        if ref is not None and ref.key != key:
+            log.warning("ragblend: the index's chunks were keyed for another model or KV dtype than this engine's; "
+                        "their KV is computed by queries instead. Rebuild the index (ragblend ingest --rebuild) to "
+                        "key them for this one.")
+        elif ref is not None:
+            log.warning("ragblend: the KV store did not take a computed chunk (cause logged above); it is tried again "
+                        "next time.")
+
+
+# Background fillers still running when the interpreter exits are stopped after their pass,
+# so no KV file is left half-written by a thread killed mid-write.
+_running: weakref.WeakSet[KVFiller] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for filler in list(_running):
+        filler.stop(timeout=10.0)
