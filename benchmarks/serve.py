@@ -11,6 +11,7 @@ each refusal carried ``Retry-After``, and that every accepted request was answer
 
     python -m benchmarks.serve                    # 8 clients x 10 requests; a few minutes on 2 cores
     python -m benchmarks.serve --clients 4 --requests 3
+    python -m benchmarks.serve --reuse            # reuse with no setup: plain-text asks, nothing registered
 """
 
 from __future__ import annotations
@@ -133,7 +134,11 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=10, help="per client")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", default="docs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="only measure reuse with no setup (plain-text prompts, no /v1/chunks): serve-reuse-run.md")
     args = parser.parse_args(argv)
+    if args.reuse:
+        return reuse_main(args, argv)
     sample = load_sample()
     chunks, question = sample["chunks"], sample["question"]
     started = time.perf_counter()
@@ -188,6 +193,44 @@ def main(argv=None) -> None:
                   f"{sum(1 for r in refused if r.get('retry_after'))} | {other} |"]
     print("\n".join(lines))
     write_report(args.out, "serve-run.md", "Serving under load", command_line("benchmarks.serve", argv),
+                 time.perf_counter() - started, lines)
+
+
+def plain_request(chunks: list[str], question: str, max_tokens: int) -> dict:
+    """A prompt as a framework's stuff chain sends it: the documents joined by blank lines, no marks."""
+    return {"messages": [{"role": "system", "content": "Answer using only this context:\n\n" + "\n\n".join(chunks)},
+                         {"role": "user", "content": question}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+def reuse_main(args, argv) -> None:
+    """Reuse with no setup: a fresh memory-only server, nothing registered; the same plain-text RAG
+    prompt asked three times, then its chunks in another order and with a new one."""
+    started = time.perf_counter()
+    sample = load_sample()
+    chunks, question = sample["chunks"], sample["question"]
+    asks = [("first ask", chunks[:3]), ("same question again", chunks[:3]), ("and again", chunks[:3]),
+            ("chunks reordered", [chunks[2], chunks[0], chunks[1]]), ("two seen, one new", chunks[1:4])]
+    server = Server("none")
+    try:
+        rows = []
+        for label, docs in asks:
+            result = one_request(server.url, plain_request(docs, question, args.max_tokens))
+            assert result["status"] == 200, result
+            chunk_tokens = sum(len(httpx.post(f"{server.url}/tokenize", json={"prompt": d, "add_special_tokens": False},
+                                              timeout=60).json()["tokens"]) for d in docs)
+            cached = result["usage"]["prompt_tokens_details"]["cached_tokens"]
+            rows.append(f"| {label} | {result['usage']['prompt_tokens']} | {chunk_tokens} | {cached} | "
+                        f"{cached / chunk_tokens:.0%} | {result['engine_ttft']:.2f} | {result['ttft']:.2f} |")
+    finally:
+        server.stop()
+    lines = ["Plain-text RAG prompts (system: the 3 benchmark chunks joined by blank lines; user: the question), "
+             "as LangChain's stuff chain sends them, to a fresh `ragblend serve --kv-dir none` with nothing registered. "
+             f"{args.max_tokens} answer tokens each, one request at a time.", "",
+             "| ask | prompt tokens | chunk tokens | cached tokens | cached / chunk tokens | server TTFT (s) | "
+             "client TTFT (s) |", "|---|---:|---:|---:|---:|---:|---:|", *rows]
+    print("\n".join(lines))
+    write_report(args.out, "serve-reuse-run.md", "Reuse with no setup", command_line("benchmarks.serve", argv),
                  time.perf_counter() - started, lines)
 
 

@@ -156,3 +156,16 @@ def test_chat_openai_stream_shows_usage_without_stream_usage(server):
         total = chunk if total is None else total + chunk
     assert total.usage_metadata and total.usage_metadata["output_tokens"] >= 1
     assert "cache_read" in total.usage_metadata["input_token_details"]
+
+
+def test_one_log_line_per_request(server, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ragblend.server")
+    httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={"messages": []})
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragblend.server" and r.levelno == logging.INFO]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("/v1/chat/completions 200: ") and "cached" in lines[0] and "TTFT" in lines[0]
+    assert lines[1].startswith("/v1/chat/completions 400: messages must be a non-empty list")

@@ -41,7 +41,7 @@ class PassageKeeper:
     """
 
     def __init__(self, engine: BlendEngine, submit: Callable[[Job], None], load: Callable[[], int], *,
-                 batch_tokens: int = 1024, max_pending: int = MAX_PENDING):
+                 batch_tokens: int = 2048, max_pending: int = MAX_PENDING):
         self.engine, self.submit, self.load, self.batch_tokens = engine, submit, load, batch_tokens
         self.pending: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.max_pending = max_pending
