@@ -12,6 +12,15 @@ each refusal carried ``Retry-After``, and that every accepted request was answer
     python -m benchmarks.serve                    # 8 clients x 10 requests; a few minutes on 2 cores
     python -m benchmarks.serve --clients 4 --requests 3
     python -m benchmarks.serve --reuse            # reuse with no setup: plain-text asks, nothing registered
+    python -m benchmarks.serve --concurrency      # batched decoding: 1, 4 and 8 openai clients at once
+
+``--concurrency`` measures batched decoding (continuous batching, ``serving.worker``): one
+``ragblend serve`` (subprocess, embedded model, a fresh KV folder), ``--levels`` of concurrent
+clients (official openai SDK, streaming, short distinct questions, ``--max-tokens`` each, greedy),
+``--requests`` per client. For each level: requests answered and lost, aggregate answer tokens/s
+(all answers' tokens over the level's wall time), client latency p50/p95 and TTFT p50, and the
+ratios to the single client's (one request at a time): the targets are >= 4x the tokens/s and
+<= 2x the p50 latency at 8 clients, 0 lost.
 """
 
 from __future__ import annotations
@@ -134,11 +143,16 @@ def main(argv=None) -> None:
     parser.add_argument("--requests", type=int, default=10, help="per client")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", default="docs")
+    parser.add_argument("--concurrency", action="store_true",
+                        help="only measure batched decoding: --levels concurrent openai clients (serve-batching-run.md)")
+    parser.add_argument("--levels", default="1,4,8", help="with --concurrency: client counts, the first the baseline")
     parser.add_argument("--reuse", action="store_true",
                         help="only measure reuse with no setup (plain-text prompts, no /v1/chunks): serve-reuse-run.md")
     args = parser.parse_args(argv)
     if args.reuse:
         return reuse_main(args, argv)
+    if args.concurrency:
+        return concurrency_main(args, argv)
     sample = load_sample()
     chunks, question = sample["chunks"], sample["question"]
     started = time.perf_counter()
@@ -232,6 +246,93 @@ def reuse_main(args, argv) -> None:
     print("\n".join(lines))
     write_report(args.out, "serve-reuse-run.md", "Reuse with no setup", command_line("benchmarks.serve", argv),
                  time.perf_counter() - started, lines)
+
+
+
+# ---------------------------------------------------------------------------- batched decoding
+
+QUESTIONS = [
+    "Name three uses of a lighthouse.", "Why do bakers proof dough overnight?", "What does a ferry captain do?",
+    "Explain what a steel bridge is.", "Give two reasons to visit an island.", "What is whale oil?",
+    "Describe a village council meeting.", "How are rye loaves different from wheat loaves?",
+    "What makes a harbour safe?", "List some kinds of boats.", "Why do towns replace old bridges?",
+    "What is a linen basket used for?",
+]
+
+
+def openai_request(url: str, question: str, max_tokens: int) -> dict:
+    """One streaming chat request through the official openai client; what it saw."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    started, first, usage = time.perf_counter(), None, None
+    try:
+        stream = client.chat.completions.create(
+            model="ragblend", messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True})
+        for event in stream:
+            if event.choices and event.choices[0].delta.content:
+                first = first or time.perf_counter()
+            usage = event.usage or usage
+    except openai.APIError as err:
+        return {"status": type(err).__name__}
+    end = time.perf_counter()
+    if usage is None:
+        return {"status": "no usage"}
+    return {"status": 200, "ttft": (first or end) - started, "latency": end - started,
+            "tokens": usage.completion_tokens}
+
+
+def concurrency_level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    results, lock = [], threading.Lock()
+
+    def client(index: int) -> None:
+        for r in range(requests):
+            outcome = openai_request(url, QUESTIONS[(index * requests + r) % len(QUESTIONS)], max_tokens)
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - started
+    answered = [r for r in results if r["status"] == 200]
+    latencies = [r["latency"] for r in answered] or [float("nan")]
+    return {"clients": clients, "requests": len(results), "answered": len(answered),
+            "lost": len(results) - len(answered), "tokens": sum(r["tokens"] for r in answered),
+            "tokens_s": sum(r["tokens"] for r in answered) / seconds, "seconds": seconds,
+            "p50": percentile(latencies, 0.5), "p95": percentile(latencies, 0.95),
+            "ttft50": percentile([r["ttft"] for r in answered] or [float("nan")], 0.5)}
+
+
+def concurrency_main(args, argv) -> None:
+    levels = [int(n) for n in args.levels.split(",")]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as kv_dir:
+        server = Server(kv_dir)
+        try:
+            openai_request(server.url, "Hello.", 4)   # warm-up: first-call allocations, kernel choices
+            measured = [concurrency_level(server.url, n, args.requests, args.max_tokens) for n in levels]
+        finally:
+            server.stop()
+    base = measured[0]
+    lines = [f"Streaming chat requests over loopback to one `ragblend serve` (embedded SmolLM2, answers decoded "
+             f"together: continuous batching, up to 8 per step), sent with the official openai client: each client "
+             f"sends {args.requests} requests one after another, short distinct questions, at most "
+             f"{args.max_tokens} answer tokens, greedy. Tokens/s: all answers' tokens over the level's wall time. "
+             f"Ratios are to the {base['clients']}-client level (one request at a time).", "",
+             "| clients | answered | lost | answer tokens | tokens/s | x tokens/s | latency p50 / p95 (s) | "
+             "x p50 | TTFT p50 (s) |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in measured:
+        lines.append(f"| {m['clients']} | {m['answered']} | {m['lost']} | {m['tokens']} | {m['tokens_s']:.1f} | "
+                     f"{m['tokens_s'] / base['tokens_s']:.2f} | {m['p50']:.2f} / {m['p95']:.2f} | "
+                     f"{m['p50'] / base['p50']:.2f} | {m['ttft50']:.2f} |")
+    print("\n".join(lines))
+    write_report(args.out, "serve-batching-run.md", "Batched decoding under concurrent clients",
+                 command_line("benchmarks.serve", argv), time.perf_counter() - started, lines)
 
 
 if __name__ == "__main__":
