@@ -368,7 +368,7 @@ def _calibrate(args) -> int:
 def _info(args) -> int:
     from ragblend import BlendEngine
     from ragblend.core.kernels import cpu_summary
-    from ragblend.core.model import int4_available, kernel_plan_for
+    from ragblend.core.model import int4_available, int8_available, kernel_plan_for
 
     engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
     plan = engine.kernel_plan
@@ -385,8 +385,11 @@ def _info(args) -> int:
         print(f"Kernels per pass size ({when}; RAGBLEND_KERNELS=linear keeps F.linear everywhere):")
         for line in plan.describe():
             print(f"  {line}")
-    why_not = int4_available()
-    print(f"4-bit decoding (decode_dtype='int4'): {'available' if why_not is None else 'unavailable: ' + why_not}")
+    for bits, why_not in (("4", int4_available()), ("8", int8_available())):
+        print(f"{bits}-bit decoding (decode_dtype='int{bits}'): "
+              f"{'available' if why_not is None else 'unavailable: ' + why_not}")
+    layers = ", ".join(f"{count} {kind}" for kind, count in engine.decoding_layers().items())
+    print(f"Decoding step (decode_dtype={engine.decode_dtype!r}, chosen on this host): linear layers {layers}")
     return 0
 
 
@@ -436,7 +439,7 @@ def _serve(args) -> int:
           f"(key {'required' if args.api_key else 'not required'}); Ctrl+C stops it.", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key or None, queue_size=args.queue_size,
           request_timeout_s=args.timeout, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-          model_name=args.model_name)
+          model_name=args.model_name, max_batch=args.max_batch, max_kv_bytes=int(args.max_kv_mb * (1 << 20)))
     return 0
 
 
@@ -554,6 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-size", type=positive_int, default=16, help="requests that may wait; more get 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait and run (then 504)")
     serve.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body (then 413)")
+    serve.add_argument("--max-batch", type=positive_int, default=8,
+                       help="answers decoded together, one pass over the weights per step (1: one at a time)")
+    serve.add_argument("--max-kv-mb", type=float, default=2048.0,
+                       help="KV buffer memory the answers being decoded may hold; a request beyond it waits")
     serve.set_defaults(func=_serve)
 
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")

@@ -58,3 +58,21 @@ def test_cache_stats_verify_and_clear(tmp_path, capsys):
     engine.precompute(["A third chunk for the cache command."])
     assert main(["cache", "clear", "--kv-dir", str(tmp_path)]) == 0
     assert "Removed 1 entries" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_serve_passes_its_batching_limits_to_the_server(monkeypatch, tmp_path):
+    from transformers import AutoTokenizer
+
+    from ragblend import cli
+    from ragblend.serving import app as app_module
+
+    from .conftest import TOKENIZER_DIR, tiny_model
+
+    seen = {}
+    monkeypatch.setattr(app_module, "serve", lambda engine, **options: seen.update(options))
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(model_dir)
+    assert cli.main(["serve", "--model", str(model_dir), "--kv-dir", "none", "--max-batch", "2",
+                     "--max-kv-mb", "64"]) == 0
+    assert seen["max_batch"] == 2 and seen["max_kv_bytes"] == 64 << 20
