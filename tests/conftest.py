@@ -22,7 +22,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
 
 
 def tiny_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if arch == "llama":  # RoPE scaling variant, through the model's own rotary module
         return LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
@@ -32,10 +32,20 @@ def tiny_config(arch: str):
         return Qwen2Config(**TINY)
     if arch == "qwen3":  # per-head q/k RMSNorm
         return Qwen3Config(**TINY)
+    if arch == "gemma3":
+        # Sliding-window layers (window shorter than the test prompts) beside global ones, with
+        # RoPE bases far apart, so a layer rotated with the other kind's tables fails the tests;
+        # q/k norms, sandwich norms, scaled embeddings, query_pre_attn_scalar != head_dim, and
+        # the final logit soft-capping (Gemma 2's; off in real Gemma 3) on, so it is tested too.
+        return Gemma3TextConfig(**TINY, sliding_window=48, query_pre_attn_scalar=24, final_logit_softcapping=30.0,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                             "full_attention"],
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
     raise ValueError(arch)
 
 
-TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]
 
 
 @pytest.fixture(scope="session")

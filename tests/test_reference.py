@@ -10,6 +10,7 @@ With ``cached_attention_scale`` (APE's scaling) the reference adds ``log(scale)`
 score on a reused token left out from layer 0, in the prefill and in a decoding step after it.
 """
 
+import inspect
 import math
 
 import pytest
@@ -38,15 +39,25 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, ke
     """Logits and per-layer K (after RoPE) / V of a dense pass in which, at each layer, only
     the tokens in ``layer_positions[layer]`` keep their fresh K/V; every other token's K/V
     is its cached one (``cached_k``/``cached_v``: per layer ``[kv_heads, N, dim]``, K before RoPE).
-    ``key_bias [N]`` is added to every score on each key."""
-    base, n = hf_model.model, len(token_ids)
+    ``key_bias [N]`` is added to every score on each key.
+
+    Gemma 3's details as its modeling file has them: RoPE tables per layer type (the rotary
+    module takes the type), sliding windows per layer, norms after attention and around the
+    MLP, and the final logit soft-capping."""
+    base, n, config = hf_model.model, len(token_ids), hf_model.config
     ids = torch.tensor([token_ids])
     hidden = base.embed_tokens(ids)
-    cos, sin = base.rotary_emb(hidden, torch.arange(n)[None])
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    layer_types = getattr(config, "layer_types", None)
+    per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+    tables = ({t: base.rotary_emb(hidden, torch.arange(n)[None], t) for t in set(layer_types)} if per_type
+              else {None: base.rotary_emb(hidden, torch.arange(n)[None])})
+    distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]
     keys, values = [], []
     for layer_index, layer in enumerate(base.layers):
         attn = layer.self_attn
+        cos, sin = tables[layer_types[layer_index] if per_type else None]
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        causal = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
         x = layer.input_layernorm(hidden)
         shape = (1, n, -1, attn.head_dim)
         q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
@@ -65,9 +76,16 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, ke
         scores = (q @ k_all.transpose(-1, -2)) * attn.scaling + key_bias
         weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         out = (weights @ v_all).transpose(1, 2).reshape(1, n, -1)
-        hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    return hf_model.lm_head(base.norm(hidden[:, -1]))[0], keys, values
+        if hasattr(layer, "pre_feedforward_layernorm"):   # Gemma 3
+            hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out))
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        else:
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    logits = hf_model.lm_head(base.norm(hidden[:, -1]))[0]
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits, keys, values
 
 
 def expected_key_bias(n, spans, fused, strategy):
@@ -127,7 +145,7 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_tok
     return fused
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
 def test_fused_prefill_matches_dense_reference_tiny(arch, strategy, tokenizer):
     engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")
@@ -136,7 +154,7 @@ def test_fused_prefill_matches_dense_reference_tiny(arch, strategy, tokenizer):
     check_against_reference(engine, flat_prompt(chunks), strategy)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_decoding_after_a_fused_prefill_matches_dense_reference(arch, scale, tokenizer):
     engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")

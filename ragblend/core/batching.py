@@ -27,6 +27,7 @@ import torch
 
 from .errors import InvalidInputError
 from .generate import Decoding, KVDecoder
+from .model import RopeTables
 
 
 def kv_bytes_per_position(decoder: KVDecoder) -> int:
@@ -57,10 +58,10 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
             raise InvalidInputError(f"A decoder's buffers hold {d.capacity} positions, all used: no room for a token.")
     starts = [d.length for d in decoders]
     # Each sequence sits at its own position: its own row of RoPE angles.
-    cos = torch.stack([d.cos[p] for d, p in zip(decoders, starts)])
-    sin = torch.stack([d.sin[p] for d, p in zip(decoders, starts)])
-    hidden = adapter.embed(torch.tensor(tokens, device=cos.device))
+    rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
+    hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
     for layer in range(adapter.shape.num_layers):
+        cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
         k, v = adapter.kv(layer, x)   # [kv_heads, sequences, head_dim]
         k = adapter.rope(k, cos, sin)

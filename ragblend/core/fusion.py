@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from .errors import InvalidInputError, RagblendError
-from .model import ModelAdapter
+from .model import ModelAdapter, RopeTables
 
 # ---------------------------------------------------------------------------- cancellation
 
@@ -619,7 +619,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         spans = []
     prompt = FusionPrompt.build(len(token_ids), spans, adapter.device)
     ids = torch.tensor(token_ids, device=adapter.device)
-    cos, sin = adapter.rope_tables(prompt.num_tokens)
+    rope = adapter.rope_tables(prompt.num_tokens)
     layers = _KeptLayers(source) if prompt.num_reused else None
     probe_runs = []
 
@@ -630,7 +630,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         query_tokens = getattr(selection, "query_tokens", None)
         start = prompt.question_start if query_tokens is None else max(0, prompt.num_tokens - query_tokens)
         run = _walk(adapter, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
-                    None, cos, sin, observe=_question_attention(adapter, prompt, relevance, start))
+                    None, rope, observe=_question_attention(adapter, prompt, relevance, start))
         probe_runs.append(run)
         return relevance
 
@@ -641,7 +641,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     earlier = probe_runs[0] if probe_runs and bool(selected[probe_runs[0].layer_positions[0]].all()) else None
     key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale)
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
-                  selection, cos, sin, earlier=earlier, key_bias=key_bias)
+                  selection, rope, earlier=earlier, key_bias=key_bias)
     fused.key_bias = key_bias
     fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
     fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
@@ -678,7 +678,7 @@ def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: 
 
 
 def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers: LayerSource | None,
-          selected: torch.Tensor, check_layers, selection: Selection | None, cos, sin,
+          selected: torch.Tensor, check_layers, selection: Selection | None, rope: RopeTables,
           observe=None, earlier: FusedPrefill | None = None, key_bias: torch.Tensor | None = None) -> FusedPrefill:
     """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers).
 
@@ -697,6 +697,7 @@ def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers
     last_layer = shape.num_layers - 1
     for layer in range(shape.num_layers):
         check_cancelled()
+        cos, sin = rope.layer(layer)   # each layer its own RoPE (Gemma 3: local and global bases differ)
         # 1. K/V of this layer: fresh for the selected tokens, cached (rotated) for the rest.
         x = adapter.attn_input(layer, hidden)
         k_raw, v = adapter.kv(layer, x)
@@ -761,11 +762,12 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
     """
     ids = torch.tensor(list(sink_ids) + list(chunk_ids), device=adapter.device)
     start, n = len(sink_ids), ids.numel()
-    cos, sin = adapter.rope_tables(n)
+    rope = adapter.rope_tables(n)
     hidden = adapter.embed(ids)
     keys, values = [], []
     for layer in range(adapter.shape.num_layers):
         check_cancelled()
+        cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
         k, v = adapter.kv(layer, x)
         keys.append(k[:, start:])
@@ -792,11 +794,11 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     """
     device, s = adapter.device, len(sink_ids)
     lengths = [len(c) for c in chunks]
-    cos, sin = adapter.rope_tables(s + max(lengths))
+    rope = adapter.rope_tables(s + max(lengths))
     sink = sink if sink is not None else sink_kv(adapter, sink_ids)
     ids = torch.tensor([t for c in chunks for t in c], device=device)
     positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
-    cos, sin = cos[positions], sin[positions]
+    rope = rope.rows(positions)
     bounds = [(a, a + n) for a, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)]
     masks = {n: _offset_causal_mask(n, s, device, adapter.dtype) for n in set(lengths)}   # after the sink
     hidden = adapter.embed(ids)
@@ -804,6 +806,7 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     for layer in range(adapter.shape.num_layers):
         check_cancelled()
         # 1. K/V of every chunk token at once; they are what is stored.
+        cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
         k, v = adapter.kv(layer, x)
         keys.append(k)
@@ -830,8 +833,8 @@ def sink_kv(adapter: ModelAdapter, sink_ids: list[int]) -> list[tuple[torch.Tens
         empty = torch.empty(shape.num_kv_heads, 0, shape.head_dim, dtype=adapter.dtype, device=adapter.device)
         return [(empty, empty)] * shape.num_layers
     keys, values = isolated_kv(adapter, [], sink_ids)   # the sink is a chunk with nothing before it
-    cos, sin = adapter.rope_tables(len(sink_ids))
-    return [(adapter.rope(k, cos, sin), v) for k, v in zip(keys, values)]
+    rope = adapter.rope_tables(len(sink_ids))
+    return [(adapter.rope(k, *rope.layer(layer)), v) for layer, (k, v) in enumerate(zip(keys, values))]
 
 
 def _offset_causal_mask(n: int, offset: int, device, dtype: torch.dtype) -> torch.Tensor:

@@ -76,7 +76,7 @@ class KVDecoder:
             key_buffer[:, :n], value_buffer[:, :n] = k, v
             self.keys.append(key_buffer)
             self.values.append(value_buffer)
-        self.cos, self.sin = adapter.rope_tables(capacity)
+        self.rope = adapter.rope_tables(capacity)   # per layer: Gemma 3's local and global layers differ
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -93,12 +93,13 @@ class KVDecoder:
         if n == 0 or end > self.capacity:
             raise InvalidInputError(f"The decoder's buffers hold {self.capacity} positions; "
                                     f"{start} are used, no room for {n} more.")
-        cos, sin = self.cos[start:end], self.sin[start:end]
-        positions = torch.arange(start, end, device=self.cos.device)
+        rope = self.rope.rows(slice(start, end))
+        positions = torch.arange(start, end, device=adapter.device)
         key_bias = None if self.key_bias is None else self.key_bias[:end]
         plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their mask
-        hidden = adapter.embed(torch.tensor(tokens, device=self.cos.device))
+        hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
         for layer in range(adapter.shape.num_layers):
+            cos, sin = rope.layer(layer)
             x = adapter.attn_input(layer, hidden)
             k, v = adapter.kv(layer, x)
             self.keys[layer][:, start:end] = adapter.rope(k, cos, sin)
@@ -106,7 +107,7 @@ class KVDecoder:
             q = adapter.rope(adapter.q(layer, x), cos, sin)
             window = adapter.window(layer)
             if window not in plans:
-                plans[window] = attention_plan(positions, end, window, self.cos.dtype, n, key_bias)[0]
+                plans[window] = attention_plan(positions, end, window, adapter.dtype, n, key_bias)[0]
             plan = plans[window]
             attn = adapter.attention(q, self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys], plan.mask)
             hidden = adapter.finish(layer, hidden, attn)

