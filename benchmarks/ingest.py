@@ -5,11 +5,13 @@
    into an empty memory store one chunk per forward pass, then packed (``precompute_batch_tokens``
    chunk tokens per pass), in chunk tokens per second; and the largest difference between a
    chunk's packed and one-at-a-time K/V, in float32.
-2. **Corpora.** ``ragblend ingest``'s path (:class:`LocalIndex`: split, precompute, embed, write
-   Chroma on disk and the docstore) on the sample documents and on ``--files`` one-paragraph
-   files, against the same pipeline without the KV precompute (embeddings only).
+2. **Corpora.** ``ragblend ingest``'s path (:class:`LocalIndex`: split, key, embed, write
+   Chroma on disk and the docstore, then the KV) on the sample documents and on ``--files``
+   one-paragraph files, against the same pipeline without ragblend (embeddings only): when the
+   index is searchable, when a question is answered, and the KV rate in the foreground
+   (``kv="now"``) and in the background worker (``kv="background"``).
 
-    python -m benchmarks.ingest --paragraphs 300 --files 10000
+    python -m benchmarks.ingest --paragraphs 0 --files 1000     # the corpora only
 """
 
 from __future__ import annotations
@@ -74,19 +76,16 @@ def precompute_rates(engine: BlendEngine, texts: list[str], packs: list[int]) ->
     return lines
 
 
-def ingest_times(engine: BlendEngine, docs: Path, work: Path, label: str) -> str:
-    """One table row: ragblend's ingestion of ``docs`` against embeddings only."""
+def embeddings_only(rag: LocalIndex, docs: Path, work: Path) -> float:
+    """Seconds for the same pipeline as LocalIndex's (splitter, embeddings, Chroma, docstore
+    written after each batch of 64) without anything of ragblend's: no KV keys, no KV."""
     from llama_index.core.ingestion import DocstoreStrategy, IngestionPipeline
     from llama_index.core.node_parser import SentenceSplitter
     from llama_index.core.storage.docstore import SimpleDocumentStore
     from llama_index.vector_stores.chroma import ChromaVectorStore
 
-    engine.store = open_store(work / "index" / "kv", engine.entry_spec, 2 << 30, 64 << 30)
-    rag = LocalIndex(work / "index", engine=engine)
-    # The same pipeline as LocalIndex's (splitter, embeddings, Chroma, docstore written after each
-    # batch of 64), only without the KV precompute.
     plain = IngestionPipeline(transformations=[
-        SentenceSplitter(chunk_size=rag.chunk_size, chunk_overlap=rag.chunk_overlap, tokenizer=engine.tokenize),
+        SentenceSplitter(chunk_size=rag.chunk_size, chunk_overlap=rag.chunk_overlap, tokenizer=rag.engine.tokenize),
         rag.embed_model], vector_store=ChromaVectorStore(
             chroma_collection=rag.client.get_or_create_collection("embeddings-only")),
         docstore=SimpleDocumentStore(), docstore_strategy=DocstoreStrategy.UPSERTS)
@@ -95,15 +94,83 @@ def ingest_times(engine: BlendEngine, docs: Path, work: Path, label: str) -> str
     for start in range(0, len(documents), 64):
         plain.run(documents=documents[start:start + 64])
         plain.docstore.persist(str(work / "embeddings-only-docstore.json"))
-    embeddings_only = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    report = rag.ingest([docs], show_progress=True)
+    return time.perf_counter() - t0
+
+
+def fresh_index(engine: BlendEngine, folder: Path) -> LocalIndex:
+    """A LocalIndex in ``folder`` with its own empty KV store (no entry shared with another run)."""
+    engine.store = open_store(folder / "kv", engine.entry_spec, 2 << 30, 64 << 30)
+    return LocalIndex(folder, engine=engine)
+
+
+def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: dict | None) -> dict:
+    """One corpus, three ways: embeddings only; ragblend searchable first (``kv="skip"``), a
+    question answered at once, then the KV in the foreground (``kv.run()``, what ``ragblend
+    ingest`` does); ragblend with ``kv="background"`` on a fresh store: the worker's rate on an
+    otherwise idle process, then a question asked twice at 100% coverage."""
+    row: dict = {"label": label}
+    fore = fresh_index(engine, work / "foreground")
+    row["embeddings_s"] = embeddings_only(fore, docs, work)
+    report = fore.ingest([docs], show_progress=True, kv="skip")
+    row.update(files=len(report.files), chunks=report.nodes, searchable_s=report.searchable_s)
+    if qa is not None:   # answered before any KV exists: its chunks are computed in the prefill
+        t = time.perf_counter()
+        answer = fore.ask(qa["question"], max_new_tokens=24)
+        row["answered_s"] = report.searchable_s + time.perf_counter() - t
+        row.update(answer=answer.text, first_ask=answer.stats,
+                   correct=any(a.lower() in answer.text.lower() for a in qa["answers"]))
+    t = time.perf_counter()
+    fore.kv.run(progress=True)
     engine.flush()
-    full = time.perf_counter() - t0
-    row = (f"| {label} | {len(report.files):,} | {report.nodes:,} | {embeddings_only:.1f} | {full:.1f} | "
-           f"{full / embeddings_only:.1f}x | {report.nodes / full:.1f} |")
-    print(row, flush=True)
+    row["fg_s"] = time.perf_counter() - t
+    row["fg_rate"] = fore.kv.tokens / row["fg_s"]
+
+    back = fresh_index(engine, work / "background")
+    t = time.perf_counter()
+    report = back.ingest([docs], show_progress=True, kv="background")
+    back.kv.wait()
+    engine.flush()
+    row["bg_s"] = time.perf_counter() - t - report.searchable_s   # from the end of the searchable phase
+    row.update(bg_rate=back.kv.tokens / row["bg_s"], coverage=back.kv_coverage().fraction)
+    if qa is not None:
+        back.ask(qa["question"], max_new_tokens=24)
+        row["repeat"] = back.ask(qa["question"], max_new_tokens=24).stats
+    print({k: v for k, v in row.items() if k not in ("first_ask", "repeat")}, flush=True)
     return row
+
+
+def corpus_lines(rows: list[dict]) -> list[str]:
+    lines = ["| corpus | files | chunks | embeddings only s | searchable s (ratio) | answered s (ratio) | "
+             "KV foreground: s, chunk tok/s | KV background: s, chunk tok/s | background/foreground rate | coverage |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        emb = r["embeddings_s"]
+        answered = (f"{r['answered_s']:.1f} ({r['answered_s'] / emb:.2f}x)" if "answered_s" in r else "-")
+        lines.append(f"| {r['label']} | {r['files']:,} | {r['chunks']:,} | {emb:.1f} | {r['searchable_s']:.1f} "
+                     f"({r['searchable_s'] / emb:.2f}x) | {answered} | {r['fg_s']:.1f}, {r['fg_rate']:,.0f} | "
+                     f"{r['bg_s']:.1f}, {r['bg_rate']:,.0f} | {r['bg_rate'] / r['fg_rate']:.2f} | "
+                     f"{r['coverage']:.0%} |")
+    lines.append("")
+    for r in rows:
+        if "answer" in r:
+            first, repeat = r["first_ask"], r["repeat"]
+            lines.append(f"- {r['label']}: a question asked once the index was searchable, before any KV, was "
+                         f"answered {'correctly' if r['correct'] else 'INCORRECTLY'} ({r['answer'][:80]!r}); its "
+                         f"chunks: {first.chunks_reused} reused, {first.chunks_computed} computed in the prefill. "
+                         f"Asked twice at 100% coverage (background index), the second time: {repeat.chunks_reused} "
+                         f"chunks reused, {repeat.chunks_computed} computed, {repeat.chunks_missing} missing.")
+    return lines
+
+
+def question_for(texts: list[str]) -> dict | None:
+    """A SQuAD question whose gold paragraph is one of ``texts`` (the files ingested)."""
+    from .squad import rag_samples
+
+    present = set(texts)
+    for sample in rag_samples(limit=400):
+        if sample["chunks"][sample["gold"]].strip() in present:
+            return sample
+    return None
 
 
 def main(argv=None) -> None:
@@ -118,22 +185,27 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=False)
     corpus = paragraphs()
-    lines = [f"## {args.model}, {torch.get_num_threads()} threads", "",
-             *precompute_rates(engine, corpus[:args.paragraphs], args.packs), "",
-             "Ingestion with `LocalIndex.ingest` (what `ragblend ingest` runs; KV on disk, Chroma on disk), "
-             "against the same splitter, embedding model and Chroma without the KV precompute:", "",
-             "| corpus | files | chunks | embeddings only s | ragblend s | ratio | chunks/s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"## {args.model}, {torch.get_num_threads()} threads", ""]
+    if args.paragraphs:
+        lines += [*precompute_rates(engine, corpus[:args.paragraphs], args.packs), ""]
+    lines += ["Ingestion with `LocalIndex.ingest` (what `ragblend ingest` runs; KV on disk, Chroma on disk), "
+              "against the same splitter, embedding model and Chroma without ragblend (embeddings only). "
+              "Searchable: the chunks and embeddings committed; answered: searchable plus one question "
+              "answered before any KV was computed; KV rates in chunk tokens per second of wall time, in the "
+              "foreground (`ragblend ingest`'s second phase) and by the background worker (fresh store each):", ""]
     engine.precompute_batch_tokens = 1024
+    rows = []
     with tempfile.TemporaryDirectory(prefix="ingest-", dir=cache_dir()) as tmp:
-        lines.append(ingest_times(engine, sample_dir(), Path(tmp) / "sample", "sample documents"))
+        rows.append(ingest_phases(engine, sample_dir(), Path(tmp) / "sample", "sample documents", None))
         if args.files:
             docs = Path(tmp) / "files"
             docs.mkdir()
-            for i, text in enumerate(corpus[:args.files]):
+            texts = corpus[:args.files]
+            for i, text in enumerate(texts):
                 (docs / f"{i:05d}.txt").write_text(text + "\n", encoding="utf-8")
-            lines.append(ingest_times(engine, docs, Path(tmp) / "files-index",
-                                      f"{min(args.files, len(corpus)):,} one-paragraph files"))
+            rows.append(ingest_phases(engine, docs, Path(tmp) / "files-index",
+                                      f"{len(texts):,} one-paragraph files", question_for(texts)))
+    lines += corpus_lines(rows)
     print("\n".join(lines), flush=True)
     write_report(args.out, "ingest-run.md", "Ingestion", command_line("benchmarks.ingest", argv),
                  time.perf_counter() - started, lines)
