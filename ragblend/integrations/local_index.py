@@ -512,8 +512,8 @@ class LocalIndex:
                 report.nodes += len(nodes)
                 report.without_kv += sum(KV_METADATA_KEY not in node.metadata for node in nodes)
                 if bar is not None:
-                    bar.set_postfix(chunks=report.nodes, refresh=False)
                     bar.update(shown + len(batch) - bar.n)   # unchanged files, and files without chunks
+                    bar.set_postfix(chunks=report.nodes)     # refreshes: the update above may have been 0
         finally:
             if bar is not None:
                 bar.close()
