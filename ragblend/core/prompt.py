@@ -6,6 +6,24 @@ model's chat template, joined by a separator. Each piece is tokenized on its own
 ids are concatenated, so a chunk's ids in the prompt are exactly the ids it was
 precomputed with, wherever it lands.
 
+A model without a chat template (a base model such as Gemma 3 270M) gets the *plain layout*:
+the BOS token, the system text, earlier turns, the segments, then an answer cue, every piece
+followed by the separator::
+
+    <bos>{system}
+
+    {passage 1}
+
+    {passage 2}
+
+    {question}
+
+    Answer:
+
+An earlier assistant turn is written ``Answer: {text}`` and a user turn as its bare text, so
+a conversation reads as questions and answers. ``PromptBuilder(answer_cue=...)`` changes the
+cue ("" leaves it out).
+
 Text is always tokenized as text. Documents, user messages, system prompts and history may
 contain the strings of the model's control tokens (``<|im_start|>``...); those become ordinary
 tokens, so retrieved text cannot open a turn of its own. Only the chat template's own text is
@@ -249,12 +267,17 @@ class PromptBuilder:
     (:class:`TextEncoder`); only the template's own text has its control tokens parsed.
     """
 
-    def __init__(self, tokenizer, *, separator: str = "\n\n", use_chat_template: bool | None = None):
+    #: What the plain layout (no chat template) ends a prompt with, and writes before an assistant turn.
+    ANSWER_CUE = "Answer:"
+
+    def __init__(self, tokenizer, *, separator: str = "\n\n", use_chat_template: bool | None = None,
+                 answer_cue: str = ANSWER_CUE):
         self.tokenizer = tokenizer
         self.separator = separator
         if use_chat_template is None:
             use_chat_template = bool(getattr(tokenizer, "chat_template", None))
         self.use_chat_template = use_chat_template
+        self.answer_cue = check_text(answer_cue, "answer_cue")
         self.text_encoder = text_encoder(tokenizer)
         self._separator_ids = self.tokenize(separator) if separator else []
 
@@ -277,11 +300,7 @@ class PromptBuilder:
         """
         turns = ([] if system is None else [("system", check_text(system, "system"))]) + _checked_history(history)
         if not self.use_chat_template:
-            prefix = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-            for role, text in turns:
-                if text or role != "system":   # an empty system prompt adds nothing
-                    prefix += self.tokenize(text) + self._separator_ids
-            return prefix, []
+            return self._plain_ids(turns, more_follows=True), self._plain_cue()
         pieces = self._chat_pieces(turns + [("user", None)], add_generation_prompt=True)
         hole = pieces.index(None)
         return self._encode(pieces[:hole]), self._encode(pieces[hole + 1:])
@@ -297,11 +316,25 @@ class PromptBuilder:
         """
         turns = _checked_messages(messages)
         if not self.use_chat_template:
-            ids = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-            for i, (_, text) in enumerate(turns):
-                ids += (self._separator_ids if i else []) + self.tokenize(text)
-            return ids
+            ids = self._plain_ids(turns)
+            return ids + self._plain_cue() if add_generation_prompt and turns[-1][0] != "assistant" else ids
         return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
+
+    # ------------------------------------------------------------------ the plain layout (no chat template)
+
+    def _plain_ids(self, turns: list[tuple[str, str]], more_follows: bool = False) -> list[int]:
+        """BOS, then each turn's text (an assistant's after the answer cue), joined by the separator
+        (and followed by it when ``more_follows`` and there was a turn). An empty system prompt adds nothing."""
+        ids = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
+        pieces = [(f"{self.answer_cue} {text}" if role == "assistant" and self.answer_cue else text)
+                  for role, text in turns if text or role != "system"]
+        for i, text in enumerate(pieces):
+            ids += (self._separator_ids if i else []) + self.tokenize(text)
+        return ids + self._separator_ids if more_follows and pieces else ids
+
+    def _plain_cue(self) -> list[int]:
+        """What follows the user's text: the separator and the answer cue (nothing without a cue)."""
+        return self._separator_ids + self.tokenize(self.answer_cue) if self.answer_cue else []
 
     def _render(self, turns, contents, add_generation_prompt: bool) -> str:
         messages = [{"role": role, "content": content} for (role, _), content in zip(turns, contents)]
