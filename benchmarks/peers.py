@@ -16,7 +16,9 @@ Peers (each skipped with a message when it cannot be loaded):
   computed once and reused (a deep copy of the cache per call);
 * ``llama-cpp-python`` on the same GGUF file, its RAM prompt cache on, threads = cores;
 * ragblend's default (chunks precomputed), and the same with each ``--decode-dtypes`` setting
-  (``int4``: decoding passes on the GGUF's 4-bit blocks).
+  (``float32``: decoding on the float32 weights; ``int4``/``int8``: every decoding matmul on
+  4-/8-bit weights; the default, ``auto``, takes 4-bit where the GGUF's blocks are 4-bit and
+  8-bit elsewhere, where each measures faster on the host).
 
 Reported: TTFT, time to the whole answer and decoding tokens/s (after the first token),
 medians of ``--runs`` interleaved rounds (after one warm-up round), each as a speed-up over
@@ -138,7 +140,9 @@ def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: i
     peers["ragblend default"] = RagblendPeer(engine, chunks, tokens)
     strategy = engine.strategy
     notes["ragblend default"] = (f"{strategy.name}({getattr(strategy, 'ratio', '')}), decode_dtype="
-                                 f"{engine.decode_dtype!r}, KV in memory")
+                                 f"{engine.decode_dtype!r} (decoding step's linear layers: "
+                                 f"{', '.join(f'{n} {kind}' for kind, n in engine.decoding_layers().items())}), "
+                                 "KV in memory")
     for dtype in decode_dtypes:
         if dtype == engine.decode_dtype:
             continue
@@ -203,7 +207,7 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
-    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float32", "float16", "int4"],
+    parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float32", "float16", "int4", "int8"],
                         help="ragblend's decoding matmuls to compare beside the default")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
