@@ -127,7 +127,7 @@ def _print_ingest_report(report, rag) -> None:
     print(f"Ingested {changed} new or changed file(s) as {report.nodes} chunk(s){skipped}. "
           f"The index at {rag.path} holds {len(rag)} chunk(s).")
     if report.without_kv:
-        print(f"{report.without_kv} chunk(s) get no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
+        print(f"{report.without_kv} chunk(s) got no stored KV: shorter than {rag.engine.min_chunk_tokens} tokens "
               "(too short to find in a prompt) or longer than the model's window. They are read as plain text.")
     if report.searchable_s:
         print(f"Indexed in {report.searchable_s:.1f} s.")

@@ -309,7 +309,7 @@ def test_unreadable_binary_and_unsupported_files_are_skipped(tmp_path):
     reasons = {p.rsplit("/", 1)[-1]: r for p, r in report.skipped}
     assert reasons["blob.txt"] == "binary content"
     assert reasons["latin1.txt"] == "neither UTF-8 nor UTF-16/32 with a byte-order mark"
-    assert reasons["empty.md"] == "empty" and "unsupported file type .pdf" in reasons["paper.pdf"]
+    assert reasons["empty.md"] == "empty" and reasons["paper.pdf"].startswith("not a readable PDF")
     assert reasons["missing.md"] == "no such file or folder"
 
 
