@@ -117,7 +117,7 @@ st.caption("Retrieval-augmented generation that reuses each chunk's precomputed 
 # ---------------------------------------------------------------------------- ingest
 
 st.subheader("1. Ingest documents")
-uploads = st.file_uploader("Upload text or markdown files", accept_multiple_files=True)
+uploads = st.file_uploader("Upload documents (text, markdown, PDF, HTML, DOCX, CSV, JSON)", accept_multiple_files=True)
 if files_root:
     folder = st.text_input(f"…or a file or folder on this machine, under {files_root}", key="folder",
                            placeholder=files_root)
@@ -165,7 +165,7 @@ if st.button("Ingest", key="ingest"):
         if files:
             st.success(f"Ingested {len(files)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
         else:
-            st.error("Nothing was ingested: no readable text or markdown file among those given.")
+            st.error("Nothing was ingested: no readable document among those given.")
 coverage = rag.kv_coverage()   # how many chunks have their KV stored (the rest is computed by the questions using them)
 filling = f", {rag.kv.state}" if rag.kv.running else ""
 st.caption(f"The index in {index_dir} holds {len(rag)} chunk(s); {coverage.describe()}{filling}.")

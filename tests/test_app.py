@@ -62,7 +62,7 @@ def test_ingest_ask_and_compare(app, tmp_path):
     assert not app.exception
     assert any("Ingested 6 file(s)" in s.value for s in app.success)
     warnings = " ".join(w.value for w in app.warning)
-    assert "scan.pdf" in warnings and "unsupported file type" in warnings and "empty.md" in warnings
+    assert "scan.pdf" in warnings and "not a readable PDF" in warnings and "empty.md" in warnings
 
     app.text_input(key="question").input(QUESTION)
     button(app, "ask").click().run()
