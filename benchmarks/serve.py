@@ -113,13 +113,14 @@ def one_request(url: str, body: dict) -> dict:
             "latency": end - started, "deltas": tokens, "usage": usage, "engine_ttft": engine_stats.get("ttft_s")}
 
 
-def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[dict], float]:
+def run_threads(clients: int, requests: int, send) -> tuple[list[dict], float]:
+    """``clients`` threads each making ``requests`` calls ``send(client, request) -> outcome``;
+    the outcomes and the wall-clock seconds of the whole run."""
     results, lock = [], threading.Lock()
 
     def client(index: int) -> None:
-        rng = random.Random(index)
-        for _ in range(requests):
-            outcome = one_request(url, make_body(rng))
+        for r in range(requests):
+            outcome = send(index, r)
             with lock:
                 results.append(outcome)
 
@@ -130,6 +131,11 @@ def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[
     for t in threads:
         t.join()
     return results, time.perf_counter() - started
+
+
+def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[dict], float]:
+    rngs = [random.Random(index) for index in range(clients)]
+    return run_threads(clients, requests, lambda index, _: one_request(url, make_body(rngs[index])))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -284,21 +290,8 @@ def openai_request(url: str, question: str, max_tokens: int) -> dict:
 
 
 def concurrency_level(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    results, lock = [], threading.Lock()
-
-    def client(index: int) -> None:
-        for r in range(requests):
-            outcome = openai_request(url, QUESTIONS[(index * requests + r) % len(QUESTIONS)], max_tokens)
-            with lock:
-                results.append(outcome)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
+    results, seconds = run_threads(clients, requests, lambda index, r: openai_request(
+        url, QUESTIONS[(index * requests + r) % len(QUESTIONS)], max_tokens))
     answered = [r for r in results if r["status"] == 200]
     latencies = [r["latency"] for r in answered] or [float("nan")]
     return {"clients": clients, "requests": len(results), "answered": len(answered),
