@@ -173,3 +173,14 @@ def test_gemma3_270m_fused_prefill_matches_dense_reference(gemma_engine, bench_p
     gemma_engine.precompute(chunks)
     for strategy in (CacheBlend(0.3), QueryAware(0.3)):
         check_against_reference(gemma_engine, flat_prompt(chunks), strategy, atol=2e-3)
+
+
+@pytest.mark.slow
+def test_gemma3_270m_runs_at_its_shipped_calibration(gemma_engine):
+    """Its calibration ships with ragblend (ragblend/data/calibration), measured on the plain layout."""
+    from ragblend.core import calibration
+
+    shipped = calibration.SHIPPED_DIR / calibration.calibration_file(gemma_engine.calibration_id).name
+    assert shipped.exists()
+    assert gemma_engine.calibration is not None and gemma_engine.calibration.within_noise
+    assert gemma_engine.strategy == gemma_engine.calibration.strategy and gemma_engine.calibration.ratio < 0.3
