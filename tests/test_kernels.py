@@ -389,7 +389,7 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     from ragblend import BlendEngine
     from ragblend.core.calibration import first_token_kl
     from ragblend.core.generate import KVDecoder
-    from ragblend.core.model import Int8Linear
+    from ragblend.core.model import Int8Head, Int8Linear
 
     from .conftest import tiny_model
 
@@ -398,7 +398,7 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     eight = BlendEngine(model, tokenizer, decode_dtype="int8")
     twin = eight._decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
-    assert isinstance(twin.lm_head, Int8Linear)                   # the LM head too
+    assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
     assert eight.decoding_layers() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
     pre = exact.prefill(segments())
     answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
@@ -452,3 +452,18 @@ def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, mon
         out = eight.generate(segments(), max_new_tokens=3, temperature=0)
     assert eight._decoding_adapter() is eight.adapter and out.token_ids
     assert "no int8 kernel" in caplog.text and "float32" in caplog.text
+
+
+def test_int8_head_gives_float32_logits_to_the_tokens_that_can_be_picked():
+    from ragblend.core.model import Int8Head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 1024, bias=False)
+    eight = Int8Head(head)
+    with torch.no_grad():
+        x = torch.randn(3, 64)
+        exact, logits = head(x), eight(x)
+        best = exact.topk(8, dim=-1).indices
+        assert torch.allclose(logits.gather(1, best), exact.gather(1, best), atol=1e-5)   # rescored in float32
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+        assert (logits - exact).abs().max() > 1e-4   # the rest read 8-bit weights

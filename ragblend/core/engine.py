@@ -50,6 +50,7 @@ from .model import (
     CpuLinear,
     HalfLinear,
     Int4Linear,
+    Int8Head,
     Int8Linear,
     ModelAdapter,
     cache_dir,
@@ -732,7 +733,7 @@ class BlendEngine:
     def decoding_layers(self) -> dict[str, int]:
         """How many linear layers a decoding step runs in each weight format on this host, e.g.
         ``{"4-bit": 210, "8-bit": 1}`` (the decoding twin is built if it was not yet)."""
-        names = {Int4Linear: "4-bit", Int8Linear: "8-bit", HalfLinear: "float16"}
+        names = {Int4Linear: "4-bit", Int8Linear: "8-bit", Int8Head: "8-bit", HalfLinear: "float16"}
         counts: dict[str, int] = {}
         for module in self._decoding_adapter().hf_model.modules():
             if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear)):
@@ -784,7 +785,8 @@ class BlendEngine:
                 if (int4_available() if kind == "int4" else int8_available()):
                     continue
                 try:
-                    layer = (Int4Linear if kind == "int4" else Int8Linear)(module, self.kernel_plan)
+                    kind_class = Int4Linear if kind == "int4" else Int8Head if is_head else Int8Linear
+                    layer = kind_class(module, self.kernel_plan)
                 except (ValueError, RuntimeError) as err:   # a shape the packing does not take
                     skipped.append(f"{module.out_features}x{module.in_features} ({err})")
                     continue
@@ -815,7 +817,7 @@ class BlendEngine:
             return {}
         kept = {}
         with torch.inference_mode():
-            for kind in (Int4Linear, Int8Linear):
+            for kind in (Int4Linear, Int8Linear, Int8Head):
                 group = {key: layer for key, layer in layers.items() if type(layer) is kind}
                 if not group:
                     continue

@@ -354,6 +354,29 @@ class Int8Linear(CpuLinear):
         return out.float() if self.bias is None else out.float() + self.bias
 
 
+class Int8Head(Int8Linear):
+    """The LM head on 8-bit weights, with the logits that can pick the token computed exactly.
+
+    A decoding pass ranks the vocabulary on the 8-bit weights, then recomputes the ``EXACT_TOP``
+    best candidates' logits in float32 from the float32 weight rows: greedy decoding and top-p
+    sampling see float32 logits where they decide, while the pass reads ~1/4 of the head's bytes
+    (the head is Qwen2.5-0.5B's largest matrix: 136M weights). Without the rescoring, bfloat16
+    rounding of the final hidden state flipped near-tied greedy choices on 6 of 16 SQuAD prompts.
+    """
+
+    EXACT_TOP = 64
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        logits = super().rows(flat)
+        if flat.shape[0] > DRAFT_ROWS:
+            return logits   # computed in float32 already
+        top = logits.topk(min(self.EXACT_TOP, logits.shape[-1]), dim=-1).indices   # [rows, k]
+        exact = torch.einsum("rd,rkd->rk", flat, self.weight[top])
+        if self.bias is not None:
+            exact = exact + self.bias[top]
+        return logits.scatter_(-1, top, exact)
+
+
 def with_linears(hf_model, make):
     """A twin of ``hf_model`` whose linear layers (projections, MLP, LM head) are
     ``make(layer)`` (:class:`CpuLinear`, :class:`HalfLinear`); everything else (embeddings,
