@@ -232,6 +232,7 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
 
     allowed = {
         ("__init__.py", "AttributeError"),            # the module __getattr__ protocol
+        ("core/remote.py", "AttributeError"),         # the same, in the shim left where RemoteEngine moved from
         ("core/calibration.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
         ("core/store.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
         ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
@@ -259,10 +260,12 @@ def test_cli_ingest_fails_fast_on_paths_with_nothing_to_ingest(capsys, tmp_path)
     folder.mkdir()
     assert main(["ingest", str(folder), "--index", str(index)]) == 1     # empty: a hint, not "Ingested 0"
     assert "Nothing to ingest" in capsys.readouterr().err
-    (folder / "paper.pdf").write_bytes(b"%PDF-1.4")
+    (folder / "paper.pdf").write_bytes(b"%PDF-1.4")   # a PDF with no body
+    (folder / "sheet.xlsx").write_bytes(b"PK")
     assert main(["ingest", str(folder), "--index", str(index)]) == 1
     err = capsys.readouterr().err
-    assert err.count("paper.pdf") == 1 and "unsupported file type .pdf" in err   # each skip said once
+    assert err.count("paper.pdf") == 1 and "not a readable PDF" in err   # each skip said once, with its reason
+    assert err.count("sheet.xlsx") == 1 and "unsupported file type .xlsx" in err
     assert not index.exists()   # decided before the model or the index was loaded
 
 
