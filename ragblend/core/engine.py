@@ -769,6 +769,8 @@ class BlendEngine:
             if why_not:
                 log.warning("ragblend: decode_dtype=%r cannot run here (%s); decoding in float32.", wanted, why_not)
                 return {}
+        runnable = {kind for kind, why_not in (("int4", int4_available()), ("int8", int8_available())) if not why_not}
+        eight_bit = from_gguf(self.hf_model)   # "auto": 8-bit only for weights a GGUF file had quantized already
         head_weight = getattr(getattr(self.hf_model, "lm_head", None), "weight", None)
         layers: dict[int, CpuLinear] = {}
         skipped = []
@@ -776,14 +778,12 @@ class BlendEngine:
             if type(module) is not torch.nn.Linear:
                 continue
             is_head = module.weight is head_weight
-            if wanted == "auto":   # 8-bit only for weights a GGUF file had quantized already
+            if wanted == "auto":
                 kinds = ["int4"] if not is_head and on_int4_grid(module.weight) else []
-                kinds += ["int8"] if from_gguf(self.hf_model) else []
+                kinds += ["int8"] if eight_bit else []
             else:
                 kinds = [wanted] if wanted == "int8" or not is_head else []
-            for kind in kinds:
-                if (int4_available() if kind == "int4" else int8_available()):
-                    continue
+            for kind in (k for k in kinds if k in runnable):
                 try:
                     kind_class = Int4Linear if kind == "int4" else Int8Head if is_head else Int8Linear
                     layer = kind_class(module, self.kernel_plan)
