@@ -103,11 +103,13 @@ def fresh_index(engine: BlendEngine, folder: Path) -> LocalIndex:
     return LocalIndex(folder, engine=engine)
 
 
-def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: dict | None) -> dict:
+def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: dict | None,
+                  kv: bool = True) -> dict:
     """One corpus, three ways: embeddings only; ragblend searchable first (``kv="skip"``), a
     question answered at once, then the KV in the foreground (``kv.run()``, what ``ragblend
     ingest`` does); ragblend with ``kv="background"`` on a fresh store: the worker's rate on an
-    otherwise idle process, then a question asked twice at 100% coverage."""
+    otherwise idle process, then a question asked twice at 100% coverage. ``kv=False`` stops
+    after the question (a corpus whose KV would take too long to compute twice)."""
     row: dict = {"label": label}
     fore = fresh_index(engine, work / "foreground")
     row["embeddings_s"] = embeddings_only(fore, docs, work)
@@ -119,6 +121,9 @@ def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: d
         row["answered_s"] = report.searchable_s + time.perf_counter() - t
         row.update(answer=answer.text, first_ask=answer.stats,
                    correct=any(a.lower() in answer.text.lower() for a in qa["answers"]))
+    if not kv:
+        print(row, flush=True)
+        return row
     t = time.perf_counter()
     fore.kv.run(progress=True)
     engine.flush()
@@ -145,6 +150,9 @@ def corpus_lines(rows: list[dict]) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         emb = r["embeddings_s"]
+        if "fg_s" not in r:   # searchable and answered only
+            r = {**r, "fg_s": float("nan"), "fg_rate": float("nan"), "bg_s": float("nan"), "bg_rate": float("nan"),
+                 "coverage": float("nan")}
         answered = (f"{r['answered_s']:.1f} ({r['answered_s'] / emb:.2f}x)" if "answered_s" in r else "-")
         lines.append(f"| {r['label']} | {r['files']:,} | {r['chunks']:,} | {emb:.1f} | {r['searchable_s']:.1f} "
                      f"({r['searchable_s'] / emb:.2f}x) | {answered} | {r['fg_s']:.1f}, {r['fg_rate']:,.0f} | "
@@ -152,7 +160,12 @@ def corpus_lines(rows: list[dict]) -> list[str]:
                      f"{r['coverage']:.0%} |")
     lines.append("")
     for r in rows:
-        if "answer" in r:
+        if "answer" in r and "repeat" not in r:
+            lines.append(f"- {r['label']}: a question asked once the index was searchable, before any KV, was "
+                         f"answered {'correctly' if r['correct'] else 'INCORRECTLY'} ({r['answer'][:80]!r}); its "
+                         f"chunks: {r['first_ask'].chunks_reused} reused, {r['first_ask'].chunks_computed} computed "
+                         "in the prefill (KV phases not run: --no-kv).")
+        elif "answer" in r:
             first, repeat = r["first_ask"], r["repeat"]
             lines.append(f"- {r['label']}: a question asked once the index was searchable, before any KV, was "
                          f"answered {'correctly' if r['correct'] else 'INCORRECTLY'} ({r['answer'][:80]!r}); its "
@@ -180,6 +193,8 @@ def main(argv=None) -> None:
     parser.add_argument("--packs", type=int, nargs="+", default=[0, 1024, 2048],
                         help="precompute_batch_tokens values (0 = one chunk per pass)")
     parser.add_argument("--files", type=int, default=1000, help="one-paragraph files to ingest (0: skip)")
+    parser.add_argument("--no-kv", action="store_true",
+                        help="for --files: measure searchable and answered only, not the KV phases")
     parser.add_argument("--out", default="docs")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -196,7 +211,8 @@ def main(argv=None) -> None:
     engine.precompute_batch_tokens = 1024
     rows = []
     with tempfile.TemporaryDirectory(prefix="ingest-", dir=cache_dir()) as tmp:
-        rows.append(ingest_phases(engine, sample_dir(), Path(tmp) / "sample", "sample documents", None))
+        if not args.no_kv:
+            rows.append(ingest_phases(engine, sample_dir(), Path(tmp) / "sample", "sample documents", None))
         if args.files:
             docs = Path(tmp) / "files"
             docs.mkdir()
@@ -204,7 +220,7 @@ def main(argv=None) -> None:
             for i, text in enumerate(texts):
                 (docs / f"{i:05d}.txt").write_text(text + "\n", encoding="utf-8")
             rows.append(ingest_phases(engine, docs, Path(tmp) / "files-index",
-                                      f"{len(texts):,} one-paragraph files", question_for(texts)))
+                                      f"{len(texts):,} one-paragraph files", question_for(texts), kv=not args.no_kv))
     lines += corpus_lines(rows)
     print("\n".join(lines), flush=True)
     write_report(args.out, "ingest-run.md", "Ingestion", command_line("benchmarks.ingest", argv),
