@@ -217,6 +217,8 @@ def main(argv=None) -> None:
             docs = Path(tmp) / "files"
             docs.mkdir()
             texts = corpus[:args.files]
+            # More files than distinct paragraphs (7,731): the rest are copies made distinct by a label.
+            texts += [f"(Copy {i + 1}.) {corpus[i % len(corpus)]}" for i in range(args.files - len(texts))]
             for i, text in enumerate(texts):
                 (docs / f"{i:05d}.txt").write_text(text + "\n", encoding="utf-8")
             rows.append(ingest_phases(engine, docs, Path(tmp) / "files-index",
