@@ -40,9 +40,9 @@ import logging
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -125,8 +125,9 @@ class Metrics:
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
             self.ttft_counts[bucket] += 1
 
-    def text(self, queue_depth: int, store) -> str:
-        lines = []
+    def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None) -> str:
+        """The Prometheus text of the counters, the queue, the store and the background KV fill."""
+        lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
@@ -143,27 +144,48 @@ class Metrics:
                 cumulative += count
                 samples.append((f'_bucket{{le="{edge}"}}', cumulative))
             samples += [("_sum", round(self.ttft_sum, 6)), ("_count", cumulative)]
-            lines.extend(["# HELP ragblend_ttft_seconds Time to first token of each answer.",
-                          "# TYPE ragblend_ttft_seconds histogram"])
-            lines.extend(f"ragblend_ttft_seconds{suffix} {value}" for suffix, value in samples)
+            metric("ragblend_ttft_seconds", "histogram", "Time to first token of each answer.", samples)
             for name, value, help_text in (
                     ("ragblend_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of all answers."),
                     ("ragblend_reused_tokens_total", self.reused_tokens, "Prompt tokens whose KV came from the store."),
                     ("ragblend_recomputed_tokens_total", self.recomputed_tokens, "Prompt tokens computed through every layer."),
                     ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated.")):
                 metric(name, "counter", help_text, [("", value)])
-        tiers = {"memory": getattr(store, "memory", None), "disk": getattr(store, "disk", None)}
-        if tiers["memory"] is None and tiers["disk"] is None:
-            tiers = {"memory": store}
+        tiers = _tiers(store)
         metric("ragblend_store_bytes", "gauge", "Bytes of KV held per store tier.",
-               [(f'{{tier="{_label(tier)}"}}', _nbytes(s)) for tier, s in tiers.items() if s is not None])
+               [(f'{{tier="{_label(tier)}"}}', _nbytes(s)) for tier, s in tiers.items()])
+        metric("ragblend_store_entries", "gauge", "KV entries (chunks) held per store tier.",
+               [(f'{{tier="{_label(tier)}"}}', _entries(s)) for tier, s in tiers.items()])
+        if keeper is not None:   # serving.reuse: the passages' KV stored after the answers, off the request path
+            metric("ragblend_kv_fill_pending", "gauge", "Passages from requests waiting to have their KV stored.",
+                   [("", keeper.pending_count())])
+            metric("ragblend_kv_fill_stored_total", "counter", "Passages whose KV the server stored after an answer.",
+                   [("", keeper.stored)])
+            metric("ragblend_kv_fill_failed_total", "counter",
+                   "Passages whose KV could not be stored (store full or broken); their next prompt computes it.",
+                   [("", keeper.failed)])
         return "\n".join(lines) + "\n"
+
+
+def _tiers(store) -> dict[str, Any]:
+    """The store's tiers by name: a tiered store's memory and disk, else the store itself."""
+    tiers = {"memory": getattr(store, "memory", None), "disk": getattr(store, "disk", None)}
+    if tiers["memory"] is None and tiers["disk"] is None:
+        tiers = {"memory": store}
+    return {name: tier for name, tier in tiers.items() if tier is not None}
 
 
 def _nbytes(store) -> int:
     try:
         return int(getattr(store, "nbytes", 0) or 0)
     except Exception:   # a broken disk tier must not take /metrics down
+        return 0
+
+
+def _entries(store) -> int:
+    try:
+        return len(store)
+    except Exception:   # as _nbytes
         return 0
 
 
@@ -213,32 +235,25 @@ class Stream(StreamingResponse):
             self.on_end()
 
 
-def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: int = 16,
-               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None,
-               max_batch: int = DEFAULT_MAX_BATCH, max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
-    """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
-    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker)."""
-    if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
-        raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
-    app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
-    worker, metrics = Worker(queue_size, max_batch, max_kv_bytes), Metrics()
-    app.state.worker = worker   # for tests and tools: its batch's counters
-    model_id = model_name or engine.name
-    aliases: dict[str, None] = {}   # in the order clients first sent them
-    # Passages of the requests' plain text, stored between requests (serving.reuse).
-    keeper = PassageKeeper(engine, worker.submit, lambda: worker.depth)
-    app.state.keeper = keeper
-    separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
-    limit = TextLimit(engine)
-    # What the tokenizer adds around a text with add_special_tokens (a BOS, say), so that
-    # /tokenize can tokenize the text itself through the engine's own tokenize.
-    probe = "a"
-    with_specials = list(engine.tokenizer(probe, add_special_tokens=True)["input_ids"])
-    bare = engine.tokenize(probe)
-    at = next((i for i in range(len(with_specials)) if with_specials[i:i + len(bare)] == bare), 0)
-    special_head, special_tail = with_specials[:at], with_specials[at + len(bare):]
+class Server:
+    """What every route reads: the engine, its worker and metrics, the passages kept between
+    requests (serving.reuse), the model's names and the request limits. One per app, in
+    ``app.state.server``."""
 
-    def error_response(err: BaseException, path: str) -> JSONResponse:
+    def __init__(self, engine: BlendEngine, *, queue_size: int, request_timeout_s: float, max_body_bytes: int,
+                 model_name: str | None, max_batch: int, max_kv_bytes: int | None):
+        self.engine, self.request_timeout_s, self.max_body_bytes = engine, request_timeout_s, max_body_bytes
+        self.worker, self.metrics = Worker(queue_size, max_batch, max_kv_bytes), Metrics()
+        self.model_id = model_name or engine.name
+        self.aliases: dict[str, None] = {}   # other names clients sent, in the order they first sent them
+        # Passages of the requests' plain text, stored between requests (serving.reuse).
+        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.depth)
+        self.separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
+        self.limit = TextLimit(engine)
+        self.special_head, self.special_tail = _special_tokens(engine)
+
+    def error_response(self, err: BaseException, path: str) -> JSONResponse:
+        """``err`` as an OpenAI-shaped error response, logged and counted."""
         if not isinstance(err, ApiError):
             if isinstance(err, PromptTooLongError):
                 err = ApiError(400, str(err), code="context_length_exceeded")
@@ -251,31 +266,26 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
             log.info("client disconnected from %s before its answer; its work was stopped", route_label(path))
         elif err.status < 500:   # a 500 is logged above, with its traceback
             log.info("%s %d: %s", route_label(path), err.status, err.message[:200])
-        metrics.request(path, err.status)
+        self.metrics.request(path, err.status)
         headers = {"Retry-After": "1"} if err.status == 429 else {}
         return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-    def record(path: str, stats: Stats | None = None, what: str = "") -> None:
+    def record(self, path: str, stats: Stats | None = None, what: str = "") -> None:
         """Count a request answered 200 and log its one line (errors: error_response)."""
-        metrics.request(path, 200)
+        self.metrics.request(path, 200)
         if stats is not None:
             what = (f"{stats.prompt_tokens} prompt tokens ({cached_tokens(stats)} cached), "
                     f"{stats.generated_tokens} generated, TTFT {stats.ttft_s:.3f} s, {stats.finish_reason}")
         log.info("%s 200: %s", route_label(path), what)
 
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=error_response)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
-        return error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
-
-    async def read_json(request: Request) -> dict:
+    async def read_json(self, request: Request) -> dict:
+        """The request's body: a JSON object, size-checked; its ``model`` a string (noted as an alias)."""
         body = bytearray()
         async for piece in request.stream():   # also bounds bodies sent without a Content-Length
             body += piece
-            if len(body) > max_body_bytes:
-                raise ApiError(413, f"The request body is larger than {max_body_bytes} bytes.")
-        data = await run_in_threadpool(parse_json, bytes(body), MAX_JSON_VALUES + engine.context_window)
+            if len(body) > self.max_body_bytes:
+                raise ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+        data = await run_in_threadpool(parse_json, bytes(body), MAX_JSON_VALUES + self.engine.context_window)
         if not isinstance(data, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         model = data.get("model")
@@ -283,271 +293,349 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
             raise ApiError(400, "model must be a string.", param="model")
         # Any name is served by the one model (ChatOpenAI sends "gpt-3.5-turbo" unless told
         # otherwise); the first few are listed in /v1/models as its aliases.
-        if model and model != model_id and model not in aliases and len(aliases) < MAX_ALIASES \
+        if model and model != self.model_id and model not in self.aliases and len(self.aliases) < MAX_ALIASES \
                 and len(model) <= 256 and model.isprintable():
-            aliases[model] = None
+            self.aliases[model] = None
         return data
 
-    class Call:
-        """One request's job, seen from its handler: the job's events, the deadline, and a
-        watch on the client's connection (a disconnect cancels the job)."""
-
-        def __init__(self, request: Request, run: Callable[[Job], Any]):
-            loop = asyncio.get_running_loop()
-            self.loop, self.events = loop, asyncio.Queue()
-            self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item))
-            self.deadline = loop.time() + request_timeout_s
-            self.finished = False
-            worker.submit(self.job)   # a full queue raises 429 here, before any response starts
-            self.watch = asyncio.create_task(self._watch(request))
-
-        async def _watch(self, request: Request) -> None:
-            # The body is read: the next message the server sends is the disconnect.
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            self.job.cancelled.set()
-            self.events.put_nowait(("gone", None))
-
-        async def next(self) -> tuple[str, Any]:
-            """The job's next event: ("ready" | "item", value); raises its error, ClientGone, or 504."""
-            try:
-                kind, value = await asyncio.wait_for(self.events.get(), max(0.0, self.deadline - self.loop.time()))
-            except asyncio.TimeoutError:
-                self.close()
-                raise ApiError(504, f"The request took longer than {request_timeout_s:g} s.",
-                               kind="timeout_error", code="timeout") from None
-            if kind == "gone":
-                raise ClientGone()
-            if kind == "error":
-                raise value
-            if kind == "done":
-                self.finished = True
-            return kind, value
-
-        async def until(self, wanted: str, on_item: Callable[[Any], None] | None = None):
-            while True:
-                kind, value = await self.next()
-                if kind == "item" and on_item is not None:
-                    on_item(value)
-                if kind == wanted:
-                    return value
-
-        def stop_watching(self) -> None:
-            self.watch.cancel()
-
-        def close(self) -> None:
-            """Stop the job unless it finished (a timeout, an error, a client gone)."""
-            self.stop_watching()
-            self.job.cancelled.set()
-
-    async def run_job(request: Request, run: Callable[[Job], Any]):
-        call = Call(request, run)
+    async def run_job(self, request: Request, run: Callable[[Job], Any]):
+        """Run ``run`` in the worker; its result (its error raised here)."""
+        call = Call(self, request, run)
         try:
             return await call.until("done")
         finally:
             call.close()
 
-    async def answer(request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout], chat: bool,
-                     texts: list[str]):
-        """Answer a completion; then store the KV of ``texts`` (the passages of its plain
-        text) between requests, so that the next prompt holding them reuses it."""
-        check_options(body)
-        strategy = requested_strategy(body)
 
-        def run(job: Job) -> Decode:   # the worker's side: tokenize; the worker then prefills and decodes
-            layout = layout_of()
-            params = sampling(body, engine, len(layout.token_ids))
-            job.emit(("ready", None))
-            positions = min(len(layout.token_ids) + params.max_new_tokens, engine.context_window)
-            return Decode(lambda: engine.begin(layout, strategy=strategy, params=params),
-                          kv_bytes_for(engine.adapter, positions), finished)
+def _special_tokens(engine: BlendEngine) -> tuple[list[int], list[int]]:
+    """What the tokenizer adds before and after a text with add_special_tokens (a BOS, say), so
+    that /tokenize can tokenize the text itself through the engine's own tokenize."""
+    probe = "a"
+    with_specials = list(engine.tokenizer(probe, add_special_tokens=True)["input_ids"])
+    bare = engine.tokenize(probe)
+    at = next((i for i in range(len(with_specials)) if with_specials[i:i + len(bare)] == bare), 0)
+    return with_specials[:at], with_specials[at + len(bare):]
 
-        def finished(decoding) -> Stats:
-            stats = engine.finish(decoding)
-            metrics.answer(stats)
-            return stats
 
-        created, ident = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        kind = "chat.completion" if chat else "text_completion"
+class Call:
+    """One request's job, seen from its handler: the job's events, the deadline, and a
+    watch on the client's connection (a disconnect cancels the job)."""
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict:
-            if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            message = ({} if text is None else {"content": text}) if delta else {"role": "assistant", "content": text}
-            return {"index": 0, ("delta" if delta else "message"): message, "logprobs": None, "finish_reason": finish}
+    def __init__(self, server: Server, request: Request, run: Callable[[Job], Any]):
+        loop = asyncio.get_running_loop()
+        self.loop, self.events, self.timeout_s = loop, asyncio.Queue(), server.request_timeout_s
+        self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item))
+        self.deadline = loop.time() + self.timeout_s
+        self.finished = False
+        server.worker.submit(self.job)   # a full queue raises 429 here, before any response starts
+        self.watch = asyncio.create_task(self._watch(request))
 
-        call = Call(request, run)
-        if not body.get("stream"):
-            pieces: list[str] = []
-            try:
-                stats = await call.until("done", pieces.append)
-            finally:
-                call.close()
-            record(path, stats)
-            keeper.add(texts)
-            return JSONResponse({"id": ident, "object": kind, "created": created, "model": model_id,
-                                 "choices": [choice("".join(pieces), stats.finish_reason, False)],
-                                 "usage": usage(stats), "ragblend": dict(stats.__dict__)})
+    async def _watch(self, request: Request) -> None:
+        # The body is read: the next message the server sends is the disconnect.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.job.cancelled.set()
+        self.events.put_nowait(("gone", None))
 
-        # Streaming: wait until the prompt is tokenized and checked, so that a bad prompt is a
-        # real 400 (not an error event after a 200); from then on the stream reports errors.
+    async def next(self) -> tuple[str, Any]:
+        """The job's next event: ("ready" | "item", value); raises its error, ClientGone, or 504."""
         try:
-            await call.until("ready")
-        except BaseException:
+            kind, value = await asyncio.wait_for(self.events.get(), max(0.0, self.deadline - self.loop.time()))
+        except asyncio.TimeoutError:
+            self.close()
+            raise ApiError(504, f"The request took longer than {self.timeout_s:g} s.",
+                           kind="timeout_error", code="timeout") from None
+        if kind == "gone":
+            raise ClientGone()
+        if kind == "error":
+            raise value
+        if kind == "done":
+            self.finished = True
+        return kind, value
+
+    async def until(self, wanted: str, on_item: Callable[[Any], None] | None = None):
+        while True:
+            kind, value = await self.next()
+            if kind == "item" and on_item is not None:
+                on_item(value)
+            if kind == wanted:
+                return value
+
+    def stop_watching(self) -> None:
+        self.watch.cancel()
+
+    def close(self) -> None:
+        """Stop the job unless it finished (a timeout, an error, a client gone)."""
+        self.stop_watching()
+        self.job.cancelled.set()
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+class Reply:
+    """One completion's answer in the OpenAI shapes: its id, and its choice whole or as SSE chunks."""
+
+    def __init__(self, model_id: str, chat: bool):
+        self.model_id, self.chat = model_id, chat
+        self.created, self.ident = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def choice(self, text: str | None, finish: str | None, delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        message = ({} if text is None else {"content": text}) if delta else {"role": "assistant", "content": text}
+        return {"index": 0, ("delta" if delta else "message"): message, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, text: str, stats: Stats) -> dict:
+        return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_id, "choices": [self.choice(text, stats.finish_reason, False)],
+                "usage": usage(stats), "ragblend": dict(stats.__dict__)}
+
+    def event(self, data: dict) -> bytes:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return f"data: {json.dumps({'id': self.ident, 'object': kind, 'created': self.created, 'model': self.model_id, **data})}\n\n".encode()
+
+
+def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout]) -> Callable[[Job], Decode]:
+    """The worker's side of a completion: tokenize (``layout_of``); the worker then prefills and
+    decodes the returned :class:`Decode` in its batch."""
+    engine, strategy = server.engine, requested_strategy(body)
+
+    def run(job: Job) -> Decode:
+        layout = layout_of()
+        params = sampling(body, engine, len(layout.token_ids))
+        job.emit(("ready", None))
+        positions = min(len(layout.token_ids) + params.max_new_tokens, engine.context_window)
+        return Decode(lambda: engine.begin(layout, strategy=strategy, params=params),
+                      kv_bytes_for(engine.adapter, positions), finished)
+
+    def finished(decoding) -> Stats:
+        stats = engine.finish(decoding)
+        server.metrics.answer(stats)
+        return stats
+
+    return run
+
+
+async def answer(server: Server, request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout],
+                 chat: bool, texts: list[str]):
+    """Answer a completion; then store the KV of ``texts`` (the passages of its plain
+    text) between requests, so that the next prompt holding them reuses it."""
+    check_options(body)
+    run = _decode_job(server, body, layout_of)
+    reply = Reply(server.model_id, chat)
+    call = Call(server, request, run)
+    if not body.get("stream"):
+        pieces: list[str] = []
+        try:
+            stats = await call.until("done", pieces.append)
+        finally:
             call.close()
-            raise
-        call.stop_watching()   # the streaming response listens for the disconnect from here on
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+        server.record(path, stats)
+        server.keeper.add(texts)
+        return JSONResponse(reply.whole("".join(pieces), stats))
 
-        def event(data: dict) -> bytes:
-            return f"data: {json.dumps({'id': ident, 'object': chunk_kind, 'created': created, 'model': model_id, **data})}\n\n".encode()
+    # Streaming: wait until the prompt is tokenized and checked, so that a bad prompt is a
+    # real 400 (not an error event after a 200); from then on the stream reports errors.
+    try:
+        await call.until("ready")
+    except BaseException:
+        call.close()
+        raise
+    call.stop_watching()   # the streaming response listens for the disconnect from here on
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-        async def events() -> AsyncIterator[bytes]:
-            if chat:
-                yield event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]})
+    def ended() -> None:
+        call.close()
+        if not call.finished:
+            log.info("client disconnected from %s during its stream; its generation was stopped", route_label(path))
+            server.metrics.request(path, 499)
+
+    return Stream(_events(server, call, reply, path, include_usage, texts), ended)
+
+
+async def _events(server: Server, call: Call, reply: Reply, path: str, include_usage: bool,
+                  texts: list[str]) -> AsyncIterator[bytes]:
+    """A streamed completion's SSE events, through ``[DONE]``."""
+    if reply.chat:
+        yield reply.event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}]})
+    try:
+        while True:
+            kind, value = await call.next()
+            if kind == "item":
+                yield reply.event({"choices": [reply.choice(value, None, True)]})
+            elif kind == "done":
+                break
+    except Exception as err:   # not CancelledError: a client gone is handled by the Stream's on_end
+        response = server.error_response(err, path)
+        call.finished = True
+        yield f"data: {response.body.decode()}\n\n".encode()
+    else:
+        last = {"choices": [reply.choice(None if reply.chat else "", value.finish_reason, True)],
+                "ragblend": dict(value.__dict__)}
+        if not include_usage:   # usage rides on the last chunk (ChatOpenAI.stream shows it as is)
+            last["usage"] = usage(value)
+        yield reply.event(last)
+        if include_usage:   # the OpenAI way: a chunk of its own, with no choices
+            yield reply.event({"choices": [], "usage": usage(value)})
+        server.record(path, value)
+        server.keeper.add(texts)
+    yield b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+router = APIRouter()
+
+
+def endpoint(path: str):
+    """A route handler of ``path`` taking ``(server, request)``, its errors answered as
+    OpenAI-shaped responses."""
+    def wrap(handler: Callable[[Server, Request], Awaitable[Any]]):
+        async def handle(request: Request):
+            server = request.app.state.server
             try:
-                while True:
-                    kind, value = await call.next()
-                    if kind == "item":
-                        yield event({"choices": [choice(value, None, True)]})
-                    elif kind == "done":
-                        break
-            except Exception as err:   # not CancelledError: a client gone is handled in ended()
-                response = error_response(err, path)
-                call.finished = True
-                yield f"data: {response.body.decode()}\n\n".encode()
-            else:
-                last = {"choices": [choice(None if chat else "", value.finish_reason, True)],
-                        "ragblend": dict(value.__dict__)}
-                if not include_usage:   # usage rides on the last chunk (ChatOpenAI.stream shows it as is)
-                    last["usage"] = usage(value)
-                yield event(last)
-                if include_usage:   # the OpenAI way: a chunk of its own, with no choices
-                    yield event({"choices": [], "usage": usage(value)})
-                record(path, value)
-                keeper.add(texts)
-            yield b"data: [DONE]\n\n"
+                return await handler(server, request)
+            except Exception as err:
+                return server.error_response(err, path)
+        return handle
+    return wrap
 
-        def ended() -> None:
-            call.close()
-            if not call.finished:
-                log.info("client disconnected from %s during its stream; its generation was stopped",
-                         route_label(path))
-                metrics.request(path, 499)
 
-        return Stream(events(), ended)
+@router.get("/health")
+async def health(request: Request):
+    server = request.app.state.server
+    return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth}
 
-    def endpoint(path: str):
-        """Route errors of ``path``'s handler into OpenAI-shaped responses."""
-        def wrap(handler):
-            async def handle(request: Request):
-                try:
-                    return await handler(request)
-                except Exception as err:
-                    return error_response(err, path)
-            return handle
-        return wrap
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "model": model_id, "queue_depth": worker.depth}
+@router.get("/v1/models")
+async def models(request: Request):
+    server = request.app.state.server
+    server.metrics.request("/v1/models", 200)
+    # The served model first (clients that take the first entry get it), then the other
+    # names clients asked for, each an alias of it ("root", as vLLM lists its served names).
+    entry = {"object": "model", "created": 0, "owned_by": "ragblend", "root": server.model_id,
+             "max_model_len": server.engine.context_window}
+    return {"object": "list", "data": [{"id": name, **entry} for name in (server.model_id, *server.aliases)]}
 
-    @app.get("/v1/models")
-    async def models():
-        metrics.request("/v1/models", 200)
-        # The served model first (clients that take the first entry get it), then the other
-        # names clients asked for, each an alias of it ("root", as vLLM lists its served names).
-        entry = {"object": "model", "created": 0, "owned_by": "ragblend", "root": model_id,
-                 "max_model_len": engine.context_window}
-        return {"object": "list", "data": [{"id": name, **entry} for name in (model_id, *aliases)]}
 
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.text(worker.depth, engine.store), media_type="text/plain; version=0.0.4")
+@router.get("/metrics")
+async def prometheus(request: Request):
+    server = request.app.state.server
+    return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper),
+                             media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/chat/completions")
-    @endpoint("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await read_json(request)
-        prompt = ChatPrompt.parse(body.get("messages"), limit)
-        return await answer(request, "/v1/chat/completions", body, lambda: prompt.layout(engine), True,
-                            prompt.passages())
 
-    @app.post("/v1/completions")
-    @endpoint("/v1/completions")
-    async def completions(request: Request):
-        body = await read_json(request)
-        prompt = check_prompt(body.get("prompt"), limit, engine.entry_spec.vocab_size, engine.context_window)
-        return await answer(request, "/v1/completions", body,
-                            lambda: completion_layout(engine, prompt, separator_ids), False,
-                            passages([prompt]) if isinstance(prompt, str) else [])
+@router.post("/v1/chat/completions")
+@endpoint("/v1/chat/completions")
+async def chat_completions(server: Server, request: Request):
+    body = await server.read_json(request)
+    prompt = ChatPrompt.parse(body.get("messages"), server.limit)
+    return await answer(server, request, "/v1/chat/completions", body, lambda: prompt.layout(server.engine), True,
+                        prompt.passages())
 
-    @app.post("/v1/chunks")
-    @endpoint("/v1/chunks")
-    async def chunks(request: Request):
-        body = await read_json(request)
-        texts = body.get("texts")
-        if isinstance(texts, list) and len(texts) > MAX_TEXTS:
-            raise ApiError(400, f"texts has {len(texts)} texts; send at most {MAX_TEXTS} per request.", param="texts")
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-            raise ApiError(400, "texts must be a non-empty list of non-empty strings.", param="texts")
-        skip = body.get("skip_unusable", False)
-        if not isinstance(skip, bool):
-            raise ApiError(400, "skip_unusable must be true or false.", param="skip_unusable")
-        # A text over the character limit cannot fit the window: refused, or skipped, untokenized.
-        fits = [len(t) <= limit.max_chars for t in texts]
-        if not skip:
-            for i, text in enumerate(texts):
-                limit.check(len(text), f"texts[{i}]", f"texts[{i}]")
-        kept = [t for t, ok in zip(texts, fits) if ok]
-        refs = await run_job(request, lambda job: engine.precompute(kept, skip_unusable=skip) if kept else [])
-        refs = iter(refs)
-        refs = [next(refs) if ok else None for ok in fits]
-        record("/v1/chunks", what=f"{sum(r is not None for r in refs)} of {len(refs)} texts stored")
-        # With skip_unusable, a chunk too short to be found or too long for the window has no KV.
-        # JSONResponse, not a dict: FastAPI's encoder would walk a large answer on the event loop.
-        return JSONResponse({"object": "list", "data": [
-            {"key": None, "tokens": 0, "stored": False} if r is None else
-            {"key": r.key, "tokens": r.num_tokens, "stored": r.stored} for r in refs]})
 
-    @app.post("/tokenize")
-    @endpoint("/tokenize")
-    async def tokenize(request: Request):
-        body = await read_json(request)
-        for name in ("tools", "chat_template", "continue_final_message"):
-            if body.get(name) not in (None, False, []):
-                raise ApiError(400, f"{name} is not supported by this server's /tokenize; leave it out.",
-                               param=name, code="unsupported_parameter")
-        for name in ("add_generation_prompt", "add_special_tokens"):
-            if body.get(name) is not None and not isinstance(body[name], bool):
-                raise ApiError(400, f"{name} must be true or false.", param=name)
-        if "messages" in body:
-            if body.get("add_generation_prompt") is False:
-                raise ApiError(400, "add_generation_prompt=false is not supported: messages are tokenized as "
-                                    "the chat endpoint's prompt, which ends with the assistant's turn.",
-                               param="add_generation_prompt", code="unsupported_parameter")
-            # The very prompt the chat endpoint would build (the engine's PromptBuilder).
-            prompt = ChatPrompt.parse(body["messages"], limit)
+@router.post("/v1/completions")
+@endpoint("/v1/completions")
+async def completions(server: Server, request: Request):
+    body = await server.read_json(request)
+    engine = server.engine
+    prompt = check_prompt(body.get("prompt"), server.limit, engine.entry_spec.vocab_size, engine.context_window)
+    return await answer(server, request, "/v1/completions", body,
+                        lambda: completion_layout(engine, prompt, server.separator_ids), False,
+                        passages([prompt]) if isinstance(prompt, str) else [])
 
-            def run(job: Job) -> list[int]:
-                return prompt.layout(engine, find_chunks=False).token_ids
-        else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise ApiError(400, "prompt must be a string (or send messages).", param="prompt")
-            limit.check(len(text), "prompt", "prompt")
-            check_text(text, "prompt")
-            specials = body.get("add_special_tokens", True)
 
-            def run(job: Job) -> list[int]:
-                ids = engine.tokenize(text)
-                return special_head + ids + special_tail if specials else ids
-        ids = await run_job(request, run)
-        record("/tokenize", what=f"{len(ids)} tokens")
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.context_window})
+@router.post("/v1/chunks")
+@endpoint("/v1/chunks")
+async def chunks(server: Server, request: Request):
+    body = await server.read_json(request)
+    texts = body.get("texts")
+    if isinstance(texts, list) and len(texts) > MAX_TEXTS:
+        raise ApiError(400, f"texts has {len(texts)} texts; send at most {MAX_TEXTS} per request.", param="texts")
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise ApiError(400, "texts must be a non-empty list of non-empty strings.", param="texts")
+    skip = body.get("skip_unusable", False)
+    if not isinstance(skip, bool):
+        raise ApiError(400, "skip_unusable must be true or false.", param="skip_unusable")
+    # A text over the character limit cannot fit the window: refused, or skipped, untokenized.
+    fits = [len(t) <= server.limit.max_chars for t in texts]
+    if not skip:
+        for i, text in enumerate(texts):
+            server.limit.check(len(text), f"texts[{i}]", f"texts[{i}]")
+    kept = [t for t, ok in zip(texts, fits) if ok]
+    refs = await server.run_job(request, lambda job: server.engine.precompute(kept, skip_unusable=skip) if kept else [])
+    refs = iter(refs)
+    refs = [next(refs) if ok else None for ok in fits]
+    server.record("/v1/chunks", what=f"{sum(r is not None for r in refs)} of {len(refs)} texts stored")
+    # With skip_unusable, a chunk too short to be found or too long for the window has no KV.
+    # JSONResponse, not a dict: FastAPI's encoder would walk a large answer on the event loop.
+    return JSONResponse({"object": "list", "data": [
+        {"key": None, "tokens": 0, "stored": False} if r is None else
+        {"key": r.key, "tokens": r.num_tokens, "stored": r.stored} for r in refs]})
 
+
+@router.post("/tokenize")
+@endpoint("/tokenize")
+async def tokenize(server: Server, request: Request):
+    body = await server.read_json(request)
+    for name in ("tools", "chat_template", "continue_final_message"):
+        if body.get(name) not in (None, False, []):
+            raise ApiError(400, f"{name} is not supported by this server's /tokenize; leave it out.",
+                           param=name, code="unsupported_parameter")
+    for name in ("add_generation_prompt", "add_special_tokens"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise ApiError(400, f"{name} must be true or false.", param=name)
+    ids = await server.run_job(request, _tokenize_job(server, body))
+    server.record("/tokenize", what=f"{len(ids)} tokens")
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.engine.context_window})
+
+
+def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
+    """The worker's side of /tokenize: the token ids of the body's messages or prompt (checked here)."""
+    engine = server.engine
+    if "messages" in body:
+        if body.get("add_generation_prompt") is False:
+            raise ApiError(400, "add_generation_prompt=false is not supported: messages are tokenized as "
+                                "the chat endpoint's prompt, which ends with the assistant's turn.",
+                           param="add_generation_prompt", code="unsupported_parameter")
+        # The very prompt the chat endpoint would build (the engine's PromptBuilder).
+        prompt = ChatPrompt.parse(body["messages"], server.limit)
+        return lambda job: prompt.layout(engine, find_chunks=False).token_ids
+    text = body.get("prompt")
+    if not isinstance(text, str):
+        raise ApiError(400, "prompt must be a string (or send messages).", param="prompt")
+    server.limit.check(len(text), "prompt", "prompt")
+    check_text(text, "prompt")
+    specials = body.get("add_special_tokens", True)
+
+    def run(job: Job) -> list[int]:
+        ids = engine.tokenize(text)
+        return server.special_head + ids + server.special_tail if specials else ids
+    return run
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
+    return request.app.state.server.error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
+
+
+def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: int = 16,
+               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None,
+               max_batch: int = DEFAULT_MAX_BATCH, max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
+    """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
+    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker)."""
+    if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
+        raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
+    server = Server(engine, queue_size=queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
+                    model_name=model_name, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
+    app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = server
+    app.state.worker, app.state.keeper = server.worker, server.keeper   # for tests and tools: their counters
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=server.error_response)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.include_router(router)
     return app
 
 

@@ -59,6 +59,11 @@ class PassageKeeper:
                 self.pending.popitem(last=False)
         self.schedule()
 
+    def pending_count(self) -> int:
+        """Passages waiting to be stored (``ragblend_kv_fill_pending`` on /metrics)."""
+        with self.lock:
+            return len(self.pending)
+
     def schedule(self, own: int = 0) -> None:
         """Queue a storing job if passages wait, none is queued, and the worker has no other
         work (``own``: the jobs of ours the worker counts, 1 from inside a storing job)."""
