@@ -24,10 +24,11 @@ demo: install
 test: install lint
 	$(PY) -m pytest -q
 
-# The unit tests: tiny random models and the small tokenizer in tests/data, no model to load or
-# convert (about 1.5 min). CI runs the whole `make test`.
+# The unit tests (tests/unit): tiny random models and the small tokenizer in tests/data, no model to
+# load or convert (about 1.5 min). tests/integration holds the real models, servers and browser; CI runs
+# the whole `make test`.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" tests/unit
 
 lint: install
 	$(VENV)/bin/ruff check ragblend tests benchmarks apps

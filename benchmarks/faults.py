@@ -869,7 +869,7 @@ class Hostile:
     def cancellation_cases(self) -> list[Case]:
         import logging
 
-        from tests.test_server import RunningServer  # create_app under uvicorn in a thread
+        from tests.integration.test_server import RunningServer  # create_app under uvicorn in a thread
 
         records: list[logging.LogRecord] = []
 

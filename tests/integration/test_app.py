@@ -1,0 +1,237 @@
+"""The Streamlit demo app: its flows through Streamlit's AppTest, and one real run in
+headless Chromium."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit")
+
+from ragblend.data import sample_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+APP = str(Path(__file__).resolve().parents[2] / "apps" / "streamlit_app.py")
+QUESTION = "In which year did the Lowenmark Kite Festival begin?"
+
+
+def start_app(monkeypatch, index_dir, files_root=None):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("RAGBLEND_INDEX_DIR", str(index_dir))
+    if files_root is None:
+        monkeypatch.delenv("RAGBLEND_FILES_ROOT", raising=False)
+    else:
+        monkeypatch.setenv("RAGBLEND_FILES_ROOT", str(files_root))
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.run()
+    assert not at.exception
+    return at
+
+
+@pytest.fixture
+def app(tmp_path, monkeypatch):
+    """The app, allowed to read files under tmp_path."""
+    return start_app(monkeypatch, tmp_path / "index", files_root=tmp_path)
+
+
+def button(at, key):
+    return next(b for b in at.button if b.key == key)
+
+
+def test_question_before_ingestion_explains_what_to_do(app):
+    app.text_input(key="question").input(QUESTION)
+    button(app, "ask").click().run()
+    assert any("index is empty" in i.value and "Ingest documents first" in i.value for i in app.info)
+
+
+def test_ingest_ask_and_compare(app, tmp_path):
+    docs = tmp_path / "docs"
+    shutil.copytree(sample_dir(), docs)
+    (docs / "scan.pdf").write_bytes(b"%PDF-1.4 not text")
+    (docs / "empty.md").write_text("\n")
+    app.text_input(key="folder").input(str(docs))
+    button(app, "ingest").click().run()
+    assert not app.exception
+    assert any("Ingested 6 file(s)" in s.value for s in app.success)
+    warnings = " ".join(w.value for w in app.warning)
+    assert "scan.pdf" in warnings and "not a readable PDF" in warnings and "empty.md" in warnings
+
+    app.text_input(key="question").input(QUESTION)
+    button(app, "ask").click().run()
+    assert not app.exception
+    shown = " ".join(m.value for m in app.markdown)
+    assert "1987" in shown
+    metrics = {m.label: m.value for m in app.metric}
+    assert metrics["TTFT with fusion"].endswith(" s") and metrics["TTFT full prefill"].endswith(" s")
+    reused, total = metrics["Prompt tokens reused"].split(" / ")
+    assert int(reused) > 0.5 * int(total)
+    assert "KV reused for" in shown and "background:#ffd166" in shown  # reuse listed, recomputed tokens marked
+    assert app.session_state["history"][0]["TTFT full prefill (s)"] > 0
+
+    app.selectbox[0].set_value("full_reuse")
+    app.checkbox[0].uncheck()
+    button(app, "ask").click().run()
+    assert len(app.session_state["history"]) == 2
+    assert {m.label: m.value for m in app.metric}["TTFT full prefill"] == "–"
+
+
+def test_without_a_files_root_the_path_box_is_off(tmp_path, monkeypatch):
+    at = start_app(monkeypatch, tmp_path / "index")
+    assert "folder" not in [t.key for t in at.text_input]
+    assert any("--files-root" in c.value for c in at.caption)
+    assert all(t.disabled for t in at.sidebar.text_input)   # index, model, Chroma: the operator's
+
+
+def test_a_path_outside_the_files_root_is_refused(tmp_path, monkeypatch):
+    root, outside = tmp_path / "shared", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "secret.txt").write_text("the password is swordfish\n")
+    (root / "leak.txt").symlink_to(outside / "secret.txt")
+    at = start_app(monkeypatch, tmp_path / "index", files_root=root)
+    for hostile in (str(outside / "secret.txt"), "../outside/secret.txt", "leak.txt", "/etc/passwd"):
+        at.text_input(key="folder").input(hostile)
+        button(at, "ingest").click().run()
+        assert not at.exception
+        assert any("outside the folder this app may read" in e.value for e in at.error), hostile
+        assert not at.success
+    assert "0 chunk(s)" in " ".join(c.value for c in at.caption)
+
+
+def test_ragblend_app_listens_on_this_machine_only(tmp_path):
+    import signal
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))   # no packet is sent: this only picks the outgoing interface
+        address = probe.getsockname()[0]
+    except OSError:
+        address = None
+    finally:
+        probe.close()
+    if not address or address.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address to test from")
+    port = free_port()
+    env = {**os.environ, "STREAMLIT_SERVER_HEADLESS": "true"}
+    server = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port),
+                               "--index", str(tmp_path / "index")], env=env, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_serving(port, server)
+        with pytest.raises(OSError):   # refused: nothing listens on the network's interface
+            socket.create_connection((address, port), timeout=3).close()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)   # the CLI and the streamlit process it started
+        server.wait(10)
+
+
+# ---------------------------------------------------------------------------- real browser
+
+
+def chromium_or_skip() -> tuple[str, str]:
+    """Debian's chromium and chromedriver, installed here if missing (the test's set-up)."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        result = subprocess.run(["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
+                                capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            update = subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env)
+            result = subprocess.run(["apt-get", "install", "-y", "-q", "chromium", "chromium-driver"],
+                                    capture_output=True, text=True, env=env)
+            if result.returncode != 0:
+                pytest.skip("Chromium could not be installed with apt-get (chromium, chromium-driver): "
+                            + (result.stderr or update.stderr).strip()[-300:])
+    pytest.importorskip("selenium")
+    return shutil.which("chromium"), shutil.which("chromedriver")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(port: int, server: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Wait until the app on ``port`` answers its health check; fail if ``server`` exits or it takes too long."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
+            return
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                raise AssertionError("the app did not start")
+            time.sleep(0.5)
+
+
+def test_app_in_headless_chromium(tmp_path):
+    chromium, chromedriver = chromium_or_skip()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    port = free_port()
+    env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index"), "RAGBLEND_FILES_ROOT": str(sample_dir())}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1400,2400",
+                 f"--user-data-dir={tmp_path / 'chrome-profile'}"):
+        options.add_argument(flag)
+    driver = None
+    try:
+        wait_until_serving(port, server)
+        driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+        driver.get(f"http://127.0.0.1:{port}")
+        wait = WebDriverWait(driver, 300)
+
+        def text_input(label):
+            return wait.until(EC.element_to_be_clickable(
+                (By.XPATH, f"//label[.//p[contains(., '{label}')]]/following::input[1]")))
+
+        def click_button(label):
+            wait.until(EC.element_to_be_clickable((By.XPATH, f"//button[.//p[text()='{label}']]"))).click()
+
+        upload = tmp_path / "uploaded-note.md"
+        upload.write_text("The old lighthouse keeper of Lowenmark retired in 1968 and moved inland.\n")
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "input[type='file']"))).send_keys(str(upload))
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "uploaded-note.md"))
+        folder = text_input("a file or folder on this machine")
+        folder.send_keys(str(sample_dir()), Keys.ENTER)
+        click_button("Ingest")
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Ingested 7 file(s)"))
+
+        question = text_input("Question")
+        question.send_keys(QUESTION, Keys.ENTER)
+        click_button("Ask")
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "TTFT with fusion"))
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "TTFT over this session"))
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "[data-testid*='VegaLiteChart'] canvas, "
+                                                                   "[data-testid*='VegaLiteChart'] svg")))
+        time.sleep(1)  # let the chart finish drawing before the screenshot
+        body = driver.find_element(By.TAG_NAME, "body").text
+        assert "1987" in body
+        assert "TTFT with fusion" in body and "TTFT full prefill" in body
+        shot = tmp_path / "streamlit_app.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.terminate()
+        server.wait(10)

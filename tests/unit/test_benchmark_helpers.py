@@ -1,0 +1,114 @@
+"""The benchmark helpers that need no download: SQuAD metrics, model names, and the
+selection-bounds study's scores (on a tiny model)."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
+from benchmarks.models import model_path
+from benchmarks.run import rouge_l
+from benchmarks.squad import (
+    answer_contained,
+    best_over_answers,
+    exact_match,
+    extract_answer,
+    f1_score,
+    normalize_answer,
+)
+from ragblend import CacheBlend, Chunk
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+
+def test_squad_normalisation_and_scores():
+    assert normalize_answer("The  Rollo, of Normandy!") == "rollo of normandy"
+    assert exact_match("the Rollo.", "Rollo") == 1.0 and exact_match("Rollo the Walker", "Rollo") == 0.0
+    assert f1_score("Super Bowl LI", "Super Bowl LI") == 1.0
+    assert f1_score("peat swamps", "peat swamps or small ponds") == pytest.approx(2 * 1 * 0.4 / 1.4)
+    assert f1_score("nothing alike", "Rollo") == 0.0
+    assert best_over_answers(exact_match, "In 999", ["999", "In 999"]) == 1.0
+
+
+def test_answer_extraction_and_containment():
+    assert extract_answer("\n  Answer: The Broncos won. They beat the Panthers.\nmore") == "The Broncos won."
+    assert extract_answer("Rollo") == "Rollo" and extract_answer("") == ""
+    assert answer_contained("The Denver Broncos won Super Bowl 50.", "Denver Broncos") == 1.0
+    assert answer_contained("Denverite fans", "Denver") == 0.0  # whole words only
+    assert answer_contained("anything", "the") == 0.0  # an answer that normalises to nothing never matches
+
+
+def test_model_names():
+    assert model_path("smollm2") is None
+    with pytest.raises(ValueError, match="smollm2"):
+        model_path("gpt-5")
+
+
+def test_rouge_l():
+    assert rouge_l("the ferry is the Sanderling", "the ferry is the Sanderling") == 1.0
+    assert rouge_l("", "") == 1.0 and rouge_l("a", "") == 0.0 and rouge_l("x y", "a b") == 0.0
+    # LCS "the Sanderling" (2 of 3 candidate tokens, 2 of 4 reference tokens)
+    assert rouge_l("the Sanderling ferry", "it is the Sanderling") == pytest.approx(2 * (2 / 3) * 0.5 / (2 / 3 + 0.5))
+
+
+def test_whole_chunk_scores_rank_chunks_before_tokens():
+    # Chunk 0 holds the single largest deviation, chunk 1 the largest mean.
+    deviation = torch.tensor([9.0, 0.0, 0.0, 5.0, 4.0, 1.0, 2.0, 0.5])
+    scores = whole_chunk_scores(torch.arange(8), deviation, [3, 2, 3])
+    assert set(scores.topk(2).indices.tolist()) == {3, 4}          # all of chunk 1
+    assert set(scores.topk(4).indices.tolist()) == {3, 4, 0, 1}    # then chunk 0's top tokens
+    # Candidates can be a subset of the reused tokens (rows index into all of them).
+    sub = whole_chunk_scores(torch.tensor([0, 5, 6]), torch.tensor([9.0, 1.0, 2.0]), [3, 2, 3])
+    assert sub.argmax() == 0
+
+
+def test_true_v_deviation_sums_normalised_layers_after_the_check_layer():
+    torch.manual_seed(0)
+    full = [torch.randn(2, 6, 4) for _ in range(3)]
+    positions = torch.tensor([1, 2, 4])
+    cached = torch.stack([v[:, positions] for v in full])
+    cached[1, :, 0] += 1.0    # token 0 off at layer 1 only
+    cached[2, :, 2] += 10.0   # token 2 off at layer 2 only, on a larger scale
+    cached[0, :, 1] += 100.0  # layer 0 (before the check layer) does not count
+    dev = true_v_deviation(full, cached, positions, check_layer=1)
+    # Each layer is divided by its mean, so the two off tokens weigh the same.
+    assert dev.tolist() == pytest.approx([3.0, 0.0, 3.0])
+
+
+def test_a_replaced_score_drives_the_selection(tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer)
+    engine.precompute(PASSAGES[:3])
+    segments = [Chunk(c) for c in PASSAGES[:3]] + ["Question: who ran the ferry?"]
+    spans = engine.prompts.build(segments).chunk_spans
+    reused = torch.cat([torch.arange(s.start, s.end) for s in spans])
+    keep = math.ceil(0.2 * reused.numel() - 1e-9)  # as the engine counts
+    own = engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused]
+    # Favour the last reused tokens: exactly those are recomputed.
+    favour_last = with_score(lambda rows, deviation, sizes: rows.float(), CacheBlend(0.2))
+    forced = engine.prefill(segments, strategy=favour_last).recomputed[reused]
+    assert forced.nonzero().squeeze(1).tolist() == list(range(reused.numel() - keep, reused.numel()))
+    assert not torch.equal(forced, own)
+    # The engine's own score is untouched.
+    assert torch.equal(engine.prefill(segments, strategy=CacheBlend(0.2)).recomputed[reused], own)
+
+
+def test_peers_decode_the_same_number_of_tokens_and_skip_what_is_missing(tokenizer, monkeypatch):
+    import sys
+
+    from benchmarks.peers import HFPeer, RagblendPeer, make_peers
+
+    engine = make_tiny_engine("llama", tokenizer)
+    question = "Who ran the ferry?"
+    layout = engine.build_prompt([Chunk(p) for p in PASSAGES[:2]] + [question])
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)      # as if it were not installed
+    peers, notes = make_peers("smollm2", engine, PASSAGES[:2], layout.chunk_spans[0].start, 5, 1024)
+    assert "llama-cpp-python" not in peers and notes["llama-cpp-python"].startswith("skipped")
+    for name, peer in peers.items():
+        ttft, total = peer.answer([Chunk(p) for p in PASSAGES[:2]] + [question] if isinstance(peer, RagblendPeer)
+                                  else layout.token_ids)
+        assert 0 < ttft <= total, name
+    assert engine.last_stats.generated_tokens == 5 and engine.last_stats.chunks_reused == 2
+    assert "ragblend, decode_dtype='int4'" in peers   # the default's decoding beside 4-bit decoding
+    prefixed = peers["transformers, cached system prefix"]
+    assert isinstance(prefixed, HFPeer) and prefixed.prefix_cache.get_seq_length() == layout.chunk_spans[0].start

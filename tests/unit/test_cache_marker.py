@@ -1,0 +1,121 @@
+"""`ragblend cache` and DiskStore act only on a folder that is a ragblend KV store (it has the
+marker ragblend-store.json, or is unmistakably a store an earlier ragblend wrote); another
+application's cache is refused and left byte-identical."""
+
+import logging
+import os
+import sqlite3
+
+import pytest
+
+from ragblend.cli import main
+from ragblend.core.store import MARKER, DiskStore, NotAStoreError, open_store
+
+from ..conftest import SPEC, synthetic_entry
+
+
+def snapshot(folder) -> dict:
+    """Every file under ``folder`` with its bytes."""
+    return {os.path.relpath(os.path.join(root, name), folder): open(os.path.join(root, name), "rb").read()
+            for root, _, names in os.walk(folder) for name in names}
+
+
+@pytest.fixture
+def foreign_diskcache(tmp_path):
+    """Another application's diskcache: pickled and string keys, values inline and in files."""
+    import diskcache
+
+    folder = tmp_path / "other-app-cache"
+    cache = diskcache.Cache(str(folder))
+    cache["session"] = {"user": 42}
+    cache.set("b" * 64, b"x" * 100_000)
+    cache.close()
+    return folder
+
+
+@pytest.fixture
+def foreign_sqlite(tmp_path):
+    """Another application's SQLite database that happens to be called cache.db."""
+    folder = tmp_path / "other-app"
+    folder.mkdir()
+    connection = sqlite3.connect(folder / "cache.db")
+    connection.execute("CREATE TABLE pages (url TEXT, body TEXT)")
+    connection.execute("INSERT INTO pages VALUES ('https://example.org', 'hello')")
+    connection.commit()
+    connection.close()
+    return folder
+
+
+@pytest.mark.parametrize("action", ["clear", "stats"])
+def test_cache_commands_refuse_a_foreign_diskcache(foreign_diskcache, action, capsys):
+    before = snapshot(foreign_diskcache)
+    assert main(["cache", action, "--kv-dir", str(foreign_diskcache)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a ragblend KV store" in err and MARKER in err and "new or empty folder" in err
+    assert snapshot(foreign_diskcache) == before
+
+
+@pytest.mark.parametrize("action", ["stats", "clear"])
+def test_cache_commands_leave_a_foreign_sqlite_cache_db_byte_identical(foreign_sqlite, action, capsys):
+    before = snapshot(foreign_sqlite)
+    assert main(["cache", action, "--kv-dir", str(foreign_sqlite)]) == 2
+    assert "has tables ['pages']" in capsys.readouterr().err
+    assert snapshot(foreign_sqlite) == before
+
+
+def test_an_engine_store_on_a_foreign_folder_is_memory_only_and_writes_nothing(foreign_sqlite, caplog):
+    before = snapshot(foreign_sqlite)
+    with pytest.raises(NotAStoreError, match="ragblend will not read, change or delete anything"):
+        DiskStore(foreign_sqlite, SPEC)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        store = open_store(foreign_sqlite, SPEC)   # the KV is a cache: the engine runs without its disk tier
+    assert store.put(synthetic_entry(1)) and store.get(synthetic_entry(1).key) is not None
+    assert "keeping KV in memory only" in caplog.text
+    assert snapshot(foreign_sqlite) == before
+
+
+def test_a_new_store_gets_the_marker_and_an_old_one_is_adopted(tmp_path, caplog):
+    folder = tmp_path / "kv"
+    store = DiskStore(folder, SPEC)
+    store.put(synthetic_entry(1))
+    store.close()
+    assert (folder / MARKER).is_file()
+    (folder / MARKER).unlink()   # as an earlier ragblend left it
+    with caplog.at_level(logging.INFO, logger="ragblend"):
+        store = DiskStore(folder, SPEC)
+    assert "adopted the KV store" in caplog.text and (folder / MARKER).is_file()
+    assert store.get(synthetic_entry(1).key) is not None
+
+
+def test_an_empty_folder_becomes_a_store_but_a_folder_with_other_files_does_not(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    DiskStore(empty, SPEC).close()
+    assert (empty / MARKER).is_file()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(NotAStoreError, match="'todo.txt'"):
+        DiskStore(notes, SPEC)
+    assert snapshot(notes) == {"todo.txt": b"mine"}
+
+
+def test_a_marker_of_another_format_is_refused(tmp_path):
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    (folder / MARKER).write_text('{"format": "something-else"}')
+    with pytest.raises(NotAStoreError, match="not ragblend's"):
+        DiskStore(folder, SPEC)
+
+
+def test_clear_deletes_nothing_in_a_broken_folder_without_the_marker(tmp_path, capsys):
+    folder = tmp_path / "kv"
+    store = DiskStore(folder, SPEC)
+    store.put(synthetic_entry(1))
+    store.close()
+    (folder / MARKER).unlink()
+    (folder / "cache.db").write_bytes(b"not a database" * 100)
+    before = snapshot(folder)
+    assert main(["cache", "clear", "--kv-dir", str(folder)]) == 2
+    assert "is not a ragblend KV store" in capsys.readouterr().err
+    assert snapshot(folder) == before

@@ -1,0 +1,480 @@
+"""Correctness of the fused prefill on tiny random models of every supported family."""
+
+import math
+
+import pytest
+import torch
+
+from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.fusion import isolated_kv, packed_isolated_kv
+from ragblend.core.generate import KVDecoder
+from ragblend.core.kv import ChunkKV
+
+from ..conftest import PASSAGES
+
+
+def forward_logits(engine, token_ids):
+    with torch.no_grad():
+        out = engine.hf_model(torch.tensor([token_ids]), use_cache=True)
+    return out.logits[0, -1], out.past_key_values
+
+
+def segments(order=(0, 1, 2)):
+    return [Chunk(PASSAGES[i]) for i in order] + ["Question: who ran the ferry?"]
+
+
+def test_full_recompute_equals_model_forward(tiny_engine):
+    pre = tiny_engine.prefill(segments(), system="Answer briefly.", strategy=FullRecompute())
+    ref, _ = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+    assert pre.stats.recomputed_tokens == pre.stats.prompt_tokens == len(pre.token_ids)
+
+
+def test_long_prompt_crosses_sliding_window(tiny_engine):
+    # Longer than the tiny Mistral's 48-token window, so the window mask really matters there.
+    segs = [Chunk(p) for p in PASSAGES] + ["Question: which bridge was replaced?"]
+    pre = tiny_engine.prefill(segs, strategy=FullRecompute())
+    assert len(pre.token_ids) > 2 * 48
+    ref, _ = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+
+
+def test_cacheblend_ratio_one_equals_full_prefill_and_its_cache(tiny_engine):
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=CacheBlend(ratio=1.0))
+    assert pre.stats.chunks_reused == 3
+    ref, cache = forward_logits(tiny_engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+    for layer in range(tiny_engine.adapter.shape.num_layers):
+        k_ref, v_ref = cache.layers[layer].keys[0], cache.layers[layer].values[0]
+        n = k_ref.shape[1]  # a sliding-window layer keeps only its window
+        assert torch.allclose(pre.keys[layer][:, -n:], k_ref, atol=1e-4), f"K differs at layer {layer}"
+        assert torch.allclose(pre.values[layer][:, -n:], v_ref, atol=1e-4), f"V differs at layer {layer}"
+
+
+def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
+    """Chunks precomputed in exactly the context they appear in: FullReuse must be exact.
+
+    This proves the stored pre-RoPE K is rotated to the right positions and that fresh
+    tokens attend through an exact causal mask (they never see later keys).
+    """
+    engine = tiny_engine   # a fresh engine: its store holds only what this test puts there
+    layout = engine.prompts.build(segments(), system=None)
+    for span in layout.chunk_spans:
+        keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
+        engine.store.put(ChunkKV(engine._key_for(span.token_ids), list(span.token_ids), keys, values))
+    pre = engine.prefill(segments(), strategy=FullReuse())
+    assert pre.token_ids == layout.token_ids
+    assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
+    ref, _ = forward_logits(engine, pre.token_ids)
+    assert (pre.logits - ref).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", [FullReuse(), LegoLink(4), CacheBlend(0.3), CacheBlend(0.3, gradual=((2, 0.2),)),
+                                      CacheBlend(0.3, deviation="key"), CacheBlend(0.3, deviation="key_value")])
+def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, strategy):
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=strategy)
+    n = len(pre.token_ids)
+    chunk_tokens = sum(s.end - s.start for s in pre.layout.chunk_spans)
+    fresh = n - chunk_tokens
+    assert pre.stats.prompt_tokens == n
+    assert pre.stats.reused_tokens + pre.stats.recomputed_tokens == n
+    assert pre.recomputed[-1]  # the last token always runs (it gives the logits)
+    if isinstance(strategy, FullReuse):
+        assert pre.stats.recomputed_tokens == fresh
+    elif isinstance(strategy, LegoLink):
+        assert pre.stats.recomputed_tokens == fresh + 2 * 4  # every chunk but the first
+    else:
+        kept = pre.stats.recomputed_tokens - fresh
+        final_ratio = strategy.gradual[-1][1] if strategy.gradual else strategy.ratio
+        assert kept == math.ceil(final_ratio * chunk_tokens - 1e-9)
+    assert torch.isfinite(pre.logits).all()
+    assert len(pre.keys) == tiny_engine.adapter.shape.num_layers
+    assert all(k.shape[1] == n for k in pre.keys)
+
+
+def test_compute_scales_with_selected_tokens(tiny_engine):
+    """After the check layer, only the kept tokens run through the layer."""
+    from ragblend.core.fusion import ReusedSpan, fused_prefill
+    from ragblend.core.pipeline import SequentialSource
+
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    layout = engine.prompts.build(segments())
+    spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
+    chunks = [engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
+    n = len(layout.token_ids)
+    reused = sum(s.num_tokens for s in spans)
+    fused = fused_prefill(engine.adapter, layout.token_ids, spans,
+                          SequentialSource(chunks), CacheBlend(0.25, check_layer=1))
+    kept = n - reused + -(-reused // 4)
+    assert fused.layer_selected[0] == n and fused.layer_selected[1] == n
+    assert fused.layer_selected[2:] == [kept] * (engine.adapter.shape.num_layers - 2)
+
+
+def test_compute_fraction_counts_token_layers(tiny_engine):
+    tiny_engine.precompute(PASSAGES[:3])
+    full = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    blend = tiny_engine.prefill(segments(), strategy=CacheBlend(0.25))
+    layers = tiny_engine.adapter.shape.num_layers
+    assert full.stats.compute_fraction == 1.0
+    n, kept = blend.stats.prompt_tokens, blend.stats.recomputed_tokens
+    assert blend.stats.compute_fraction == pytest.approx((2 * n + (layers - 2) * kept) / (layers * n))
+
+
+@pytest.mark.parametrize("kind", ["key", "value", "key_value"])
+def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
+    """The kept tokens are exactly the top scorers of the chosen deviation at the check layer,
+    and the three scores disagree on this prompt (so the choice matters)."""
+    from ragblend.core.fusion import kv_deviation
+    from ragblend.core.pipeline import SequentialSource
+
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    layout = engine.prompts.build(segments())
+    # Layers 0 and 1 run over every token, so the fresh K/V at the check layer are a plain prefill's.
+    hidden = _hidden_before(engine, layout.token_ids, 1)
+    with torch.inference_mode():
+        fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
+    reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
+    source = SequentialSource([engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans])
+    source.prepare([1])
+    cached = source.layer(1)
+    scores = {k: kv_deviation(k, fresh_k[:, reused_pos], fresh_v[:, reused_pos], cached,
+                              torch.arange(reused_pos.numel())) for k in ("key", "value", "key_value")}
+    keep = math.ceil(0.2 * reused_pos.numel() - 1e-9)
+    top = {k: set(reused_pos[s.topk(keep).indices].tolist()) for k, s in scores.items()}
+    assert top["key"] != top["value"]
+    blend = engine.prefill(segments(), strategy=CacheBlend(0.2, deviation=kind))
+    kept = set(blend.recomputed.nonzero().squeeze(1).tolist()) & set(reused_pos.tolist())
+    assert kept == top[kind]
+
+
+def _hidden_before(engine, token_ids, layer):
+    """Hidden states entering ``layer`` in a plain prefill (from the HF model)."""
+    with torch.inference_mode():
+        out = engine.hf_model(torch.tensor([token_ids]), output_hidden_states=True)
+    return out.hidden_states[layer][0].to(engine.adapter.dtype)
+
+
+def test_later_text_never_changes_earlier_tokens(tiny_engine):
+    """Exact causal mask: recomputed tokens see only keys at or before their position."""
+    tiny_engine.precompute(PASSAGES[:3])
+    a = tiny_engine.prefill([Chunk(PASSAGES[0]), "Some fresh text here.", Chunk(PASSAGES[1]), "Question A?"],
+                            strategy=FullReuse())
+    b = tiny_engine.prefill([Chunk(PASSAGES[0]), "Some fresh text here.", Chunk(PASSAGES[1]),
+                             "A quite different and longer final question B?"], strategy=FullReuse())
+    start = a.layout.chunk_spans[1].end  # everything before the final question is shared
+    assert a.token_ids[:start] == b.token_ids[:start]
+    for ka, kb, va, vb in zip(a.keys, b.keys, a.values, b.values):
+        assert torch.equal(ka[:, :start], kb[:, :start])
+        assert torch.equal(va[:, :start], vb[:, :start])
+
+
+def test_any_order_repeats_and_unknown_chunks(tiny_engine):
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:3])
+    unknown_text = f"A chunk that was never stored ({engine.adapter.arch})."
+    segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk(unknown_text), "Question?"]
+    engine.write_back = False  # unknown chunks are then computed as plain text
+    pre = engine.prefill(segs, strategy=FullReuse())
+    # distinct chunks: PASSAGES[2] appears twice but is one chunk
+    assert pre.stats.chunks_reused == 2 and pre.stats.chunks_missing == 1 and pre.stats.chunks_computed == 0
+    assert sum(pre.stats.tiers.values()) == 2
+    spans = pre.layout.chunk_spans
+    assert pre.token_ids[spans[0].start:spans[0].end] == pre.token_ids[spans[2].start:spans[2].end]
+    unknown = spans[3]
+    assert pre.recomputed[unknown.start:unknown.end].all()  # computed as plain text
+    assert not pre.recomputed[spans[0].start:spans[0].end].any()
+    ref = engine.prefill(segs, strategy=FullRecompute())
+    assert ref.token_ids == pre.token_ids
+
+
+def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
+    engine = tiny_engine
+    engine.precompute(PASSAGES[:2])
+    text = f"Another chunk nobody precomputed ({engine.adapter.arch})."
+    key = engine.key_of(text)
+    segs = [Chunk(PASSAGES[0]), Chunk(text), Chunk(PASSAGES[1]), "Question?"]
+    first = engine.prefill(segs, strategy=FullReuse())
+    assert first.stats.chunks_missing == 1 and first.stats.chunks_computed == 1
+    span = first.layout.chunk_spans[1]
+    assert not first.recomputed[span.start:span.end].any()  # its isolated KV was used
+    engine.flush()
+    assert key in engine.store  # saved off the TTFT path
+    second = engine.prefill(segs, strategy=FullReuse())
+    assert second.stats.chunks_missing == 0 and second.stats.chunks_reused == 3
+    assert torch.equal(first.logits, second.logits)
+
+
+def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engine):
+    from ..conftest import make_tiny_engine
+
+    refs = tiny_engine.precompute(PASSAGES[:2])
+    assert [r.num_tokens for r in refs] == [len(tiny_engine.prompts.tokenize(p)) for p in PASSAGES[:2]]
+    again = tiny_engine.precompute(PASSAGES[:2])
+    assert again == refs
+    other = make_tiny_engine("qwen3" if tiny_engine.adapter.arch != "qwen3" else "llama", tokenizer)
+    assert other.precompute(PASSAGES[:1])[0].key != refs[0].key
+
+
+def test_packed_precompute_gives_each_chunk_its_isolated_kv(tiny_engine):
+    engine = tiny_engine
+    chunks = [engine.prompts.tokenize(p) for p in PASSAGES] + [[5], engine.prompts.tokenize(PASSAGES[0])]
+    sink = engine.sink_ids
+    windows = [w for i in range(engine.adapter.shape.num_layers) if (w := engine.adapter.window(i))]
+    if windows and len(sink) + max(map(len, chunks)) > min(windows):
+        sink = engine.prompts.sink_ids()   # the engine packs only what fits the window
+    for (keys, values), ids in zip(packed_isolated_kv(engine.adapter, sink, chunks), chunks):
+        alone_k, alone_v = isolated_kv(engine.adapter, sink, ids)
+        assert keys.shape == alone_k.shape
+        assert (keys - alone_k).abs().max() < 1e-5 and (values - alone_v).abs().max() < 1e-5
+
+
+def test_precompute_packs_chunks_keeps_order_and_skips_what_cannot_be_stored(tiny_engine):
+    engine = tiny_engine
+    engine.kv_dtype = torch.float32
+    too_long = "word " * (engine.context_window + 10)
+    texts = [PASSAGES[0], too_long, PASSAGES[1], "hi", PASSAGES[0], PASSAGES[2]]
+    refs = engine.precompute(texts, skip_unusable=True, progress=True)
+    assert refs[1] is None and refs[3] is None                  # over the window, too short: skipped
+    assert refs[4] == refs[0] and len({r.key for r in refs if r}) == 3
+    for ref, text in zip(refs, texts):
+        if ref is not None:
+            ids = engine.prompts.tokenize(text)
+            assert ref.num_tokens == len(ids) and ref.stored
+            stored, (alone_k, _) = engine.store.get(ref.key), isolated_kv(engine.adapter, engine.sink_ids, ids)
+            assert stored.token_ids == ids and (stored.keys - alone_k).abs().max() < 1e-5
+
+
+def test_chunk_finder_finds_whole_and_partial_chunks():
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    a, b = tuple(range(100, 160)), tuple(range(500, 540))
+    finder.add(a)
+    finder.add(b)
+    finder.add(range(7))  # too short to index
+    prompt = [1, 2, 3] + list(a) + [9, 9] + list(b[5:30]) + [7] + list(b[:10])
+    spans = finder.find(prompt)
+    assert [(s.start, s.end, s.offset, s.token_ids) for s in spans] == [
+        (3, 63, 0, a),           # whole chunk
+        (65, 90, 5, b),          # a middle part of a chunk
+    ]                            # a 10-token tail match is below MIN_RUN
+    assert all(prompt[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start]) for s in spans)
+    assert finder.find([1, 2, 3]) == [] and len(finder) == 2
+
+
+def test_chunk_finder_work_is_bounded_for_repeated_token_chunks():
+    """Stored text is untrusted: chunks of one repeated token must not make matching quadratic."""
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    for extra in range(200):
+        finder.add([5] * (100 + extra))
+    assert all(len(places) <= ChunkFinder.MAX_CHUNKS_PER_NGRAM for places in finder._index.values())
+    spans = finder.find([5] * 20000)
+    assert sum(s.end - s.start for s in spans) == 20000     # still reused, whole
+    assert all(s.end - s.start <= 299 for s in spans)
+
+
+def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
+    from ragblend import BlendEngine
+    from ragblend.core.store import MemoryStore
+
+    from ..conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    empty = MemoryStore(1 << 20)
+    assert len(empty) == 0    # falsy: `store or default` would have replaced it
+    engine = BlendEngine.from_pretrained(tmp_path / "model", store=empty, kv_dir=tmp_path / "unused")
+    assert engine.store is empty and not (tmp_path / "unused").exists()
+    engine.precompute([PASSAGES[0]])
+    assert len(empty) == 1
+
+
+def test_decoding_steps_equal_the_model_forward(tiny_engine):
+    """Each decoding step (buffers written in place, the sliding window on Mistral) gives the
+    logits of the model's own forward over the whole sequence so far."""
+    pre = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    answer = [5, 77, 300, 12, 900, 41]
+    decoder = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, len(pre.token_ids) + len(answer))
+    for i, token in enumerate(answer):
+        logits = decoder.step(token)
+        ref, _ = forward_logits(tiny_engine, pre.token_ids + answer[:i + 1])
+        assert (logits - ref).abs().max() <= 1e-4
+
+
+def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
+    """KVDecoder.extend (how drafted tokens are verified) gives each token the logits that
+    one pass per token gives, on the decoding twin, with the fused prefill's key bias and
+    (Mistral) the sliding window; truncated positions are written again correctly."""
+    from ragblend import QueryAware
+
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
+    assert pre.key_bias is not None
+    answer = [5, 77, 300, 12]
+    adapter, capacity = tiny_engine._decoding_adapter(), len(pre.token_ids) + len(answer)
+    one = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    each = torch.stack([one.step(t) for t in answer])
+    many = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    assert (many.extend(answer) - each).abs().max() <= 1e-4
+    many.truncate(many.length - 3)
+    assert (many.extend([77, 300, 12]) - each[1:]).abs().max() <= 1e-4
+    with pytest.raises(InvalidInputError, match="no room"):
+        many.extend([1])
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cpu_linear_computes_the_linear_layer(rows, bias):
+    from ragblend.core.model import CpuLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():   # how the engine runs it (oneDNN's op has no backward)
+        out = CpuLinear(linear)(x)
+        batched = CpuLinear(linear)(x[None])   # leading dimensions are flattened and restored
+    assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
+    assert (out - linear(x)).abs().max() <= 1e-5 if rows else True
+    assert batched.shape == (1, rows, 96) and (batched[0] - out).abs().max() <= 1e-5 if rows else True
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match():
+    from ragblend.core.generate import PromptLookup
+
+    lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    lookup.append(2)
+    lookup.append(3)   # the tail (2, 3) last stood at positions 5-6, followed by 5, 6, 2
+    assert lookup.draft(3) == [5, 6, 2] and lookup.draft(1) == [5]
+    lookup.append(7)   # never seen: nothing to draft
+    assert lookup.draft(3) == []
+
+
+class ScriptedDecoder:
+    """Stands in for KVDecoder: a 'model' whose greedy choice after token t is ``successor[t]``."""
+
+    def __init__(self, successor: dict[int, int], length: int, capacity: int, vocab: int):
+        self.successor, self.length, self.capacity, self.vocab, self.passes = successor, length, capacity, vocab, 0
+
+    def logits_after(self, token: int) -> torch.Tensor:
+        logits = torch.zeros(self.vocab)
+        logits[self.successor.get(token, 0)] = 1.0
+        return logits
+
+    def extend(self, tokens):
+        assert self.length + len(tokens) <= self.capacity
+        self.length, self.passes = self.length + len(tokens), self.passes + 1
+        return torch.stack([self.logits_after(t) for t in tokens])
+
+    def truncate(self, length):
+        self.length = length
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 30])
+@pytest.mark.parametrize("stop", [(), ("ferry",)])
+@pytest.mark.parametrize("room", [10_000, 6])
+def test_drafted_decoding_emits_what_one_pass_a_token_emits(tokenizer, max_new_tokens, stop, room):
+    """Greedy decoding with prompt-lookup drafts gives the same tokens, text and finish reason
+    as one pass per token, in fewer passes, whatever ends it (length, EOS, a stop string, the
+    context window)."""
+    from ragblend.core.generate import Decoding, PromptLookup, SamplingParams
+
+    chain = tokenizer.encode(" the ferry crossed to the north pier at dawn", add_special_tokens=False)
+    eos = 0
+    successor = dict(zip(chain, chain[1:] + [eos]))   # the model recites the chain, then ends
+    prompt = [5, 6, *chain, 7]                           # the prompt holds the chain too
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
+    runs = {}
+    for drafts in (0, 3):
+        decoder = ScriptedDecoder({6: chain[0], **successor}, len(prompt), len(prompt) + max_new_tokens,
+                                  len(tokenizer))
+        decoding = Decoding(decoder, tokenizer, decoder.logits_after(6), len(prompt), params, frozenset({eos}),
+                            context_window=len(prompt) + room, lookup=PromptLookup(prompt) if drafts else None,
+                            draft_tokens=drafts)
+        pieces = list(decoding)
+        assert "".join(pieces) == decoding.text and decoding.steps == decoder.passes
+        runs[drafts] = decoding
+    plain, drafted = runs[0], runs[3]
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert drafted.finish_reason == plain.finish_reason
+    if len(plain.token_ids) > 4:
+        assert drafted.steps < plain.steps
+
+
+def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
+    tiny_engine.prompt_lookup_num_tokens = 0
+    plain = tiny_engine.generate(segments(), max_new_tokens=24)
+    plain_steps = tiny_engine.last_stats.decode_steps
+    tiny_engine.prompt_lookup_num_tokens = 3
+    drafted = tiny_engine.generate(segments(), max_new_tokens=24)
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert tiny_engine.last_stats.decode_steps <= plain_steps
+    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # never drafts
+    assert tiny_engine.last_stats.decode_steps in (len(sampled.token_ids) - 1, len(sampled.token_ids))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3", 8])
+def test_prompt_lookup_num_tokens_must_be_a_count(tokenizer, bad):
+    from ..conftest import make_tiny_engine
+
+    with pytest.raises(InvalidInputError, match="prompt_lookup_num_tokens"):
+        make_tiny_engine("llama", tokenizer, prompt_lookup_num_tokens=bad)
+
+
+def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.model import HalfLinear
+
+    from ..conftest import make_tiny_engine
+
+    exact = make_tiny_engine("qwen2", tokenizer)              # biased projections
+    half = make_tiny_engine("qwen2", tokenizer, decode_dtype="float16")
+    a = exact.generate(segments(), max_new_tokens=12, temperature=0)
+    b = half.generate(segments(), max_new_tokens=12, temperature=0)
+    assert a.logits.equal(b.logits)                           # the prefill is untouched
+    twin = half._decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, HalfLinear)
+    assert twin.model.layers[0].self_attn.q_proj.bias.dtype == torch.float16
+    assert all(p.dtype == torch.float32 for p in half.hf_model.parameters())   # the original keeps float32
+    assert twin.model.embed_tokens.weight is half.hf_model.model.embed_tokens.weight   # shared, not copied
+    pre = exact.prefill(segments())
+    steps = a.token_ids[:6]
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    low = KVDecoder(half._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
+
+
+def test_decode_dtype_must_be_known(tokenizer):
+    from ..conftest import make_tiny_engine
+
+    with pytest.raises(InvalidInputError, match="decode_dtype"):
+        make_tiny_engine("llama", tokenizer, decode_dtype="int3")
+
+
+def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context(tokenizer):
+    from ragblend.core.prompt import CHUNK_CONTEXT
+
+    from ..conftest import make_tiny_engine
+
+    engine, bare = make_tiny_engine("llama", tokenizer), make_tiny_engine("llama", tokenizer, chunk_context="")
+    opening = engine.prompts.sink_ids()
+    assert bare.sink_ids == opening
+    assert engine.sink_ids == opening + engine.prompts.tokenize(CHUNK_CONTEXT) + engine.prompts._separator_ids
+    # Another prefix gives other KV: another key, and another calibration.
+    assert engine.precompute(PASSAGES[:1])[0].key != bare.precompute(PASSAGES[:1])[0].key
+    assert engine.calibration_id != bare.calibration_id
+    # A chunk computed for a query (missing from the store) equals the precomputed one exactly.
+    ids = engine.prompts.tokenize(PASSAGES[1])
+    engine.precompute_batch_tokens = 0
+    stored = engine.store.get(engine.precompute(PASSAGES[1:2])[0].key)
+    assert torch.equal(engine._compute_entry(ids).keys, stored.keys)
+    alone_k, _ = isolated_kv(engine.adapter, engine.sink_ids, ids)
+    assert (stored.keys.float() - alone_k).abs().max() < 1e-2     # stored as float16
+    with pytest.raises(InvalidInputError, match="chunk_context must be a str"):
+        make_tiny_engine("llama", tokenizer, chunk_context=None)

@@ -1,0 +1,469 @@
+"""CPU kernels chosen by measurement (core.kernels) and 4-bit decoding (model.Int4Linear).
+
+The choice is driven here by a fake timer, so these tests say what is chosen for given
+timings, never how fast this machine is."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragblend.core import kernels
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.kernels import BUCKETS, KERNELS, KernelPlan, plan_for
+from ragblend.core.model import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
+
+from .test_engine import segments
+
+NAME_OF = {fn: name for name, fn in KERNELS.items()}
+
+
+def layers(n_layers=2):
+    torch.manual_seed(0)
+    return [[torch.nn.Linear(64, 96), torch.nn.Linear(96, 64, bias=False)] for _ in range(n_layers)]
+
+
+def fake_timer(table, calls=None):
+    """A timer returning ``table[kernel][rows]`` (default 1.0) instead of measuring."""
+    def timer(kernel, inputs, layer_list):
+        rows = next(iter(inputs.values())).shape[0]
+        if calls is not None:
+            calls.append((NAME_OF[kernel], rows))
+        return table.get(NAME_OF[kernel], {}).get(rows, 1.0)
+    return timer
+
+
+def rows_of(bucket_name):
+    return next(b.sample_rows for b in BUCKETS if b.name == bucket_name)
+
+
+def test_the_fastest_kernel_is_chosen_per_bucket(tmp_path):
+    table = {"column": {1: 0.5, 4: 0.97}, "onednn": {rows_of(">1024"): 0.6, rows_of("9-256"): 2.0}}
+    plan = plan_for(layers(), directory=tmp_path, timer=fake_timer(table))
+    chosen = {name: c.kernel for name, c in plan.choices.items()}
+    assert chosen["1"] == "column"            # 2x faster
+    assert chosen["2-8"] == "linear"          # 3% faster is within the noise: F.linear stays
+    assert chosen["9-256"] == "linear"        # slower than F.linear: never chosen
+    assert chosen[">1024"] == ("onednn" if "onednn" in KERNELS else "linear")
+    assert plan.source == "measured"
+    assert plan.kernel_for(1) == "column" and plan.kernel_for(8) == "linear" and plan.kernel_for(5000) == chosen[">1024"]
+
+
+def test_a_later_process_reuses_the_choice_without_measuring(tmp_path):
+    plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.1}}))
+    calls = []
+    again = plan_for(layers(), directory=tmp_path, timer=fake_timer({}, calls))
+    assert again.source == "cache" and calls == []
+    assert again.choices["1"].kernel == "column"
+    assert any("GFLOPS" in line for line in again.describe())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other-host", "unknown-kernel", "negative-time", "symlink", "format"])
+def test_a_corrupt_or_foreign_cache_is_measured_again(tmp_path, damage, caplog):
+    plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.1}}))
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text("{not json")
+    elif damage == "other-host":   # copied from another machine under this file's name
+        data["key"]["cpu"] = "Some Other CPU"
+        path.write_text(json.dumps(data))
+    elif damage == "unknown-kernel":
+        data["choices"]["1"]["kernel"] = "os.system"
+        path.write_text(json.dumps(data))
+    elif damage == "negative-time":
+        data["choices"]["1"]["seconds"]["column"] = -1
+        path.write_text(json.dumps(data))
+    elif damage == "format":
+        data["version"] = 99
+        path.write_text(json.dumps(data))
+    else:
+        elsewhere = tmp_path / "elsewhere.txt"
+        elsewhere.write_text(json.dumps(data))
+        path.unlink()
+        os.symlink(elsewhere, path)
+    calls = []
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        plan = plan_for(layers(), directory=tmp_path, timer=fake_timer({"onednn": {1: 0.1}, "column": {1: 0.9}}, calls))
+    assert plan.source == "measured" and calls                       # measured again, not trusted
+    assert plan.choices["1"].kernel == ("onednn" if "onednn" in KERNELS else "column")
+    assert "ignoring the kernel cache" in caplog.text
+
+
+def test_a_measurement_disturbed_by_a_busy_machine_is_not_cached(tmp_path):
+    rounds = iter([1.0, 1.0, 1.0, 5.0] * 100)   # one round in four much slower: someone else ran
+
+    def busy(kernel, inputs, layer_list):
+        return next(rounds)
+
+    plan = plan_for(layers(), directory=tmp_path, timer=busy)
+    assert plan.source == "measured" and not list(tmp_path.glob("*.json"))
+    assert {c.kernel for c in plan.choices.values()} == {"linear"}   # fastest rounds tie: F.linear stays
+
+
+def test_the_cache_key_names_host_threads_torch_and_shapes():
+    key = kernels.host_key([(96, 64)])
+    assert {"cpu", "cpu_flags", "threads", "torch", "shapes", "kernels"} <= set(key)
+    assert kernels.host_key([(96, 64)]) == key and kernels.host_key([(96, 65)]) != key
+
+
+def test_a_kernel_that_fails_while_measured_is_left_out(tmp_path, monkeypatch, caplog):
+    def broken(x, weight, bias):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setitem(KERNELS, "broken", broken)
+    NAME_OF[broken] = "broken"
+    with caplog.at_level(logging.INFO, logger="ragblend"):
+        plan = plan_for(layers(), directory=tmp_path, timer=kernels.time_workload)
+    assert all(c.kernel != "broken" and "broken" not in c.seconds for c in plan.choices.values())
+    assert "does not run here" in caplog.text
+
+
+def test_a_kernel_that_fails_at_run_time_falls_back_to_f_linear(monkeypatch, caplog):
+    calls = []
+
+    def flaky(x, weight, bias):
+        calls.append(1)
+        raise RuntimeError("illegal instruction")
+
+    monkeypatch.setitem(KERNELS, "flaky", flaky)
+    plan = KernelPlan.fixed("flaky")
+    linear = torch.nn.Linear(64, 32)
+    x = torch.randn(3, 64)
+    with caplog.at_level(logging.WARNING, logger="ragblend"), torch.inference_mode():
+        first, second = plan.run(x, linear.weight, linear.bias), plan.run(x, linear.weight, linear.bias)
+    assert torch.allclose(first, F.linear(x, linear.weight, linear.bias)) and second.equal(first)
+    assert len(calls) == 1 and caplog.text.count("failed") == 1   # one log line, then F.linear
+
+
+def test_remeasure_ignores_the_cache(tmp_path):
+    plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.1}}))
+    calls = []
+    again = plan_for(layers(), directory=tmp_path, timer=fake_timer({}, calls), remeasure=True)
+    assert calls and again.source == "measured" and again.choices["1"].kernel == "linear"
+    assert plan_for(layers(), directory=tmp_path, timer=fake_timer({}, [])).choices["1"].kernel == "linear"
+
+
+def test_ragblend_kernels_linear_turns_the_choice_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBLEND_KERNELS", "linear")
+    calls = []
+    plan = plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.01}}, calls))
+    assert calls == [] and {c.kernel for c in plan.choices.values()} == {"linear"}
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 300])
+@pytest.mark.parametrize("bias", [True, False])
+def test_every_kernel_computes_the_linear_layer(kernel, rows, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=bias)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        out = CpuLinear(linear, KernelPlan.fixed(kernel))(x[None])[0]
+    assert out.shape == (rows, 96) and out.is_contiguous()
+    assert (out - linear(x)).abs().max() <= 1e-5
+
+
+def test_the_engine_measures_once_and_shares_the_plan(tokenizer):
+    from ..conftest import make_tiny_engine
+
+    a = make_tiny_engine("llama", tokenizer)
+    b = make_tiny_engine("llama", tokenizer)
+    assert a.kernel_plan is b.kernel_plan                                    # one measurement per process
+    assert isinstance(a.adapter.hf_model.model.layers[0].mlp.up_proj, CpuLinear)
+    assert a.adapter.hf_model.model.layers[0].mlp.up_proj.plan is a.kernel_plan
+
+
+# ------------------------------------------------------------------------------ 4-bit weights
+
+
+def q4_1_weight(out_features=96, in_features=64, seed=0):
+    """A weight as a Q4_1 GGUF dequantizes to: per block of 32, ``d * q + m`` with q 0..15
+    spanning the block (llama.cpp maps the block's min to 0 and max to 15), d and m float16."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = in_features // INT4_GROUP
+    q = torch.randint(0, 16, (out_features, blocks, INT4_GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_features, blocks, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(out_features, blocks, 1, generator=g) * 0.1).half().float()
+    return (d * q + m).reshape(out_features, in_features), q.reshape(out_features, in_features)
+
+
+def test_a_q4_1_weight_comes_back_as_its_own_blocks():
+    weight, codes = q4_1_weight()
+    found, scales, low = quantize_int4(weight)
+    assert found.equal(codes.to(torch.int32))
+    rebuilt = (scales[..., None] * found.reshape(96, 2, 32).float() + low[..., None]).reshape(96, 64)
+    assert (rebuilt - weight).abs().max() < 1e-7
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_int4_linear_is_close_to_the_float_layer(rows):
+    weight, _ = q4_1_weight()
+    linear = torch.nn.Linear(64, 96)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        layer = Int4Linear(linear)
+        out, ref = layer(x), linear(x)
+    assert layer.quantization_error < 1e-7 and out.dtype == torch.float32
+    if rows > 8:
+        assert (out - ref).abs().max() < 1e-5      # prefill-sized passes keep the float32 weight
+    else:
+        assert ((out - ref).abs().max() / ref.abs().max()) < 2e-2   # bfloat16 activations
+
+
+def snapped_to_int4(model):
+    """A copy of ``model`` whose linear weights lie on the 4-bit grid, as a Q4_1 GGUF's do
+    once dequantized: 4-bit decoding then differs from float32 only by its bfloat16 activations."""
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                codes, scales, low = quantize_int4(module.weight)
+                grid = scales[..., None] * codes.reshape(*scales.shape, INT4_GROUP).float() + low[..., None]
+                module.weight.copy_(grid.reshape(module.weight.shape))
+    return model
+
+
+def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer):
+    from ragblend import BlendEngine
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.generate import KVDecoder
+
+    from ..conftest import tiny_model
+
+    model = snapped_to_int4(tiny_model("qwen2"))                # biased projections
+    exact = BlendEngine(model, tokenizer)
+    four = BlendEngine(model, tokenizer, decode_dtype="int4")
+    twin = four._decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].mlp.down_proj, Int4Linear)
+    assert twin.model.layers[0].mlp.down_proj.quantization_error < 1e-6   # the grid's own blocks
+    assert type(twin.lm_head) is CpuLinear                   # logits stay float32
+    assert all(p.dtype == torch.float32 for p in four.hf_model.parameters())
+    pre = exact.prefill(segments())
+    answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2
+    # A drafted pass verifies several tokens at once; the 4-bit kernel must give each the
+    # logits it gets alone, or drafting would change greedy answers.
+    one = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    many = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    singly = torch.stack([one.step(t) for t in answer[:4]])
+    assert (many.extend(answer[:4]) - singly).abs().max() < 1e-3
+    four.prompt_lookup_num_tokens = 0
+    plain = four.generate(segments(), max_new_tokens=12, temperature=0)
+    four.prompt_lookup_num_tokens = 3
+    drafted = four.generate(segments(), max_new_tokens=12, temperature=0)
+    assert drafted.token_ids == plain.token_ids
+
+
+def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, caplog):
+    import copy
+
+    from ragblend import BlendEngine
+
+    from ..conftest import tiny_model
+
+    with caplog.at_level(logging.WARNING, logger="ragblend"):   # a copy: no other engine built its twin before
+        four = BlendEngine(copy.deepcopy(tiny_model("mistral")), tokenizer, decode_dtype="int4")
+    assert isinstance(four._decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert "quantized at load" in caplog.text
+
+
+def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    from ragblend import BlendEngine
+    from ragblend.core import engine as engine_module
+
+    from ..conftest import tiny_model
+
+    monkeypatch.setattr(engine_module, "int4_available", lambda: "this torch has no int4 kernel")
+    model = snapped_to_int4(tiny_model("llama"))   # its own copy: no other engine built its twin before
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        four = BlendEngine(model, tokenizer, decode_dtype="int4")
+        out = four.generate(segments(), max_new_tokens=4, temperature=0)
+    assert four._decoding_adapter() is four.adapter and out.token_ids
+    assert "no int4 kernel" in caplog.text and "float32" in caplog.text
+
+
+def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ragblend import BlendEngine
+
+    from ..conftest import TOKENIZER_DIR
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    torch.manual_seed(0)
+    odd = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       vocab_size=1024)).eval()
+    engine = BlendEngine(odd, tokenizer, decode_dtype="int4")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        engine.generate(segments(), max_new_tokens=3, temperature=0)
+    mlp = engine._decoding_adapter().hf_model.model.layers[0].mlp
+    assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
+    assert "cannot hold 4-bit weights" in caplog.text and "groups of 32" in caplog.text
+
+
+def test_an_unknown_decode_dtype_is_refused(tokenizer):
+    from ..conftest import make_tiny_engine
+
+    with pytest.raises(InvalidInputError, match="'int4'"):
+        make_tiny_engine("llama", tokenizer, decode_dtype="int3")
+
+
+def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, tokenizer, capsys):
+    from ragblend.cli import main
+
+    from ..conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    assert main(["info", "--model", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Host:" in out and "torch CPU capability" in out
+    for bucket in BUCKETS:
+        assert f"{bucket.name} rows:" in out
+    assert "GFLOPS" in out and "4-bit decoding" in out
+    assert main(["info", "--model", str(tmp_path), "--measure"]) == 0
+    assert "measured just now" in capsys.readouterr().out
+
+
+def low_bit_measures(monkeypatch, faster: bool):
+    """Make the decoding-format measurement say low-bit weights are (or are not) faster here."""
+    from ragblend.core import engine as engine_module
+
+    seen = []
+
+    def fake(workloads, rounds=5):
+        seen.append(sorted(workloads))
+        return {"float32": 1.0, "low-bit": 0.5 if faster else 1.0}
+
+    monkeypatch.setattr(engine_module, "fastest_rounds", fake)
+    return seen
+
+
+def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer, monkeypatch):
+    from ragblend import BlendEngine
+
+    from ..conftest import tiny_model
+
+    low_bit_measures(monkeypatch, faster=True)
+    snapped = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)   # as from a Q4_1 GGUF
+    plain = BlendEngine(tiny_model("llama"), tokenizer)   # float weights, not from a GGUF: low bits would lose
+    assert snapped.decode_dtype == plain.decode_dtype == "auto"
+    layers = snapped._decoding_adapter().hf_model.model.layers
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
+    assert plain._decoding_adapter() is plain.adapter
+    assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids
+
+
+def test_int8_linear_rounds_each_row_to_8_bits_and_keeps_long_passes_float32():
+    from ragblend.core.model import Int8Linear, quantize_int8
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 64)
+    codes, scales = quantize_int8(linear.weight)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert torch.equal(scales.to(torch.bfloat16).float(), scales)   # the kernel's bfloat16 scales are exact
+    assert (codes.float() * scales[:, None] - linear.weight).abs().max() <= scales.max() / 2 + 1e-7
+    eight = Int8Linear(linear)
+    assert 0 < eight.quantization_error < 1 / 127
+    with torch.no_grad():
+        x = torch.randn(3, 96)
+        assert torch.allclose(eight(x), linear(x), rtol=0, atol=0.02)        # a decoding pass: 8-bit
+        long = torch.randn(40, 96)
+        assert torch.allclose(eight(long), linear(long), atol=1e-5)         # a prefill: float32
+
+
+def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.generate import KVDecoder
+    from ragblend.core.model import Int8Head, Int8Linear
+
+    from ..conftest import tiny_model
+
+    model = copy.deepcopy(tiny_model("qwen2"))   # its own copy: its twin is built here
+    exact = BlendEngine(model, tokenizer, decode_dtype="float32")
+    eight = BlendEngine(model, tokenizer, decode_dtype="int8")
+    twin = eight._decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
+    assert eight.decoding_layers() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
+    pre = exact.prefill(segments())
+    answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(eight._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2   # wrong scales: > 1
+    eight.prompt_lookup_num_tokens = 0
+    plain = eight.generate(segments(), max_new_tokens=12, temperature=0)
+    eight.prompt_lookup_num_tokens = 3
+    assert eight.generate(segments(), max_new_tokens=12, temperature=0).token_ids == plain.token_ids
+
+
+def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster(tokenizer, monkeypatch):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import model as model_module
+    from ragblend.core.model import Int8Linear
+
+    from ..conftest import tiny_model
+
+    seen = low_bit_measures(monkeypatch, faster=True)
+    gguf = snapped_to_int4(tiny_model("llama"))
+    gguf.lm_head.weight = torch.nn.Parameter(torch.randn_like(gguf.lm_head.weight))   # a Q8_0-like head
+    model_module._FROM_GGUF.add(gguf)                        # as load_model marks a model read from a GGUF file
+    engine = BlendEngine(gguf, tokenizer)
+    assert engine.decoding_layers() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
+                                        "8-bit": 1}
+    assert isinstance(engine._decoding_adapter().hf_model.lm_head, Int8Linear)
+    assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
+
+    low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
+    slower = copy.deepcopy(gguf)
+    model_module._FROM_GGUF.add(slower)
+    engine = BlendEngine(slower, tokenizer)
+    assert engine._decoding_adapter() is engine.adapter and engine.decoding_layers() == {
+        "float32": 7 * gguf.config.num_hidden_layers + 1}
+
+
+def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import engine as engine_module
+
+    from ..conftest import tiny_model
+
+    monkeypatch.setattr(engine_module, "int8_available", lambda: "this torch has no int8 kernel")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        eight = BlendEngine(copy.deepcopy(tiny_model("llama")), tokenizer, decode_dtype="int8")
+        out = eight.generate(segments(), max_new_tokens=3, temperature=0)
+    assert eight._decoding_adapter() is eight.adapter and out.token_ids
+    assert "no int8 kernel" in caplog.text and "float32" in caplog.text
+
+
+def test_int8_head_gives_float32_logits_to_the_tokens_that_can_be_picked():
+    from ragblend.core.model import Int8Head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 1024, bias=False)
+    eight = Int8Head(head)
+    with torch.no_grad():
+        x = torch.randn(3, 64)
+        exact, logits = head(x), eight(x)
+        best = exact.topk(8, dim=-1).indices
+        assert torch.allclose(logits.gather(1, best), exact.gather(1, best), atol=1e-5)   # rescored in float32
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+        assert (logits - exact).abs().max() > 1e-4   # the rest read 8-bit weights

@@ -1,0 +1,165 @@
+"""The fused prefill at any ratio equals a plain dense computation with the same selection.
+
+For the tokens the engine selected at each layer, a dense reference built from the model's
+own modules (every token computed at every layer, then the K/V of the tokens *not* selected
+at that layer replaced by their cached K/V) must give the fused logits and the fused K/V of
+the selected tokens. This rules out the classic bug of selection indices computed on one
+slice and applied to another, which shows up only between ratio 0 and 1.
+
+With ``cached_attention_scale`` (APE's scaling) the reference adds ``log(scale)`` to every
+score on a reused token left out from layer 0, in the prefill and in a decoding step after it.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from ragblend import CacheBlend, QueryAware
+from ragblend.core.fusion import ReusedSpan, fused_prefill
+from ragblend.core.generate import KVDecoder
+from ragblend.core.pipeline import SequentialSource
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+STRATEGIES = [CacheBlend(0.05), CacheBlend(0.3), CacheBlend(0.7), CacheBlend(0.3, gradual=((3, 0.1),)),
+              QueryAware(0.05), QueryAware(0.3), QueryAware(0.7), QueryAware(0.3, cached_attention_scale=1.0)]
+
+
+def flat_prompt(passages):
+    """Chunks out of order, one of them twice, and the second half of another (a partial chunk)."""
+    words = passages[3].split()
+    return "\n\n".join([passages[2], passages[0], passages[2], " ".join(words[len(words) // 2:]),
+                        "Question: who ran the ferry?"])
+
+
+def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, key_bias, dtype=torch.float32):
+    """Logits and per-layer K (after RoPE) / V of a dense pass in which, at each layer, only
+    the tokens in ``layer_positions[layer]`` keep their fresh K/V; every other token's K/V
+    is its cached one (``cached_k``/``cached_v``: per layer ``[kv_heads, N, dim]``, K before RoPE).
+    ``key_bias [N]`` is added to every score on each key.
+
+    Gemma 3's details as its modeling file has them: RoPE tables per layer type (the rotary
+    module takes the type), sliding windows per layer, norms after attention and around the
+    MLP, and the final logit soft-capping."""
+    base, n, config = hf_model.model, len(token_ids), hf_model.config
+    ids = torch.tensor([token_ids])
+    hidden = base.embed_tokens(ids)
+    layer_types = getattr(config, "layer_types", None)
+    per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+    tables = ({t: base.rotary_emb(hidden, torch.arange(n)[None], t) for t in set(layer_types)} if per_type
+              else {None: base.rotary_emb(hidden, torch.arange(n)[None])})
+    distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+    keys, values = [], []
+    for layer_index, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        cos, sin = tables[layer_types[layer_index] if per_type else None]
+        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        causal = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+        x = layer.input_layernorm(hidden)
+        shape = (1, n, -1, attn.head_dim)
+        q, k, v = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape), attn.v_proj(x).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        stale = torch.ones(n, dtype=torch.bool)
+        stale[layer_positions[layer_index]] = False
+        k[0][:, stale] = cached_k[layer_index][:, stale].to(dtype)
+        v[0][:, stale] = cached_v[layer_index][:, stale].to(dtype)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys.append(k[0].clone())
+        values.append(v[0].clone())
+        group = q.shape[1] // k.shape[1]
+        k_all, v_all = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = (q @ k_all.transpose(-1, -2)) * attn.scaling + key_bias
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        out = (weights @ v_all).transpose(1, 2).reshape(1, n, -1)
+        if hasattr(layer, "pre_feedforward_layernorm"):   # Gemma 3
+            hidden = hidden + layer.post_attention_layernorm(attn.o_proj(out))
+            hidden = hidden + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(hidden)))
+        else:
+            hidden = hidden + attn.o_proj(out)
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    logits = hf_model.lm_head(base.norm(hidden[:, -1]))[0]
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits, keys, values
+
+
+def expected_key_bias(n, spans, fused, strategy):
+    """``log(scale)`` on the reused tokens not computed from layer 0, else 0."""
+    left_out = torch.zeros(n, dtype=torch.bool)
+    for span in spans:
+        left_out[span.start:span.start + span.num_tokens] = True
+    left_out[fused.layer_positions[0]] = False
+    return left_out.float() * math.log(getattr(strategy, "cached_attention_scale", 1.0))
+
+
+def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_token=None):
+    layout = engine.find_chunks(prompt_text, system="Answer briefly.")
+    assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
+    assert len({s.token_ids for s in layout.chunk_spans}) < len(layout.chunk_spans), "no repeated chunk"
+    entries = [engine.store.get(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
+    spans = [ReusedSpan(s.start, s.end - s.start, s.offset) for s in layout.chunk_spans]
+    windows = [slice(s.offset, s.offset + s.end - s.start) for s in layout.chunk_spans]
+    readers = [engine.store.open(e.key) for e in entries]
+    fused = fused_prefill(engine.adapter, layout.token_ids, spans, SequentialSource(readers, windows=windows), strategy)
+
+    n, layers = len(layout.token_ids), engine.adapter.shape.num_layers
+    shape = engine.adapter.shape
+    cached_k = [torch.zeros(shape.num_kv_heads, n, shape.head_dim) for _ in range(layers)]
+    cached_v = [torch.zeros(shape.num_kv_heads, n, shape.head_dim) for _ in range(layers)]
+    for span, window, entry in zip(spans, windows, entries):
+        where = slice(span.start, span.start + span.num_tokens)
+        for layer in range(layers):
+            cached_k[layer][:, where] = entry.keys[layer][:, window].float()
+            cached_v[layer][:, where] = entry.values[layer][:, window].float()
+    key_bias = expected_key_bias(n, spans, fused, strategy)
+    with torch.inference_mode():
+        # The engine's own twin of the model (its linear kernels), so only the fusion differs.
+        logits, keys, values = dense_reference(engine.adapter.hf_model, layout.token_ids, fused.layer_positions,
+                                               cached_k, cached_v, key_bias)
+    selected_somewhere = 0
+    for layer, positions in enumerate(fused.layer_positions):
+        assert (fused.keys[layer][:, positions] - keys[layer][:, positions]).abs().max() <= atol
+        assert (fused.values[layer][:, positions] - values[layer][:, positions]).abs().max() <= atol
+        selected_somewhere += positions.numel()
+    assert (fused.logits - logits.float()).abs().max() <= atol
+    # The selection really is partial: neither every token nor only the uncached ones.
+    reused = sum(sp.num_tokens for sp in spans)
+    assert (n - reused) * layers < selected_somewhere < n * layers
+    if answer_token is not None:
+        # A decoding step after the fused prefill: the new token is computed at every layer,
+        # and it too pays the scaled attention to the tokens left out.
+        decoder = KVDecoder(engine.adapter, fused.keys, fused.values, n + 1, fused.key_bias)
+        step_logits = decoder.step(answer_token)
+        grow = lambda t: torch.cat([t, torch.zeros(t.shape[0], 1, t.shape[2])], dim=1)  # noqa: E731
+        with torch.inference_mode():
+            expected, _, _ = dense_reference(
+                engine.adapter.hf_model, layout.token_ids + [answer_token],
+                [torch.cat([p, torch.tensor([n])]) for p in fused.layer_positions],
+                [grow(k) for k in cached_k], [grow(v) for v in cached_v], torch.cat([key_bias, torch.zeros(1)]))
+        assert (step_logits - expected.float()).abs().max() <= atol
+    return fused
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=repr)
+def test_fused_prefill_matches_dense_reference_tiny(arch, strategy, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")
+    chunks = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]  # long enough to match in part
+    engine.precompute(chunks)
+    check_against_reference(engine, flat_prompt(chunks), strategy)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_decoding_after_a_fused_prefill_matches_dense_reference(arch, scale, tokenizer):
+    engine = make_tiny_engine(arch, tokenizer, kv_dtype="float32")
+    chunks = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]
+    engine.precompute(chunks)
+    fused = check_against_reference(engine, flat_prompt(chunks), QueryAware(0.3, cached_attention_scale=scale),
+                                    answer_token=int(tokenizer.encode(" ferry")[0]))
+    assert (fused.key_bias is None) == (scale == 1.0)

@@ -1,0 +1,171 @@
+"""The wire protocol, written once (ragblend.serving.protocol): strategies travel with all their
+settings, content blocks and passages, one meaning of "cached tokens", any model name served.
+Tiny random models behind a real server on 127.0.0.1."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+
+from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware  # noqa: E402
+from ragblend.serving.protocol import (  # noqa: E402
+    ApiError,
+    blocks_of,
+    passages,
+    segments_of,
+    strategy_from_json,
+    strategy_to_json,
+)
+
+from ..conftest import make_tiny_engine  # noqa: E402
+from ..integration.test_server import RunningServer  # noqa: E402
+
+# Every setting changed from its default.
+CHANGED = [
+    CacheBlend(ratio=0.4, check_layer=2, gradual=((3, 0.2),), deviation="key"),
+    QueryAware(ratio=0.35, whole_chunks=True, query_tokens=4, cached_attention_scale=0.5),
+    LegoLink(k=5),
+    FullReuse(),
+    FullRecompute(),
+]
+
+
+@pytest.mark.parametrize("strategy", CHANGED, ids=lambda s: s.name)
+def test_a_strategy_crosses_the_wire_with_every_setting(strategy):
+    sent = json.loads(json.dumps(strategy_to_json(strategy)))   # what a request carries
+    assert strategy_from_json(sent) == strategy
+
+
+def test_strategy_settings_are_checked():
+    assert strategy_from_json({"strategy": "legolink", "legolink_k": 3}) == LegoLink(3)   # the integrations' name
+    assert strategy_from_json({}) is None and strategy_to_json(None) == {"strategy": "default"}
+    for bad, words in [({"strategy": "legolink", "check_layer": 2}, "not a setting of strategy 'legolink'"),
+                       ({"strategy": "cacheblend", "check_layer": 0}, "check_layer"),
+                       ({"strategy": "cacheblend", "gradual": 3}, "gradual"),
+                       ({"strategy": "query_aware", "cached_attention_scale": 2}, "cached_attention_scale")]:
+        with pytest.raises(ApiError, match=words) as caught:
+            strategy_from_json(bad)
+        assert caught.value.status == 400
+
+
+def test_blocks_segments_and_passages():
+    segments = [Chunk("A chunk."), "\n\n", "The question?"]
+    blocks = blocks_of(segments)
+    assert blocks[0] == {"type": "text", "text": "A chunk.", "cache_control": {"type": "ephemeral"}}
+    assert segments_of(blocks) == segments
+    # LangChain keeps unknown block fields under "extras"
+    assert segments_of([{"type": "text", "text": "x", "extras": {"cache_control": {"type": "ephemeral"}}}]) == [Chunk("x")]
+    text = "Use the context.\n\nFirst doc.\nStill first.\n\n\n  Second doc.  \n\nFirst doc.\nStill first."
+    assert passages([text]) == ["Use the context.", "First doc.\nStill first.", "Second doc."]
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return make_tiny_engine("llama", tokenizer)   # a memory store of its own
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    running = RunningServer(engine)
+    yield running
+    running.stop()
+
+
+DOCS = [" ".join(f"alpha{i} beta{i} gamma{i}" for i in range(12)), " ".join(f"delta{i} eps{i}" for i in range(14))]
+
+
+@pytest.mark.parametrize("strategy", CHANGED[:3], ids=lambda s: s.name)
+def test_a_remote_strategy_fuses_as_the_local_one(server, engine, strategy):
+    """Same prompt, same strategy: the server's fusion (reached through RemoteEngine) equals the
+    local engine's: the same stats and greedy answer; and the strategy the server decodes fuses
+    to the same logits."""
+    from ragblend.serving.client import RemoteEngine
+
+    engine.precompute(DOCS)
+    remote = RemoteEngine(server.url)
+    prompt = remote.build_prompt([Chunk(d) for d in DOCS] + ["Which words come first?"], system="Be brief.")
+    far = remote.generate(prompt, strategy=strategy, max_new_tokens=6, temperature=0)
+    layout = engine.build_prompt(prompt.segments, system="Be brief.", separator="")
+    near = engine.generate(layout, strategy=strategy, max_new_tokens=6, temperature=0)
+    assert far.text == near.text
+    for name in ("strategy", "ratio", "cached_attention_scale", "recomputed_tokens", "reused_tokens",
+                 "cache_hit_tokens", "prompt_tokens"):
+        assert getattr(far.stats, name) == getattr(near.stats, name), name
+    decoded = strategy_from_json(json.loads(json.dumps(strategy_to_json(strategy))))
+    assert torch.allclose(engine.prefill(layout, strategy=decoded).logits, engine.prefill(layout, strategy=strategy).logits)
+
+
+def test_cached_tokens_mean_the_same_for_the_server_and_blend_chat_model(server, engine):
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import HumanMessage
+
+    from ragblend import BlendChatModel
+
+    engine.precompute(DOCS)
+    content = [{"type": "text", "text": d, "cache_control": {"type": "ephemeral"}} for d in DOCS]
+    content.append({"type": "text", "text": "\n\nWhich words come first?"})
+    local = BlendChatModel(engine=engine, max_tokens=2, strategy="cacheblend", ratio=0.3).invoke(
+        [HumanMessage(content=content)])
+    response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": 2,
+        "ragblend": {"strategy": "cacheblend", "ratio": 0.3}}).json()
+    served = response["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert local.usage_metadata["input_token_details"]["cache_read"] == served > 0
+    stats = response["ragblend"]
+    assert served == stats["cache_hit_tokens"] > stats["reused_tokens"]   # the fusion recomputed some of them
+
+
+def test_any_model_name_is_served_and_listed_as_an_alias(server, engine):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model="gpt-3.5-turbo", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2)
+    assert reply.choices[0].message.content is not None and reply.model == engine.name
+    listed = client.models.list().data
+    assert listed[0].id == engine.name   # the served model first: clients that take the first get it
+    assert any(m.id == "gpt-3.5-turbo" and m.model_extra["root"] == engine.name for m in listed)
+    bad = httpx.post(f"{server.url}/v1/chat/completions", json={"model": 5, "messages": [{"role": "user",
+                                                                                          "content": "hi"}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "model"
+
+
+def test_a_stream_carries_usage_on_its_last_chunk(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as response:
+        events = [json.loads(line[5:]) for line in response.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+    assert events[-1]["choices"][0]["finish_reason"] and events[-1]["usage"]["completion_tokens"] >= 1
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60,
+                      json={**body, "stream_options": {"include_usage": True}}) as response:
+        events = [json.loads(line[5:]) for line in response.iter_lines()
+                  if line.startswith("data:") and "[DONE]" not in line]
+    assert sum("usage" in e for e in events) == 1 and events[-1]["choices"] == []   # counted once, the OpenAI way
+
+
+def test_chat_openai_stream_shows_usage_without_stream_usage(server):
+    pytest.importorskip("langchain_openai")
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_tokens=3, max_retries=0, timeout=60)
+    total = None
+    for chunk in chat.stream("hi"):
+        total = chunk if total is None else total + chunk
+    assert total.usage_metadata and total.usage_metadata["output_tokens"] >= 1
+    assert "cache_read" in total.usage_metadata["input_token_details"]
+
+
+def test_one_log_line_per_request(server, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="ragblend.server")
+    httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+               json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={"messages": []})
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragblend.server" and r.levelno == logging.INFO]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("/v1/chat/completions 200: ") and "cached" in lines[0] and "TTFT" in lines[0]
+    assert lines[1].startswith("/v1/chat/completions 400: messages must be a non-empty list")

@@ -1,0 +1,93 @@
+"""Reuse for any client, with no setup (ragblend.serving.reuse): clients that know nothing of
+ragblend send their retrieved passages as plain text, the server stores their KV after the
+answer, and the same question asked again reuses it. Real clients (LangChain's
+create_retrieval_chain over ChatOpenAI, LlamaIndex's OpenAILike, the openai SDK) against a
+real server on 127.0.0.1."""
+
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from ..conftest import make_tiny_engine  # noqa: E402
+from ..integration.test_server import RunningServer  # noqa: E402
+
+
+def wait_idle(server, within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while httpx.get(f"{server.url}/health", timeout=10).json()["queue_depth"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- bad input (tiny model)
+
+
+def test_a_passage_that_cannot_be_stored_is_a_miss_not_a_failed_answer(tokenizer):
+    from ragblend.core.store import MemoryStore
+
+    engine = make_tiny_engine("llama", tokenizer, store=MemoryStore(max_bytes=1024))   # no entry fits
+    running = RunningServer(engine)
+    try:
+        text = " ".join(f"word{i}" for i in range(60)) + "\n\n" + " ".join(f"other{i}" for i in range(60))
+        body = {"messages": [{"role": "user", "content": text + "\n\nWhich word comes first?"}], "max_tokens": 2}
+        for _ in range(2):
+            response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+            assert response.status_code == 200
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            wait_idle(running)
+        keeper = running.server.config.app.state.keeper
+        assert keeper.failed >= 2 and keeper.stored == 0
+    finally:
+        running.stop()
+
+
+def test_stored_passages_are_reused_and_storing_waits_for_requests(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    running = RunningServer(engine)
+    try:
+        docs = [" ".join(f"alpha{i}" for i in range(40)), " ".join(f"beta{i}" for i in range(40))]
+        body = {"messages": [{"role": "system", "content": "Answer from the context."},
+                             {"role": "user", "content": [{"type": "text", "text": docs[0]},
+                                                          {"type": "text", "text": "\n\n" + docs[1]},
+                                                          {"type": "text", "text": "\n\nWhat comes first?"}]}],
+                "max_tokens": 2}
+        first = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).json()
+        second = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).json()
+        doc_tokens = sum(engine.count_tokens(d) for d in docs)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * doc_tokens
+        assert all(engine.key_of(d) in engine.store for d in docs)
+    finally:
+        running.stop()
+
+
+def metric_values(running) -> dict[str, float]:
+    """The samples of the server's /metrics, by name with labels."""
+    text = httpx.get(f"{running.url}/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_show_the_background_kv_fill_and_the_store_entries(tokenizer):
+    from ragblend.core.store import MemoryStore
+
+    docs = [" ".join(f"gamma{i}" for i in range(40)), " ".join(f"delta{i}" for i in range(40))]
+    body = {"messages": [{"role": "user", "content": "\n\n".join(docs) + "\n\nWhat comes first?"}], "max_tokens": 2}
+    for store, stored, failed in ((None, 2, 0), (MemoryStore(max_bytes=1024), 0, 2)):   # the second: no entry fits
+        running = RunningServer(make_tiny_engine("llama", tokenizer, store=store))
+        try:
+            before = metric_values(running)
+            assert before["ragblend_kv_fill_pending"] == before["ragblend_kv_fill_stored_total"] == 0
+            assert before['ragblend_store_entries{tier="memory"}'] == 0
+            assert httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+            wait_idle(running)
+            after = metric_values(running)
+            assert after["ragblend_kv_fill_pending"] == 0
+            assert after["ragblend_kv_fill_stored_total"] == stored
+            assert after["ragblend_kv_fill_failed_total"] == failed
+            assert after['ragblend_store_entries{tier="memory"}'] == stored
+        finally:
+            running.stop()
