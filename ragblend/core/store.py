@@ -29,22 +29,20 @@ shape, the type and range of every number, token ids, file length) and each laye
 A failing entry raises :class:`CorruptEntryError` (layer reads) or is reported missing
 (open); either way it is deleted so the caller recomputes it. A header is parsed as
 hostile input: its CRC only proves it was not torn, not that a ragblend engine wrote it.
+
+Which files of a disk store's folder are its own, and the folder's marker:
+:mod:`ragblend.core.store_files`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
 import io
 import json
 import logging
 import os
-import re
-import stat
 import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -54,8 +52,24 @@ from typing import BinaryIO, Iterator
 import numpy as np
 import torch
 
-from .errors import InvalidInputError, RagblendError, StoreUnavailableError
+from .errors import InvalidInputError, StoreUnavailableError
 from .kv import KV_FORMAT_VERSION, ChunkKV, dequantize_int8
+
+# The folder's own files (opening, removing, the marker) live in store_files; the names that
+# callers import from here stay importable from here.
+from .store_files import (  # noqa: F401
+    DATABASE,
+    MARKER,
+    CorruptEntryError,
+    NotAStoreError,
+    check_store_folder,
+    check_write_lock,
+    entry_files,
+    file_identity,
+    orphan_entry_files,
+    remove_store_files,
+    safe_disk_class,
+)
 
 log = logging.getLogger("ragblend")
 
@@ -65,15 +79,6 @@ MAGIC = b"RBKV"
 MAX_HEADER_BYTES = 4 << 20
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                   "int8": torch.int8}
-
-
-class CorruptEntryError(RagblendError):
-    """A stored KV entry failed verification. The store drops it; the engine recomputes it."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"KV entry {key[:12]}... is unusable ({reason}); it is dropped and recomputed.")
-        self.key = key
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -301,6 +306,22 @@ class FileReader(ChunkReader):
 # ---------------------------------------------------------------------------- interface
 
 
+def header_dtype(handle: BinaryIO | None) -> str | None:
+    """The dtype the header of an entry file names (``handle``, closed after), or None when it
+    is missing or unreadable; a malformed header can raise ValueError or AttributeError."""
+    if handle is None:
+        return None
+    with handle:
+        start = handle.read(8)
+        if len(start) < 8 or start[:4] != MAGIC:
+            return None
+        (header_len,) = struct.unpack("<I", start[4:])
+        if header_len > MAX_HEADER_BYTES:
+            return None
+        dtype = json.loads(handle.read(header_len)).get("dtype")
+    return dtype if dtype in STORAGE_DTYPES else None
+
+
 class KVStore:
     """Interface of a KV store tier. Implementations are thread-safe."""
 
@@ -417,218 +438,6 @@ class MemoryStore(KVStore):
 
 # diskcache names every value file "xx/yy/<28 hex digits>.val" under its directory; a row
 # naming anything else was not written by the store.
-_ENTRY_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
-
-
-def _entry_files(directory: Path) -> Iterator[tuple[str, Path]]:
-    """The store's own entry files in ``directory``: named by its scheme, regular files, not
-    reached through a symlink. Yields ``(name relative to the folder, path)``."""
-    root = os.path.realpath(directory)
-    for path in Path(root).glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]/*.val"):
-        name = path.relative_to(root).as_posix()
-        with contextlib.suppress(FileNotFoundError):   # removed by another process meanwhile
-            if (_ENTRY_FILE.fullmatch(name) and os.path.realpath(path) == str(path)
-                    and stat.S_ISREG(path.lstat().st_mode)):
-                yield name, path
-
-
-def _safe_disk_class():
-    """A diskcache ``Disk`` that only ever touches the store's own files.
-
-    The cache database says which file holds each value, so a tampered database could point
-    anywhere. This ``Disk`` refuses pickled keys and values (nothing is ever unpickled), and
-    opens or deletes a value file only when its name follows the store's own naming scheme,
-    it resolves inside the store's directory and it is a regular file (no symlink, FIFO or
-    device: opening a FIFO would block the query). Deleting removes the file (a symlink
-    itself, not its target) and at most its two empty sub-folders, never a folder above the
-    store.
-    """
-    import diskcache
-    from diskcache.core import MODE_BINARY, UNKNOWN
-
-    class SafeDisk(diskcache.Disk):
-        written = threading.local()   # the file each thread wrote last, removed if its row fails
-
-        def store(self, value, read, key=UNKNOWN):
-            self.written.filename = None
-            size, mode, filename, db_value = super().store(value, read, key)
-            self.written.filename = filename
-            return size, mode, filename, db_value
-
-        def _write(self, full_path, iterator, mode, encoding=None):
-            try:
-                return super()._write(full_path, iterator, mode, encoding)
-            except BaseException:
-                # a full disk mid-write must not leave a partial file behind
-                with contextlib.suppress(OSError):
-                    os.remove(full_path)
-                raise
-
-        def get(self, key, raw):
-            if not raw:
-                raise CorruptEntryError(str(key), "non-string key in the cache database")
-            return super().get(key, raw)
-
-        def own_path(self, filename) -> str | None:
-            """The full path of one of the store's entry files, or None for any other name."""
-            if not isinstance(filename, str) or not _ENTRY_FILE.fullmatch(filename):
-                return None
-            root = os.path.realpath(self._directory)
-            path = os.path.join(root, filename)
-            # No symlinked sub-folder. The file itself may be a symlink: fetch refuses it
-            # (O_NOFOLLOW) and remove deletes the link, never its target.
-            return path if os.path.realpath(os.path.dirname(path)) == os.path.dirname(path) else None
-
-        def fetch(self, mode, filename, value, read):
-            if mode != MODE_BINARY:
-                raise CorruptEntryError(str(filename), "value not stored as a plain binary file")
-            path = self.own_path(filename)
-            if path is None:
-                raise CorruptEntryError(str(filename), "entry file outside the store's own files")
-            # O_NONBLOCK: a FIFO opens at once (and is then refused) instead of waiting for a writer.
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError as err:
-                if err.errno == errno.ELOOP:   # O_NOFOLLOW met a symlink
-                    raise CorruptEntryError(str(filename), "entry is a symlink") from None
-                raise
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise CorruptEntryError(str(filename), "entry is not a regular file")
-            os.set_blocking(fd, True)
-            handle = os.fdopen(fd, "rb")
-            if read:
-                return handle
-            with handle:
-                return handle.read()
-
-        def remove(self, file_path):
-            path = self.own_path(file_path)
-            if path is None:
-                return  # not the store's: never delete it
-            with contextlib.suppress(OSError):
-                os.remove(path)
-            for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)  # only when empty
-
-    return SafeDisk
-
-
-MARKER = "ragblend-store.json"
-MARKER_FORMAT = "ragblend-kv-store"
-# What a ragblend store's folder may hold: the marker (and its temporary file while a
-# process writes it), diskcache's database files and the xx/ sub-folders of entry files.
-_STORE_NAMES = re.compile(r"ragblend-store\.json(\.\d+\.tmp)?|cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2}")
-
-
-class NotAStoreError(StoreUnavailableError):
-    """A KV store folder that holds files ragblend did not write; nothing in it is read,
-    changed or deleted."""
-
-
-def _read_marker(path: Path) -> dict | None:
-    """The marker's content, or None when it is not a small regular JSON file (never
-    follows a link)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return None
-        raw = handle.read(4097)
-    try:
-        content = json.loads(raw) if len(raw) <= 4096 else None
-    except ValueError:
-        return None
-    return content if isinstance(content, dict) else None
-
-
-def _write_marker(directory: Path) -> None:
-    """Write the marker atomically (a temporary file renamed over), so a concurrent opener
-    reads either none or a whole one."""
-    partial = directory / f"{MARKER}.{os.getpid()}.tmp"
-    partial.write_text(json.dumps({"format": MARKER_FORMAT, "version": 1,
-                                   "about": "a ragblend KV store (a cache: deleting it only costs recomputation)"}))
-    os.replace(partial, directory / MARKER)
-
-
-def _looks_like_old_store(directory: Path) -> str | None:
-    """Why ``directory`` (no marker, non-empty) is not a store written by an earlier ragblend,
-    or None when it unmistakably is one: only diskcache's files, its database opened
-    read-only (``immutable``: nothing is written, not even a lock) with exactly diskcache's
-    two tables, the settings ragblend gives it (cull_limit 0, least-recently-used) and only
-    ragblend's rows (64-hex string keys stored as entry files)."""
-    import sqlite3
-
-    names = sorted(os.listdir(directory))
-    foreign = [n for n in names if not _STORE_NAMES.fullmatch(n)]
-    if foreign:
-        return f"it holds {', '.join(repr(n) for n in foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
-    database = directory / DiskStore.DATABASE
-    try:
-        if not stat.S_ISREG(database.lstat().st_mode):
-            return f"its {DiskStore.DATABASE} is not a regular file"
-    except FileNotFoundError:
-        return f"it has sub-folders but no {DiskStore.DATABASE}"
-    try:
-        connection = sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
-        try:
-            tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            if tables != {"Cache", "Settings"}:
-                return f"its {DiskStore.DATABASE} has tables {sorted(tables)}, not a KV store's"
-            settings = dict(connection.execute("SELECT key, value FROM Settings"))
-            if settings.get("cull_limit") != 0 or settings.get("eviction_policy") != "least-recently-used":
-                return f"its {DiskStore.DATABASE} is a diskcache with other settings than ragblend's"
-            (others,) = connection.execute(
-                "SELECT COUNT(*) FROM Cache WHERE raw != 1 OR typeof(key) != 'text' OR length(key) != 64 "
-                "OR filename IS NULL OR mode != 2").fetchone()
-            if others:
-                return f"its {DiskStore.DATABASE} holds {others} row(s) ragblend does not write"
-        finally:
-            connection.close()
-    except sqlite3.Error as err:
-        return f"its {DiskStore.DATABASE} cannot be read ({err})"
-    return None
-
-
-def check_store_folder(directory: str | os.PathLike, create: bool = True) -> None:
-    """Refuse (:class:`NotAStoreError`) a folder that is not ragblend's KV store, before
-    anything in it is read or changed.
-
-    A store's folder has the marker ``ragblend-store.json``. A missing or empty folder is
-    fine: with ``create`` it is made a store (folder and marker). A folder without the marker
-    written by an earlier ragblend (see :func:`_looks_like_old_store`) is adopted: the
-    marker is added, and a log line says so (with ``create`` only). Anything else, e.g.
-    another application's cache, is refused.
-    """
-    directory = Path(directory).expanduser()
-    marker = directory / MARKER
-    if os.path.lexists(marker):
-        content = _read_marker(marker)
-        if content is None or content.get("format") != MARKER_FORMAT:
-            raise NotAStoreError(f"{directory} has a {MARKER} that is not ragblend's (format "
-                                 f"{MARKER_FORMAT!r}); ragblend will not use this folder as a KV store. "
-                                 "Use another folder (ragblend creates it).")
-        return
-    if not directory.exists() or not any(directory.iterdir()):
-        if create:
-            directory.mkdir(parents=True, exist_ok=True)
-            _write_marker(directory)
-        return
-    reason = _looks_like_old_store(directory)
-    if reason is not None:
-        raise NotAStoreError(
-            f"{directory} is not a ragblend KV store: it has no {MARKER} and {reason}. ragblend will not read, "
-            "change or delete anything in it. Pass a new or empty folder as the KV store (--kv-dir, kv_dir=, or "
-            "another --index); if this folder is one you gave ragblend before, delete it (the KV is a cache: "
-            "ragblend recomputes it).")
-    if create:
-        _write_marker(directory)
-        log.info("ragblend: adopted the KV store in %s, written by an earlier ragblend (added %s).", directory, MARKER)
-
-
 def store_faults() -> tuple[type[BaseException], ...]:
     """What a disk tier can raise when its files or database fail: I/O errors (full disk,
     read-only or vanished folder), SQLite errors (malformed or locked database) and
@@ -656,7 +465,7 @@ class DiskStore(KVStore):
 
     tier = "disk"
     LOCK_TIMEOUT_S = 0.25
-    DATABASE = "cache.db"
+    DATABASE = DATABASE
 
     def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30,
                  orphan_age_s: float = 60.0):
@@ -670,49 +479,25 @@ class DiskStore(KVStore):
         self.max_bytes = max_bytes
         self.faults = 0
         self._logged: set[str] = set()
-        self._check_write_lock()
+        check_write_lock(self.directory / DATABASE, self.LOCK_TIMEOUT_S)
         # diskcache's own culling drops entries in batches of 10, far more than needed when
         # entries are megabytes each; eviction is done here instead, one entry at a time.
         self.cache = diskcache.Cache(
             str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
-            cull_limit=0, disk=_safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
+            cull_limit=0, disk=safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
         )
-        self._database_id = self._identity()
+        self._database_id = file_identity(self.directory / DATABASE)
         self.reclaimed = self._reclaim_orphans(orphan_age_s)
-
-    def _check_write_lock(self) -> None:
-        """Fail within ``LOCK_TIMEOUT_S`` when another process holds the database's write
-        lock (or the file is not a database): diskcache's own set-up retries for 60 s."""
-        import sqlite3
-
-        path = self.directory / self.DATABASE
-        if not path.is_file():
-            return
-        connection = sqlite3.connect(path, timeout=self.LOCK_TIMEOUT_S, isolation_level=None)
-        try:
-            connection.execute("BEGIN IMMEDIATE")
-            connection.execute("ROLLBACK")
-        finally:
-            connection.close()
-
-    def _identity(self) -> tuple[int, int] | None:
-        """Which database file this store has open, to notice the folder being deleted or replaced."""
-        try:
-            st = os.stat(self.directory / self.DATABASE)
-        except OSError:
-            return None
-        return st.st_dev, st.st_ino
 
     def _reclaim_orphans(self, min_age_s: float) -> int:
         """Remove the store's own entry files that no row names and that are old enough not
         to be another process's write in progress. Returns how many were removed."""
         try:
             named = {row[0] for row in self.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
-            now, removed = time.time(), 0
-            for name, path in _entry_files(self.directory):
-                if name not in named and now - path.lstat().st_mtime >= min_age_s:
-                    self.cache.disk.remove(name)
-                    removed += 1
+            orphans = orphan_entry_files(self.directory, named, min_age_s)
+            for name in orphans:
+                self.cache.disk.remove(name)
+            removed = len(orphans)
         except store_faults() as err:
             self._fault("reclaim unnamed files", err)
             return 0
@@ -761,7 +546,7 @@ class DiskStore(KVStore):
         is full, the folder is read-only or gone, or the database is locked or broken."""
         disk = self.cache.disk
         try:
-            if self._identity() != self._database_id:
+            if file_identity(self.directory / DATABASE) != self._database_id:
                 raise FileNotFoundError(f"{self.directory / self.DATABASE} was deleted or replaced after the "
                                         "store opened; restart to recreate the store")
             # The tag (diskcache's own column) records the storage dtype, for entries_by_dtype.
@@ -891,20 +676,9 @@ class DiskStore(KVStore):
     def _header_dtype(self, key: str) -> str | None:
         """The dtype an entry's header names, read without counting a hit; None if unreadable."""
         try:
-            handle = self._uncounted_handle(key)
-            if handle is None:
-                return None
-            with handle:
-                start = handle.read(8)
-                if len(start) < 8 or start[:4] != MAGIC:
-                    return None
-                (header_len,) = struct.unpack("<I", start[4:])
-                if header_len > MAX_HEADER_BYTES:
-                    return None
-                dtype = json.loads(handle.read(header_len)).get("dtype")
+            return header_dtype(self._uncounted_handle(key))
         except (CorruptEntryError, ValueError, AttributeError, *store_faults()):
             return None
-        return dtype if dtype in STORAGE_DTYPES else None
 
     def clear(self) -> int:
         """Delete every entry; returns how many."""
@@ -915,32 +689,8 @@ class DiskStore(KVStore):
 
     @classmethod
     def remove_files(cls, directory: str | os.PathLike) -> int:
-        """Delete a store that cannot be opened (e.g. a garbage ``cache.db``): its database
-        and the entry files named by its own scheme, then its empty sub-folders and its
-        marker. Nothing else in ``directory`` is touched; a folder without the marker is
-        refused (:class:`NotAStoreError`). Returns how many entry files were removed."""
-        directory = Path(directory).expanduser()
-        if not directory.is_dir():
-            raise StoreUnavailableError(f"{directory} is not a KV store folder")
-        if not os.path.lexists(directory / MARKER):
-            # a broken database cannot show it is an earlier ragblend's: not ours to delete
-            raise NotAStoreError(f"{directory} has no {MARKER}: ragblend cannot tell it is its own KV store, so it "
-                                 "deletes nothing there. If it is, delete the folder yourself (the KV is a cache).")
-        check_store_folder(directory, create=False)
-        removed = 0
-        for _, path in _entry_files(directory):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed += 1
-        for folder in sorted(directory.glob("[0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]")) + sorted(
-                directory.glob("[0-9a-f][0-9a-f]")):
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only when empty and a real folder
-        for name in (cls.DATABASE, cls.DATABASE + "-wal", cls.DATABASE + "-shm", MARKER):   # the marker last
-            path = directory / name
-            if path.is_file() and not path.is_symlink():
-                path.unlink()
-        return removed
+        """Delete a store that cannot be opened (see :func:`~ragblend.core.store_files.remove_store_files`)."""
+        return remove_store_files(directory)
 
 
 def open_store(directory: str | os.PathLike, spec: EntrySpec, memory_bytes: int = 2 << 30,
