@@ -17,14 +17,13 @@ Example::
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import threading
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -43,7 +42,7 @@ from .fusion import (
     sink_kv,
 )
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
-from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
+from .kernels import MIN_GAIN, KernelPlan, fastest_rounds
 from .kv import ChunkKV, ChunkRef, calibration_key, chunk_key, to_storage
 from .model import (
     EXACT_INT4,
@@ -62,10 +61,10 @@ from .model import (
     on_int4_grid,
     with_linears,
 )
+from .options import EngineOptions
 from .pipeline import PrefetchSource, SequentialSource
-from .prompt import CHUNK_CONTEXT, ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
+from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .store import (
-    STORAGE_DTYPES,
     ChunkReader,
     CorruptEntryError,
     DiskStore,
@@ -79,7 +78,6 @@ from .store import (
 
 log = logging.getLogger("ragblend")
 
-DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
 _TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # hf_model -> {decode_dtype: ModelAdapter}
 _TWINS_LOCK = threading.Lock()
 
@@ -188,13 +186,12 @@ class BlendEngine:
     to memory run in a background thread (:meth:`flush` waits for them).
     """
 
-    def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None,
-                 strategy: Strategy | None = None, separator: str = "\n\n",
-                 sink_prefix: str | None = None, chunk_context: str = CHUNK_CONTEXT,
-                 use_chat_template: bool | None = None,
-                 kv_dtype: str | torch.dtype = "float16", prefetch: bool = True, write_back: bool = True,
-                 name: str | None = None, decode_dtype: Literal["auto", "float32", "float16", "int4", "int8"] = "auto",
-                 precompute_batch_tokens: int = 1024, prompt_lookup_num_tokens: int = 3):
+    def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None, strategy: Strategy | None = None,
+                 options: EngineOptions | None = None, **keywords):
+        """``options`` (an :class:`~ragblend.core.options.EngineOptions`) and/or its engine
+        fields as keywords (``kv_dtype=``, ``decode_dtype=``, ``separator=``...), keywords over it."""
+        options = EngineOptions.merged(options, keywords, engine_only=True)
+        self.options = options
         self.hf_model = hf_model
         self.tokenizer = tokenizer
         self.adapter = ModelAdapter(hf_model)   # checks the architecture first
@@ -205,15 +202,13 @@ class BlendEngine:
             self.kernel_plan = kernel_plan_for(hf_model)
             self.adapter = ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, self.kernel_plan)))
         self.store = store if store is not None else MemoryStore()
-        self.prompts = PromptBuilder(tokenizer, separator=separator, use_chat_template=use_chat_template)
-        if not isinstance(chunk_context, str):
-            raise InvalidInputError(f"chunk_context must be a str (\"\" for none), got {type(chunk_context).__name__}.")
+        self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
         # What every chunk is precomputed after: the template's opening, then a neutral passage
         # (chunk_context), so that a chunk's cached KV is that of a passage in the middle of a
         # prompt, as it will be used (docs/benchmarks.md, "Chunk context").
         # A sink_prefix is the developer's own template text: its control tokens are parsed.
-        self.sink_ids = (self.prompts.tokenize_template(check_text(sink_prefix, "sink_prefix"))
-                         if sink_prefix is not None else self.prompts.sink_ids(chunk_context))
+        self.sink_ids = (self.prompts.tokenize_template(options.sink_prefix)
+                         if options.sink_prefix is not None else self.prompts.sink_ids(options.chunk_context))
         self._sink_kv: list | None = None   # the sink's K/V, computed once (see _compute_entries)
         self.fingerprint = self.adapter.fingerprint(tokenizer)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
@@ -221,36 +216,14 @@ class BlendEngine:
         if strategy is None:
             strategy = self.calibration.strategy if self.calibration else UNCALIBRATED
         self.strategy = check_strategy(strategy, self.adapter.shape.num_layers)
-        self.kv_dtype = _storage_dtype(kv_dtype)
-        if decode_dtype not in DECODE_DTYPES:
-            raise InvalidInputError(f"decode_dtype must be 'auto' (the default: 4-bit weights where the model's already "
-                                    f"are 4-bit, else float32), 'float32', 'float16' (float16 weights in the decoding "
-                                    f"matmuls), 'int4' (4-bit weights, bfloat16 activations) or 'int8' (8-bit weights, bfloat16 "
-                                    f"activations), got {decode_dtype!r}.")
-        self.decode_dtype = decode_dtype
+        self.kv_dtype = options.storage_dtype
+        self.decode_dtype = options.decode_dtype
         self._decode_adapter: ModelAdapter | None = None
-        self.prefetch = prefetch
-        self.write_back = write_back
-        # precompute() runs up to this many chunk tokens through the model in one pass (and
-        # holds the engine that long): large enough to fill the matmuls, short enough that a
-        # query waiting behind ingestion is not kept for long. 0: one chunk per pass, whose
-        # entry is bit-identical to the one a query computes for a missing chunk (a packed
-        # pass agrees with it to ~1e-6, which can flip a float16 rounding).
-        if isinstance(precompute_batch_tokens, bool) or not isinstance(precompute_batch_tokens, numbers.Integral) \
-                or precompute_batch_tokens < 0:
-            raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
-                                    f"got {precompute_batch_tokens!r}.")
-        self.precompute_batch_tokens = int(precompute_batch_tokens)
-        # Greedy decoding drafts this many tokens per pass by prompt lookup and keeps those
-        # the pass confirms (generate.PromptLookup): answers are unchanged. 3 because on this
-        # project's CPU a pass over 4 tokens costs ~1.25x one token's, and of 0-4 it decoded
-        # the benchmark prompts fastest (docs/benchmarks.md, "Decoding").
-        most = DRAFT_ROWS - 1   # a pass over more rows is timed and run as a prefill (kernels.BUCKETS)
-        if isinstance(prompt_lookup_num_tokens, bool) or not isinstance(prompt_lookup_num_tokens, numbers.Integral) \
-                or not 0 <= prompt_lookup_num_tokens <= most:
-            raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to {most}, "
-                                    f"got {prompt_lookup_num_tokens!r}.")
-        self.prompt_lookup_num_tokens = int(prompt_lookup_num_tokens)
+        self.prefetch = options.prefetch
+        self.write_back = options.write_back
+        self.precompute_batch_tokens = options.precompute_batch_tokens
+        self.prompt_lookup_num_tokens = options.prompt_lookup_num_tokens
+        name = options.name
         self.name = name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
@@ -273,28 +246,33 @@ class BlendEngine:
         self._decoding_adapter()
 
     @classmethod
-    def from_pretrained(cls, model: str | os.PathLike | None = None, *,
-                        kv_dir: str | os.PathLike | Literal[False] | None = None,
-                        memory_bytes: int = 2 << 30, disk_bytes: int = 8 << 30, strategy: Strategy | None = None,
-                        dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                        store: KVStore | None = None, **kwargs) -> "BlendEngine":
+    def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
+                        store: KVStore | None = None, options: EngineOptions | None = None,
+                        **keywords) -> "BlendEngine":
         """Load a model and wrap it.
 
         ``model`` is None (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a local
         Hugging Face directory. KV entries live in memory (LRU, ``memory_bytes``) in front of
         a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; LRU, ``disk_bytes``).
-        Pass ``kv_dir=False`` for memory only. Other keyword arguments go to the constructor
-        (``kv_dtype``, ``decode_dtype``, ``prompt_lookup_num_tokens``, ``precompute_batch_tokens``, ``prefetch``, ``write_back``,
-        ``separator``, ``sink_prefix``...).
+        Pass ``kv_dir=False`` for memory only. Every option of
+        :class:`~ragblend.core.options.EngineOptions` may be passed as ``options=`` and/or as a
+        keyword (``kv_dir``, ``memory_bytes``, ``dtype``, ``kv_dtype``, ``decode_dtype``,
+        ``prompt_lookup_num_tokens``, ``prefetch``, ``separator``...), keywords over ``options``.
         """
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
-        hf_model, tokenizer = load_model(model, dtype=dtype, device=device)
-        name = "SmolLM2-135M-Instruct" if model is None else os.path.basename(str(model).rstrip("/"))
-        engine = cls(hf_model, tokenizer, store=store if store is not None else MemoryStore(memory_bytes),
-                     strategy=strategy, name=name, **kwargs)
-        if store is None and kv_dir is not False:
-            engine.store = open_store(kv_dir or cache_dir() / "kv", engine.entry_spec, memory_bytes, disk_bytes)
+        if model is not None:
+            keywords["model"] = model
+        options = EngineOptions.merged(options, keywords)
+        dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
+        hf_model, tokenizer = load_model(options.model, dtype=dtype, device=options.device)
+        if options.name is None:
+            name = ("SmolLM2-135M-Instruct" if options.model is None
+                    else os.path.basename(str(options.model).rstrip("/")))
+            options = replace(options, name=name)
+        engine = cls(hf_model, tokenizer, store=store if store is not None else MemoryStore(options.memory_bytes),
+                     strategy=strategy, options=options)   # the loading options are kept there, for the record
+        if store is None and options.kv_dir is not False:
+            engine.store = open_store(options.kv_dir or cache_dir() / "kv", engine.entry_spec, options.memory_bytes,
+                                      options.disk_bytes)
         return engine
 
     # ------------------------------------------------------------------ properties
@@ -915,11 +893,3 @@ def _packs(items: list, max_tokens: int):
         tokens += n
     if pack:
         yield pack
-
-
-def _storage_dtype(kv_dtype) -> torch.dtype:
-    if isinstance(kv_dtype, torch.dtype) and kv_dtype in STORAGE_DTYPES.values():
-        return kv_dtype
-    if isinstance(kv_dtype, str) and kv_dtype in STORAGE_DTYPES:
-        return STORAGE_DTYPES[kv_dtype]
-    raise InvalidInputError(f"kv_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {kv_dtype!r}.")

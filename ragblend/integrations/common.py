@@ -14,20 +14,24 @@ from pydantic import BaseModel, Field, SecretStr
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
+from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, field_default, field_help
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
 
 # Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
+KvDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
+DecodeDtype = Literal[DECODE_DTYPES]  # type: ignore[valid-type]
 
 
 class EngineFields(BaseModel):
     """The fields BlendLLM and BlendChatModel share: which engine, which strategy, how to sample."""
 
-    model_path: Optional[str] = Field(default=None, description="Local HF model dir or .gguf file; None = embedded SmolLM2-135M-Instruct.")
-    kv_dir: Optional[str] = Field(default=None, description="Disk tier of the KV store; None = <user cache>/ragblend/kv.")
-    kv_dtype: Literal["float16", "bfloat16", "float32", "int8"] = Field(default="float16", description="How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost (see docs/benchmarks.md).")
-    decode_dtype: Literal["auto", "float32", "float16", "int4", "int8"] = Field(default="auto", description="Weights of the decoding matmuls. 'auto': 4-bit where the model's weights already are 4-bit (a Q4_0/Q4_1 GGUF such as the embedded SmolLM2; lossless for the weights, activations rounded to bfloat16), 8-bit (one scale per row) for the other layers of a model loaded from a GGUF file, each only where it measures faster than float32 on this host; float32 otherwise. 'int4' / 'int8': 4-bit (LM head float32) / 8-bit weights for every layer. 'float32' and 'float16' as named. Measured trade-offs: docs/benchmarks.md, 'Decoding'.")
+    # The engine's own options: their help and defaults are declared once, in ragblend.core.options.
+    model_path: Optional[str] = Field(default=field_default("model"), description=field_help("model"))
+    kv_dir: Optional[str] = Field(default=field_default("kv_dir"), description=field_help("kv_dir"))
+    kv_dtype: KvDtype = Field(default=field_default("kv_dtype"), description=field_help("kv_dtype"))
+    decode_dtype: DecodeDtype = Field(default=field_default("decode_dtype"), description=field_help("decode_dtype"))
     strategy: StrategyName = Field(default="default", description="Fusion strategy; default = the engine's calibrated choice.")
     ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")

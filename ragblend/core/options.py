@@ -1,0 +1,188 @@
+"""EngineOptions: every engine option, declared once.
+
+Each field says its type, default and help text (and, where the CLI exposes it, its flag and
+choices); :meth:`EngineOptions.__post_init__` is the one place an option is checked. The
+readers all take it from here:
+
+* :class:`~ragblend.BlendEngine` and :meth:`~ragblend.BlendEngine.from_pretrained` (as
+  ``options=`` or as the same-named keywords),
+* the CLI and the server (:func:`add_arguments` / :func:`from_args`),
+* the framework integrations' pydantic fields (:func:`field_help`, :data:`KV_DTYPES`...).
+
+Example::
+
+    options = EngineOptions(kv_dtype="int8", decode_dtype="float32")
+    engine = BlendEngine.from_pretrained(options=options)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from .errors import InvalidInputError, InvalidTypeError
+from .kernels import DRAFT_ROWS
+from .prompt import CHUNK_CONTEXT, check_text
+from .store import STORAGE_DTYPES
+
+KV_DTYPES = tuple(STORAGE_DTYPES)                           # ("float32", "float16", "bfloat16", "int8")
+DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
+# A pass over more rows than this is timed and run as a prefill (kernels.BUCKETS).
+MAX_DRAFT_TOKENS = DRAFT_ROWS - 1
+
+
+def option(default, help: str, *, flag: str | None = None, choices: tuple | None = None,
+           load: bool = False, type=None):
+    """A field of :class:`EngineOptions`: its default and help, and for the CLI its ``flag``
+    (with ``type`` and ``choices``). ``load``: an option of loading the model
+    (:meth:`BlendEngine.from_pretrained`), not of the engine around it."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "load": load, "type": type}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options of a :class:`~ragblend.BlendEngine` (see the module docstring)."""
+
+    # -- loading the model (from_pretrained)
+    model: str | os.PathLike | None = option(
+        None, "Local Hugging Face model directory or .gguf file; None: the embedded SmolLM2-135M-Instruct.",
+        flag="--model", load=True, type=str)
+    kv_dir: str | os.PathLike | Literal[False] | None = option(
+        None, "Folder of the KV store's disk tier; None: <user cache>/ragblend/kv; False: memory only.",
+        flag="--kv-dir", load=True, type=str)
+    memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes.", load=True, type=int)
+    disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes.", load=True, type=int)
+    dtype: torch.dtype | str = option(torch.float32, "Dtype the model's weights are loaded in.", load=True)
+    device: str | torch.device = option("cpu", "Device the model runs on.", load=True)
+    # -- the engine around it
+    separator: str = option("\n\n", "What joins the segments of a prompt.")
+    sink_prefix: str | None = option(
+        None, "Template text every chunk is precomputed after (its control tokens are parsed); "
+              "None: the chat template's opening, then chunk_context.")
+    chunk_context: str = option(
+        CHUNK_CONTEXT, "A neutral passage every chunk is precomputed after, so that a chunk's cached KV is that of "
+                       "a passage in the middle of a prompt (\"\" for none; docs/benchmarks.md, 'Chunk context').")
+    use_chat_template: bool | None = option(None, "Wrap prompts in the tokenizer's chat template; None: when it has one.")
+    kv_dtype: str | torch.dtype = option(
+        "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost "
+                   "(see docs/benchmarks.md).", flag="--kv-dtype", choices=KV_DTYPES, type=str)
+    prefetch: bool = option(True, "Read cached KV from disk ahead of the layer that needs it, in a background thread.")
+    write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
+    name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
+    decode_dtype: str = option(
+        "auto", "Weights of the decoding matmuls. 'auto': 4-bit where the model's weights already are 4-bit (a "
+                "Q4_0/Q4_1 GGUF such as the embedded SmolLM2; lossless for the weights, activations rounded to "
+                "bfloat16), 8-bit (one scale per row) for the other layers of a model loaded from a GGUF file, each "
+                "only where it measures faster than float32 on this host; float32 otherwise. 'int4' / 'int8': 4-bit "
+                "(LM head float32) / 8-bit weights for every layer. 'float32' and 'float16' as named. Measured "
+                "trade-offs: docs/benchmarks.md, 'Decoding'.", flag="--decode-dtype", choices=DECODE_DTYPES, type=str)
+    # precompute() runs up to this many chunk tokens through the model in one pass (and holds the
+    # engine that long): large enough to fill the matmuls, short enough that a query waiting behind
+    # ingestion is not kept for long. 0: one chunk per pass, whose entry is bit-identical to the one
+    # a query computes for a missing chunk (a packed pass agrees with it to ~1e-6, which can flip a
+    # float16 rounding).
+    precompute_batch_tokens: int = option(
+        1024, "Chunk tokens precompute() runs through the model in one pass (0: one chunk per pass).", type=int)
+    # Greedy decoding drafts this many tokens per pass by prompt lookup and keeps those the pass
+    # confirms (generate.PromptLookup): answers are unchanged. 3 because on this project's CPU a
+    # pass over 4 tokens costs ~1.25x one token's, and of 0-4 it decoded the benchmark prompts
+    # fastest (docs/benchmarks.md, "Decoding").
+    prompt_lookup_num_tokens: int = option(
+        3, f"Tokens greedy decoding drafts per pass by prompt lookup (0: no drafting; at most {MAX_DRAFT_TOKENS}).",
+        type=int)
+
+    def __post_init__(self):
+        if not isinstance(self.chunk_context, str):
+            raise InvalidInputError(
+                f"chunk_context must be a str (\"\" for none), got {type(self.chunk_context).__name__}.")
+        if self.sink_prefix is not None:
+            check_text(self.sink_prefix, "sink_prefix")
+        storage_dtype(self.kv_dtype)
+        if self.decode_dtype not in DECODE_DTYPES:
+            raise InvalidInputError(
+                f"decode_dtype must be 'auto' (the default: 4-bit weights where the model's already are 4-bit, else "
+                f"float32), 'float32', 'float16' (float16 weights in the decoding matmuls), 'int4' (4-bit weights, "
+                f"bfloat16 activations) or 'int8' (8-bit weights, bfloat16 activations), got {self.decode_dtype!r}.")
+        batch = self.precompute_batch_tokens
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 0:
+            raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
+                                    f"got {batch!r}.")
+        drafts = self.prompt_lookup_num_tokens
+        if isinstance(drafts, bool) or not isinstance(drafts, numbers.Integral) or not 0 <= drafts <= MAX_DRAFT_TOKENS:
+            raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to "
+                                    f"{MAX_DRAFT_TOKENS}, got {drafts!r}.")
+        object.__setattr__(self, "precompute_batch_tokens", int(batch))
+        object.__setattr__(self, "prompt_lookup_num_tokens", int(drafts))
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """``kv_dtype`` as a torch dtype."""
+        return storage_dtype(self.kv_dtype)
+
+    @classmethod
+    def merged(cls, options: "EngineOptions | None", keywords: dict, *, engine_only: bool = False) -> "EngineOptions":
+        """``options`` (default: the defaults) with ``keywords`` over them. Unknown keywords are an
+        InvalidTypeError (a TypeError, as for any function); with ``engine_only``, so are the loading options."""
+        allowed = ENGINE_FIELDS if engine_only else FIELDS
+        unknown = [k for k in keywords if k not in allowed]
+        if unknown:
+            raise InvalidTypeError(f"unexpected keyword argument {unknown[0]!r}; engine options are {', '.join(allowed)}.")
+        if options is not None and not isinstance(options, EngineOptions):
+            raise InvalidTypeError(f"options must be a ragblend EngineOptions, got {type(options).__name__}.")
+        return dataclasses.replace(options or cls(), **keywords)
+
+    def engine_keywords(self) -> dict:
+        """The options of the engine around the model (what :class:`BlendEngine` itself takes)."""
+        return {name: getattr(self, name) for name in ENGINE_FIELDS}
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions))
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineOptions) if not f.metadata["load"])
+_BY_NAME = {f.name: f for f in dataclasses.fields(EngineOptions)}
+
+
+def storage_dtype(kv_dtype) -> torch.dtype:
+    """The torch dtype of a ``kv_dtype`` option (a name of :data:`KV_DTYPES` or the dtype itself)."""
+    if isinstance(kv_dtype, torch.dtype) and kv_dtype in STORAGE_DTYPES.values():
+        return kv_dtype
+    if isinstance(kv_dtype, str) and kv_dtype in STORAGE_DTYPES:
+        return STORAGE_DTYPES[kv_dtype]
+    raise InvalidInputError(f"kv_dtype must be one of {', '.join(STORAGE_DTYPES)}, got {kv_dtype!r}.")
+
+
+def field_help(name: str) -> str:
+    """The help text of option ``name`` (for the integrations' field descriptions)."""
+    return _BY_NAME[name].metadata["help"]
+
+
+def field_default(name: str):
+    """The default of option ``name``."""
+    return _BY_NAME[name].default
+
+
+def add_arguments(parser: argparse.ArgumentParser, names, *, help: dict | None = None) -> None:
+    """Add the CLI flags of options ``names`` to ``parser`` (``help``: texts to use instead of
+    the options' own, by name). Their ``dest`` is the option's name, so :func:`from_args`
+    reads them back."""
+    for name in names:
+        f = _BY_NAME[name]
+        meta = f.metadata
+        if not meta["flag"]:
+            raise InvalidInputError(f"engine option {name!r} has no CLI flag; give it one in ragblend.core.options.")
+        default = f.default
+        parser.add_argument(meta["flag"], dest=name, default=default, type=meta["type"], choices=meta["choices"],
+                            help=(help or {}).get(name, meta["help"]))
+
+
+def from_args(args: argparse.Namespace, **overrides) -> EngineOptions:
+    """The options parsed by flags from :func:`add_arguments` (those the parser has), with
+    ``overrides`` over them."""
+    given = {name: getattr(args, name) for name in FIELDS if hasattr(args, name)}
+    return EngineOptions(**{**given, **overrides})
