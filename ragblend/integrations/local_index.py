@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import stat
@@ -334,6 +335,48 @@ def _check_kv_mode(kv) -> None:
                                 f"got {kv!r}.")
 
 
+def _reconcile(collection, vector_store, docstore, batch: list) -> None:
+    """Make the docstore and Chroma (``collection``, through ``vector_store``) agree on
+    ``batch``'s documents before it is ingested.
+
+    A document in Chroma that the docstore does not list comes from an ingest stopped
+    between the two (interrupted, or killed): its nodes are dropped so they are not added
+    twice (their KV stays in the store and is reused). A document the docstore lists with
+    no node in Chroma (e.g. the Chroma folder was deleted) is forgotten by the docstore,
+    so it is ingested again instead of skipped as unchanged."""
+    found = collection.get(where={"document_id": {"$in": [d.id_ for d in batch]}}, include=["metadatas"])
+    present = {m.get("document_id") for m in found["metadatas"] or []}   # documents with a node in Chroma
+    for doc in batch:
+        listed = docstore.get_document_hash(doc.id_) is not None
+        if not listed and doc.id_ in present:
+            vector_store.delete(doc.id_)
+        elif listed and doc.id_ not in present:
+            docstore.delete_document(doc.id_, raise_error=False)
+
+
+@functools.cache
+def _query_engine_class():
+    """LlamaIndex's stock ``RetrieverQueryEngine``, which also tells the index's KV filler
+    (its ``kv_filler``) that a query runs (it pauses) and which documents it retrieved from
+    (their chunks' KV goes first)."""
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    class KVFillingQueryEngine(RetrieverQueryEngine):
+        def _query(self, query_bundle):
+            with self.kv_filler.query():
+                response = super()._query(query_bundle)
+            self.kv_filler.retrieved(n.node.ref_doc_id for n in response.source_nodes)
+            return response
+
+        async def _aquery(self, query_bundle):
+            with self.kv_filler.query():
+                response = await super()._aquery(query_bundle)
+            self.kv_filler.retrieved(n.node.ref_doc_id for n in response.source_nodes)
+            return response
+
+    return KVFillingQueryEngine
+
+
 class LocalIndex:
     """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
 
@@ -413,27 +456,6 @@ class LocalIndex:
         documents, report = read_text_files(paths, follow_links=follow_links, max_file_mb=max_file_mb)
         return self.ingest_documents(documents, report, show_progress=show_progress, kv=kv)
 
-    def _chroma_doc_ids(self, doc_ids: list[str]) -> set[str]:
-        """Which of ``doc_ids`` have at least one node in Chroma."""
-        found = self.collection.get(where={"document_id": {"$in": doc_ids}}, include=["metadatas"])
-        return {m.get("document_id") for m in found["metadatas"] or []}
-
-    def _reconcile(self, docstore, batch: list) -> None:
-        """Make the docstore and Chroma agree on ``batch``'s documents before it is ingested.
-
-        A document in Chroma that the docstore does not list comes from an ingest stopped
-        between the two (interrupted, or killed): its nodes are dropped so they are not added
-        twice (their KV stays in the store and is reused). A document the docstore lists with
-        no node in Chroma (e.g. the Chroma folder was deleted) is forgotten by the docstore,
-        so it is ingested again instead of skipped as unchanged."""
-        present = self._chroma_doc_ids([d.id_ for d in batch])
-        for doc in batch:
-            listed = docstore.get_document_hash(doc.id_) is not None
-            if not listed and doc.id_ in present:
-                self.vector_store.inner.delete(doc.id_)
-            elif listed and doc.id_ not in present:
-                docstore.delete_document(doc.id_, raise_error=False)
-
     def ingest_documents(self, documents: list, report: IngestReport | None = None,
                          show_progress: bool = True, batch_size: int = 64, *, kv: str = "now") -> IngestReport:
         """Split, embed and store LlamaIndex ``Document`` objects (e.g. from
@@ -502,7 +524,7 @@ class LocalIndex:
             for start in range(0, len(documents), batch_size):
                 batch = documents[start:start + batch_size]
                 with self.writing:
-                    self._reconcile(pipeline.docstore, batch)
+                    _reconcile(self.collection, self.vector_store.inner, pipeline.docstore, batch)
                     known = [pipeline.docstore.get_document_hash(d.id_) for d in batch]
                     unchanged = sum(h == d.hash for h, d in zip(known, batch))
                     report.unchanged += unchanged
@@ -554,7 +576,8 @@ class LocalIndex:
         """
         from llama_index.core import get_response_synthesizer
         from llama_index.core.indices.prompt_helper import PromptHelper
-        from llama_index.core.query_engine import RetrieverQueryEngine
+
+        from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
 
         from .llamaindex_synthesizer import BlendSynthesizer
 
@@ -568,27 +591,10 @@ class LocalIndex:
             helper = PromptHelper.from_llm_metadata(llm.metadata, tokenizer=self.engine.tokenize)
             synthesizer = get_response_synthesizer(llm=llm, response_mode=mode, prompt_helper=helper,
                                                    streaming=streaming)
-        from ragblend.vectorstore_hooks.llamaindex import KVChunkHints
-
-        class _QueryEngine(RetrieverQueryEngine):
-            """The stock query engine, which tells the KV filler that a query runs (it pauses)
-            and which documents it retrieved from (their chunks' KV goes first)."""
-
-            def _query(engine, query_bundle):
-                with self.kv.query():
-                    response = super()._query(query_bundle)
-                self.kv.retrieved(n.node.ref_doc_id for n in response.source_nodes)
-                return response
-
-            async def _aquery(engine, query_bundle):
-                with self.kv.query():
-                    response = await super()._aquery(query_bundle)
-                self.kv.retrieved(n.node.ref_doc_id for n in response.source_nodes)
-                return response
-
-        query_engine = _QueryEngine(retriever=self.index.as_retriever(similarity_top_k=top_k),
-                                    response_synthesizer=synthesizer,
-                                    node_postprocessors=[KVChunkHints(self.engine)])
+        query_engine = _query_engine_class()(retriever=self.index.as_retriever(similarity_top_k=top_k),
+                                             response_synthesizer=synthesizer,
+                                             node_postprocessors=[KVChunkHints(self.engine)])
+        query_engine.kv_filler = self.kv
         query_engine.blend_llm = llm  # for callers that want this query's per-call stats
         return query_engine
 
