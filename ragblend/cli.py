@@ -20,9 +20,10 @@ import os
 import sys
 import tempfile
 
+from ragblend.core import options as engine_options
 from ragblend.core.errors import InvalidInputError, RagblendError, StoreUnavailableError
-from ragblend.core.fusion import STRATEGY_NAMES
 from ragblend.core.net import is_loopback
+from ragblend.core.strategies import STRATEGY_NAMES
 
 
 def _open_index(args):
@@ -267,9 +268,7 @@ def _cache(args) -> int:
     if args.action == "clear":
         return _clear(args)
     # verify: needs the model to know which fingerprint and shape entries must have
-    from ragblend import BlendEngine
-
-    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    engine = _load_engine(args, kv_dir=False)   # (args.kv_dir is the store verified, not the engine's)
     store = _disk_store(args, engine.entry_spec)
     bad = {}
     for key in store.keys():
@@ -349,9 +348,7 @@ def _clear(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from ragblend import BlendEngine
-
-    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    engine = _load_engine(args, kv_dir=False)
     print(f"Calibrating {engine.name} on the built-in prompts (once per model; minutes on a CPU)...", flush=True)
     result = engine.calibrate(progress=True)
     print("| QueryAware ratio | compute | KL mean | KL median |\n|---:|---:|---:|---:|")
@@ -366,11 +363,10 @@ def _calibrate(args) -> int:
 
 
 def _info(args) -> int:
-    from ragblend import BlendEngine
     from ragblend.core.kernels import cpu_summary
     from ragblend.core.model import int4_available, int8_available, kernel_plan_for
 
-    engine = BlendEngine.from_pretrained(args.model, kv_dir=False)
+    engine = _load_engine(args, kv_dir=False)
     plan = engine.kernel_plan
     if args.measure and plan is not None:
         print("Measuring the kernels again (a few seconds; best on an otherwise idle machine)...", flush=True)
@@ -429,12 +425,10 @@ def _serve(args) -> int:
     from ragblend.core.extras import require
 
     require("serve", "ragblend serve")   # before the model loads, not after
-    from ragblend import BlendEngine
     from ragblend.serving.app import serve
 
-    kv_dir = False if args.kv_dir == "none" else args.kv_dir
     print(f"Loading the model{'' if args.model is None else ' ' + args.model}...", file=sys.stderr, flush=True)
-    engine = BlendEngine.from_pretrained(args.model, kv_dir=kv_dir)
+    engine = _load_engine(args, kv_dir=False if args.kv_dir == "none" else args.kv_dir)
     print(f"Serving {args.model_name or engine.name} on http://{args.host}:{args.port}/v1 "
           f"(key {'required' if args.api_key else 'not required'}); Ctrl+C stops it.", file=sys.stderr, flush=True)
     serve(engine, host=args.host, port=args.port, api_key=args.api_key or None, queue_size=args.queue_size,
@@ -464,19 +458,41 @@ def positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from ragblend import __version__
+# Engine options' flags come from ragblend.core.options (their type, default and choices declared
+# once there); only the help of two is worded here, for a command line ('none', not False).
+ENGINE_FLAG_HELP = {
+    "model": "HF model dir or .gguf file (default: embedded SmolLM2)",
+    "kv_dir": "KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)",
+}
 
-    parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
-    parser.add_argument("--version", action="version", version=f"ragblend {__version__}")
-    # Not required: `ragblend` alone prints this help, its commands listed (main).
-    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    def add_index(p, default="<user cache>/ragblend/index"):
-        p.add_argument("--index", default=None, help=f"index folder (default: {default})")
-        p.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
-                       help="a Chroma server (e.g. http://127.0.0.1:8000 from `chroma run`) instead of the "
-                            "Chroma database in the index folder; default: $RAGBLEND_CHROMA_URL")
 
+def _add_engine_options(p: argparse.ArgumentParser, *names: str) -> None:
+    engine_options.add_arguments(p, names, help=ENGINE_FLAG_HELP)
+
+
+def _load_engine(args, **overrides):
+    """The engine the command's engine flags describe (``overrides`` over them)."""
+    from ragblend import BlendEngine
+
+    return BlendEngine.from_pretrained(options=engine_options.from_args(args, **overrides))
+
+
+def _add_index(p, default="<user cache>/ragblend/index"):
+    p.add_argument("--index", default=None, help=f"index folder (default: {default})")
+    p.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
+                   help="a Chroma server (e.g. http://127.0.0.1:8000 from `chroma run`) instead of the "
+                        "Chroma database in the index folder; default: $RAGBLEND_CHROMA_URL")
+
+
+def _add_answer_options(p):
+    p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
+    p.add_argument("--ratio", type=ratio_value, default=None,
+                   help="recompute ratio in (0, 1] (default: the model's calibrated one); "
+                        "auto for ask --strategy cacheblend")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+
+
+def _ingest_parser(sub) -> None:
     ingest = sub.add_parser("ingest", help="add files or folders (text, markdown, CSV/JSON, HTML, PDF, DOCX) to "
                                            "the index")
     ingest.add_argument("paths", nargs="+", help="files or folders (searched recursively)")
@@ -494,16 +510,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "progress bar; Ctrl-C stops safely and `ragblend cache fill` resumes), background "
                              "(a `ragblend cache fill` process; this command returns at once) or skip (questions "
                              "compute the KV of the chunks they use)")
-    add_index(ingest)
+    _add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
-    def add_answer_options(p):
-        p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
-        p.add_argument("--ratio", type=ratio_value, default=None,
-                       help="recompute ratio in (0, 1] (default: the model's calibrated one); "
-                            "auto for ask --strategy cacheblend")
-        p.add_argument("--max-new-tokens", type=positive_int, default=128)
 
+def _ask_parser(sub) -> None:
     ask = sub.add_parser("ask", help="answer a question from the index")
     ask.add_argument("question")
     ask.add_argument("--strategy", default="default", choices=STRATEGY_NAMES,
@@ -511,31 +522,39 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
-    add_answer_options(ask)
-    add_index(ask)
+    _add_answer_options(ask)
+    _add_index(ask)
     ask.set_defaults(func=_ask)
 
+
+def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="ingest the sample documents and answer sample questions, "
                                        "with fusion and with a full prefill")
     demo.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
-    add_answer_options(demo)
+    _add_answer_options(demo)
     demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
     demo.set_defaults(func=_demo)
 
+
+def _calibrate_parser(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="find the model's cheapest recompute ratio within half its "
                                                  "order noise, once (minutes on a CPU); engines use it from then "
                                                  "on, in place of a shipped calibration")
-    calibrate.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    _add_engine_options(calibrate, "model")
     calibrate.set_defaults(func=_calibrate)
 
+
+def _info_parser(sub) -> None:
     info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
                                        "(measured once per host, then cached)")
-    info.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    _add_engine_options(info, "model", "decode_dtype")
     info.add_argument("--measure", action="store_true",
                       help="measure the kernels again and cache the new choice (e.g. if the first measurement "
                            "ran on a busy machine)")
     info.set_defaults(func=_info)
 
+
+def _app_parser(sub) -> None:
     app = sub.add_parser("app", help="start the Streamlit demo app")
     app.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1: this machine only; the app has no login)")
@@ -543,15 +562,16 @@ def build_parser() -> argparse.ArgumentParser:
     app.add_argument("--files-root", default=os.environ.get("RAGBLEND_FILES_ROOT") or None,
                      help="let the app's path box ingest files and folders under this folder (default: "
                           "$RAGBLEND_FILES_ROOT; unset: the box is off and only uploads are ingested)")
-    add_index(app, default="<user cache>/ragblend/app-index")
+    _add_index(app, default="<user cache>/ragblend/app-index")
     app.set_defaults(func=_app)
 
+
+def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model", default=None, help="HF model dir or .gguf file (default: embedded SmolLM2)")
+    _add_engine_options(serve, "model", "kv_dir", "kv_dtype", "decode_dtype")
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
-    serve.add_argument("--kv-dir", default=None, help="KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)")
     serve.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY") or None,
                        help="require Authorization: Bearer KEY on every endpoint but /health (default: $RAGBLEND_API_KEY)")
     serve.add_argument("--queue-size", type=positive_int, default=16, help="requests that may wait; more get 429")
@@ -563,6 +583,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV buffer memory the answers being decoded may hold; a request beyond it waits")
     serve.set_defaults(func=_serve)
 
+
+def _cache_parser(sub) -> None:
     cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
     cache.add_argument("action", choices=["stats", "fill", "clear", "verify"],
                        help="stats: entries (by dtype), bytes, hit rate, and how many of the index's chunks have "
@@ -572,10 +594,23 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--index", default=None, help="index folder whose KV store to use (default: the default index)")
     cache.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
                        help="the index's Chroma server, if it uses one (default: $RAGBLEND_CHROMA_URL)")
+    # Not the engine's kv_dir option: the store to inspect (verify loads its engine with no store).
     cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
-    cache.add_argument("--model", default=None, help="model whose entries to verify (default: embedded SmolLM2)")
+    _add_engine_options(cache, "model")
     cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
     cache.set_defaults(func=_cache)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ragblend import __version__
+
+    parser = argparse.ArgumentParser(prog="ragblend", description="Fast RAG on local models (CacheBlend).")
+    parser.add_argument("--version", action="version", version=f"ragblend {__version__}")
+    # Not required: `ragblend` alone prints this help, its commands listed (main).
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    for add in (_ingest_parser, _ask_parser, _demo_parser, _calibrate_parser, _info_parser, _app_parser,
+                _serve_parser, _cache_parser):
+        add(sub)
     return parser
 
 

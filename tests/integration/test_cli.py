@@ -76,3 +76,27 @@ def test_serve_passes_its_batching_limits_to_the_server(monkeypatch, tmp_path):
     assert cli.main(["serve", "--model", str(model_dir), "--kv-dir", "none", "--max-batch", "2",
                      "--max-kv-mb", "64"]) == 0
     assert seen["max_batch"] == 2 and seen["max_kv_bytes"] == 64 << 20
+
+
+def test_serve_builds_its_engine_from_the_engine_option_flags(monkeypatch, tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from ragblend import cli
+    from ragblend.serving import app as app_module
+
+    from ..conftest import TOKENIZER_DIR, tiny_model
+
+    seen = {}
+    monkeypatch.setattr(app_module, "serve", lambda engine, **options: seen.update(engine=engine))
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(model_dir)
+    assert cli.main(["serve", "--model", str(model_dir), "--kv-dir", "none", "--kv-dtype", "int8",
+                     "--decode-dtype", "float32"]) == 0
+    engine = seen["engine"]
+    assert engine.kv_dtype == torch.int8 and engine.decode_dtype == "float32"
+    assert type(engine.store).__name__ == "MemoryStore"   # --kv-dir none: memory only
+    # The same declarations give `ragblend info` its --decode-dtype, checked by argparse.
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["info", "--decode-dtype", "int2"])
