@@ -50,6 +50,7 @@ from ragblend.data import load_sample
 
 from .models import MODELS, model_path
 from .run import command_line, write_report
+from .servers import RunningServer, ServerDidNotStart, ServerProcess, free_port, ragblend_serve, wait_idle
 
 GREEDY_TOKENS = 24
 
@@ -487,16 +488,6 @@ def pwned(text: str) -> bool:
     return text.strip().upper().startswith("PWNED")
 
 
-def wait_idle(url: str, within_s: float, headers=None) -> float:
-    """Seconds until the server's queue is empty; raises past ``within_s``."""
-    t0 = time.monotonic()
-    while httpx.get(f"{url}/health", timeout=10, headers=headers).json()["queue_depth"]:
-        if time.monotonic() - t0 > within_s:
-            raise AssertionError(f"the server was still computing {within_s} s after the request ended")
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
 def non_loopback_address() -> str | None:
     """This machine's address on its outgoing interface (no packet is sent), or None."""
     import socket
@@ -525,8 +516,6 @@ class Hostile:
     `ragblend serve` subprocess, a sandbox folder and the sentinel folder outside it."""
 
     def __init__(self, bound: float):
-        from .serve import Server
-
         self.bound = bound
         self.engine = BlendEngine.from_pretrained(kv_dir=False)   # the default model (SmolLM2)
         self.engine.generate(["Hi"], max_new_tokens=2)   # the first pass measures this host's kernels: not a case's time
@@ -534,7 +523,7 @@ class Hostile:
         self.sandbox = Path(tempfile.mkdtemp(prefix="ragblend-hostile-"))
         self.outside = Outside()
         self.env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-        self.server = Server(str(self.sandbox / "serve-kv"), "--api-key", SERVE_KEY, "--timeout", "10")
+        self.server = ragblend_serve(str(self.sandbox / "serve-kv"), "--api-key", SERVE_KEY, "--timeout", "10")
         self.url = self.server.url
         self.model_name = httpx.get(f"{self.url}/v1/models", headers=AUTH, timeout=10).json()["data"][0]["id"]
         # The server's first passes of each size measure its kernels (seconds each on a loaded
@@ -869,8 +858,6 @@ class Hostile:
     def cancellation_cases(self) -> list[Case]:
         import logging
 
-        from tests.integration.test_server import RunningServer  # create_app under uvicorn in a thread
-
         records: list[logging.LogRecord] = []
 
         class Keep(logging.Handler):
@@ -1058,29 +1045,22 @@ class Hostile:
                 f"(absolute, ../, link out, /etc/passwd, /proc/self/environ); secret in the app's index: {leaks or 0}")
 
         def app_loopback():
-            from .serve import free_port
-
             address, port = non_loopback_address(), free_port()
             if address is None:
                 return False, "no non-loopback address on this machine to test from"
-            app = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port), "--index",
-                                    str(self.sandbox / "app-index2")], env={**self.env, "STREAMLIT_SERVER_HEADLESS":
-                                                                            "true"}, start_new_session=True,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
-                deadline = time.monotonic() + 90
-                while True:
-                    try:
-                        httpx.get(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-                        break
-                    except httpx.HTTPError:
-                        if time.monotonic() > deadline or app.poll() is not None:
-                            return False, "the app did not start"
-                        time.sleep(0.5)
+                app = ServerProcess([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port), "--index",
+                                     str(self.sandbox / "app-index2")], lambda: httpx.get(
+                                         f"http://127.0.0.1:{port}/_stcore/health", timeout=2), "the app",
+                                    timeout_s=90, own_session=True,   # stop() ends the CLI and its streamlit
+                                    env={**self.env, "STREAMLIT_SERVER_HEADLESS": "true"},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            except ServerDidNotStart:
+                return False, "the app did not start"
+            try:
                 outside = reachable(address, port)
             finally:
-                os.killpg(app.pid, signal.SIGTERM)   # the CLI and the streamlit process it started
-                app.wait(10)
+                app.stop()
             return not outside, f"127.0.0.1:{port} answers; {address}:{port} {'ANSWERS' if outside else 'refused'}"
 
         def foreign_caches():

@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -41,37 +38,7 @@ import httpx
 from ragblend.data import load_sample
 
 from .run import command_line, write_report
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``ragblend serve`` in a subprocess on 127.0.0.1."""
-
-    def __init__(self, kv_dir: str, *extra: str):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = self.url.rsplit(":", 1)[1]
-        self.process = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "serve", "--port", port,
-                                         "--kv-dir", kv_dir, *extra], stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("ragblend serve did not start")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+from .servers import ragblend_serve
 
 
 def rag_request(chunks: list[str], question: str, rng: random.Random, max_tokens: int) -> dict:
@@ -164,7 +131,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     lines = []
     with tempfile.TemporaryDirectory() as kv_dir:
-        server = Server(kv_dir)
+        server = ragblend_serve(kv_dir)
         try:
             refs = httpx.post(f"{server.url}/v1/chunks", json={"texts": chunks}, timeout=600).json()["data"]
             chunk_tokens = {c: r["tokens"] for c, r in zip(chunks, refs)}
@@ -197,7 +164,7 @@ def main(argv=None) -> None:
                          f"{len(answered) / seconds:.2f} | {generated / seconds:.1f} | {cached:.0%} |")
         lines.append("")
 
-        burst = Server(kv_dir, "--queue-size", "2")
+        burst = ragblend_serve(kv_dir, "--queue-size", "2")
         try:
             results, seconds = run_clients(burst.url, args.clients, 3,
                                            lambda rng: rag_request(chunks, question, rng, args.max_tokens))
@@ -231,7 +198,7 @@ def reuse_main(args, argv) -> None:
     chunks, question = sample["chunks"], sample["question"]
     asks = [("first ask", chunks[:3]), ("same question again", chunks[:3]), ("and again", chunks[:3]),
             ("chunks reordered", [chunks[2], chunks[0], chunks[1]]), ("two seen, one new", chunks[1:4])]
-    server = Server("none")
+    server = ragblend_serve("none")
     try:
         rows = []
         for label, docs in asks:
@@ -305,7 +272,7 @@ def concurrency_main(args, argv) -> None:
     levels = [int(n) for n in args.levels.split(",")]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as kv_dir:
-        server = Server(kv_dir)
+        server = ragblend_serve(kv_dir)
         try:
             openai_request(server.url, "Hello.", 4)   # warm-up: first-call allocations, kernel choices
             measured = [concurrency_level(server.url, n, args.requests, args.max_tokens) for n in levels]

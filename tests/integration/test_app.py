@@ -7,13 +7,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("streamlit")
 
+from benchmarks.servers import ServerProcess, free_port, http_ok  # noqa: E402
 from ragblend.data import sample_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,6 @@ def test_a_path_outside_the_files_root_is_refused(tmp_path, monkeypatch):
 
 
 def test_ragblend_app_listens_on_this_machine_only(tmp_path):
-    import signal
 
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -121,16 +120,15 @@ def test_ragblend_app_listens_on_this_machine_only(tmp_path):
         pytest.skip("this machine has no non-loopback IPv4 address to test from")
     port = free_port()
     env = {**os.environ, "STREAMLIT_SERVER_HEADLESS": "true"}
-    server = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port),
-                               "--index", str(tmp_path / "index")], env=env, start_new_session=True,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port),
+                            "--index", str(tmp_path / "index")], http_ok(f"http://127.0.0.1:{port}/_stcore/health"),
+                           "the app", timeout_s=60, own_session=True,   # stop() ends the CLI and its streamlit
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until_serving(port, server)
         with pytest.raises(OSError):   # refused: nothing listens on the network's interface
             socket.create_connection((address, port), timeout=3).close()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)   # the CLI and the streamlit process it started
-        server.wait(10)
+        server.stop()
 
 
 # ---------------------------------------------------------------------------- real browser
@@ -153,25 +151,6 @@ def chromium_or_skip() -> tuple[str, str]:
     return shutil.which("chromium"), shutil.which("chromedriver")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_serving(port: int, server: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Wait until the app on ``port`` answers its health check; fail if ``server`` exits or it takes too long."""
-    deadline = time.time() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2)
-            return
-        except OSError:
-            if time.time() > deadline or server.poll() is not None:
-                raise AssertionError("the app did not start")
-            time.sleep(0.5)
-
-
 def test_app_in_headless_chromium(tmp_path):
     chromium, chromedriver = chromium_or_skip()
     from selenium import webdriver
@@ -183,9 +162,10 @@ def test_app_in_headless_chromium(tmp_path):
 
     port = free_port()
     env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index"), "RAGBLEND_FILES_ROOT": str(sample_dir())}
-    server = subprocess.Popen(
+    server = ServerProcess(
         [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
          "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -195,7 +175,6 @@ def test_app_in_headless_chromium(tmp_path):
         options.add_argument(flag)
     driver = None
     try:
-        wait_until_serving(port, server)
         driver = webdriver.Chrome(service=Service(chromedriver), options=options)
         driver.get(f"http://127.0.0.1:{port}")
         wait = WebDriverWait(driver, 300)
@@ -233,5 +212,4 @@ def test_app_in_headless_chromium(tmp_path):
     finally:
         if driver is not None:
             driver.quit()
-        server.terminate()
-        server.wait(10)
+        server.stop()

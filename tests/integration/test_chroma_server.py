@@ -1,20 +1,14 @@
-"""LocalIndex and the CLI over a real Chroma server (`chroma run`, started by the test on 127.0.0.1)."""
+"""LocalIndex and the CLI over a real Chroma server (`chroma run`, started by the test on 127.0.0.1)
+and the real default model; the bad-URL checks are in tests/unit/test_chroma_server.py."""
 
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from benchmarks.servers import ServerProcess, free_port
 from ragblend.cli import main
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +20,10 @@ def chroma_url(tmp_path_factory):
         pytest.skip("the `chroma` command (chromadb's server) is not installed")
     port = free_port()
     folder = tmp_path_factory.mktemp("chroma-server")
-    server = subprocess.Popen([str(chroma), "run", "--path", str(folder), "--host", "127.0.0.1", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            chromadb.HttpClient(host="127.0.0.1", port=port).heartbeat()
-            break
-        except Exception:
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"chroma run did not start on port {port}")
-            time.sleep(0.3)
-    yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    server.wait(timeout=30)
+    with ServerProcess([str(chroma), "run", "--path", str(folder), "--host", "127.0.0.1", "--port", str(port)],
+                       lambda: chromadb.HttpClient(host="127.0.0.1", port=port).heartbeat(), f"chroma run on port {port}",
+                       timeout_s=60, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.slow

@@ -1,10 +1,5 @@
-"""Faults of the KV store's disk tier: each one is a miss, and the answer equals a clean run's.
-
-Real faults where the machine allows them: a second process holding an exclusive SQLite lock,
-the KV folder deleted under a running engine, a full tmpfs and a read-only bind mount (need
-root: skipped otherwise), a garbage database file, hostile entry headers with valid CRCs, a
-writer killed at random points. ``python -m benchmarks.faults`` runs the heavy versions.
-"""
+"""Faults of the KV store with the real default model: from_pretrained falls back to memory when its
+store cannot open (the disk tier's faults on tiny models are in tests/unit/test_faults.py)."""
 
 
 import pytest

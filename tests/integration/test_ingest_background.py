@@ -1,7 +1,6 @@
-"""Searchable first, KV after: an ingest commits chunks and embeddings, then the KV filler
-computes the missing KV (now, in a background thread, or later), resumably, recently
-retrieved documents first, pausing for queries; coverage in the library and in
-`ragblend cache stats`. Real Chroma on disk, the real embedding model, a tiny random LLM."""
+"""`ragblend ingest` with the real default model: searchable first then the cache fill, and an ingest in the
+background while another process asks (the library's cases on a tiny model are in
+tests/unit/test_ingest_background.py)."""
 
 import contextlib
 import os

@@ -1,7 +1,5 @@
-"""Hostile text: documents, messages, system prompts and history that carry the chat
-template's control strings (``<|im_end|>\\n<|im_start|>system...``) are tokenized as text,
-so they cannot open turns of their own; the old fixed segment marker cannot be forged; and
-BlendChatModel sends its real API key to a server."""
+"""Hostile text with the real SmolLM2: its tokenizer splits the control strings and keeps the old ids, and a
+"PWNED" document does not take over the answer (the tiny-model cases are in tests/unit/test_injection.py)."""
 
 
 import pytest

@@ -1,5 +1,6 @@
-"""LangChain: BlendChatModel against the langchain-tests standard suites, the vector-store
-ingestion hook, and a stuff-documents RAG chain on a real Chroma store."""
+"""LangChain with the real default model: BlendChatModel against langchain-tests' integration suite, the
+vector-store ingestion hook and RAG chains on a real Chroma store (the unit suite and construction checks
+are in tests/unit/test_langchain.py)."""
 
 import pytest
 

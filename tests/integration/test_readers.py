@@ -1,7 +1,5 @@
-"""The file types people have: PDF, HTML, DOCX and CSV/JSON read as text; an encrypted,
-broken or text-less PDF, a missing optional library or a reader that raises skips that file
-with its reason and never stops the ingest. The sample files are made here: a PDF written by
-hand (one page, Helvetica text), a DOCX as the zip of XML files Word writes."""
+"""A PDF, an HTML page and a DOCX each answer a question with the real default model (reading the file types
+themselves is tests/unit/test_readers.py)."""
 
 
 import pytest

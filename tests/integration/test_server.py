@@ -3,7 +3,6 @@ official openai SDK, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) and by rag
 remote backends, on 127.0.0.1."""
 
 import json
-import socket
 import threading
 import time
 
@@ -13,44 +12,15 @@ import pytest
 pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
+from benchmarks.servers import RunningServer, free_port, wait_idle  # noqa: E402
+
 KEY = "test-key-1234"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
-    """A real uvicorn server in a thread, stopped at teardown."""
-
-    def __init__(self, engine, **options):
-        import uvicorn
-
-        from ragblend.serving.app import create_app
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, **options), host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def server(smol_engine):
-    running = RunningServer(smol_engine)
-    yield running
-    running.stop()
+    with RunningServer(smol_engine) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -309,10 +279,7 @@ def test_a_client_that_disconnects_stops_its_generation(server):
         for line in response.iter_lines():
             if '"content"' in line and '"content": ""' not in line:
                 break   # the first token arrived; hang up
-    deadline = time.monotonic() + 20     # 400 tokens would take far longer on this CPU
-    while httpx.get(f"{server.url}/health").json()["queue_depth"]:
-        assert time.monotonic() < deadline, "the generation went on after the client left"
-        time.sleep(0.2)
+    wait_idle(server.url, within_s=20)   # the generation stopped: 400 tokens would take far longer on this CPU
 
 
 def test_metrics_and_health(server, chunks):
@@ -385,9 +352,6 @@ def test_timeouts_and_the_window_cap(smol_engine):
         response = httpx.post(f"{slow.url}/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 300})
         assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{slow.url}/health").json()["queue_depth"]:   # the timed-out generation stops too
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_idle(slow.url, within_s=20)   # the timed-out generation stops too
     finally:
         slow.stop()

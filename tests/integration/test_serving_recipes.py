@@ -1,6 +1,5 @@
-"""The user's path to `ragblend serve`: docs/serving.md's client recipes run as written against a
-real server, and the CLI's top level (commands listed, --version, install hints before any model
-loads)."""
+"""docs/serving.md's client recipes run as written against a real `ragblend serve` (the recipes' presence
+and the CLI's top level are checked in tests/unit/test_serving_recipes.py)."""
 
 import contextlib
 import io

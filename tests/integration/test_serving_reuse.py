@@ -1,15 +1,14 @@
-"""Reuse for any client, with no setup (ragblend.serving.reuse): clients that know nothing of
-ragblend send their retrieved passages as plain text, the server stores their KV after the
-answer, and the same question asked again reuses it. Real clients (LangChain's
-create_retrieval_chain over ChatOpenAI, LlamaIndex's OpenAILike, the openai SDK) against a
-real server on 127.0.0.1."""
+"""Reuse for any client, with no setup (ragblend.serving.reuse), over the real default model: real clients
+(LangChain's create_retrieval_chain over ChatOpenAI, LlamaIndex's OpenAILike, the openai SDK) send their
+retrieved passages as plain text, and the same question asked again reuses their KV (the tiny-model cases
+are in tests/unit/test_serving_reuse.py)."""
 
 
 import pytest
 
 pytest.importorskip("fastapi")
 
-from .test_server import RunningServer  # noqa: E402
+from benchmarks.servers import RunningServer  # noqa: E402
 
 QUESTION = "What is the name of the passenger ferry that goes to Hallow Holm?"
 
@@ -30,9 +29,8 @@ def fresh_engine():
 
 @pytest.fixture(scope="module")
 def server(fresh_engine):
-    running = RunningServer(fresh_engine)
-    yield running
-    running.stop()
+    with RunningServer(fresh_engine) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

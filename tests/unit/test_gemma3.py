@@ -3,8 +3,9 @@
 Gemma 3 interleaves sliding-window layers (RoPE base 10k) with global ones (base 1M): every
 layer must be rotated, and every cached chunk key re-rotated, with its own kind's tables. The
 exactness tests at 100% recompute and against a dense reference run on a tiny Gemma 3 in
-tests/test_engine.py and tests/test_reference.py (``gemma3`` in ``TINY_ARCHS``); this file
-checks the per-layer tables themselves, what the adapter refuses, and the real 270M model.
+tests/unit/test_engine.py and tests/unit/test_reference.py (``gemma3`` in ``TINY_ARCHS``); this file
+checks the per-layer tables themselves and what the adapter refuses; the real 270M model is in
+tests/integration/test_gemma3.py.
 
 Gemma 3 270M is a base model with no chat template: :class:`PromptBuilder` then lays out
 system text, passages, question and an answer cue (its "plain layout").

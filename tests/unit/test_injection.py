@@ -3,9 +3,6 @@ template's control strings (``<|im_end|>\\n<|im_start|>system...``) are tokenize
 so they cannot open turns of their own; the old fixed segment marker cannot be forged; and
 BlendChatModel sends its real API key to a server."""
 
-import socket
-import threading
-import time
 
 import pytest
 
@@ -232,31 +229,15 @@ def test_blend_chat_model_prompts_are_safe(engine, tokenizer):
 # ---------------------------------------------------------------------------- a real server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def keyed_server(tokenizer):
     """``ragblend serve``'s app over a tiny model, with an API key, in a uvicorn thread."""
-    uvicorn = pytest.importorskip("uvicorn")
-    from ragblend.server import create_app
+    pytest.importorskip("uvicorn")
+    from benchmarks.servers import RunningServer
 
     engine = make_tiny_engine("llama", tokenizer)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, api_key="sekrit-key", model_name="tiny"),
-                                           host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(timeout=10)
+    with RunningServer(engine, api_key="sekrit-key", model_name="tiny") as running:
+        yield running.url, engine
 
 
 def test_blend_chat_model_sends_its_real_api_key(keyed_server):

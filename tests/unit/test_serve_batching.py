@@ -3,7 +3,6 @@ tiny model on 127.0.0.1 with the official openai client: answers equal the lone 
 that leaves mid-batch frees its slot without disturbing the others, and the bounds hold."""
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -11,8 +10,9 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from benchmarks.servers import RunningServer, wait_idle  # noqa: E402
+
 from ..conftest import make_tiny_engine  # noqa: E402
-from ..integration.test_server import RunningServer  # noqa: E402
 
 # Every request recomputes its whole prompt: the server stores the passages of plain text
 # between requests, and an answer fused from reused KV may differ from a lone first one.
@@ -94,10 +94,7 @@ def test_a_client_that_leaves_mid_batch_frees_its_slot_and_the_others_go_on(engi
         together = ask_together(running.url, QUESTIONS[:3], max_tokens=16)
         thread.join(timeout=60)
         assert gone.is_set() and together == alone
-        deadline = time.monotonic() + 20   # 2,000 tokens would take far longer: its slot was freed
-        while httpx.get(f"{running.url}/health").json()["queue_depth"]:
-            assert time.monotonic() < deadline, "the generation went on after the client left"
-            time.sleep(0.1)
+        wait_idle(running.url, within_s=20)   # 2,000 tokens would take far longer: its slot was freed
         assert not len(batch)
     finally:
         running.stop()

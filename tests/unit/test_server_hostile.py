@@ -7,7 +7,6 @@ official openai SDK."""
 import json
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -19,11 +18,11 @@ import torch
 
 pytest.importorskip("fastapi")
 
+from benchmarks.servers import RunningServer, ServerProcess, free_port, http_ok, wait_idle  # noqa: E402
 from ragblend.serving.app import ROUTES, Metrics, _label  # noqa: E402
 from ragblend.serving.protocol import MAX_MESSAGES, MAX_PARTS, MAX_TEXTS  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
-from ..integration.test_server import RunningServer, free_port  # noqa: E402
 
 KEY = "hostile-test-key"
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +35,8 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    running = RunningServer(engine)
-    yield running
-    running.stop()
+    with RunningServer(engine) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +65,6 @@ def post(server, path, body=None, raw=None, headers=None, timeout=60):
     content = raw if raw is not None else json.dumps(body).encode()
     return httpx.post(f"{server.url}{path}", content=content, timeout=timeout,
                       headers={"content-type": "application/json", **(headers or {})})
-
-
-def wait_idle(server, within_s: float) -> float:
-    """Seconds until the server's queue is empty; fails past ``within_s``."""
-    t0 = time.monotonic()
-    while httpx.get(f"{server.url}/health", timeout=10).json()["queue_depth"]:
-        assert time.monotonic() - t0 < within_s, f"the server was still computing {within_s} s after the request ended"
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 def story(words: int = 40) -> list[dict]:
@@ -132,17 +121,9 @@ def test_health_answers_fast_under_the_worst_single_requests(tokenizer):
     while the heaviest requests a client can send within the limits arrive one at a time."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen([sys.executable, "-c", SERVE_TINY.format(root=str(ROOT), port=port)],
-                               cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    server = ServerProcess([sys.executable, "-c", SERVE_TINY.format(root=str(ROOT), port=port)], http_ok(f"{url}/health"),
+                           "the server", timeout_s=120, cwd=ROOT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         words = " ".join(f"token{i}" for i in range(11000))           # just under the character limit
         repeated = "ab " * 400
         parts = [{"type": "text", "text": f"p{i} ", "cache_control": {"type": "ephemeral"}} for i in range(MAX_PARTS)]
@@ -184,8 +165,7 @@ def test_health_answers_fast_under_the_worst_single_requests(tokenizer):
             stop.set()
             poller.join()
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.stop()
     ordered = sorted(latencies)
     p99, worst = ordered[int(0.99 * (len(ordered) - 1))], ordered[-1]
     print(f"/health under hostile requests: {len(ordered)} polls, p50 {ordered[len(ordered) // 2] * 1e3:.1f} ms, "
@@ -222,7 +202,7 @@ def test_chunks_past_their_timeout_stop_computing(slow_engine):
         texts = [f"Passage {i}: " + " ".join(f"word{j}x{i}" for j in range(300)) for i in range(20)]   # ~8 s here
         response = post(timed, "/v1/chunks", {"texts": texts})
         assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
-        wait_idle(timed, within_s=1.5)
+        wait_idle(timed.url, within_s=1.5)
         small = post(timed, "/v1/chunks", {"texts": ["A short passage about the sea and the ships on it."]})
         assert small.status_code == 200 and small.json()["data"][0]["stored"]
     finally:
@@ -234,7 +214,7 @@ def test_a_timed_out_answer_stops_within_a_step(slow_engine):
     try:
         response = post(timed, "/v1/chat/completions", {"messages": story(), "max_tokens": 3000})
         assert response.status_code == 504
-        wait_idle(timed, within_s=1.0)
+        wait_idle(timed.url, within_s=1.0)
     finally:
         timed.stop()
 
@@ -245,7 +225,7 @@ def test_a_non_streaming_client_that_leaves_stops_its_generation(slow_engine, ca
     try:
         with pytest.raises(httpx.ReadTimeout):   # hangs up after 0.5 s; 3000 tokens take minutes here
             post(running, "/v1/chat/completions", {"messages": story(), "max_tokens": 3000}, timeout=0.5)
-        wait_idle(running, within_s=1.5)
+        wait_idle(running.url, within_s=1.5)
         time.sleep(0.1)
         assert any("disconnected" in r.getMessage() for r in caplog.records if r.name == "ragblend.server")
     finally:
@@ -262,7 +242,7 @@ def test_a_streaming_client_that_leaves_is_logged_as_a_disconnect(slow_engine, c
             for line in response.iter_lines():
                 if '"content"' in line and '"content": ""' not in line:
                     break   # the first token arrived; hang up
-        wait_idle(running, within_s=1.5)
+        wait_idle(running.url, within_s=1.5)
         time.sleep(0.1)
     finally:
         running.stop()
@@ -272,7 +252,7 @@ def test_a_streaming_client_that_leaves_is_logged_as_a_disconnect(slow_engine, c
 
 
 def test_cancellable_stops_the_engine_and_leaves_it_usable(engine):
-    from ragblend.core.fusion import Cancelled, cancellable
+    from ragblend.core.cancel import Cancelled, cancellable
 
     checks = []
 

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("fastapi")
 
+from benchmarks.servers import RunningServer  # noqa: E402
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware  # noqa: E402
 from ragblend.serving.protocol import (  # noqa: E402
     ApiError,
@@ -21,7 +22,6 @@ from ragblend.serving.protocol import (  # noqa: E402
 )
 
 from ..conftest import make_tiny_engine  # noqa: E402
-from ..integration.test_server import RunningServer  # noqa: E402
 
 # Every setting changed from its default.
 CHANGED = [
@@ -69,9 +69,8 @@ def engine(tokenizer):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    running = RunningServer(engine)
-    yield running
-    running.stop()
+    with RunningServer(engine) as running:
+        yield running
 
 
 DOCS = [" ".join(f"alpha{i} beta{i} gamma{i}" for i in range(12)), " ".join(f"delta{i} eps{i}" for i in range(14))]

@@ -4,23 +4,15 @@ answer, and the same question asked again reuses it. Real clients (LangChain's
 create_retrieval_chain over ChatOpenAI, LlamaIndex's OpenAILike, the openai SDK) against a
 real server on 127.0.0.1."""
 
-import time
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
+from benchmarks.servers import RunningServer, wait_idle  # noqa: E402
+
 from ..conftest import make_tiny_engine  # noqa: E402
-from ..integration.test_server import RunningServer  # noqa: E402
-
-
-def wait_idle(server, within_s: float = 60) -> None:
-    deadline = time.monotonic() + within_s
-    while httpx.get(f"{server.url}/health", timeout=10).json()["queue_depth"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
 
 # ---------------------------------------------------------------------------- bad input (tiny model)
 
@@ -37,7 +29,7 @@ def test_a_passage_that_cannot_be_stored_is_a_miss_not_a_failed_answer(tokenizer
             response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
             assert response.status_code == 200
             assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            wait_idle(running)
+            wait_idle(running.url)
         keeper = running.server.config.app.state.keeper
         assert keeper.failed >= 2 and keeper.stored == 0
     finally:
@@ -83,7 +75,7 @@ def test_metrics_show_the_background_kv_fill_and_the_store_entries(tokenizer):
             assert before["ragblend_kv_fill_pending"] == before["ragblend_kv_fill_stored_total"] == 0
             assert before['ragblend_store_entries{tier="memory"}'] == 0
             assert httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
-            wait_idle(running)
+            wait_idle(running.url)
             after = metric_values(running)
             assert after["ragblend_kv_fill_pending"] == 0
             assert after["ragblend_kv_fill_stored_total"] == stored
