@@ -232,18 +232,9 @@ class FileReader(ChunkReader):
         return FileReader._check_header(header, key, spec, size, header_len, bad)
 
     @staticmethod
-    def _check_header(header, key: str, spec: EntrySpec, size: int, header_len: int, bad) -> dict:
-        """Check every field's type and range before using it (nothing here may raise
-        anything but :class:`CorruptEntryError`)."""
-        def is_int(value, low, high):
-            return type(value) is int and low <= value < high
-
-        def int_list(name, low, high):
-            values = header.get(name)
-            if type(values) is not list or not all(is_int(v, low, high) for v in values):
-                raise bad(f"{name} must be a list of integers in [{low}, {high})")
-            return values
-
+    def _check_identity(header, key: str, spec: EntrySpec, bad) -> None:
+        """The header is an object written in this format, for this model, key, storage dtype
+        and KV shape."""
         if type(header) is not dict:
             raise bad("header is not an object")
         if header.get("format") != KV_FORMAT_VERSION:
@@ -257,6 +248,21 @@ class FileReader(ChunkReader):
         if [header.get(n) for n in ("layers", "kv_heads", "head_dim")] != [
                 spec.num_layers, spec.num_kv_heads, spec.head_dim]:
             raise bad("KV shape does not match the model")
+
+    @staticmethod
+    def _check_header(header, key: str, spec: EntrySpec, size: int, header_len: int, bad) -> dict:
+        """Check every field's type and range before using it (nothing here may raise
+        anything but :class:`CorruptEntryError`)."""
+        def is_int(value, low, high):
+            return type(value) is int and low <= value < high
+
+        def int_list(name, low, high):
+            values = header.get(name)
+            if type(values) is not list or not all(is_int(v, low, high) for v in values):
+                raise bad(f"{name} must be a list of integers in [{low}, {high})")
+            return values
+
+        FileReader._check_identity(header, key, spec, bad)
         token_ids = int_list("token_ids", 0, spec.vocab_size or 2**31)
         crcs = int_list("layer_crc32", 0, 2**32)
         if not is_int(header.get("tokens"), 1, 2**31) or header["tokens"] != len(token_ids):

@@ -125,6 +125,17 @@ def fill_lock(folder: Path):
         os.close(fd)
 
 
+def _grown_bar(bar, more: int):
+    """A progress bar over ``more`` chunks: a new one, or ``bar`` grown by them (a new round)."""
+    if bar is None:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=more, desc="Computing KV", unit="chunk")
+    bar.total = bar.n + more
+    bar.refresh()
+    return bar
+
+
 class KVFiller:
     """Computes the KV of a :class:`LocalIndex`'s chunks that have none (see the module doc)."""
 
@@ -271,8 +282,6 @@ class KVFiller:
     def _fill(self, progress: bool) -> int:
         """Rounds of: list what is missing, compute it in passes. A round ends when nothing is
         missing, or nothing new (a chunk whose KV could not be stored is tried once per call)."""
-        from ragblend.vectorstore_hooks.llamaindex import llm_text
-
         tried: set[str] = set()
         done = 0
         bar = None
@@ -282,42 +291,46 @@ class KVFiller:
                 if not pending:
                     break
                 if progress:
-                    if bar is None:
-                        from tqdm.auto import tqdm
-                        bar = tqdm(total=len(pending), desc="Computing KV", unit="chunk")
-                    else:
-                        bar.total = bar.n + len(pending)
-                        bar.refresh()
+                    bar = _grown_bar(bar, len(pending))
                 while pending and not self._stop.is_set():
                     self._wait_for_queries()
                     pending = self._order(pending)
                     batch, pending = pending[:_FETCH], pending[_FETCH:]
-                    with self.index.writing:   # the nodes cannot be deleted between reading and storing
-                        nodes = self.index.vector_store.get_nodes(node_ids=[node_id for node_id, _, _ in batch])
-                        by_id = {node.node_id: node for node in nodes}
-                        items = [(key, llm_text(by_id[node_id])) for node_id, key, _ in batch if node_id in by_id]
-                    for group in self._passes(items):
-                        self._wait_for_queries()
-                        if self._stop.is_set():
-                            break
-                        with self.index.writing:
-                            t0 = time.perf_counter()
-                            refs = self.engine.precompute([text for _, text in group], skip_unusable=True)
-                            self.compute_s += time.perf_counter() - t0
-                        for (key, _), ref in zip(group, refs):
-                            tried.add(key)
-                            if ref is not None and ref.key == key and ref.stored:
-                                self.computed += 1
-                                self.tokens += ref.num_tokens
-                                done += 1
-                            else:
-                                self._warn_unstorable(key, ref)
-                        if bar is not None:
-                            bar.update(len(group))
+                    done += self._fill_batch(batch, tried, bar)
                     tried.update(key for _, key, _ in batch)   # deleted meanwhile, or failed: not again this call
         finally:
             if bar is not None:
                 bar.close()
+        return done
+
+    def _fill_batch(self, batch: list, tried: set[str], bar) -> int:
+        """Compute and store the KV of ``batch`` (``(node id, key, document)`` of chunks without
+        KV) in passes; adds the keys tried to ``tried``. Returns how many were stored."""
+        from ragblend.vectorstore_hooks.llamaindex import llm_text
+
+        with self.index.writing:   # the nodes cannot be deleted between reading and storing
+            nodes = self.index.vector_store.get_nodes(node_ids=[node_id for node_id, _, _ in batch])
+            by_id = {node.node_id: node for node in nodes}
+            items = [(key, llm_text(by_id[node_id])) for node_id, key, _ in batch if node_id in by_id]
+        done = 0
+        for group in self._passes(items):
+            self._wait_for_queries()
+            if self._stop.is_set():
+                break
+            with self.index.writing:
+                t0 = time.perf_counter()
+                refs = self.engine.precompute([text for _, text in group], skip_unusable=True)
+                self.compute_s += time.perf_counter() - t0
+            for (key, _), ref in zip(group, refs):
+                tried.add(key)
+                if ref is not None and ref.key == key and ref.stored:
+                    self.computed += 1
+                    self.tokens += ref.num_tokens
+                    done += 1
+                else:
+                    self._warn_unstorable(key, ref)
+            if bar is not None:
+                bar.update(len(group))
         return done
 
     def _passes(self, items: list[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
