@@ -231,7 +231,7 @@ class TextEncoder:
     def __call__(self, text: str) -> list[int]:
         ids = self._encode_backend(text) if self._backend is not None else self._encode_wrapper(text)
         if self.control_ids.intersection(ids):
-            # Never seen with the supported tokenizers (tests/test_injection.py checks them).
+            # Never seen with the supported tokenizers (tests/unit/test_injection.py checks them).
             raise InvalidInputError(
                 "This model's tokenizer turns plain text into a control token, so ragblend cannot keep the text "
                 "from acting as the chat template's markup; remove the control-token strings from the text.")
