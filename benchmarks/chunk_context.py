@@ -28,7 +28,9 @@ import torch
 
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
 from ragblend.core.calibration import first_token_kl
-from ragblend.core.fusion import LayerSource, ReusedSpan, fused_prefill, isolated_kv
+from ragblend.core.ingest import isolated_kv
+from ragblend.core.prefill import LayerSource, fused_prefill
+from ragblend.core.selection import ReusedSpan
 
 from .models import MODELS, model_path
 from .run import SYSTEM, command_line, write_report

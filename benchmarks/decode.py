@@ -78,7 +78,7 @@ def reference_answer(engine: BlendEngine, pre, tokens: int,
     decoder = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, len(pre.token_ids) + tokens,
                         pre.key_bias)
     answer, logits, passes, t0 = [], pre.logits, 0, time.perf_counter()
-    with engine._lock:
+    with engine.lock:
         while len(answer) < tokens:
             token = int(torch.argmax(logits))
             if stop_at_end and token in engine.eos_ids:
@@ -100,8 +100,8 @@ def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
     """Per step, KL between the reference layers' and ``engine``'s decoding next-token distributions."""
     capacity = len(pre.token_ids) + len(answer)
     ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)
-    twin = KVDecoder(engine._decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
-    with engine._lock:
+    twin = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
+    with engine.lock:
         return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine
-from ragblend.core.fusion import isolated_kv, packed_isolated_kv
+from ragblend.core.ingest import isolated_kv, packed_isolated_kv
 from ragblend.core.model import cache_dir
 from ragblend.core.store import MemoryStore, open_store
 from ragblend.data import sample_dir

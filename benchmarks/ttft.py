@@ -156,7 +156,7 @@ def storage_section(engine: BlendEngine, chunks: list[str], question: str, args)
             compute = statistics.median(s.compute_s for s in stats)
             print(f"| {name} | {ttft:.3f} | {ttft / base:.2f}x | {load:.3f} | {hidden:.0%} | {compute:.3f} |")
 
-        controller = engine._loading
+        controller = engine.loading
         measured = controller.measurements(refresh=True)
         reused = stored_tokens
         plan = controller.plan(len(engine.prefill(segments).token_ids), reused)

@@ -11,10 +11,10 @@ from .core.errors import (
     StoreUnavailableError,
     UnsupportedModelError,
 )
-from .core.fusion import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 from .core.generate import SamplingParams
 from .core.kv import ChunkRef
 from .core.prompt import Chunk
+from .core.strategies import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 
 __version__ = "0.1.0"
 

@@ -8,7 +8,7 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
 
 1. the order noise: first-token KL between the full prefills of each prompt's chunks in
    order and reversed (mean and median over the prompts);
-2. the same KL for :class:`~ragblend.core.fusion.QueryAware` at each ratio of
+2. the same KL for :class:`~ragblend.core.strategies.QueryAware` at each ratio of
    :data:`LADDER`, cheapest first;
 3. the choice: the cheapest ratio whose mean *and* median KL stay within :data:`MARGIN` of
    the noise, over all prompts and over the long ones alone (or the most faithful one tried,
@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 from .errors import RagblendError
-from .fusion import FullRecompute, QueryAware
 from .model import cache_dir
+from .strategies import FullRecompute, QueryAware
 
 log = logging.getLogger("ragblend")
 

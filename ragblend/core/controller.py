@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from .fusion import FullRecompute, fused_prefill
 from .kv import ChunkKV, to_storage
 from .model import ModelAdapter, cache_dir
+from .prefill import fused_prefill
 from .store import DiskStore, EntrySpec, FileReader, MemoryReader
+from .strategies import FullRecompute
 
 TIERS_BY_COST = ("disk", "memory")  # cheapest storage first
 

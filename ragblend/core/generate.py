@@ -20,8 +20,9 @@ from typing import Iterator
 
 import torch
 
+from .cancel import check_cancelled
 from .errors import InvalidInputError
-from .fusion import attention_plan, check_cancelled
+from .masks import attention_plan
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class KVDecoder:
     ``keys``/``values``: the prompt's per-layer ``[kv_heads, N, head_dim]`` K (after RoPE)
     and V; ``capacity``: the most positions the buffers will hold (prompt + answer);
     ``key_bias``: the fused prefill's score bias on the prompt's keys (``[N]``, see
-    :attr:`~ragblend.core.fusion.FusedPrefill.key_bias`), kept for every answer token.
+    :attr:`~ragblend.core.prefill.FusedPrefill.key_bias`), kept for every answer token.
     """
 
     def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int,
@@ -293,3 +294,33 @@ class Decoding:
             accepted += 1
         decoder.truncate(decoder.length - len(draft) + accepted)
         return list(logits[:accepted + 1])
+
+
+def sampling_params(params, max_new_tokens, temperature, top_p, seed, stop) -> SamplingParams:
+    """``params``, or the sampling shortcuts as :class:`SamplingParams` (not both)."""
+    shortcuts = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+    if params is None:
+        return shortcuts
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"params must be a ragblend SamplingParams, got {type(params).__name__}.")
+    if shortcuts != SamplingParams():
+        raise InvalidInputError("Pass sampling options either as params=SamplingParams(...) or as keywords, not both.")
+    return params
+
+
+def start_decoding(pre, adapter, tokenizer, params: SamplingParams, *, eos_ids, context_window: int, lock,
+                   draft_tokens: int, drafts_allowed: bool) -> Decoding:
+    """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
+    on ``adapter``; ``pre.keys``/``values`` become views of the decoder's buffers."""
+    capacity = min(len(pre.token_ids) + params.max_new_tokens, context_window)
+    decoder = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
+    n = len(pre.token_ids)
+    pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
+    lookup = None
+    # Drafts are verified in a pass over several tokens, which in float32 gives each token's
+    # logits to ~1e-5; in bfloat16 a trial saw 0.69 and a changed answer, so only float32 drafts.
+    if draft_tokens and params.temperature == 0 and drafts_allowed:
+        lookup = PromptLookup(pre.token_ids)
+    return Decoding(decoder, tokenizer, pre.logits.to(adapter.device), len(pre.token_ids), params, eos_ids,
+                    context_window, lock=lock, lookup=lookup, draft_tokens=draft_tokens)

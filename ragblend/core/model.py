@@ -9,7 +9,7 @@ Three ways to name a model:
 * a local Hugging Face model directory (``config.json`` + safetensors + tokenizer).
 
 :class:`ModelAdapter` exposes a decoder layer as small steps (norm, Q/K/V projection,
-RoPE, attention, output + MLP) so :mod:`ragblend.core.fusion` can run any subset of
+RoPE, attention, output + MLP) so :mod:`ragblend.core.prefill` can run any subset of
 tokens through any layer. It reuses the model's own modules (its rotary embedding
 included, so RoPE scaling variants keep working); it does not re-implement weights.
 """

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from .fusion import LayerSource
+from .prefill import LayerSource
 from .store import ChunkReader
 
 

@@ -13,8 +13,8 @@ from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.fusion import STRATEGY_NAMES, strategy_from_name
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, field_default, field_help
+from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
 

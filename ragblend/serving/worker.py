@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ragblend.core.batching import BatchDecoder, Member
-from ragblend.core.fusion import Cancelled, cancellable
+from ragblend.core.cancel import Cancelled, cancellable
 from ragblend.core.generate import Decoding
 
 from .protocol import ApiError

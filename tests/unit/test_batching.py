@@ -10,9 +10,9 @@ import torch
 
 from ragblend.core.batching import BatchDecoder, batch_extend
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.fusion import QueryAware
 from ragblend.core.generate import KVDecoder, SamplingParams
 from ragblend.core.prompt import Chunk
+from ragblend.core.strategies import QueryAware
 
 from ..conftest import PASSAGES, TINY_ARCHS, make_tiny_engine
 

@@ -7,8 +7,8 @@ import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.fusion import isolated_kv, packed_isolated_kv
 from ragblend.core.generate import KVDecoder
+from ragblend.core.ingest import isolated_kv, packed_isolated_kv
 from ragblend.core.kv import ChunkKV
 
 from ..conftest import PASSAGES
@@ -63,7 +63,7 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
     layout = engine.prompts.build(segments(), system=None)
     for span in layout.chunk_spans:
         keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
-        engine.store.put(ChunkKV(engine._key_for(span.token_ids), list(span.token_ids), keys, values))
+        engine.store.put(ChunkKV(engine.ingestion.key_for(span.token_ids), list(span.token_ids), keys, values))
     pre = engine.prefill(segments(), strategy=FullReuse())
     assert pre.token_ids == layout.token_ids
     assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)
@@ -97,14 +97,15 @@ def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, s
 
 def test_compute_scales_with_selected_tokens(tiny_engine):
     """After the check layer, only the kept tokens run through the layer."""
-    from ragblend.core.fusion import ReusedSpan, fused_prefill
     from ragblend.core.pipeline import SequentialSource
+    from ragblend.core.prefill import fused_prefill
+    from ragblend.core.selection import ReusedSpan
 
     engine = tiny_engine
     engine.precompute(PASSAGES[:3])
     layout = engine.prompts.build(segments())
     spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
-    chunks = [engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
+    chunks = [engine.store.open(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans]
     n = len(layout.token_ids)
     reused = sum(s.num_tokens for s in spans)
     fused = fused_prefill(engine.adapter, layout.token_ids, spans,
@@ -128,8 +129,8 @@ def test_compute_fraction_counts_token_layers(tiny_engine):
 def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     """The kept tokens are exactly the top scorers of the chosen deviation at the check layer,
     and the three scores disagree on this prompt (so the choice matters)."""
-    from ragblend.core.fusion import kv_deviation
     from ragblend.core.pipeline import SequentialSource
+    from ragblend.core.selection import kv_deviation
 
     engine = tiny_engine
     engine.precompute(PASSAGES[:3])
@@ -139,7 +140,7 @@ def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     with torch.inference_mode():
         fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
     reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
-    source = SequentialSource([engine.store.open(engine._key_for(s.token_ids)) for s in layout.chunk_spans])
+    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans])
     source.prepare([1])
     cached = source.layer(1)
     scores = {k: kv_deviation(k, fresh_k[:, reused_pos], fresh_v[:, reused_pos], cached,
@@ -318,7 +319,7 @@ def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
     pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
     assert pre.key_bias is not None
     answer = [5, 77, 300, 12]
-    adapter, capacity = tiny_engine._decoding_adapter(), len(pre.token_ids) + len(answer)
+    adapter, capacity = tiny_engine.decoding_adapter(), len(pre.token_ids) + len(answer)
     one = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
     each = torch.stack([one.step(t) for t in answer])
     many = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
@@ -438,7 +439,7 @@ def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
     a = exact.generate(segments(), max_new_tokens=12, temperature=0)
     b = half.generate(segments(), max_new_tokens=12, temperature=0)
     assert a.logits.equal(b.logits)                           # the prefill is untouched
-    twin = half._decoding_adapter().hf_model
+    twin = half.decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].self_attn.q_proj, HalfLinear)
     assert twin.model.layers[0].self_attn.q_proj.bias.dtype == torch.float16
     assert all(p.dtype == torch.float32 for p in half.hf_model.parameters())   # the original keeps float32
@@ -446,7 +447,7 @@ def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
     pre = exact.prefill(segments())
     steps = a.token_ids[:6]
     ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
-    low = KVDecoder(half._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    low = KVDecoder(half.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
     assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
 
 
@@ -473,7 +474,7 @@ def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context
     ids = engine.prompts.tokenize(PASSAGES[1])
     engine.precompute_batch_tokens = 0
     stored = engine.store.get(engine.precompute(PASSAGES[1:2])[0].key)
-    assert torch.equal(engine._compute_entry(ids).keys, stored.keys)
+    assert torch.equal(engine.compute_entry(ids).keys, stored.keys)
     alone_k, _ = isolated_kv(engine.adapter, engine.sink_ids, ids)
     assert (stored.keys.float() - alone_k).abs().max() < 1e-2     # stored as float16
     with pytest.raises(InvalidInputError, match="chunk_context must be a str"):

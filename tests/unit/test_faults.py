@@ -252,12 +252,12 @@ def test_the_storage_dtype_is_part_of_an_entrys_identity(tokenizer, tmp_path):
     half.store = DiskStore(tmp_path, half.entry_spec)
     full.store = DiskStore(tmp_path, full.entry_spec)
     ids = half.prompts.tokenize(CHUNKS[0])
-    assert half._key_for(ids) != full._key_for(ids)
+    assert half.ingestion.key_for(ids) != full.ingestion.key_for(ids)
     half.precompute([CHUNKS[0]])
     assert full.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.chunks_reused == 0   # not the fp16 entry
     full.flush()
-    assert half.store.get(half._key_for(ids)).keys.dtype == torch.float16
-    assert full.store.get(full._key_for(ids)).keys.dtype == torch.float32
+    assert half.store.get(half.ingestion.key_for(ids)).keys.dtype == torch.float16
+    assert full.store.get(full.ingestion.key_for(ids)).keys.dtype == torch.float32
 
 
 def test_opening_a_store_reclaims_files_no_row_names(tmp_path):

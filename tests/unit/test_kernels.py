@@ -242,7 +242,7 @@ def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer)
     model = snapped_to_int4(tiny_model("qwen2"))                # biased projections
     exact = BlendEngine(model, tokenizer)
     four = BlendEngine(model, tokenizer, decode_dtype="int4")
-    twin = four._decoding_adapter().hf_model
+    twin = four.decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].mlp.down_proj, Int4Linear)
     assert twin.model.layers[0].mlp.down_proj.quantization_error < 1e-6   # the grid's own blocks
     assert type(twin.lm_head) is CpuLinear                   # logits stay float32
@@ -250,12 +250,12 @@ def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer)
     pre = exact.prefill(segments())
     answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
     ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
-    low = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
     assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2
     # A drafted pass verifies several tokens at once; the 4-bit kernel must give each the
     # logits it gets alone, or drafting would change greedy answers.
-    one = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
-    many = KVDecoder(four._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    one = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    many = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
     singly = torch.stack([one.step(t) for t in answer[:4]])
     assert (many.extend(answer[:4]) - singly).abs().max() < 1e-3
     four.prompt_lookup_num_tokens = 0
@@ -274,13 +274,13 @@ def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, ca
 
     with caplog.at_level(logging.WARNING, logger="ragblend"):   # a copy: no other engine built its twin before
         four = BlendEngine(copy.deepcopy(tiny_model("mistral")), tokenizer, decode_dtype="int4")
-    assert isinstance(four._decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(four.decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
     assert "quantized at load" in caplog.text
 
 
 def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
     from ragblend import BlendEngine
-    from ragblend.core import engine as engine_module
+    from ragblend.core import decode_weights as engine_module
 
     from ..conftest import tiny_model
 
@@ -289,7 +289,7 @@ def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, mon
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         four = BlendEngine(model, tokenizer, decode_dtype="int4")
         out = four.generate(segments(), max_new_tokens=4, temperature=0)
-    assert four._decoding_adapter() is four.adapter and out.token_ids
+    assert four.decoding_adapter() is four.adapter and out.token_ids
     assert "no int4 kernel" in caplog.text and "float32" in caplog.text
 
 
@@ -307,7 +307,7 @@ def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
     engine = BlendEngine(odd, tokenizer, decode_dtype="int4")
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         engine.generate(segments(), max_new_tokens=3, temperature=0)
-    mlp = engine._decoding_adapter().hf_model.model.layers[0].mlp
+    mlp = engine.decoding_adapter().hf_model.model.layers[0].mlp
     assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
     assert "cannot hold 4-bit weights" in caplog.text and "groups of 32" in caplog.text
 
@@ -338,7 +338,7 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
 
 def low_bit_measures(monkeypatch, faster: bool):
     """Make the decoding-format measurement say low-bit weights are (or are not) faster here."""
-    from ragblend.core import engine as engine_module
+    from ragblend.core import decode_weights as engine_module
 
     seen = []
 
@@ -359,9 +359,9 @@ def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer, mo
     snapped = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)   # as from a Q4_1 GGUF
     plain = BlendEngine(tiny_model("llama"), tokenizer)   # float weights, not from a GGUF: low bits would lose
     assert snapped.decode_dtype == plain.decode_dtype == "auto"
-    layers = snapped._decoding_adapter().hf_model.model.layers
+    layers = snapped.decoding_adapter().hf_model.model.layers
     assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
-    assert plain._decoding_adapter() is plain.adapter
+    assert plain.decoding_adapter() is plain.adapter
     assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids
 
 
@@ -396,14 +396,14 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     model = copy.deepcopy(tiny_model("qwen2"))   # its own copy: its twin is built here
     exact = BlendEngine(model, tokenizer, decode_dtype="float32")
     eight = BlendEngine(model, tokenizer, decode_dtype="int8")
-    twin = eight._decoding_adapter().hf_model
+    twin = eight.decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
     assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
     assert eight.decoding_layers() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
     pre = exact.prefill(segments())
     answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
     ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
-    low = KVDecoder(eight._decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(eight.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
     assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2   # wrong scales: > 1
     eight.prompt_lookup_num_tokens = 0
     plain = eight.generate(segments(), max_new_tokens=12, temperature=0)
@@ -427,14 +427,14 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     engine = BlendEngine(gguf, tokenizer)
     assert engine.decoding_layers() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
                                         "8-bit": 1}
-    assert isinstance(engine._decoding_adapter().hf_model.lm_head, Int8Linear)
+    assert isinstance(engine.decoding_adapter().hf_model.lm_head, Int8Linear)
     assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
 
     low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
     slower = copy.deepcopy(gguf)
     model_module._FROM_GGUF.add(slower)
     engine = BlendEngine(slower, tokenizer)
-    assert engine._decoding_adapter() is engine.adapter and engine.decoding_layers() == {
+    assert engine.decoding_adapter() is engine.adapter and engine.decoding_layers() == {
         "float32": 7 * gguf.config.num_hidden_layers + 1}
 
 
@@ -442,7 +442,7 @@ def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, mon
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core import engine as engine_module
+    from ragblend.core import decode_weights as engine_module
 
     from ..conftest import tiny_model
 
@@ -450,7 +450,7 @@ def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, mon
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         eight = BlendEngine(copy.deepcopy(tiny_model("llama")), tokenizer, decode_dtype="int8")
         out = eight.generate(segments(), max_new_tokens=3, temperature=0)
-    assert eight._decoding_adapter() is eight.adapter and out.token_ids
+    assert eight.decoding_adapter() is eight.adapter and out.token_ids
     assert "no int8 kernel" in caplog.text and "float32" in caplog.text
 
 

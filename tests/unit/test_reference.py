@@ -18,9 +18,10 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragblend import CacheBlend, QueryAware
-from ragblend.core.fusion import ReusedSpan, fused_prefill
 from ragblend.core.generate import KVDecoder
 from ragblend.core.pipeline import SequentialSource
+from ragblend.core.prefill import fused_prefill
+from ragblend.core.selection import ReusedSpan
 
 from ..conftest import PASSAGES, make_tiny_engine
 
@@ -101,7 +102,7 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_tok
     layout = engine.find_chunks(prompt_text, system="Answer briefly.")
     assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
     assert len({s.token_ids for s in layout.chunk_spans}) < len(layout.chunk_spans), "no repeated chunk"
-    entries = [engine.store.get(engine._key_for(s.token_ids)) for s in layout.chunk_spans]
+    entries = [engine.store.get(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans]
     spans = [ReusedSpan(s.start, s.end - s.start, s.offset) for s in layout.chunk_spans]
     windows = [slice(s.offset, s.offset + s.end - s.start) for s in layout.chunk_spans]
     readers = [engine.store.open(e.key) for e in entries]

@@ -19,7 +19,8 @@ from ragblend.core.calibration import (
     cheapest_within_margin,
     load_calibration,
 )
-from ragblend.core.fusion import FusionPrompt, QuestionAttention, ReusedSpan, strategy_from_name
+from ragblend.core.selection import FusionPrompt, QuestionAttention, ReusedSpan
+from ragblend.core.strategies import strategy_from_name
 
 from ..conftest import PASSAGES, make_tiny_engine
 

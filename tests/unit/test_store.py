@@ -350,7 +350,7 @@ def test_int8_storage_stays_close_and_never_meets_float16_entries(tokenizer, tmp
     # Values beyond float16's range (int8 entries are read back in float16) stay float32.
     shape = e8.adapter.shape
     huge = torch.full((shape.num_layers, shape.num_kv_heads, 4, shape.head_dim), 7e4)
-    assert e8._storage_entry([1, 2, 3, 4], huge, huge).keys.dtype == torch.float32
+    assert e8.ingestion.storage_entry([1, 2, 3, 4], huge, huge).keys.dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------- controller
@@ -363,24 +363,24 @@ def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
     engine = make_tiny_engine("llama", tokenizer)
     engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
     plan = engine.plan(3000, 2900)
-    m = engine._loading.measurements()
+    m = engine.loading.measurements()
     assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
     assert m.bytes_per_token_layer == 2 * 2 * 16 * 2  # K+V, 2 kv heads, 16 dims, fp16
-    assert engine._loading.cache_file.exists()
+    assert engine.loading.cache_file.exists()
     again = LoadingController(engine.adapter, engine.entry_spec, engine.kv_dtype, tmp_path)
     assert again.measurements() == m  # read back from the cache file
     assert 0.15 <= plan.ratio <= 1.0 and plan.tier in ("disk", "memory")
 
     # A slow disk: it would delay the prompt, so memory is the cheapest tier without delay,
     # and with the KV on disk the ratio rises until recompute hides the load.
-    engine._loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e7})
+    engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e7})
     slow = engine.plan(3000, 2900)
     assert slow.tier == "memory"
     on_disk = engine.plan(3000, 2900, tier="disk")
     assert on_disk.ratio > 0.15
     assert on_disk.recompute_s_per_layer == pytest.approx(on_disk.load_s_per_layer["disk"], rel=1e-3)
     fast = Measurements("cpu", 1e-5, 128, {"memory": 1e12, "disk": 1e11})
-    engine._loading._measured = fast
+    engine.loading._measured = fast
     assert engine.plan(3000, 2900).ratio == 0.15 and engine.plan(3000, 2900).tier == "disk"
 
 
@@ -389,7 +389,7 @@ def test_cacheblend_auto_uses_the_controller(disk_engine):
 
     engine = disk_engine
     engine.precompute(PASSAGES[:3])
-    engine._loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e6})
+    engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e6})
     pre = engine.prefill(SEGMENTS, strategy=CacheBlend("auto"))
     reused = sum(s.end - s.start for s in pre.layout.chunk_spans)
     expected = engine.plan(len(pre.token_ids), reused, "disk").ratio

@@ -1,0 +1,50 @@
+"""The chunk index: the token ids of every chunk an engine knows, for finding chunks in flat
+prompts (a prompt tokenized whole, with no markers saying where its chunks are)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .prompt import ChunkFinder, PromptLayout
+from .store import KVStore
+
+
+class ChunkIndex:
+    """Known chunks by key: those precomputed or declared here, and those other processes
+    stored in the same KV store (learnt from the store's headers, see :meth:`learn_store`)."""
+
+    def __init__(self):
+        self.finder = ChunkFinder()   # token ids of known chunks, for finding them in flat prompts
+        self._keys: set[str] = set()
+        self._store_size = -1
+
+    def add(self, key: str, token_ids: Sequence[int]) -> None:
+        """Know the chunk of these token ids (stored under ``key``)."""
+        if key not in self._keys:
+            self._keys.add(key)
+            self.finder.add(token_ids)
+
+    def learn_store(self, store: KVStore) -> None:
+        """Learn the token ids of entries other processes stored (reads only new headers).
+
+        Never deletes: a KV directory may be shared with other models, whose entries this
+        engine cannot use but must leave alone.
+        """
+        size = len(store)
+        if size == self._store_size:
+            return
+        for key in store.keys():
+            if key in self._keys:
+                continue
+            reader = store.open(key, drop_unusable=False)
+            if reader is None:
+                self._keys.add(key)  # foreign or unreadable: do not look again
+                continue
+            self.add(key, reader.token_ids)
+            reader.close()
+        self._store_size = size
+
+    def mark(self, token_ids: Sequence[int], store: KVStore) -> PromptLayout:
+        """``token_ids`` laid out with every known chunk found inside them marked."""
+        self.learn_store(store)
+        return PromptLayout(list(token_ids), self.finder.find(token_ids))

@@ -1,0 +1,169 @@
+"""The weights decoding runs on: the engine's own adapter, or a twin of the model (built once
+per model and kind, shared by its engines) whose linear layers hold float16, 4-bit or 8-bit
+weights, each low-bit kind kept only where a decoding step measures faster on this host."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+
+import torch
+
+from .kernels import MIN_GAIN, KernelPlan, fastest_rounds
+from .model import (
+    EXACT_INT4,
+    CpuLinear,
+    HalfLinear,
+    Int4Linear,
+    Int8Head,
+    Int8Linear,
+    ModelAdapter,
+    from_gguf,
+    int4_available,
+    int8_available,
+    on_int4_grid,
+    with_linears,
+)
+
+log = logging.getLogger("ragblend")
+
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # hf_model -> {decode_dtype: ModelAdapter}
+_TWINS_LOCK = threading.Lock()
+_KIND_NAMES = {Int4Linear: "4-bit", Int8Linear: "8-bit", Int8Head: "8-bit", HalfLinear: "float16"}
+
+
+class DecodeWeights:
+    """Chooses and builds the adapter decoding runs on for ``decode_dtype`` (see
+    :class:`~ragblend.core.options.EngineOptions`); ``adapter`` is the engine's own."""
+
+    def __init__(self, hf_model, adapter: ModelAdapter, kernel_plan: KernelPlan | None, decode_dtype: str, lock):
+        self.hf_model, self.adapter, self.kernel_plan = hf_model, adapter, kernel_plan
+        self.decode_dtype, self.lock = decode_dtype, lock
+        self._adapter: ModelAdapter | None = None
+
+    def decoding_adapter(self) -> ModelAdapter:
+        """The adapter decoding runs on: the engine's own, or a twin (built with the engine) whose
+        linear layers hold float16 weights (``decode_dtype="float16"``) or 4-bit ones
+        (``"int4"``; with ``"auto"`` only the layers whose weights already are 4-bit, as a Q4_0/Q4_1
+        GGUF's are; the LM head stays float32, its logits pick the answer)."""
+        if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
+            return self.adapter
+        with self.lock:
+            if self._adapter is None:
+                # Engines over one model share its decoding twin (building a 4-bit one takes seconds).
+                with _TWINS_LOCK:
+                    twins = _TWINS.setdefault(self.hf_model, {})
+                    if self.decode_dtype not in twins:   # None: no twin, decode on the engine's own adapter
+                        twins[self.decode_dtype] = self._build()
+                    self._adapter = twins[self.decode_dtype] or self.adapter
+        return self._adapter
+
+    def layer_counts(self) -> dict[str, int]:
+        """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``."""
+        counts: dict[str, int] = {}
+        for module in self.decoding_adapter().hf_model.modules():
+            if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear)):
+                kind = _KIND_NAMES.get(type(module), "float32")
+                counts[kind] = counts.get(kind, 0) + 1
+        return counts
+
+    def _build(self) -> ModelAdapter | None:
+        if self.decode_dtype == "float16":
+            return ModelAdapter(with_linears(self.hf_model, HalfLinear))
+        low_bit = self.low_bit_layers()
+        if not low_bit:
+            return None
+        twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
+                            CpuLinear(layer, self.kernel_plan))
+        kinds = sorted({type(layer).__name__ for layer in low_bit.values()})
+        log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r)", len(low_bit),
+                 ", ".join(kinds), self.decode_dtype)
+        return ModelAdapter(twin)
+
+    def low_bit_layers(self) -> dict[int, CpuLinear]:
+        """The low-bit layer to decode with, by the id of the float32 weight it replaces.
+
+        ``"int4"``: 4-bit weights for every layer but the LM head; ``"int8"``: 8-bit weights for
+        every layer. ``"auto"``: 4-bit where the weights already are 4-bit (lossless); for a model
+        loaded from a GGUF file (its weights quantized already, at 5-8 bits where not 4), 8-bit
+        for the others, the LM head included; each kind kept only if a decoding step over its
+        layers measures faster than float32 on this host (see :meth:`keep_faster`).
+        """
+        wanted = self.decode_dtype
+        if wanted != "auto":
+            why_not = int4_available() if wanted == "int4" else int8_available()
+            if why_not:
+                log.warning("ragblend: decode_dtype=%r cannot run here (%s); decoding in float32.", wanted, why_not)
+                return {}
+        layers, skipped = self._quantized_layers(wanted)
+        if wanted == "auto":
+            return self.keep_faster(layers)
+        if skipped:
+            log.warning("ragblend: %d linear layer(s) cannot hold %s-bit weights and decode in float32: %s",
+                        len(skipped), wanted[3:], "; ".join(sorted(set(skipped))))
+        lossy = sum(isinstance(layer, Int4Linear) and layer.quantization_error > EXACT_INT4
+                    for layer in layers.values())
+        if lossy:
+            log.warning("ragblend: decode_dtype='int4': %d of %d layers' weights are not 4-bit, so they were "
+                        "quantized at load; answers can differ from float32 decoding (docs/benchmarks.md, "
+                        "'Decoding'). decode_dtype='auto' keeps 4-bit for weights that already are.",
+                        lossy, len(layers))
+        return layers
+
+    def _quantized_layers(self, wanted: str) -> tuple[dict[int, CpuLinear], list[str]]:
+        """Every linear layer ``wanted`` quantizes, by weight id, and the shapes that could not be."""
+        runnable = {kind for kind, why_not in (("int4", int4_available()), ("int8", int8_available())) if not why_not}
+        eight_bit = from_gguf(self.hf_model)   # "auto": 8-bit only for weights a GGUF file had quantized already
+        head_weight = getattr(getattr(self.hf_model, "lm_head", None), "weight", None)
+        layers: dict[int, CpuLinear] = {}
+        skipped = []
+        for module in self.hf_model.modules():
+            if type(module) is not torch.nn.Linear:
+                continue
+            is_head = module.weight is head_weight
+            if wanted == "auto":
+                kinds = ["int4"] if not is_head and on_int4_grid(module.weight) else []
+                kinds += ["int8"] if eight_bit else []
+            else:
+                kinds = [wanted] if wanted == "int8" or not is_head else []
+            for kind in (k for k in kinds if k in runnable):
+                try:
+                    kind_class = Int4Linear if kind == "int4" else Int8Head if is_head else Int8Linear
+                    layer = kind_class(module, self.kernel_plan)
+                except (ValueError, RuntimeError) as err:   # a shape the packing does not take
+                    skipped.append(f"{module.out_features}x{module.in_features} ({err})")
+                    continue
+                if wanted == "auto" and kind == "int4" and layer.quantization_error > EXACT_INT4:
+                    continue
+                layers[id(module.weight)] = layer
+                break
+        return layers, skipped
+
+    def keep_faster(self, layers: dict[int, CpuLinear]) -> dict[int, CpuLinear]:
+        """``layers`` less each kind (4-bit, 8-bit) whose decoding step -- one row through all
+        its layers, as a step runs them -- is not faster than the same layers in float32 on this
+        host beyond the noise (a 4-bit or 8-bit kernel can lose to float32 on some CPUs).
+        ``RAGBLEND_KERNELS=linear`` keeps float32 everywhere."""
+        if os.environ.get("RAGBLEND_KERNELS", "").strip().lower() == "linear":
+            return {}
+        kept = {}
+        with torch.inference_mode():
+            for kind in (Int4Linear, Int8Linear, Int8Head):
+                group = {key: layer for key, layer in layers.items() if type(layer) is kind}
+                if not group:
+                    continue
+                inputs = {n: torch.randn(1, n) for n in {layer.weight.shape[1] for layer in group.values()}}
+                seconds = fastest_rounds({
+                    "float32": lambda g=group: [layer.plan.run(inputs[layer.weight.shape[1]], layer.weight, layer.bias)
+                                                for layer in g.values()],
+                    "low-bit": lambda g=group: [layer.rows(inputs[layer.weight.shape[1]]) for layer in g.values()],
+                })
+                faster = seconds["low-bit"] * MIN_GAIN < seconds["float32"]
+                log.info("ragblend: %s decoding step over %d layers: %.2f ms against %.2f ms in float32: %s",
+                         kind.__name__, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
+                         "used" if faster else "not faster here, float32 kept")
+                if faster:
+                    kept.update(group)
+        return kept

@@ -1,0 +1,255 @@
+"""Ingestion: chunk texts -> token ids -> storage entries in the KV store.
+
+A chunk's KV is computed in isolation after the sink prefix (:func:`isolated_kv`), several
+chunks packed into one pass (:func:`packed_isolated_kv`, the sink's own K/V computed once:
+:func:`sink_kv`), and turned into a storage entry in the engine's KV dtype
+(:meth:`Ingestion.storage_entry`). :meth:`Ingestion.precompute` is what
+:meth:`BlendEngine.precompute <ragblend.BlendEngine.precompute>` runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Iterable, Sequence
+
+import torch
+
+from .cancel import check_cancelled
+from .errors import InvalidInputError, PromptTooLongError
+from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
+from .masks import attend, attention_plan, offset_causal_mask
+from .model import ModelAdapter
+from .prompt import ChunkFinder, PromptBuilder, check_text
+from .store import KVStore
+
+log = logging.getLogger("ragblend")
+
+
+class Ingestion:
+    """Computes and stores chunk entries for one model, sink prefix and KV dtype.
+
+    ``lock`` serialises model passes with the engine's other users (prefill, decoding).
+    ``index`` (a :class:`~ragblend.core.chunk_index.ChunkIndex`, optional) learns every
+    chunk precomputed, so it is found in flat prompts.
+    """
+
+    def __init__(self, adapter: ModelAdapter, prompts: PromptBuilder, sink_ids: list[int], fingerprint: str,
+                 kv_dtype: torch.dtype, lock: threading.RLock | None = None, index=None):
+        self.adapter, self.prompts, self.sink_ids = adapter, prompts, sink_ids
+        self.fingerprint, self.kv_dtype = fingerprint, kv_dtype
+        self.lock = lock or threading.RLock()
+        self.index = index
+        self._sink_kv: list | None = None   # the sink's K/V, computed once (see compute_entries)
+        self._warned_unstored = False
+
+    def key_for(self, token_ids: Sequence[int]) -> str:
+        """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
+        return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
+
+    def precompute(self, texts, store: KVStore, *, batch_tokens: int, progress: bool = False,
+                   skip_unusable: bool = False) -> list[ChunkRef | None]:
+        """:meth:`BlendEngine.precompute <ragblend.BlendEngine.precompute>` into ``store``, up to
+        ``batch_tokens`` chunk tokens a pass."""
+        texts, tokenized = self.tokenize_chunks(texts, skip_unusable)
+        refs: list[ChunkRef | None] = [None] * len(tokenized)
+        todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), not stored yet
+        keys = [None if ids is None else self.key_for(ids) for ids in tokenized]
+        for i, (ids, key) in enumerate(zip(tokenized, keys)):
+            if ids is None:
+                continue
+            if self.index is not None:
+                self.index.add(key, ids)
+            if key in todo or key not in store:
+                todo.setdefault(key, (i, ids))
+            else:
+                refs[i] = ChunkRef(key, len(ids), True)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(texts), initial=len(texts) - len(todo), desc="Precomputing KV", unit="chunk")
+        for batch in packs(list(todo.items()), batch_tokens):
+            entries = self.compute_entries([ids for _, (_, ids) in batch])
+            for (key, (i, ids)), entry in zip(batch, entries):
+                refs[i] = ChunkRef(key, len(ids), store.put(entry))
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.close()
+        for i, key in enumerate(keys):   # repeats of a text share its first occurrence's entry
+            if key is not None and refs[i] is None:
+                refs[i] = refs[todo[key][0]]
+        self._warn_unstored(refs)
+        return refs
+
+    def tokenize_chunks(self, texts: str | Iterable[str], skip_unusable: bool):
+        """``(texts, token ids)``, every text checked before anything is stored; with
+        ``skip_unusable`` an unusable chunk's ids are None instead of an error."""
+        if isinstance(texts, str):
+            texts = [texts]
+        if not isinstance(texts, Iterable):
+            raise InvalidInputError(f"precompute takes a chunk text or a list of them, got {type(texts).__name__}.")
+        texts = list(texts)
+        for i, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise InvalidInputError(f"precompute takes chunk texts (str); item {i} is {type(text).__name__}.")
+            check_text(text, f"chunk {i}")
+        tokenized = [self.prompts.tokenize(t) for t in texts]
+        window = self.adapter.shape.context_window
+        limit = window - len(self.sink_ids)
+        if skip_unusable:
+            tokenized = [ids if ChunkFinder.MIN_RUN <= len(ids) <= limit else None for ids in tokenized]
+        for i, ids in enumerate(tokenized):
+            if ids is None:
+                continue
+            if not ids or not texts[i].strip():
+                raise InvalidInputError(f"chunk {i} is empty or only whitespace; drop such chunks before precomputing.")
+            if len(ids) > limit:
+                raise PromptTooLongError(
+                    f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context window "
+                    f"({window}) after the sink prefix. Split it into smaller chunks.")
+        return texts, tokenized
+
+    def _warn_unstored(self, refs: list[ChunkRef | None]) -> None:
+        unstored = sum(ref is not None and not ref.stored for ref in refs)
+        if unstored and not self._warned_unstored:
+            self._warned_unstored = True
+            log.warning("ragblend: %d of %d chunk(s) could not be stored in the KV store (cause logged above); "
+                        "queries compute them instead. ChunkRef.stored says which.", unstored, len(refs))
+
+    def compute_entry(self, token_ids: list[int]) -> ChunkKV:
+        """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
+        return self.compute_entries([token_ids])[0]
+
+    def compute_entries(self, chunks: list[list[int]]) -> list[ChunkKV]:
+        """Several chunks' entries, computed in one pass after the sink, whose K/V are computed
+        once per engine (a sliding window shorter than sink + chunk needs the one-at-a-time
+        path, which computes the sink each time)."""
+        adapter = self.adapter
+        windows = [w for i in range(adapter.shape.num_layers) if (w := adapter.window(i)) is not None]
+        if windows and len(self.sink_ids) + max(map(len, chunks)) > min(windows):
+            entries = []
+            for ids in chunks:
+                with self.lock:
+                    keys, values = isolated_kv(adapter, self.sink_ids, ids)
+                entries.append(self.storage_entry(ids, keys, values))
+            return entries
+        with self.lock:
+            if self._sink_kv is None:
+                self._sink_kv = sink_kv(adapter, self.sink_ids)
+            kvs = packed_isolated_kv(adapter, self.sink_ids, chunks, sink=self._sink_kv)
+        return [self.storage_entry(ids, keys, values) for ids, (keys, values) in zip(chunks, kvs)]
+
+    def storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:
+        """The entry of a chunk's float K/V, in the storage dtype where its values fit."""
+        entry = ChunkKV(self.key_for(token_ids), list(token_ids), keys, values)
+        stored = to_storage(entry, self.kv_dtype)
+        if self.kv_dtype == torch.int8:
+            # int8 entries are read back in float16: they need float16's range too.
+            fits = max(keys.abs().max(), values.abs().max()) <= torch.finfo(torch.float16).max
+        else:
+            fits = torch.isfinite(stored.keys).all() and torch.isfinite(stored.values).all()
+        if not fits:
+            # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).
+            stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float())
+        return stored.to_cpu()
+
+
+def packs(items: list, max_tokens: int):
+    """Consecutive groups of ``(key, (index, ids))`` items of at most ``max_tokens`` tokens
+    (a longer chunk goes alone)."""
+    pack, tokens = [], 0
+    for item in items:
+        n = len(item[1][1])
+        if pack and tokens + n > max_tokens:
+            yield pack
+            pack, tokens = [], 0
+        pack.append(item)
+        tokens += n
+    if pack:
+        yield pack
+
+
+@torch.inference_mode()
+def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]):
+    """K (before RoPE) and V of ``chunk_ids`` computed alone after ``sink_ids``.
+
+    Returns ``(keys, values)`` each ``[layers, kv_heads, len(chunk_ids), head_dim]``; the
+    sink's own K/V are dropped.
+    """
+    ids = torch.tensor(list(sink_ids) + list(chunk_ids), device=adapter.device)
+    start, n = len(sink_ids), ids.numel()
+    rope = adapter.rope_tables(n)
+    hidden = adapter.embed(ids)
+    keys, values = [], []
+    for layer in range(adapter.shape.num_layers):
+        check_cancelled()
+        cos, sin = rope.layer(layer)
+        x = adapter.attn_input(layer, hidden)
+        k, v = adapter.kv(layer, x)
+        keys.append(k[:, start:])
+        values.append(v[:, start:])
+        if layer == adapter.shape.num_layers - 1:
+            break  # the last layer's output is not needed, only its K/V
+        q = adapter.q(layer, x)
+        plan = attention_plan(torch.arange(n, device=ids.device), n, adapter.window(layer), q.dtype)
+        attn = attend(adapter, adapter.rope(q, cos, sin), adapter.rope(k, cos, sin), v, plan)
+        hidden = adapter.finish(layer, hidden, attn)
+    return torch.stack(keys), torch.stack(values)
+
+
+@torch.inference_mode()
+def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[list[int]],
+                       sink: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """:func:`isolated_kv` of several chunks in one pass: what ingestion calls.
+
+    The sink is computed once; the chunks' tokens then go through every linear layer together
+    (one big matmul instead of one per chunk) and each chunk attends only to the sink and to
+    itself, so its K/V equal those of computing it alone (up to float rounding). Returns one
+    ``(keys, values)`` per chunk, as :func:`isolated_kv` does. ``sink``: the sink's K/V from
+    :func:`sink_kv`, when the caller keeps them between calls.
+    """
+    device, s = adapter.device, len(sink_ids)
+    lengths = [len(c) for c in chunks]
+    rope = adapter.rope_tables(s + max(lengths))
+    sink = sink if sink is not None else sink_kv(adapter, sink_ids)
+    ids = torch.tensor([t for c in chunks for t in c], device=device)
+    positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
+    rope = rope.rows(positions)
+    bounds = [(a, a + n) for a, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)]
+    masks = {n: offset_causal_mask(n, s, device, adapter.dtype) for n in set(lengths)}   # after the sink
+    hidden = adapter.embed(ids)
+    keys, values = [], []
+    for layer in range(adapter.shape.num_layers):
+        check_cancelled()
+        # 1. K/V of every chunk token at once; they are what is stored.
+        cos, sin = rope.layer(layer)
+        x = adapter.attn_input(layer, hidden)
+        k, v = adapter.kv(layer, x)
+        keys.append(k)
+        values.append(v)
+        if layer == adapter.shape.num_layers - 1:
+            break
+        # 2. Attention, chunk by chunk: each sees the sink and its own earlier tokens.
+        q, k = adapter.rope(adapter.q(layer, x), cos, sin), adapter.rope(k, cos, sin)
+        sink_k, sink_v = sink[layer]
+        attn = torch.cat([adapter.attention(q[:, a:b], torch.cat([sink_k, k[:, a:b]], 1),
+                                            torch.cat([sink_v, v[:, a:b]], 1), masks[b - a]) for a, b in bounds])
+        # 3. Output projection and MLP, all tokens at once.
+        hidden = adapter.finish(layer, hidden, attn)
+    keys, values = torch.stack(keys), torch.stack(values)
+    # Copies, not views: an entry must not keep its whole pack alive in the memory tier.
+    return [(keys[:, :, a:b].clone(), values[:, :, a:b].clone()) for a, b in bounds]
+
+
+@torch.inference_mode()
+def sink_kv(adapter: ModelAdapter, sink_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the sink's rotated K and its V, from a causal prefill of the sink alone."""
+    shape = adapter.shape
+    if not sink_ids:
+        empty = torch.empty(shape.num_kv_heads, 0, shape.head_dim, dtype=adapter.dtype, device=adapter.device)
+        return [(empty, empty)] * shape.num_layers
+    keys, values = isolated_kv(adapter, [], sink_ids)   # the sink is a chunk with nothing before it
+    rope = adapter.rope_tables(len(sink_ids))
+    return [(adapter.rope(k, *rope.layer(layer)), v) for layer, (k, v) in enumerate(zip(keys, values))]

@@ -1,0 +1,193 @@
+"""The fused prefill run of one prompt: find each chunk's cached KV (computing and writing
+back the missing ones), pick the layer source, run :func:`~ragblend.core.prefill.fused_prefill`
+and count what was reused. Store writes and promotions to the memory tier run in the
+background (:class:`Background`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .ingest import Ingestion
+from .model import ModelAdapter
+from .pipeline import PrefetchSource, SequentialSource
+from .plan import StrategyPlan
+from .prefill import fused_prefill
+from .prompt import PromptLayout
+from .results import Prefill, PromptTrace, Stats
+from .selection import ReusedSpan
+from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
+
+
+class Background:
+    """Store writes off the TTFT path, one at a time; a failure is kept for :meth:`flush`."""
+
+    def __init__(self):
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            # keep unfinished and failed writes; finished good ones need no more attention
+            self._pending = [f for f in self._pending if not f.done() or f.exception()]
+            self._pending.append(self._writer.submit(fn, *args))
+
+    def flush(self) -> None:
+        """Wait for the writes submitted so far; re-raises the first one that failed."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
+@dataclass
+class _Found:
+    """The cached KV one fusion attempt found for a prompt's chunk spans."""
+
+    spans: list = field(default_factory=list)     # ReusedSpan, one per reader
+    readers: list = field(default_factory=list)
+    tier_of: dict = field(default_factory=dict)   # chunk key -> tier it came from
+    missing: set = field(default_factory=set)     # keys of chunks computed as plain text
+    from_store: torch.Tensor | None = None        # bool [N]: tokens whose KV came from the store
+
+
+class PrefillRunner:
+    """Runs fused prefills for one engine: ``ingestion`` computes missing chunks, ``index``
+    learns them, ``loading`` (a function giving the loading controller) settles
+    CacheBlend's ``ratio="auto"``; model passes hold ``lock``."""
+
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading):
+        self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
+        self.background = Background()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
+
+    def run(self, layout: PromptLayout, plan: StrategyPlan, store: KVStore, *, prefetch: bool,
+            write_back: bool, t0: float) -> tuple[Prefill, PromptTrace]:
+        """The fused prefill of ``layout`` as ``plan`` says, reading ``store``; ``t0``: when the call began."""
+        n = len(layout.token_ids)
+        stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
+        faults_before = store.faults
+        computed: dict = {}  # chunks computed during this call, by key
+        # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
+        # prefill restarts, at most once per chunk.
+        attempts = len(layout.chunk_spans) + 1
+        for attempt in range(attempts):
+            try:
+                fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back)
+                break
+            except CorruptEntryError as err:
+                store.delete(err.key)
+                if attempt == attempts - 1:
+                    raise
+        stats.ttft_s = time.perf_counter() - t0
+        stats.recomputed_tokens = int(fused.recomputed.sum())
+        stats.compute_fraction = fused.token_layers / (n * self.adapter.shape.num_layers)
+        stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
+        stats.cache_hit_tokens = int(from_store.sum())
+        stats.chunks_computed = len(computed)
+        stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
+        stats.store_faults = store.faults - faults_before
+        trace = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
+        prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
+                          fused.recomputed, layout, fused.key_bias)
+        return prefill, trace
+
+    def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back):
+        """One fusion attempt. Returns the fused prefill, its source, and a mask of the
+        prompt tokens whose KV came from the store (not computed during this call)."""
+        found = self._find(layout, plan, stats, computed, store, write_back)
+        try:
+            tiers = _count_tiers(found, stats)
+            reused = sum(sp.num_tokens for sp in found.spans)
+            plan = plan.with_auto_ratio(self.loading(), len(layout.token_ids), reused, tiers) \
+                if plan.ratio == "auto" else plan
+            stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
+            windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in found.spans]
+            # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
+            if prefetch and "disk" in tiers:
+                source = PrefetchSource(found.readers, self.adapter.device, windows=windows, pool=self._reader)
+            else:
+                source = SequentialSource(found.readers, self.adapter.device, windows=windows)
+        except BaseException:
+            for reader in found.readers:
+                reader.close()
+            raise
+        try:
+            with self.lock:
+                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.strategy)
+        finally:
+            source.close()
+        self._promote(store, [r.key for r in found.readers if r.tier == "disk"])
+        return fused, source, found.from_store
+
+    def _find(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, write_back) -> _Found:
+        """A reader for every chunk span; a chunk not stored is computed now and written back
+        (or, without ``write_back``, left to be computed as plain text inside the prompt)."""
+        # A chunk can appear in several spans (repeated, or split where the prompt's tokens
+        # differ from its own); the chunk counts in Stats are of distinct chunks.
+        found = _Found(from_store=torch.zeros(len(layout.token_ids), dtype=torch.bool))
+        try:
+            for span in layout.chunk_spans:
+                if not span.token_ids or not plan.reuses:
+                    continue
+                key = self.ingestion.key_for(span.token_ids)
+                reader = MemoryReader(computed[key], "computed") if key in computed else \
+                    _open(store, key, span.token_ids)
+                if reader is None:
+                    if not write_back:
+                        found.missing.add(key)
+                        continue  # computed as plain text inside the prompt
+                    t = time.perf_counter()
+                    computed[key] = self.ingestion.compute_entry(list(span.token_ids))
+                    self.index.add(key, span.token_ids)
+                    stats.isolate_s += time.perf_counter() - t
+                    self.background.submit(store.put, computed[key])
+                    reader = MemoryReader(computed[key], "computed")
+                found.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
+                found.readers.append(reader)
+                found.tier_of.setdefault(key, reader.tier)
+                if reader.tier != "computed":
+                    found.from_store[span.start:span.end] = True
+        except BaseException:
+            for reader in found.readers:
+                reader.close()
+            raise
+        return found
+
+    def _promote(self, store, keys: list[str]) -> None:
+        """Chunks served from disk also go to the memory tier, in the background."""
+        if isinstance(store, TieredStore):
+            for key in dict.fromkeys(keys):
+                self.background.submit(_promote_one, store, key)
+
+
+def _count_tiers(found: _Found, stats: Stats) -> dict:
+    """Chunks served per tier, into ``stats``."""
+    tiers = {}
+    for tier in found.tier_of.values():
+        tiers[tier] = tiers.get(tier, 0) + 1
+    stats.chunks_reused = len(found.tier_of) - tiers.get("computed", 0)
+    stats.chunks_missing = len(found.missing) + tiers.get("computed", 0)
+    stats.tiers = tiers
+    return tiers
+
+
+def _open(store, key: str, token_ids) -> ChunkReader | None:
+    """A reader for a stored chunk, or None; an entry for other tokens is dropped."""
+    reader = store.open(key)
+    if reader is not None and list(reader.token_ids) != list(token_ids):
+        reader.close()
+        store.delete(key)
+        return None
+    return reader
+
+
+def _promote_one(store: TieredStore, key: str) -> None:
+    entry = store.disk.read_uncounted(key)
+    if entry is not None:
+        store.promote(entry)

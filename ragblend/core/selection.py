@@ -1,0 +1,221 @@
+"""Selections: which tokens a fused prefill computes at each layer.
+
+A strategy (:mod:`ragblend.core.strategies`) is settings; its selection is what runs. The
+prefill loop (:mod:`ragblend.core.prefill`) asks :meth:`Selection.first` for the tokens
+computed from layer 0 and, at each check layer, :meth:`Selection.refine` for those that go on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class ReusedSpan:
+    """A run of prompt positions ``[start, start + num_tokens)`` whose KV comes from a cache."""
+
+    start: int
+    num_tokens: int
+    offset: int = 0  # where the run starts inside its cached chunk
+
+
+@dataclass
+class FusionPrompt:
+    """The prompt as the selection sees it: which positions are reused, in which chunk."""
+
+    num_tokens: int
+    spans: list[ReusedSpan]
+    reused: torch.Tensor        # bool [N] (on the CPU)
+    reused_pos: torch.Tensor    # positions of the reused tokens, in prompt order (compute device)
+    chunk_of: torch.Tensor      # for each reused token, the index of its span (compute device)
+
+    @classmethod
+    def build(cls, num_tokens: int, spans: list[ReusedSpan], device) -> "FusionPrompt":
+        reused = torch.zeros(num_tokens, dtype=torch.bool)
+        for span in spans:
+            reused[span.start:span.start + span.num_tokens] = True
+        sizes = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)
+        chunk_of = torch.repeat_interleave(torch.arange(len(spans)), sizes)
+        return cls(num_tokens, spans, reused, reused.nonzero().squeeze(1).to(device), chunk_of.to(device))
+
+    @property
+    def num_reused(self) -> int:
+        return self.reused_pos.numel()
+
+    @property
+    def question_start(self) -> int:
+        """First position after the last reused span: the question and the template's end."""
+        end = max((s.start + s.num_tokens for s in self.spans), default=0)
+        return min(end, self.num_tokens - 1)
+
+    def with_reused(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Bool [N] on the compute device: every token without a cache, the ``chosen``
+        positions, and the last token (its hidden state gives the logits)."""
+        selected = ~self.reused.to(self.reused_pos.device)
+        selected[chosen] = True
+        selected[-1] = True
+        return selected
+
+
+@dataclass
+class CheckStep:
+    """What a selection sees at one of its check layers."""
+
+    layer: int
+    positions: torch.Tensor          # prompt positions computed fresh at this layer (sorted)
+    fresh_k: torch.Tensor            # [kv_heads, len(positions), head_dim], K before RoPE
+    fresh_v: torch.Tensor
+    cached: list[tuple[torch.Tensor, torch.Tensor]]   # this layer's cached K/V, one pair per span
+
+
+Probe = Callable[[], torch.Tensor]   # stage one of QueryAware: [layers, reused tokens] relevance
+
+
+class Selection:
+    """Decides which tokens a fused prefill computes at each layer.
+
+    :meth:`first` gives the tokens computed from layer 0 on. At each layer of
+    ``check_layers``, once that layer's fresh K/V are known, :meth:`refine` may narrow the
+    set (never widen it: a token dropped once has no hidden state to continue from).
+    A selection is also accepted wherever a strategy is, so benchmarks can try their own.
+
+    ``cached_attention_scale``: the factor on every attention weight paid to the reused tokens
+    that :meth:`first` leaves out (they keep their cached K/V at every layer); see
+    :class:`QueryAware`.
+    """
+
+    name = "selection"
+    check_layers: frozenset[int] = frozenset()
+    cached_attention_scale: float = 1.0
+
+    def selection(self) -> "Selection":
+        return self
+
+    def first(self, prompt: FusionPrompt, probe: Probe) -> torch.Tensor:
+        """Bool [N]: the tokens computed from layer 0. ``probe()`` runs the question
+        alone over the cached chunks and returns each reused token's relevance at each layer,
+        ``[layers, reused tokens]``, every layer summing to 1 (costly: call it only when needed)."""
+        raise NotImplementedError
+
+    def refine(self, prompt: FusionPrompt, step: CheckStep) -> torch.Tensor:
+        """Bool [N]: the tokens that go on after ``step.layer`` (a subset of ``step.positions``)."""
+        raise NotImplementedError
+
+
+class EveryToken(Selection):
+    """A normal prefill: every token at every layer."""
+
+    def first(self, prompt, probe):
+        return torch.ones(prompt.num_tokens, dtype=torch.bool, device=prompt.reused_pos.device)
+
+
+class UncachedTokens(Selection):
+    """Only the tokens without a cache, plus the first ``head`` tokens of every chunk but the first."""
+
+    def __init__(self, head: int = 0):
+        self.head = head
+
+    def first(self, prompt, probe):
+        chosen = [torch.arange(s.start, s.start + min(self.head, s.num_tokens)) for s in prompt.spans[1:]]
+        chosen = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.long)
+        return prompt.with_reused(chosen.to(prompt.reused_pos.device))
+
+
+def kv_deviation(kind: str, fresh_k: torch.Tensor, fresh_v: torch.Tensor,
+                 cached: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> torch.Tensor:
+    """Per-token squared L2 distance between fresh and cached K (before RoPE) and/or V.
+
+    ``fresh_k``/``fresh_v`` are ``[kv_heads, tokens, head_dim]`` for the candidate tokens;
+    ``rows`` are those tokens' indices into the reused tokens, whose cached K/V are the
+    concatenation of ``cached`` (one pair per span). ``"key_value"`` adds the two distances,
+    each divided by its mean over the candidates, since K and V live on different scales.
+    """
+    def distance(fresh: torch.Tensor, which: int) -> torch.Tensor:
+        old = torch.cat([pair[which] for pair in cached], dim=1)[:, rows].to(fresh.dtype)
+        return (fresh - old).pow(2).sum(dim=(0, 2))
+
+    if kind == "key":
+        return distance(fresh_k, 0)
+    if kind == "value":
+        return distance(fresh_v, 1)
+    dk, dv = distance(fresh_k, 0), distance(fresh_v, 1)
+    return dk / dk.mean().clamp_min(1e-12) + dv / dv.mean().clamp_min(1e-12)
+
+
+# score(rows, fresh_k, fresh_v, cached) -> one score per candidate (higher = keep)
+Score = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list], torch.Tensor]
+
+
+class TopScoreSelection(Selection):
+    """CacheBlend's selection: every token up to the first check layer; at each check layer,
+    keep the reused tokens with the highest ``score`` (``ratio`` of all reused tokens).
+
+    ``schedule`` maps check layers to ratios. ``score`` is the name of a K/V deviation
+    (see :func:`kv_deviation`) or any function ``(rows, fresh_k, fresh_v, cached) ->
+    scores``, where ``rows`` index the candidates among the prompt's reused tokens.
+    """
+
+    name = "cacheblend"
+
+    def __init__(self, schedule: dict[int, float], score: str | Score = "value"):
+        self.schedule = dict(schedule)
+        self.check_layers = frozenset(self.schedule)
+        if isinstance(score, str):
+            kind = score
+            score = lambda rows, k, v, cached: kv_deviation(kind, k, v, cached, rows)  # noqa: E731
+        self.score = score
+
+    def first(self, prompt, probe):
+        return torch.ones(prompt.num_tokens, dtype=torch.bool, device=prompt.reused_pos.device)
+
+    def refine(self, prompt, step):
+        selected_reused = prompt.reused.to(step.positions.device)[step.positions]
+        candidates = step.positions[selected_reused]
+        rows = torch.searchsorted(prompt.reused_pos, candidates)
+        scores = self.score(rows, step.fresh_k[:, selected_reused], step.fresh_v[:, selected_reused], step.cached)
+        keep = math.ceil(self.schedule[step.layer] * prompt.num_reused - 1e-9)
+        if keep < candidates.numel():
+            candidates = candidates[torch.topk(scores, keep, sorted=False).indices]
+        return prompt.with_reused(candidates)
+
+
+class QuestionAttention(Selection):
+    """QueryAware's selection: computed from layer 0 are the tokens without a cache and the
+    reused tokens the question attends to most (``ratio`` of the reused tokens).
+
+    With ``whole_chunks``, chunks are taken whole in order of the question's total attention
+    while they fit the budget; what remains of it goes to the most attended single tokens.
+    ``query_tokens``: the last so many prompt tokens are the question whose attention counts
+    (None: every token after the last chunk).
+    """
+
+    name = "query_aware"
+
+    def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None,
+                 cached_attention_scale: float = 1.0):
+        self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
+        self.cached_attention_scale = cached_attention_scale
+
+    def first(self, prompt, probe):
+        budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
+        if budget == 0:
+            return prompt.with_reused(prompt.reused_pos[:0])
+        relevance = probe().sum(dim=0)
+        chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
+        if self.whole_chunks:
+            per_chunk = torch.zeros(len(prompt.spans), device=relevance.device).index_add_(
+                0, prompt.chunk_of, relevance)
+            for chunk in torch.argsort(per_chunk, descending=True).tolist():
+                members = prompt.chunk_of == chunk
+                if int(chosen.sum() + members.sum()) > budget:
+                    break
+                chosen |= members
+        remaining = budget - int(chosen.sum())
+        if remaining > 0:
+            rest = relevance.masked_fill(chosen, float("-inf"))
+            chosen[torch.topk(rest, remaining, sorted=False).indices] = True
+        return prompt.with_reused(prompt.reused_pos[chosen])
