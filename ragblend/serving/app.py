@@ -2,7 +2,9 @@
 
 Endpoints (the OpenAI API's shapes, plus ragblend's own):
 
-* ``GET /health`` (no key needed), ``GET /v1/models``, ``GET /metrics`` (Prometheus text);
+* ``GET /health`` (no key needed), ``GET /v1/models``, ``GET /metrics`` (Prometheus text: requests,
+  TTFT, tokens, the store's bytes and entries per tier, and the passages whose KV is stored after
+  the answers: ``ragblend_kv_fill_pending``, ``_stored_total``, ``_failed_total``);
 * ``POST /v1/chat/completions`` and ``POST /v1/completions``, with or without SSE streaming;
 * ``POST /v1/chunks`` — precompute texts' KV (``{"texts": [...]}``), returns keys and token counts;
 * ``POST /tokenize`` — token ids of a text or of chat messages, as vLLM's server answers it.
