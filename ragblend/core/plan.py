@@ -29,6 +29,13 @@ class StrategyPlan:
     strategy: Strategy | Selection   # ratio filled in (but CacheBlend's "auto": see with_auto_ratio)
     reason: str                      # why this strategy and ratio (caller's choice, calibration, default)
     calibration_id: str | None = None   # the calibration the strategy or its ratio came from, if one did
+    # What the fused prefill runs (the strategy's Selection), made once here; None until
+    # CacheBlend's "auto" ratio is settled.
+    selection: Selection | None = None
+
+    def __post_init__(self):
+        if self.selection is None and self.ratio != "auto":
+            object.__setattr__(self, "selection", self.strategy.selection())
 
     @property
     def name(self) -> str:
@@ -55,7 +62,7 @@ class StrategyPlan:
             return self
         tier = "disk" if "disk" in tiers else "memory"
         ratio = loading.plan(prompt_tokens, reused_tokens, tier).ratio
-        return replace(self, strategy=replace(self.strategy, ratio=ratio))
+        return replace(self, strategy=replace(self.strategy, ratio=ratio), selection=None)
 
 
 def check_strategy(strategy, num_layers: int) -> Strategy | Selection:

@@ -119,7 +119,7 @@ class PrefillRunner:
             raise
         try:
             with self.lock:
-                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.strategy)
+                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.selection)
         finally:
             source.close()
         self._promote(store, [r.key for r in found.readers if r.tier == "disk"])

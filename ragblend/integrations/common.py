@@ -44,7 +44,7 @@ class EngineFields(BaseModel):
 
     def check_strategy(self) -> None:
         """Fail on a bad strategy or ratio at construction, before any model loads."""
-        make_strategy(self.strategy, self.ratio, self.legolink_k)
+        strategy_from_name(self.strategy, self.ratio, self.legolink_k)
 
     def generation_options(self, kwargs: dict, max_new_tokens: int) -> dict:
         """Keyword arguments for ``engine.generate/stream``: this call's ``kwargs`` (popped)
@@ -53,7 +53,7 @@ class EngineFields(BaseModel):
         # The field's ratio belongs to the field's strategy: a call naming another strategy and
         # no ratio gets that strategy's own default (full_recompute takes none at all).
         ratio = kwargs.pop("ratio", self.ratio if name == self.strategy else None)
-        strategy = make_strategy(name, ratio, self.legolink_k)
+        strategy = strategy_from_name(name, ratio, self.legolink_k)
         return dict(strategy=strategy, max_new_tokens=max_new_tokens,
                     temperature=kwargs.pop("temperature", self.temperature), top_p=kwargs.pop("top_p", self.top_p),
                     seed=kwargs.pop("seed", self.seed), stop=kwargs.pop("stop", None))
@@ -77,10 +77,9 @@ def token_usage(stats: Stats) -> dict[str, Any]:
             "cached_prompt_tokens": cached_tokens(stats)}
 
 
-def make_strategy(name: str, ratio: float | str | None = None, legolink_k: int = 16):
-    """A strategy object from its name (as used in configuration and the CLI); None for
-    "default", the engine's own calibrated choice."""
-    return strategy_from_name(name, ratio, legolink_k)
+# A strategy object from its name (as used in configuration and the CLI); None for "default",
+# the engine's own calibrated choice. The one parser of strategy names, under the name the CLI uses.
+make_strategy = strategy_from_name
 
 
 def lazy_engine(owner) -> BlendEngine | RemoteEngine:
