@@ -26,11 +26,12 @@ from ragblend.core.net import is_loopback
 from ragblend.core.strategies import STRATEGY_NAMES
 
 
-def _open_index(args):
+def _open_index(args, options=None):
+    """The command's index; its engine loaded with ``options`` (EngineOptions; default: the defaults)."""
     from ragblend.integrations.local_index import LocalIndex
 
     print("Loading the model and the index...", file=sys.stderr, flush=True)
-    return LocalIndex(args.index, chroma_url=args.chroma_url)
+    return LocalIndex(args.index, chroma_url=args.chroma_url, options=options)
 
 
 def _ingest(args) -> int:
@@ -163,7 +164,7 @@ def _ask(args) -> int:
     except InvalidInputError:
         raise InvalidInputError("the question is not valid UTF-8 text; set your terminal to UTF-8 (e.g. "
                                 "LANG=C.UTF-8) or pass the question in UTF-8.") from None
-    rag = _open_index(args)
+    rag = _open_index(args, engine_options.from_args(args))   # --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     if args.compare:
         # Untimed warm-up, so the first timed answer does not pay the process's one-off costs
@@ -522,6 +523,7 @@ def _ask_parser(sub) -> None:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
+    _add_engine_options(ask, "decode_dtype")
     _add_answer_options(ask)
     _add_index(ask)
     ask.set_defaults(func=_ask)

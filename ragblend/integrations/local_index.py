@@ -39,6 +39,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, RagblendError
 from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.model import cache_dir
+from ragblend.core.options import EngineOptions
 
 from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, UnreadableFileError, decode_text, extract_text  # noqa: F401
 
@@ -382,9 +383,11 @@ class LocalIndex:
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: BlendEngine | None = None,
                  collection: str = "ragblend", chunk_size: int = 256, chunk_overlap: int = 24,
-                 chroma_url: str | None = None):
+                 chroma_url: str | None = None, options: EngineOptions | None = None):
         """``path`` holds the KV store and the docstore (and the Chroma database unless
-        ``chroma_url`` names a Chroma server, e.g. ``http://127.0.0.1:8000``)."""
+        ``chroma_url`` names a Chroma server, e.g. ``http://127.0.0.1:8000``). Without
+        ``engine``, the index loads one with ``options`` (its KV store always the index's
+        ``kv`` folder)."""
         from llama_index.core import VectorStoreIndex
         from llama_index.vector_stores.chroma import ChromaVectorStore
 
@@ -394,7 +397,7 @@ class LocalIndex:
         self.path.mkdir(parents=True, exist_ok=True)
         client = chroma_client(self.path, chroma_url)   # an unreachable server fails before the model loads
         self.client, self.chroma_url = client, chroma_url
-        self.engine = engine or BlendEngine.from_pretrained(kv_dir=self.path / "kv")
+        self.engine = engine or BlendEngine.from_pretrained(options=options, kv_dir=self.path / "kv")
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
         self.embed_model = default_embed_model()
         self.collection = client.get_or_create_collection(collection)

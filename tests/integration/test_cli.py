@@ -100,3 +100,24 @@ def test_serve_builds_its_engine_from_the_engine_option_flags(monkeypatch, tmp_p
     # The same declarations give `ragblend info` its --decode-dtype, checked by argparse.
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["info", "--decode-dtype", "int2"])
+
+
+def test_ask_loads_its_engine_with_the_decode_dtype_flag(capsys, tmp_path, monkeypatch):
+    from ragblend import BlendEngine
+    from ragblend.data import sample_dir
+
+    loaded = []
+    load = BlendEngine.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):   # the real loading, noting which engines were made
+        engine = load(cls, *args, **kwargs)
+        loaded.append(engine)
+        return engine
+
+    monkeypatch.setattr(BlendEngine, "from_pretrained", classmethod(spy))
+    index = str(tmp_path / "index")
+    assert main(["ingest", str(sample_dir()), "--kv", "skip", "--index", index]) == 0
+    assert main(["ask", "When is the Kite Festival?", "--max-new-tokens", "4", "--decode-dtype", "float32",
+                 "--index", index]) == 0
+    assert "TTFT" in capsys.readouterr().out
+    assert [engine.decode_dtype for engine in loaded] == ["auto", "float32"]   # ingest: the default
