@@ -17,7 +17,7 @@ the first-token KL to full prefill, and the compute used (``stats.compute_fracti
   as is, about 1/6 of the prompt) gives the lowest KL, found by trying each;
 * order noise: full prefill of the chunks in reversed order.
 
-Results go to ``docs/bounds-run.md``; ``docs/benchmarks.md`` discusses them.
+Results go to ``docs/runs/bounds-run.md``; ``docs/benchmarks.md`` discusses them.
 
     python -m benchmarks.bounds --prompts 3 10     # ~30 min on a 2-core CPU
 """
@@ -31,11 +31,11 @@ import time
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
+from ragblend.core.calibration import first_token_kl
 from ragblend.core.selection import TopScoreSelection, kv_deviation
 
+from .common import RUNS_DIR, SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
 from .models import MODELS, model_path
-from .run import SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
-from .ttft import first_token_kl
 
 DEFAULT = CacheBlend(0.15)
 REAL = {  # selections a real run can make
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--prompts", nargs=2, type=int, default=[3, 10], metavar=("FIDELITY", "SQUAD"))
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     lines = []

@@ -32,9 +32,9 @@ from ragblend.core.ingest import isolated_kv
 from ragblend.core.prefill import LayerSource, fused_prefill
 from ragblend.core.selection import ReusedSpan
 
+from .common import RUNS_DIR, SYSTEM, command_line, write_report
 from .models import MODELS, model_path
-from .run import SYSTEM, command_line, write_report
-from .squad import _squad_dev, rag_samples
+from .squad import rag_samples, squad_dev
 
 STRATEGIES = {"FullReuse": FullReuse(), "QueryAware(0.10)": QueryAware(0.10),
               "QueryAware(0.15)": QueryAware(0.15), "QueryAware(0.30)": QueryAware(0.30)}
@@ -54,7 +54,7 @@ class CachedLayers(LayerSource):
 def neighbours() -> dict[str, str]:
     """Each SQuAD dev paragraph -> the one before it in its article (the second for the first)."""
     before = {}
-    for article in _squad_dev()["data"]:
+    for article in squad_dev()["data"]:
         paragraphs = [p["context"] for p in article["paragraphs"]]
         for i, text in enumerate(paragraphs):
             before[text] = paragraphs[i - 1] if i else paragraphs[min(1, len(paragraphs) - 1)]
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started, lines = time.perf_counter(), []
     for model in args.models:

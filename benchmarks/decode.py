@@ -40,24 +40,10 @@ from ragblend.core.calibration import first_token_kl
 from ragblend.core.generate import KVDecoder
 from ragblend.core.kernels import cpu_summary
 from ragblend.core.model import ModelAdapter
+from ragblend.data import load_sample
 
-from .fidelity import MUSIQUE, prompt_sets
+from .common import MUSIQUE, RUNS_DIR, TokenClock, prompt_sets, report_per_model, rouge_l
 from .models import MODELS, model_path
-from .run import load_sample, report_per_model, rouge_l
-
-
-class TokenClock:
-    """A transformers streamer that only notes when each token arrives (the first call
-    gets the prompt, the second the first new token, after the prefill)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
 
 
 def hf_decode_s(engine: BlendEngine, token_ids: list[int], tokens: int) -> float:
@@ -200,7 +186,7 @@ def main(argv=None) -> None:
     parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
                         help="prompt_lookup_num_tokens settings to time (the last also runs with --decode-dtypes)")
     parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["auto", "float16", "int4", "int8"])
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:

@@ -24,10 +24,19 @@ import time
 from pathlib import Path
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
+from ragblend.core.calibration import first_token_kl
 
+from .common import (
+    MUSIQUE,
+    RUNS_DIR,
+    Prompt,
+    command_line,
+    first_token_and_answer,
+    prompt_sets,
+    rouge_l,
+    write_report,
+)
 from .models import MODELS, model_path
-from .run import Prompt, command_line, fidelity_prompts, first_token_and_answer, rouge_l, squad_prompts, write_report
-from .ttft import first_token_kl
 
 VARIANTS = {
     "FullReuse": FullReuse(),
@@ -49,25 +58,6 @@ VARIANTS = {
        for r in (0.05, 0.10, 0.15, 0.20, 0.30) for s in (1.0, 0.8, 0.7, 0.6, 0.5, 0.4)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"
-
-
-def musique_prompts(n: int, path: Path = MUSIQUE) -> list[Prompt]:
-    if n == 0 or not path.exists():
-        return []
-    items = json.loads(path.read_text())[:n]
-    return [Prompt([f"{c['title']}\n{c['text']}" for c in item["ctxs"]],
-                   f"Question: {item['question']} Answer with a few words.", item["answers"]) for item in items]
-
-
-def prompt_sets(spec: list[str], musique_file: Path) -> dict[str, list[Prompt]]:
-    sets = {}
-    for item in spec:
-        name, _, count = item.partition(":")
-        n = int(count or 8)
-        sets[name] = {"fidelity": fidelity_prompts, "squad": squad_prompts,
-                      "musique": lambda k: musique_prompts(k, musique_file)}[name](n)
-    return sets
 
 
 def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int) -> dict:
@@ -108,7 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32, help="answer length for ROUGE-L (0: KL only)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
     parser.add_argument("--no-chunk-context", action="store_true",
                         help="precompute chunks right after the template's opening (chunk_context=''), as before")

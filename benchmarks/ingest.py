@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -31,22 +30,8 @@ from ragblend.core.store import MemoryStore, open_store
 from ragblend.data import sample_dir
 from ragblend.integrations.local_index import LocalIndex, read_text_files
 
+from .common import RUNS_DIR, command_line, paragraphs, write_report
 from .models import MODELS, model_path
-from .run import command_line, write_report
-from .squad import bigbench_squad_files
-
-SOURCES = ["squaddev_v1.1.json", "new_wiki_v1.0.json", "reddit_v1.0.json", "amazon_reviews_v1.0.json"]
-
-
-def paragraphs() -> list[str]:
-    """Every distinct paragraph of the SOURCES, in file order (cached as JSON)."""
-    path = cache_dir() / "benchmarks" / "paragraphs_v1.json"
-    if not path.exists():
-        files = bigbench_squad_files([f"bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/{s}" for s in SOURCES])
-        seen = dict.fromkeys(p["context"].strip() for f in files for a in f["data"] for p in a["paragraphs"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([p for p in seen if p]))
-    return json.loads(path.read_text())
 
 
 def precompute_rates(engine: BlendEngine, texts: list[str], packs: list[int]) -> list[str]:
@@ -195,7 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--files", type=int, default=1000, help="one-paragraph files to ingest (0: skip)")
     parser.add_argument("--no-kv", action="store_true",
                         help="for --files: measure searchable and answered only, not the KV phases")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=False)

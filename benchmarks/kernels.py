@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from ragblend import BlendEngine
 from ragblend.core.model import CpuLinear
 
+from .common import RUNS_DIR, report_per_model
 from .models import MODELS, model_path
-from .run import report_per_model
 
 ROWS = (1, 2, 3, 4, 140, 660, 3116)
 
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     report_per_model(args.models, lambda model: measure(model, args.runs), args.out, "kernels-run.md",
                      "Linear-layer kernels", "benchmarks.kernels", argv)

@@ -24,10 +24,10 @@ from ragblend.core.calibration import first_token_kl
 from ragblend.core.controller import drop_page_cache
 from ragblend.core.model import cache_dir
 from ragblend.core.store import DiskStore
+from ragblend.data import load_sample
 
-from .fidelity import MUSIQUE, prompt_sets
+from .common import MUSIQUE, RUNS_DIR, first_token_and_answer, prompt_sets, report_per_model, rouge_l
 from .models import MODELS, model_path
-from .run import first_token_and_answer, load_sample, report_per_model, rouge_l
 
 
 def fidelity(engines: dict[str, BlendEngine], prompts, tokens: int) -> dict[str, list[float]]:
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sets", nargs="+", default=["fidelity:3", "squad:32"])
     parser.add_argument("--tokens", type=int, default=32, help="greedy answer tokens")
     parser.add_argument("--runs", type=int, default=5, help="disk TTFT rounds")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:

@@ -42,9 +42,8 @@ from ragblend import BlendEngine, Chunk
 from ragblend.core.model import default_gguf_path
 from ragblend.data import load_sample
 
-from .decode import TokenClock
+from .common import RUNS_DIR, TokenClock, report_per_model
 from .models import MODELS, model_path
-from .run import report_per_model
 
 SCENARIOS = ("same prompt", "reordered")
 
@@ -209,7 +208,7 @@ def main(argv=None) -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float32", "float16", "int4", "int8"],
                         help="ragblend's decoding matmuls to compare beside the default")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
 
     def measure_all(model: str) -> list[str]:

@@ -11,7 +11,7 @@ per prompt and then averaged:
   relative to the full prefill's;
 
 plus TTFT versus context length (2K, 4K, 8K tokens) for full prefill and CacheBlend(0.15).
-Results go to ``docs/benchmarks-run.md`` and PNG plots beside it.
+Results go to ``docs/runs/benchmarks-run.md`` and PNG plots beside it.
 
     python -m benchmarks.run --quick        # a reduced run, under 15 minutes on a 2-core CPU
     python -m benchmarks.run                # the full run (longer)
@@ -21,19 +21,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
-from ragblend.data import load_sample
+from ragblend.core.calibration import first_token_kl
 
+from .common import (
+    GREEDY_TOKENS,
+    RUNS_DIR,
+    SYSTEM,
+    Prompt,
+    command_line,
+    fidelity_prompts,
+    hf_forward_s,
+    rouge_l,
+    squad_prompts,
+)
 from .models import MODELS, model_path
 from .squad import answer_contained, best_over_answers, exact_match, extract_answer, f1_score, rag_samples
-from .ttft import first_token_kl
 
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
@@ -48,91 +56,6 @@ STRATEGIES = {
     "CacheBlend(0.50)": CacheBlend(0.50),
     "CacheBlend(0.15, K deviation)": CacheBlend(0.15, deviation="key"),
 }
-SYSTEM = "Answer the question from the passages, briefly."
-GREEDY_TOKENS = 32
-
-
-def command_line(module: str, argv) -> str:
-    """The command that reproduces this run, for its report."""
-    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
-
-
-def write_report(out_dir, file_name: str, title: str, command: str, seconds: float, lines: list[str]) -> None:
-    """Write a study's markdown report under a title line with its command and duration."""
-    from ragblend.core.kernels import cpu_summary
-
-    text = "\n".join([f"# {title}: `{command}` ({seconds / 60:.1f} min, {torch.get_num_threads()} threads)",
-                      "", f"Host: {cpu_summary()}.", "", *lines])
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / file_name).write_text(text)
-
-
-def report_per_model(models: list[str], measure, out_dir, file_name: str, title: str, module: str, argv) -> None:
-    """Run ``measure(model) -> lines`` for each model, print each section as it ends, and
-    write them all as one report."""
-    started, lines = time.perf_counter(), []
-    for model in models:
-        section = measure(model)
-        print("\n".join(section), flush=True)
-        lines += section
-    write_report(out_dir, file_name, title, command_line(module, argv), time.perf_counter() - started, lines)
-
-
-def rouge_l(candidate: str, reference: str) -> float:
-    """ROUGE-L F-measure over whitespace tokens (longest common subsequence)."""
-    a, b = candidate.split(), reference.split()
-    if not a or not b:
-        return float(a == b)
-    previous = [0] * (len(b) + 1)
-    for x in a:
-        current = [0]
-        for j, y in enumerate(b):
-            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
-        previous = current
-    lcs = previous[-1]
-    if lcs == 0:
-        return 0.0
-    precision, recall = lcs / len(a), lcs / len(b)
-    return 2 * precision * recall / (precision + recall)
-
-
-def first_token_and_answer(engine: BlendEngine, segments, strategy, greedy_tokens: int):
-    """(first-token logits, stats, greedy answer) of one prompt; the answer is "" and only a
-    prefill runs when ``greedy_tokens`` is 0."""
-    if greedy_tokens:
-        out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
-        return out.logits, out.stats, out.text
-    pre = engine.prefill(segments, system=SYSTEM, strategy=strategy)
-    return pre.logits, pre.stats, ""
-
-
-@dataclass
-class Prompt:
-    chunks: list[str]
-    question: str
-    answers: list[str] = field(default_factory=list)  # gold answers (SQuAD), empty for fidelity prompts
-
-
-def fidelity_prompts(n: int) -> list[Prompt]:
-    """Six ~500-token passages written for the project; each prompt asks another question,
-    with the passages in another order."""
-    sample = load_sample()
-    questions = [sample["question"], *[q["question"] for q in sample["demo"]]]
-    chunks = sample["chunks"]
-    return [Prompt(chunks[i % 6:] + chunks[:i % 6], questions[i % len(questions)]) for i in range(n)]
-
-
-def squad_prompts(n: int) -> list[Prompt]:
-    return [Prompt(s["chunks"], f"Question: {s['question']} Answer with a few words.", s["answers"])
-            for s in rag_samples(n)]
-
-
-def hf_forward_s(engine: BlendEngine, token_ids: list[int]) -> float:
-    ids = torch.tensor([token_ids])
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        engine.hf_model(ids, logits_to_keep=1)
-    return time.perf_counter() - t0
 
 
 def measure_prompt(engine: BlendEngine, prompt: Prompt, repeats: int) -> dict:
@@ -263,7 +186,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and repeats (under 15 min)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--out", default="docs", help="folder for benchmarks-run.md and the plots")
+    parser.add_argument("--out", default=RUNS_DIR, help="folder for benchmarks-run.md and the plots")
     parser.add_argument("--fidelity", type=int, help="fidelity prompts per model (overrides the plan)")
     parser.add_argument("--squad", type=int, help="SQuAD samples per model (overrides the plan)")
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths to sweep (overrides the plan)")

@@ -27,9 +27,8 @@ from ragblend.core.controller import drop_page_cache
 from ragblend.core.model import cache_dir
 from ragblend.core.store import DiskStore
 
-from .ingest import paragraphs
+from .common import RUNS_DIR, command_line, hf_forward_s, paragraphs, write_report
 from .models import MODELS, model_path
-from .run import command_line, hf_forward_s, write_report
 
 QUESTION = "Question: which of these passages mentions a date, and what happened then? Answer briefly."
 
@@ -107,7 +106,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started, lines = time.perf_counter(), []
     for model in args.models:

@@ -5,7 +5,7 @@ The study behind keeping the paper's V score as ragblend's default (``docs/bench
 For each model and variant, over fidelity prompts (6 project passages) and SQuAD RAG samples:
 first-token KL to a full prefill, whether the first token matches, ROUGE-L of the 32-token
 greedy answer against full prefill's, and the compute used (token-layers computed, as a share
-of a full prefill's). Results go to ``docs/selection-run.md``.
+of a full prefill's). Results go to ``docs/runs/selection-run.md``.
 
     python -m benchmarks.selection --prompts 6 12 --greedy-tokens 0   # the table in docs/benchmarks.md
 """
@@ -17,10 +17,11 @@ import statistics
 import time
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
+from ragblend.core.calibration import first_token_kl
 
-from .models import MODELS, model_path
-from .run import (
+from .common import (
     GREEDY_TOKENS,
+    RUNS_DIR,
     command_line,
     fidelity_prompts,
     first_token_and_answer,
@@ -28,7 +29,7 @@ from .run import (
     squad_prompts,
     write_report,
 )
-from .ttft import first_token_kl
+from .models import MODELS, model_path
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
     "V deviation, r=0.15 (paper; ragblend default)": CacheBlend(0.15, deviation="value"),
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--prompts", nargs=2, type=int, default=[6, 12], metavar=("FIDELITY", "SQUAD"))
     parser.add_argument("--greedy-tokens", type=int, default=GREEDY_TOKENS, help="0: first token only (no ROUGE-L)")
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     lines = []

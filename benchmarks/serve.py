@@ -37,7 +37,7 @@ import httpx
 
 from ragblend.data import load_sample
 
-from .run import command_line, write_report
+from .common import RUNS_DIR, command_line, write_report
 from .servers import ragblend_serve
 
 
@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=10, help="per client")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--out", default="docs")
+    parser.add_argument("--out", default=RUNS_DIR)
     parser.add_argument("--concurrency", action="store_true",
                         help="only measure batched decoding: --levels concurrent openai clients (serve-batching-run.md)")
     parser.add_argument("--levels", default="1,4,8", help="with --concurrency: client counts, the first the baseline")

@@ -28,7 +28,7 @@ MEMBER = "bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.jso
 PARAGRAPHS_PER_SAMPLE = 6
 
 
-def _squad_dev() -> dict:
+def squad_dev() -> dict:
     return bigbench_squad_files([MEMBER])[0]
 
 
@@ -64,7 +64,7 @@ def rag_samples(limit: int = 200, seed: int = 0, per_article: int = 4) -> list[d
     if not path.exists():
         rng = random.Random(seed)
         samples = []
-        articles = [a for a in _squad_dev()["data"] if len(a["paragraphs"]) >= PARAGRAPHS_PER_SAMPLE]
+        articles = [a for a in squad_dev()["data"] if len(a["paragraphs"]) >= PARAGRAPHS_PER_SAMPLE]
         for article in [a for _ in range(per_article) for a in articles]:
             paragraphs = article["paragraphs"]
             gold = rng.randrange(len(paragraphs))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
+from benchmarks.common import rouge_l
 from benchmarks.models import model_path
-from benchmarks.run import rouge_l
 from benchmarks.squad import (
     answer_contained,
     best_over_answers,

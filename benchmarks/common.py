@@ -1,0 +1,168 @@
+"""What the benchmarks share: the prompts they measure on, the measures, and how a study writes its
+report. A benchmark module (``python -m benchmarks.X``) imports from here, never from another
+benchmark, so each one reads alone.
+
+Reports go to ``docs/runs/`` unless a study's ``--out`` says otherwise: raw run logs live there,
+and ``docs/benchmarks.md`` keeps the current tables that link to them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ragblend import BlendEngine
+from ragblend.core.model import cache_dir
+from ragblend.data import load_sample
+
+from .squad import bigbench_squad_files, rag_samples
+
+RUNS_DIR = "docs/runs"   # where a study writes its report (its --out default)
+SYSTEM = "Answer the question from the passages, briefly."
+GREEDY_TOKENS = 32
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def command_line(module: str, argv) -> str:
+    """The command that reproduces this run, for its report."""
+    return " ".join([f"python -m {module}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_report(out_dir, file_name: str, title: str, command: str, seconds: float, lines: list[str]) -> None:
+    """Write a study's markdown report under a title line with its command and duration."""
+    from ragblend.core.kernels import cpu_summary
+
+    text = "\n".join([f"# {title}: `{command}` ({seconds / 60:.1f} min, {torch.get_num_threads()} threads)",
+                      "", f"Host: {cpu_summary()}.", "", *lines])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / file_name).write_text(text)
+
+
+def report_per_model(models: list[str], measure, out_dir, file_name: str, title: str, module: str, argv) -> None:
+    """Run ``measure(model) -> lines`` for each model, print each section as it ends, and
+    write them all as one report."""
+    started, lines = time.perf_counter(), []
+    for model in models:
+        section = measure(model)
+        print("\n".join(section), flush=True)
+        lines += section
+    write_report(out_dir, file_name, title, command_line(module, argv), time.perf_counter() - started, lines)
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+@dataclass
+class Prompt:
+    chunks: list[str]
+    question: str
+    answers: list[str] = field(default_factory=list)  # gold answers (SQuAD), empty for fidelity prompts
+
+
+def fidelity_prompts(n: int) -> list[Prompt]:
+    """Six ~500-token passages written for the project; each prompt asks another question,
+    with the passages in another order."""
+    sample = load_sample()
+    questions = [sample["question"], *[q["question"] for q in sample["demo"]]]
+    chunks = sample["chunks"]
+    return [Prompt(chunks[i % 6:] + chunks[:i % 6], questions[i % len(questions)]) for i in range(n)]
+
+
+def squad_prompts(n: int) -> list[Prompt]:
+    return [Prompt(s["chunks"], f"Question: {s['question']} Answer with a few words.", s["answers"])
+            for s in rag_samples(n)]
+
+
+MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"
+
+
+def musique_prompts(n: int, path: Path = MUSIQUE) -> list[Prompt]:
+    if n == 0 or not path.exists():
+        return []
+    items = json.loads(path.read_text())[:n]
+    return [Prompt([f"{c['title']}\n{c['text']}" for c in item["ctxs"]],
+                   f"Question: {item['question']} Answer with a few words.", item["answers"]) for item in items]
+
+
+def prompt_sets(spec: list[str], musique_file: Path) -> dict[str, list[Prompt]]:
+    sets = {}
+    for item in spec:
+        name, _, count = item.partition(":")
+        n = int(count or 8)
+        sets[name] = {"fidelity": fidelity_prompts, "squad": squad_prompts,
+                      "musique": lambda k: musique_prompts(k, musique_file)}[name](n)
+    return sets
+
+
+SOURCES = ["squaddev_v1.1.json", "new_wiki_v1.0.json", "reddit_v1.0.json", "amazon_reviews_v1.0.json"]
+
+
+def paragraphs() -> list[str]:
+    """Every distinct paragraph of the SOURCES, in file order (cached as JSON)."""
+    path = cache_dir() / "benchmarks" / "paragraphs_v1.json"
+    if not path.exists():
+        files = bigbench_squad_files([f"bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/{s}" for s in SOURCES])
+        seen = dict.fromkeys(p["context"].strip() for f in files for a in f["data"] for p in a["paragraphs"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([p for p in seen if p]))
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------- measures
+
+
+def rouge_l(candidate: str, reference: str) -> float:
+    """ROUGE-L F-measure over whitespace tokens (longest common subsequence)."""
+    a, b = candidate.split(), reference.split()
+    if not a or not b:
+        return float(a == b)
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    lcs = previous[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(a), lcs / len(b)
+    return 2 * precision * recall / (precision + recall)
+
+
+def first_token_and_answer(engine: BlendEngine, segments, strategy, greedy_tokens: int):
+    """(first-token logits, stats, greedy answer) of one prompt; the answer is "" and only a
+    prefill runs when ``greedy_tokens`` is 0."""
+    if greedy_tokens:
+        out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=greedy_tokens)
+        return out.logits, out.stats, out.text
+    pre = engine.prefill(segments, system=SYSTEM, strategy=strategy)
+    return pre.logits, pre.stats, ""
+
+
+def hf_forward_s(engine: BlendEngine, token_ids: list[int]) -> float:
+    ids = torch.tensor([token_ids])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        engine.hf_model(ids, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+class TokenClock:
+    """A transformers streamer that only notes when each token arrives (the first call
+    gets the prompt, the second the first new token, after the prefill)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
