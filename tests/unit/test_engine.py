@@ -297,39 +297,6 @@ def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer
     assert len(empty) == 1
 
 
-def test_decoding_steps_equal_the_model_forward(tiny_engine):
-    """Each decoding step (buffers written in place, the sliding window on Mistral) gives the
-    logits of the model's own forward over the whole sequence so far."""
-    pre = tiny_engine.prefill(segments(), strategy=FullRecompute())
-    answer = [5, 77, 300, 12, 900, 41]
-    decoder = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, len(pre.token_ids) + len(answer))
-    for i, token in enumerate(answer):
-        logits = decoder.step(token)
-        ref, _ = forward_logits(tiny_engine, pre.token_ids + answer[:i + 1])
-        assert (logits - ref).abs().max() <= 1e-4
-
-
-def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
-    """KVDecoder.extend (how drafted tokens are verified) gives each token the logits that
-    one pass per token gives, on the decoding twin, with the fused prefill's key bias and
-    (Mistral) the sliding window; truncated positions are written again correctly."""
-    from ragblend import QueryAware
-
-    tiny_engine.precompute(PASSAGES[:3])
-    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
-    assert pre.key_bias is not None
-    answer = [5, 77, 300, 12]
-    adapter, capacity = tiny_engine.decoding_adapter(), len(pre.token_ids) + len(answer)
-    one = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
-    each = torch.stack([one.step(t) for t in answer])
-    many = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
-    assert (many.extend(answer) - each).abs().max() <= 1e-4
-    many.truncate(many.length - 3)
-    assert (many.extend([77, 300, 12]) - each[1:]).abs().max() <= 1e-4
-    with pytest.raises(InvalidInputError, match="no room"):
-        many.extend([1])
-
-
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_cpu_linear_computes_the_linear_layer(rows, bias):
@@ -344,80 +311,6 @@ def test_cpu_linear_computes_the_linear_layer(rows, bias):
     assert out.shape == (rows, 96) and out.is_contiguous() and out.dtype == torch.float32
     assert (out - linear(x)).abs().max() <= 1e-5 if rows else True
     assert batched.shape == (1, rows, 96) and (batched[0] - out).abs().max() <= 1e-5 if rows else True
-
-
-def test_prompt_lookup_drafts_what_followed_the_latest_match():
-    from ragblend.core.generate import PromptLookup
-
-    lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6])
-    lookup.append(2)
-    lookup.append(3)   # the tail (2, 3) last stood at positions 5-6, followed by 5, 6, 2
-    assert lookup.draft(3) == [5, 6, 2] and lookup.draft(1) == [5]
-    lookup.append(7)   # never seen: nothing to draft
-    assert lookup.draft(3) == []
-
-
-class ScriptedDecoder:
-    """Stands in for KVDecoder: a 'model' whose greedy choice after token t is ``successor[t]``."""
-
-    def __init__(self, successor: dict[int, int], length: int, capacity: int, vocab: int):
-        self.successor, self.length, self.capacity, self.vocab, self.passes = successor, length, capacity, vocab, 0
-
-    def logits_after(self, token: int) -> torch.Tensor:
-        logits = torch.zeros(self.vocab)
-        logits[self.successor.get(token, 0)] = 1.0
-        return logits
-
-    def extend(self, tokens):
-        assert self.length + len(tokens) <= self.capacity
-        self.length, self.passes = self.length + len(tokens), self.passes + 1
-        return torch.stack([self.logits_after(t) for t in tokens])
-
-    def truncate(self, length):
-        self.length = length
-
-
-@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 30])
-@pytest.mark.parametrize("stop", [(), ("ferry",)])
-@pytest.mark.parametrize("room", [10_000, 6])
-def test_drafted_decoding_emits_what_one_pass_a_token_emits(tokenizer, max_new_tokens, stop, room):
-    """Greedy decoding with prompt-lookup drafts gives the same tokens, text and finish reason
-    as one pass per token, in fewer passes, whatever ends it (length, EOS, a stop string, the
-    context window)."""
-    from ragblend.core.generate import Decoding, PromptLookup, SamplingParams
-
-    chain = tokenizer.encode(" the ferry crossed to the north pier at dawn", add_special_tokens=False)
-    eos = 0
-    successor = dict(zip(chain, chain[1:] + [eos]))   # the model recites the chain, then ends
-    prompt = [5, 6, *chain, 7]                           # the prompt holds the chain too
-    params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
-    runs = {}
-    for drafts in (0, 3):
-        decoder = ScriptedDecoder({6: chain[0], **successor}, len(prompt), len(prompt) + max_new_tokens,
-                                  len(tokenizer))
-        decoding = Decoding(decoder, tokenizer, decoder.logits_after(6), len(prompt), params, frozenset({eos}),
-                            context_window=len(prompt) + room, lookup=PromptLookup(prompt) if drafts else None,
-                            draft_tokens=drafts)
-        pieces = list(decoding)
-        assert "".join(pieces) == decoding.text and decoding.steps == decoder.passes
-        runs[drafts] = decoding
-    plain, drafted = runs[0], runs[3]
-    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
-    assert drafted.finish_reason == plain.finish_reason
-    if len(plain.token_ids) > 4:
-        assert drafted.steps < plain.steps
-
-
-def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
-    tiny_engine.prompt_lookup_num_tokens = 0
-    plain = tiny_engine.generate(segments(), max_new_tokens=24)
-    plain_steps = tiny_engine.last_stats.decode_steps
-    tiny_engine.prompt_lookup_num_tokens = 3
-    drafted = tiny_engine.generate(segments(), max_new_tokens=24)
-    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
-    assert tiny_engine.last_stats.decode_steps <= plain_steps
-    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # never drafts
-    assert tiny_engine.last_stats.decode_steps in (len(sampled.token_ids) - 1, len(sampled.token_ids))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3", 8])

@@ -1,0 +1,184 @@
+"""Calibration (ragblend.core.calibration): the cheapest ratio within the model's order noise, stored
+per model, shipped files, and what happens when a file is corrupt, foreign or cannot be written.
+Tiny random models; the real default model's shipped calibration is in
+tests/integration/test_default_model.py."""
+
+import dataclasses
+import json
+import logging
+import statistics
+
+import pytest
+
+from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
+from ragblend.core.calibration import (
+    LADDER,
+    MARGIN,
+    UNCALIBRATED,
+    CalibrationError,
+    calibration_file,
+    cheapest_within_margin,
+    load_calibration,
+)
+from ragblend.core.strategies import strategy_from_name
+
+from ..conftest import make_tiny_engine
+from .test_selection import CHUNKS
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def prompts():
+    return [(CHUNKS[:3], "Question: who ran the ferry?"), (CHUNKS[1:], "Question: when was the light lit?"),
+            (CHUNKS[::-1], "What did the council vote for?")]
+
+
+def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer)
+    assert engine.calibration is None and engine.strategy == UNCALIBRATED
+    assert "uncalibrated" in engine.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+    by_name = strategy_from_name("query_aware")   # no ratio: the engine's own, here the safe default
+    assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == UNCALIBRATED.ratio
+    with pytest.raises(RagblendError, match="engine's ratio"):
+        by_name.selection()
+    built_with_it = make_tiny_engine("qwen2", tokenizer, strategy=by_name)   # an engine's own default too
+    assert built_with_it.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.ratio == UNCALIBRATED.ratio
+    result = engine.calibrate(prompts(), progress=False)
+    assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == result.ratio
+    assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER)
+    noise_mean, noise_median = result.order_noise_kl
+    if result.within_noise:  # the cheapest ratio within the margin below the noise
+        assert result.chosen_kl[0] <= MARGIN * noise_mean and result.chosen_kl[1] <= MARGIN * noise_median
+        cheaper = [row for row in result.tried if row["ratio"] < result.ratio]
+        assert all(row["kl_mean"] > MARGIN * noise_mean or row["kl_median"] > MARGIN * noise_median for row in cheaper)
+    assert engine.strategy == QueryAware(result.ratio)
+    again = make_tiny_engine("qwen2", tokenizer)
+    assert again.calibration == result and again.strategy == QueryAware(result.ratio)
+    stats = again.prefill([Chunk(CHUNKS[0]), "Q?"]).stats
+    assert stats.strategy == "query_aware" and stats.ratio == result.ratio
+    assert stats.strategy_reason.startswith("calibrated")
+    assert again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=FullRecompute()).stats.strategy_reason == "chosen by the caller"
+    # The same strategy, passed explicitly, is the caller's choice too.
+    explicit = again.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=QueryAware(result.ratio)).stats
+    assert explicit.strategy_reason == "chosen by the caller"
+    assert f"QueryAware({result.ratio})" in stats.strategy_reason
+    assert str(calibration_file(again.calibration_id)) in stats.strategy_reason
+
+
+def test_the_choice_keeps_a_margin_and_judges_long_prompts_on_their_own():
+    noise = [0.02, 0.02, 0.02, 0.04, 0.04]
+    lengths = [600, 600, 600, 3000, 3000]
+    fused = {0.1: [0.002, 0.002, 0.002, 0.030, 0.030],    # fine over all five, not on the long ones
+             0.2: [0.002, 0.002, 0.002, 0.015, 0.015],
+             0.3: [0.001, 0.001, 0.001, 0.010, 0.010]}
+    assert statistics.mean(fused[0.1]) <= MARGIN * statistics.mean(noise)
+    assert cheapest_within_margin(noise, fused, lengths) == 0.2
+    assert cheapest_within_margin(noise, fused, [600] * 5) == 0.1       # no long prompts: one group
+    within_noise_only = [0.015] * 5                                      # below the noise, above the margin
+    assert statistics.mean(within_noise_only) <= statistics.mean(noise)
+    assert cheapest_within_margin(noise, {0.1: within_noise_only}, lengths) is None
+
+
+@pytest.mark.parametrize("content", [
+    b"not json at all", b"[1, 2, 3]", b'{"format": 99}', b"{" * 100_000, b"[" * 200_000,
+    json.dumps({"format": 1, "fingerprint": "x", "ratio": "0.3"}).encode(),
+])
+def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
+    engine = make_tiny_engine("llama", tokenizer)
+    path = calibration_file(engine.calibration_id)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert load_calibration(engine.calibration_id) is None
+        assert make_tiny_engine("llama", tokenizer).strategy == UNCALIBRATED
+    assert "ignoring the calibration file" in caplog.text
+
+
+def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, tmp_path, monkeypatch, caplog):
+    from ragblend.core import calibration as module
+
+    engine = make_tiny_engine("qwen2", tokenizer)
+    shipped = engine.calibrate(prompts()[:2], progress=False, save=False)
+    shipped.ratio = 0.2
+    monkeypatch.setattr(module, "SHIPPED_DIR", tmp_path / "shipped")
+    module.SHIPPED_DIR.mkdir()
+    (module.SHIPPED_DIR / calibration_file(engine.calibration_id).name).write_text(json.dumps(dataclasses.asdict(shipped)))
+    from_shipped = make_tiny_engine("qwen2", tokenizer)
+    assert from_shipped.strategy == QueryAware(0.2)
+    reason = from_shipped.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+    assert "shipped with ragblend" in reason and "QueryAware(0.2)" in reason
+    user_file = calibration_file(engine.calibration_id)
+    user_file.mkdir(parents=True)        # not a regular file: passed over, with a warning
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    assert "not a regular file" in caplog.text
+    user_file.rmdir()
+    infinite = {**dataclasses.asdict(shipped), "order_noise_kl": [float("inf"), 0.01]}
+    user_file.write_text(json.dumps(infinite))   # json writes Infinity, and reads it back
+    assert load_calibration(engine.calibration_id).source == "shipped"
+    user_file.write_bytes(b"not json")   # a broken file of the user's is passed over, with a warning
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(0.2)
+    assert "ignoring the calibration file" in caplog.text
+    own = engine.calibrate(prompts()[:2], progress=False)   # saved: the user's own wins
+    assert make_tiny_engine("qwen2", tokenizer).strategy == QueryAware(own.ratio)
+    assert load_calibration(engine.calibration_id) == own
+
+
+def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):
+    llama, qwen = make_tiny_engine("llama", tokenizer), make_tiny_engine("qwen2", tokenizer)
+    result = qwen.calibrate(prompts()[:2], progress=False)
+    path = calibration_file(llama.calibration_id)
+    path.write_text(calibration_file(qwen.calibration_id).read_text())
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert load_calibration(llama.calibration_id) is None
+    assert "another model" in caplog.text
+    assert load_calibration(qwen.calibration_id) == result
+
+
+def test_a_calibration_that_cannot_be_saved_is_kept_by_the_engine(cache, tokenizer, caplog):
+    engine = make_tiny_engine("llama", tokenizer)
+    (cache / "calibration").write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        result = engine.calibrate(prompts()[:2], progress=False)
+    assert "could not save the calibration" in caplog.text
+    assert engine.calibration == result and engine.strategy == QueryAware(result.ratio)
+    assert "not saved" in engine.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
+
+
+def test_calibrate_on_prompts_the_model_cannot_run_is_a_clear_error(cache, tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(CalibrationError, match="at least two chunks"):
+        engine.calibrate([(CHUNKS[:1], "Q?")], progress=False)
+    too_long = [" ".join(CHUNKS * 40), " ".join(CHUNKS * 40)]  # past the tiny model's 2048-token window
+    with pytest.raises(RagblendError, match="calibration could not run"):
+        engine.calibrate([(too_long, "Q?")], progress=False)
+    assert not calibration_file(engine.calibration_id).exists()
+
+
+def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp_path, capsys):
+    from ragblend.cli import main
+
+    engine = make_tiny_engine("llama", tokenizer)
+    folder = tmp_path / "tiny-llama"
+    engine.hf_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # The built-in prompts include ~3k-token ones; the tiny model's window is 2048.
+    assert main(["calibrate", "--model", str(folder)]) == 2
+    assert "calibration could not run on this model" in capsys.readouterr().err
+    assert not (cache / "calibration").exists() or not any((cache / "calibration").iterdir())
+
+
+def test_every_shipped_calibration_is_of_the_current_format():
+    """A format change (a new default strategy) must come with re-measured shipped files."""
+    from ragblend.core.calibration import SHIPPED_DIR, _from_json
+
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert len(files) >= 2   # the embedded SmolLM2's and the benchmark Qwen2.5's
+    for path in files:
+        calibration = _from_json(json.loads(path.read_text()))
+        assert path.stem == calibration.fingerprint[:32] and calibration.within_noise

@@ -1,0 +1,196 @@
+"""Decoding (ragblend.core.generate): KVDecoder's steps against the model's own forward, prompt-lookup
+drafts that change nothing but the number of passes, token picking (greedy, temperature, top-p,
+seeds), stop strings and EOS. Tiny random models and a scripted stand-in for the model."""
+
+import pytest
+import torch
+
+from ragblend import FullRecompute
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.generate import Decoding, KVDecoder, PromptLookup, SamplingParams, pick_token
+
+from ..conftest import PASSAGES
+from .test_engine import forward_logits, segments
+
+
+def test_decoding_steps_equal_the_model_forward(tiny_engine):
+    """Each decoding step (buffers written in place, the sliding window on Mistral) gives the
+    logits of the model's own forward over the whole sequence so far."""
+    pre = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    answer = [5, 77, 300, 12, 900, 41]
+    decoder = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, len(pre.token_ids) + len(answer))
+    for i, token in enumerate(answer):
+        logits = decoder.step(token)
+        ref, _ = forward_logits(tiny_engine, pre.token_ids + answer[:i + 1])
+        assert (logits - ref).abs().max() <= 1e-4
+
+
+def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
+    """KVDecoder.extend (how drafted tokens are verified) gives each token the logits that
+    one pass per token gives, on the decoding twin, with the fused prefill's key bias and
+    (Mistral) the sliding window; truncated positions are written again correctly."""
+    from ragblend import QueryAware
+
+    tiny_engine.precompute(PASSAGES[:3])
+    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
+    assert pre.key_bias is not None
+    answer = [5, 77, 300, 12]
+    adapter, capacity = tiny_engine.decoding_adapter(), len(pre.token_ids) + len(answer)
+    one = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    each = torch.stack([one.step(t) for t in answer])
+    many = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    assert (many.extend(answer) - each).abs().max() <= 1e-4
+    many.truncate(many.length - 3)
+    assert (many.extend([77, 300, 12]) - each[1:]).abs().max() <= 1e-4
+    with pytest.raises(InvalidInputError, match="no room"):
+        many.extend([1])
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_match():
+
+    lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6])
+    lookup.append(2)
+    lookup.append(3)   # the tail (2, 3) last stood at positions 5-6, followed by 5, 6, 2
+    assert lookup.draft(3) == [5, 6, 2] and lookup.draft(1) == [5]
+    lookup.append(7)   # never seen: nothing to draft
+    assert lookup.draft(3) == []
+
+
+class ScriptedDecoder:
+    """Stands in for KVDecoder: a 'model' whose greedy choice after token t is ``successor[t]``."""
+
+    def __init__(self, successor: dict[int, int], length: int, capacity: int, vocab: int):
+        self.successor, self.length, self.capacity, self.vocab, self.passes = successor, length, capacity, vocab, 0
+
+    def logits_after(self, token: int) -> torch.Tensor:
+        logits = torch.zeros(self.vocab)
+        logits[self.successor.get(token, 0)] = 1.0
+        return logits
+
+    def extend(self, tokens):
+        assert self.length + len(tokens) <= self.capacity
+        self.length, self.passes = self.length + len(tokens), self.passes + 1
+        return torch.stack([self.logits_after(t) for t in tokens])
+
+    def truncate(self, length):
+        self.length = length
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 9, 30])
+@pytest.mark.parametrize("stop", [(), ("ferry",)])
+@pytest.mark.parametrize("room", [10_000, 6])
+def test_drafted_decoding_emits_what_one_pass_a_token_emits(tokenizer, max_new_tokens, stop, room):
+    """Greedy decoding with prompt-lookup drafts gives the same tokens, text and finish reason
+    as one pass per token, in fewer passes, whatever ends it (length, EOS, a stop string, the
+    context window)."""
+
+    chain = tokenizer.encode(" the ferry crossed to the north pier at dawn", add_special_tokens=False)
+    eos = 0
+    successor = dict(zip(chain, chain[1:] + [eos]))   # the model recites the chain, then ends
+    prompt = [5, 6, *chain, 7]                           # the prompt holds the chain too
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop=stop)
+    runs = {}
+    for drafts in (0, 3):
+        decoder = ScriptedDecoder({6: chain[0], **successor}, len(prompt), len(prompt) + max_new_tokens,
+                                  len(tokenizer))
+        decoding = Decoding(decoder, tokenizer, decoder.logits_after(6), len(prompt), params, frozenset({eos}),
+                            context_window=len(prompt) + room, lookup=PromptLookup(prompt) if drafts else None,
+                            draft_tokens=drafts)
+        pieces = list(decoding)
+        assert "".join(pieces) == decoding.text and decoding.steps == decoder.passes
+        runs[drafts] = decoding
+    plain, drafted = runs[0], runs[3]
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert drafted.finish_reason == plain.finish_reason
+    if len(plain.token_ids) > 4:
+        assert drafted.steps < plain.steps
+
+
+def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
+    tiny_engine.prompt_lookup_num_tokens = 0
+    plain = tiny_engine.generate(segments(), max_new_tokens=24)
+    plain_steps = tiny_engine.last_stats.decode_steps
+    tiny_engine.prompt_lookup_num_tokens = 3
+    drafted = tiny_engine.generate(segments(), max_new_tokens=24)
+    assert drafted.token_ids == plain.token_ids and drafted.text == plain.text
+    assert tiny_engine.last_stats.decode_steps <= plain_steps
+    sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # never drafts
+    assert tiny_engine.last_stats.decode_steps in (len(sampled.token_ids) - 1, len(sampled.token_ids))
+
+
+# ---------------------------------------------------------------------------- picking a token
+
+
+def test_greedy_and_a_tiny_temperature_pick_the_best_token():
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0]) * 1e4   # large logits: a naive softmax / T overflows
+    assert pick_token(logits, SamplingParams(temperature=0), None) == 1
+    generator = torch.Generator().manual_seed(0)
+    assert {pick_token(logits, SamplingParams(temperature=1e-6), generator) for _ in range(20)} == {1}
+
+
+def test_top_p_keeps_the_smallest_head_that_reaches_it():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+
+    def picks(top_p, n=400):
+        generator = torch.Generator().manual_seed(1)
+        return {pick_token(logits, SamplingParams(temperature=1.0, top_p=top_p), generator) for _ in range(n)}
+
+    assert picks(0.5) == {0}            # the first token alone reaches 0.5
+    assert picks(0.6) == {0, 1}         # 0.5 + 0.3 reaches it; the tail never comes
+    assert picks(0.9) == {0, 1, 2}
+    assert picks(1.0) == {0, 1, 2, 3}
+
+
+def test_a_seed_repeats_a_sampled_answer(tiny_engine):
+    a = tiny_engine.generate(segments(), max_new_tokens=10, temperature=0.9, seed=7)
+    b = tiny_engine.generate(segments(), max_new_tokens=10, temperature=0.9, seed=7)
+    assert a.token_ids == b.token_ids and a.text == b.text
+
+
+# ---------------------------------------------------------------------------- how an answer ends
+
+
+SENTENCE = " the ferry crossed to a north pier at dawn"   # no token twice: each one has one successor
+
+
+def recital(tokenizer, params, room=10_000):
+    """A Decoding of a 'model' that recites SENTENCE, then emits EOS (token 0)."""
+    chain = tokenizer.encode(SENTENCE, add_special_tokens=False)
+    successor = dict(zip(chain, chain[1:] + [0]))
+    prompt = [5, 6, *chain, 7]
+    decoder = ScriptedDecoder({6: chain[0], **successor}, len(prompt), len(prompt) + params.max_new_tokens,
+                              len(tokenizer))
+    decoding = Decoding(decoder, tokenizer, decoder.logits_after(6), len(prompt), params, frozenset({0}),
+                        context_window=len(prompt) + room)
+    return decoding, chain
+
+
+def test_eos_ends_the_answer_and_is_not_part_of_it(tokenizer):
+    decoding, chain = recital(tokenizer, SamplingParams(max_new_tokens=50))
+    deltas = list(decoding)
+    assert decoding.finish_reason == "stop" and decoding.token_ids == chain and 0 not in decoding.token_ids
+    assert "".join(deltas) == decoding.text == tokenizer.decode(chain)
+
+
+@pytest.mark.parametrize("stop", ["north", "a nor", " dawn"])
+def test_a_stop_string_ends_the_answer_before_it_and_is_never_streamed(tokenizer, stop):
+    decoding, _ = recital(tokenizer, SamplingParams(max_new_tokens=50, stop=(stop,)))
+    deltas = list(decoding)
+    assert decoding.finish_reason == "stop" and decoding.text == SENTENCE[:SENTENCE.index(stop)]
+    assert "".join(deltas) == decoding.text   # nothing of the stop string was handed out early
+
+
+def test_the_length_limit_and_the_context_window_end_the_answer(tokenizer):
+    decoding, chain = recital(tokenizer, SamplingParams(max_new_tokens=3))
+    list(decoding)
+    assert decoding.finish_reason == "length" and decoding.token_ids == chain[:3]
+    decoding, chain = recital(tokenizer, SamplingParams(max_new_tokens=50), room=2)
+    list(decoding)
+    assert decoding.finish_reason == "length" and decoding.token_ids == chain[:2]
+
+
+def test_sampling_params_are_checked():
+    for bad in ({"max_new_tokens": 0}, {"temperature": -0.1}, {"top_p": 0}, {"seed": -1}, {"stop": [""]}):
+        with pytest.raises(InvalidInputError):
+            SamplingParams(**bad)
+    assert SamplingParams(stop="END").stop == ("END",)   # one string is one stop string
