@@ -255,3 +255,16 @@ def first_token_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """KL(reference || fused) between the next-token distributions of two prefills."""
     return torch.nn.functional.kl_div(torch.log_softmax(logits.float(), -1), torch.log_softmax(reference.float(), -1),
                                       log_target=True, reduction="sum").item()
+
+
+def calibrate_and_save(engine, prompts=None, *, save: bool = True, progress: bool = True) -> Calibration:
+    """:func:`calibrate`, then (``save``) store the result; a folder that cannot be written
+    is a warning, not a loss of minutes of measuring."""
+    result = calibrate(engine, prompts, progress=progress)
+    if save:
+        try:
+            result.source = str(save_calibration(result))
+        except OSError as err:
+            log.warning("ragblend: could not save the calibration (%s: %s); this engine uses it, later "
+                        "engines will not.", type(err).__name__, err)
+    return result

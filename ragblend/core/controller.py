@@ -69,6 +69,13 @@ class LoadingController:
         self.probe_tokens = probe_tokens
         self._measured: Measurements | None = None
 
+    @classmethod
+    def for_store(cls, adapter: ModelAdapter, spec: EntrySpec, kv_dtype: torch.dtype, store) -> "LoadingController":
+        """A controller whose read probe runs on the device of ``store``'s disk tier (else the cache folder)."""
+        disk = getattr(store, "disk", store)
+        probe_dir = disk.directory.parent if isinstance(disk, DiskStore) else cache_dir()
+        return cls(adapter, spec, kv_dtype, probe_dir)
+
     @property
     def cache_file(self) -> Path:
         name = f"{self.spec.fingerprint[:16]}-{self.adapter.device.type}-{str(self.kv_dtype).split('.')[-1]}.json"

@@ -31,10 +31,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .calibration import Calibration, calibrate, load_calibration, save_calibration
+from .calibration import Calibration, calibrate_and_save, load_calibration
 from .chunk_index import ChunkIndex
+from .controller import LoadingController
 from .decode_weights import DecodeWeights
-from .errors import InvalidInputError, PromptTooLongError
+from .errors import InvalidInputError
 from .generate import Decoding, SamplingParams, sampling_params, start_decoding
 from .ingest import Ingestion
 from .kernels import KernelPlan
@@ -45,7 +46,7 @@ from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strate
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
-from .store import DiskStore, EntrySpec, KVStore, MemoryStore, open_store
+from .store import EntrySpec, KVStore, MemoryStore, open_store
 from .strategies import Strategy
 
 __all__ = ["BlendEngine", "Generation", "Prefill", "PromptTrace", "Stats", "TextStream"]
@@ -55,56 +56,38 @@ log = logging.getLogger("ragblend")
 class BlendEngine:
     """Fusion engine over one local model: precompute chunk KV, then prefill/generate with reuse.
 
-    Build it with :meth:`from_pretrained`. Model computations (prefill layers, each decoding
-    step) are serialised by ``lock``, so threads may share an engine; ``last_stats`` and
-    ``last_prompt`` then describe whichever call finished last. KV write-back and promotion
-    to memory run in a background thread (:meth:`flush` waits for them).
-    """
+    Build it with :meth:`from_pretrained`. Model passes are serialised by ``lock``, so threads may
+    share an engine; ``last_stats`` and ``last_prompt`` then describe whichever call finished last.
+    KV write-back and promotion to memory run in the background (:meth:`flush` waits for them)."""
 
     def __init__(self, hf_model, tokenizer, *, store: KVStore | None = None, strategy: Strategy | None = None,
                  options: EngineOptions | None = None, **keywords):
-        """``options`` (an :class:`~ragblend.core.options.EngineOptions`) and/or its engine
-        fields as keywords (``kv_dtype=``, ``decode_dtype=``, ``separator=``...), keywords over it;
-        its loading fields (``model``, ``kv_dir``...) are :meth:`from_pretrained`'s."""
+        """``options`` (:class:`~ragblend.core.options.EngineOptions`) and/or its engine fields as keywords."""
         self.options = options = EngineOptions.merged(options, keywords, engine_only=True)
         self.hf_model, self.tokenizer = hf_model, tokenizer
-        self.adapter = ModelAdapter(hf_model)   # checks the architecture first
-        self.kernel_plan: KernelPlan | None = None
-        if self.adapter.dtype == torch.float32 and self.adapter.device.type == "cpu":
-            # The same weights through the CPU kernels measured fastest on this host (core.kernels);
-            # the model itself is left as it is.
-            self.kernel_plan = kernel_plan_for(hf_model)
-            self.adapter = ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, self.kernel_plan)))
+        self.adapter, self.kernel_plan = _fast_adapter(hf_model)
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
-        # What every chunk is precomputed after: the template's opening, then a neutral passage
-        # (chunk_context), so that a chunk's cached KV is that of a passage in the middle of a
-        # prompt, as it will be used (docs/benchmarks.md, "Chunk context").
-        # A sink_prefix is the developer's own template text: its control tokens are parsed.
-        sink_ids = (self.prompts.tokenize_template(options.sink_prefix) if options.sink_prefix is not None
-                    else self.prompts.sink_ids(options.chunk_context))
+        self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
         self.fingerprint = self.adapter.fingerprint(tokenizer)
         self.lock = threading.RLock()
         self.index = ChunkIndex()
-        self.ingestion = Ingestion(self.adapter, self.prompts, sink_ids, self.fingerprint, options.storage_dtype,
+        self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
         self._engine_chose = strategy is None   # the calibration's (or the safe default), not the caller's
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
                                        self.adapter.shape.num_layers)
-        self.prefetch, self.write_back = options.prefetch, options.write_back
-        self.precompute_batch_tokens = options.precompute_batch_tokens
-        self.prompt_lookup_num_tokens = options.prompt_lookup_num_tokens
+        self.prefetch, self.write_back = options.prefetch, options.write_back   # these four may be changed later
+        self.precompute_batch_tokens, self.prompt_lookup_num_tokens = (options.precompute_batch_tokens,
+                                                                       options.prompt_lookup_num_tokens)
         self.name = options.name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
-        self._controller = None
+        self._controller: LoadingController | None = None
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading)
-        eos = hf_model.generation_config.eos_token_id
-        eos = [eos] if isinstance(eos, int) else list(eos or [])
-        if tokenizer.eos_token_id is not None:
-            eos.append(tokenizer.eos_token_id)
-        self.eos_ids = frozenset(eos)
+        self.eos_ids = _eos_ids(hf_model, tokenizer)
+        self.decode_dtype = options.decode_dtype
         self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
         # Built now (a few seconds for 4-bit weights), not in the first answer's time to first token.
         self.decoding_adapter()
@@ -113,24 +96,11 @@ class BlendEngine:
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
                         store: KVStore | None = None, options: EngineOptions | None = None,
                         **keywords) -> "BlendEngine":
-        """Load a model and wrap it.
-
-        ``model`` is None (the embedded SmolLM2-135M-Instruct), a ``.gguf`` file or a local
-        Hugging Face directory. KV entries live in memory (LRU, ``memory_bytes``) in front of
-        a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; LRU, ``disk_bytes``).
-        Pass ``kv_dir=False`` for memory only. Every option of
-        :class:`~ragblend.core.options.EngineOptions` may be passed as ``options=`` and/or as a
-        keyword (``kv_dir``, ``memory_bytes``, ``dtype``, ``kv_dtype``, ``decode_dtype``,
-        ``prompt_lookup_num_tokens``, ``prefetch``, ``separator``...), keywords over ``options``.
-        """
-        if model is not None:
-            keywords["model"] = model
-        options = EngineOptions.merged(options, keywords)
-        dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
-        hf_model, tokenizer = load_model(options.model, dtype=dtype, device=options.device)
-        if options.name is None:
-            options = replace(options, name="SmolLM2-135M-Instruct" if options.model is None
-                              else os.path.basename(str(options.model).rstrip("/")))
+        """Load ``model`` (None: the embedded SmolLM2-135M-Instruct; a ``.gguf`` file or a local
+        Hugging Face directory) and wrap it. KV entries live in memory (LRU, ``memory_bytes``) in
+        front of a disk store at ``kv_dir`` (default ``<user cache>/ragblend/kv``; ``False``: memory
+        only). Any :class:`~ragblend.core.options.EngineOptions` field may be a keyword, over ``options``."""
+        hf_model, tokenizer, options = _load(options, keywords if model is None else {**keywords, "model": model})
         engine = cls(hf_model, tokenizer, store=store if store is not None else MemoryStore(options.memory_bytes),
                      strategy=strategy, options=options)   # the loading options are kept there, for the record
         if store is None and options.kv_dir is not False:
@@ -157,11 +127,6 @@ class BlendEngine:
         return ChunkFinder.MIN_RUN
 
     @property
-    def sink_ids(self) -> list[int]:
-        """The token ids every chunk is precomputed after."""
-        return self.ingestion.sink_ids
-
-    @property
     def kv_dtype(self) -> torch.dtype:
         """The dtype chunk KV is stored in (new entries; their keys name it)."""
         return self.ingestion.kv_dtype
@@ -169,10 +134,6 @@ class BlendEngine:
     @kv_dtype.setter
     def kv_dtype(self, dtype: torch.dtype) -> None:
         self.ingestion.kv_dtype = dtype
-
-    @property
-    def decode_dtype(self) -> str:
-        return self.decode_weights.decode_dtype
 
     @property
     def calibration_id(self) -> str:
@@ -194,16 +155,11 @@ class BlendEngine:
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
-        """Compute and store the KV of each chunk text (skipping ones already stored).
-
-        Every text is validated before anything is stored, so a bad item stores nothing.
-        With ``skip_unusable`` (what ingestion hooks want), a chunk that is empty, too long
-        for the window or too short to be found in a prompt (``min_chunk_tokens``) is not
-        an error: its place in the result is None and nothing is stored for it.
-        Each returned :class:`ChunkRef` says whether its entry is ``stored``: when the KV
-        store fails (full disk, read-only or deleted folder...) it is not, a warning says
-        why, and queries compute that chunk instead.
-        """
+        """Compute and store the KV of each chunk text (skipping ones already stored); every text
+        is checked before anything is stored. With ``skip_unusable`` (what ingestion hooks want), a
+        chunk empty, too long for the window or shorter than ``min_chunk_tokens`` gets None, not an
+        error. A :class:`ChunkRef` says whether its entry is ``stored`` (a failing KV store is a
+        warning, and queries compute that chunk instead)."""
         return self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
                                          progress=progress, skip_unusable=skip_unusable)
 
@@ -216,13 +172,9 @@ class BlendEngine:
         return sum(bool(self.store.delete(key)) for key in keys)
 
     def remember_chunk(self, text: str) -> str:
-        """Declare ``text`` a chunk, so :meth:`find_chunks` marks it in flat prompts even
-        when its KV is not stored (it is then computed in isolation and written back).
-        Returns its key."""
-        ids = self.prompts.tokenize(text)
-        key = self.ingestion.key_for(ids)
-        self.index.add(key, ids)
-        return key
+        """Declare ``text`` a chunk (returns its key), so :meth:`find_chunks` marks it in flat prompts
+        even when its KV is not stored (it is then computed in isolation and written back)."""
+        return self.ingestion.remember(text)
 
     def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
                      history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
@@ -232,20 +184,16 @@ class BlendEngine:
 
     def find_chunks(self, prompt: str, *, system: str | None = None,
                     history: Sequence[tuple[str, str]] = ()) -> PromptLayout:
-        """Lay out a flat prompt (one user message) and mark the known chunks inside it.
-
-        The prompt is tokenized whole, so ``layout.token_ids`` are exactly those of a plain
-        full prefill of the same text; a known chunk is marked where its token ids appear
-        unchanged. Pass the layout to :meth:`prefill`, :meth:`generate` or :meth:`stream`.
-        """
+        """Lay out a flat prompt (one user message), tokenized whole as a plain full prefill
+        would, and mark the known chunks where their token ids appear unchanged inside it. Pass
+        the layout to :meth:`prefill`, :meth:`generate` or :meth:`stream`."""
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         check_text(prompt, "prompt")
         return self.index.mark(self.build_prompt([prompt], system=system, history=history).token_ids, self.store)
 
     def find_chunks_in_ids(self, token_ids: Sequence[int]) -> PromptLayout:
-        """Mark the known chunks inside raw prompt token ids (no chat template is added),
-        e.g. a text-completion prompt tokenized by the caller."""
+        """Mark the known chunks inside raw prompt token ids (no chat template is added)."""
         return self.index.mark(token_ids, self.store)
 
     def flush(self) -> None:
@@ -255,19 +203,10 @@ class BlendEngine:
     # ------------------------------------------------------------------ strategy
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True) -> Calibration:
-        """Measure which recompute ratio keeps this model within its own order noise (once
-        per model, ~2-5 min for SmolLM2 and ~5 min for Qwen2.5-0.5B on a 2-core CPU; see
-        :mod:`ragblend.core.calibration`). The result is stored (``save``) and becomes this
-        engine's strategy unless one was passed explicitly; later engines of the same model
-        load it. ``prompts``: your own ``(chunks, question)`` pairs instead of the built-in ones."""
-        result = calibrate(self, prompts, progress=progress)
-        if save:
-            try:
-                result.source = str(save_calibration(result))
-            except OSError as err:   # minutes of measuring are not thrown away for a cache folder
-                log.warning("ragblend: could not save the calibration (%s: %s); this engine uses it, later "
-                            "engines will not.", type(err).__name__, err)
-        self.calibration = result
+        """Measure which recompute ratio keeps this model within its own order noise (once per model,
+        minutes on a CPU; :mod:`ragblend.core.calibration`; ``prompts``: your own ``(chunks, question)``
+        pairs). Stored (``save``) for later engines; this engine's strategy unless it was given one."""
+        self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress)
         if self._engine_chose:
             self.strategy = result.strategy
         return result
@@ -285,30 +224,18 @@ class BlendEngine:
     def loading(self):
         """The loading controller (built on first use; see :mod:`.controller`)."""
         if self._controller is None:
-            from .controller import LoadingController
-
-            disk = getattr(self.store, "disk", self.store)   # probe reads on the disk tier's device
-            probe_dir = disk.directory.parent if isinstance(disk, DiskStore) else cache_dir()
-            self._controller = LoadingController(self.adapter, self.entry_spec, self.kv_dtype, probe_dir)
+            self._controller = LoadingController.for_store(self.adapter, self.entry_spec, self.kv_dtype, self.store)
         return self._controller
 
     # ------------------------------------------------------------------ prefill and decoding
 
     def prefill(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                 strategy: Strategy | StrategyPlan | None = None) -> Prefill:
-        """Run the fused prefill of ``segments`` (the user turn) under ``system``.
-
-        ``segments`` may also be a :class:`PromptLayout` from :meth:`find_chunks` (then
-        ``system`` is already part of it).
-        """
+        """Run the fused prefill of ``segments`` (the user turn) under ``system``, or of a
+        :class:`PromptLayout` from :meth:`find_chunks` (``system`` is part of it then)."""
         t0 = time.perf_counter()
         plan = strategy if isinstance(strategy, StrategyPlan) else self.resolve(strategy)
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
-        n = len(layout.token_ids)
-        if n > self.context_window:
-            raise PromptTooLongError(
-                f"The prompt has {n} tokens but the model's context window is {self.context_window}; "
-                "pass fewer or shorter chunks.")
         pre, self.last_prompt = self.runner.run(layout, plan, self.store, prefetch=self.prefetch,
                                                 write_back=self.write_back, t0=t0)
         self.last_stats = pre.stats
@@ -319,8 +246,7 @@ class BlendEngine:
         return self.decode_weights.decoding_adapter()
 
     def decoding_layers(self) -> dict[str, int]:
-        """How many linear layers a decoding step runs in each weight format on this host, e.g.
-        ``{"4-bit": 210, "8-bit": 1}`` (the decoding twin is built if it was not yet)."""
+        """Linear layers a decoding step runs per weight format on this host, e.g. ``{"4-bit": 210, "8-bit": 1}``."""
         return self.decode_weights.layer_counts()
 
     def _decoding(self, segments, system, strategy, params: SamplingParams) -> tuple[Prefill, Decoding]:
@@ -335,9 +261,8 @@ class BlendEngine:
                strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                stop: Sequence[str] | None = None) -> "TextStream":
-        """Iterate the answer's text as it is decoded. The returned stream's ``stats`` are
-        this call's (complete once the stream is exhausted), whatever other threads do.
-        Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
+        """Iterate the answer's text as it is decoded; the stream's ``stats`` are this call's (complete
+        once it is exhausted). Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
         params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
         text_stream = TextStream()
 
@@ -345,7 +270,7 @@ class BlendEngine:
             pre, decoding = self._decoding(segments, system, strategy, params)
             text_stream.stats = pre.stats
             yield from decoding  # the engine lock is taken per decoding step, never across a yield
-            self._finish_stats(pre.stats, decoding)
+            self.last_stats = decoding.finish_stats(pre.stats)
 
         text_stream._deltas = run()
         return text_stream
@@ -360,15 +285,14 @@ class BlendEngine:
         pre, decoding = self._decoding(segments, system, strategy, params)
         for _ in decoding:
             pass
-        self._finish_stats(pre.stats, decoding)
+        self.last_stats = decoding.finish_stats(pre.stats)
         return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids,
                           pre.logits)
 
     def begin(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
               strategy: Strategy | None = None, params: SamplingParams | None = None) -> Decoding:
-        """Prefill with fusion and return the decoding, not yet stepped, for a loop that decodes
-        many requests together (:class:`~ragblend.core.batching.BatchDecoder`). Its ``stats``
-        are this call's; :meth:`finish` completes them once the decoding is done."""
+        """Prefill with fusion and return the decoding, not yet stepped, for a loop that decodes many
+        requests together (:class:`~ragblend.core.batching.BatchDecoder`); :meth:`finish` completes its ``stats``."""
         params = sampling_params(params, 256, 0.0, 1.0, None, None)
         pre, decoding = self._decoding(segments, system, strategy, params)
         decoding.stats = pre.stats
@@ -376,12 +300,36 @@ class BlendEngine:
 
     def finish(self, decoding: Decoding) -> Stats:
         """The stats of a decoding from :meth:`begin`, completed with its answer's."""
-        self._finish_stats(decoding.stats, decoding)
+        self.last_stats = decoding.finish_stats(decoding.stats)
         return decoding.stats
 
-    def _finish_stats(self, stats: Stats, decoding: Decoding) -> None:
-        stats.generated_tokens = len(decoding.token_ids)
-        stats.decode_s = decoding.decode_s
-        stats.decode_steps = decoding.steps
-        stats.finish_reason = decoding.finish_reason
-        self.last_stats = stats
+
+def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
+    """The adapter the engine computes with, and its CPU kernel plan (None off float32 CPU)."""
+    adapter = ModelAdapter(hf_model)   # checks the architecture first
+    if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
+        return adapter, None
+    # The same weights through the CPU kernels measured fastest on this host (core.kernels);
+    # the model itself is left as it is.
+    plan = kernel_plan_for(hf_model)
+    return ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, plan))), plan
+
+
+def _eos_ids(hf_model, tokenizer) -> frozenset[int]:
+    eos = hf_model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None:
+        eos.append(tokenizer.eos_token_id)
+    return frozenset(eos)
+
+
+def _load(options: EngineOptions | None, keywords: dict):
+    """``(hf_model, tokenizer, options)`` for :meth:`BlendEngine.from_pretrained`, the options
+    naming the model when they did not."""
+    options = EngineOptions.merged(options, keywords)
+    dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
+    hf_model, tokenizer = load_model(options.model, dtype=dtype, device=options.device)
+    if options.name is None:
+        options = replace(options, name="SmolLM2-135M-Instruct" if options.model is None
+                          else os.path.basename(str(options.model).rstrip("/")))
+    return hf_model, tokenizer, options

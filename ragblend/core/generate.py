@@ -209,6 +209,12 @@ class Decoding:
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
     stats: object = None                 # the engine's Stats of this request, when it made the decoding
 
+    def finish_stats(self, stats):
+        """``stats`` (a :class:`~ragblend.core.results.Stats`) completed with this decoding's answer."""
+        stats.generated_tokens = len(self.token_ids)
+        stats.decode_s, stats.decode_steps, stats.finish_reason = self.decode_s, self.steps, self.finish_reason
+        return stats
+
     def __post_init__(self):
         if self.params.temperature > 0:
             self.lookup = None   # a draft is checked against the greedy choice: sampling never drafts

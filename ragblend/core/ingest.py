@@ -48,6 +48,14 @@ class Ingestion:
         """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
         return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
 
+    def remember(self, text: str) -> str:
+        """Declare ``text`` a chunk in the index (see :meth:`BlendEngine.remember_chunk
+        <ragblend.BlendEngine.remember_chunk>`); returns its key."""
+        ids = self.prompts.tokenize(text)
+        key = self.key_for(ids)
+        self.index.add(key, ids)
+        return key
+
     def precompute(self, texts, store: KVStore, *, batch_tokens: int, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
         """:meth:`BlendEngine.precompute <ragblend.BlendEngine.precompute>` into ``store``, up to

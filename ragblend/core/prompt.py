@@ -402,6 +402,13 @@ class PromptBuilder:
             out += self.tokenize_template(text) if own else self.tokenize(text)
         return out
 
+    def chunk_sink(self, sink_prefix: str | None, chunk_context: str) -> list[int]:
+        """What every chunk is precomputed after: the template's opening, then a neutral passage
+        (``chunk_context``), so that a chunk's cached KV is that of a passage in the middle of a
+        prompt, as it will be used (docs/benchmarks.md, "Chunk context"). A ``sink_prefix`` is
+        the developer's own template text instead: its control tokens are parsed."""
+        return self.tokenize_template(sink_prefix) if sink_prefix is not None else self.sink_ids(chunk_context)
+
     def sink_ids(self, context: str = "") -> list[int]:
         """The fixed prefix chunks are precomputed after (its KV is dropped).
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import PromptTooLongError
 from .ingest import Ingestion
 from .model import ModelAdapter
 from .pipeline import PrefetchSource, SequentialSource
@@ -69,7 +70,10 @@ class PrefillRunner:
     def run(self, layout: PromptLayout, plan: StrategyPlan, store: KVStore, *, prefetch: bool,
             write_back: bool, t0: float) -> tuple[Prefill, PromptTrace]:
         """The fused prefill of ``layout`` as ``plan`` says, reading ``store``; ``t0``: when the call began."""
-        n = len(layout.token_ids)
+        n, window = len(layout.token_ids), self.adapter.shape.context_window
+        if n > window:
+            raise PromptTooLongError(f"The prompt has {n} tokens but the model's context window is {window}; "
+                                     "pass fewer or shorter chunks.")
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
