@@ -308,20 +308,23 @@ class KVFiller:
         KV) in passes; adds the keys tried to ``tried``. Returns how many were stored."""
         from ragblend.vectorstore_hooks.llamaindex import llm_text
 
-        with self.index.writing:   # the nodes cannot be deleted between reading and storing
+        with self.index.writing:
             nodes = self.index.vector_store.get_nodes(node_ids=[node_id for node_id, _, _ in batch])
             by_id = {node.node_id: node for node in nodes}
-            items = [(key, llm_text(by_id[node_id])) for node_id, key, _ in batch if node_id in by_id]
+            items = [(node_id, key, llm_text(by_id[node_id])) for node_id, key, _ in batch if node_id in by_id]
         done = 0
         for group in self._passes(items):
             self._wait_for_queries()
             if self._stop.is_set():
                 break
-            with self.index.writing:
+            with self.index.writing:   # no ingest or delete between the check below and the storing
+                # A chunk deleted since the batch was read gets no KV (its document's KV is gone).
+                alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
+                passed, group = len(group), [item for item in group if item[0] in alive]
                 t0 = time.perf_counter()
-                refs = self.engine.precompute([text for _, text in group], skip_unusable=True)
+                refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0
-            for (key, _), ref in zip(group, refs):
+            for (_, key, _), ref in zip(group, refs):
                 tried.add(key)
                 if ref is not None and ref.key == key and ref.stored:
                     self.computed += 1
@@ -330,19 +333,19 @@ class KVFiller:
                 else:
                     self._warn_unstorable(key, ref)
             if bar is not None:
-                bar.update(len(group))
+                bar.update(passed)
         return done
 
-    def _passes(self, items: list[tuple[str, str]]) -> Iterator[list[tuple[str, str]]]:
-        """Groups of chunks that fill one pass of the model (``precompute_batch_tokens``)."""
+    def _passes(self, items: list[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
+        """Groups of ``(node id, key, text)`` that fill one pass of the model (``precompute_batch_tokens``)."""
         budget = self.engine.precompute_batch_tokens
         group, tokens = [], 0
-        for key, text in items:
-            n = self.engine.count_tokens(text)
+        for item in items:
+            n = self.engine.count_tokens(item[2])
             if group and tokens + n > budget:
                 yield group
                 group, tokens = [], 0
-            group.append((key, text))
+            group.append(item)
             tokens += n
         if group:
             yield group
