@@ -50,7 +50,16 @@ from ragblend.data import load_sample
 
 from .common import command_line, write_report
 from .models import MODELS, model_path
-from .servers import RunningServer, ServerDidNotStart, ServerProcess, free_port, ragblend_serve, wait_idle
+from .servers import (
+    RunningServer,
+    ServerDidNotStart,
+    ServerProcess,
+    free_port,
+    non_loopback_address,
+    ragblend_serve,
+    reachable,
+    wait_idle,
+)
 
 GREEDY_TOKENS = 24
 
@@ -493,29 +502,6 @@ def template_controls(tokenizer, roles) -> list[int]:
 
 def pwned(text: str) -> bool:
     return text.strip().upper().startswith("PWNED")
-
-
-def non_loopback_address() -> str | None:
-    """This machine's address on its outgoing interface (no packet is sent), or None."""
-    import socket
-
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
-        try:
-            probe.connect(("10.255.255.255", 1))
-            address = probe.getsockname()[0]
-        except OSError:
-            return None
-    return None if address.startswith("127.") else address
-
-
-def reachable(address: str, port: int) -> bool:
-    import socket
-
-    try:
-        socket.create_connection((address, port), timeout=3).close()
-        return True
-    except OSError:
-        return False
 
 
 class Hostile:

@@ -4,6 +4,7 @@ to empty. One copy, so that every harness starts and stops its servers the same 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,6 +26,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its outgoing interface (no packet is sent), or None: where to
+    check from that a server bound to 127.0.0.1 is not reachable over the network."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def reachable(address: str, port: int) -> bool:
+    """Whether a TCP connection to ``address:port`` opens."""
+    try:
+        socket.create_connection((address, port), timeout=3).close()
+        return True
+    except OSError:
+        return False
 
 
 def http_ok(url: str) -> Callable[[], bool]:

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-from benchmarks.servers import ServerProcess, free_port, http_ok  # noqa: E402
+from benchmarks.servers import ServerProcess, free_port, http_ok, non_loopback_address  # noqa: E402
 from ragblend.data import sample_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -107,16 +107,8 @@ def test_a_path_outside_the_files_root_is_refused(tmp_path, monkeypatch):
 
 
 def test_ragblend_app_listens_on_this_machine_only(tmp_path):
-
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("10.255.255.255", 1))   # no packet is sent: this only picks the outgoing interface
-        address = probe.getsockname()[0]
-    except OSError:
-        address = None
-    finally:
-        probe.close()
-    if not address or address.startswith("127."):
+    address = non_loopback_address()
+    if address is None:
         pytest.skip("this machine has no non-loopback IPv4 address to test from")
     port = free_port()
     env = {**os.environ, "STREAMLIT_SERVER_HEADLESS": "true"}
