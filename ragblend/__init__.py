@@ -13,6 +13,7 @@ from .core.errors import (
 )
 from .core.generate import SamplingParams
 from .core.kv import ChunkRef
+from .core.options import EngineOptions
 from .core.prompt import Chunk
 from .core.strategies import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 
@@ -45,7 +46,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'ragblend' has no attribute {name!r}")
 
 __all__ = [
-    "BlendEngine", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
+    "BlendEngine", "EngineOptions", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
     "Generation", "Prefill", "Stats", "SamplingParams", "RagblendError", "InvalidInputError", "InvalidTypeError", "SegmentTypeError",
     "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError", "StoreUnavailableError",
     "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",
