@@ -88,7 +88,7 @@ def fresh_index(engine: BlendEngine, folder: Path) -> LocalIndex:
     return LocalIndex(folder, engine=engine)
 
 
-def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: dict | None,
+def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, questions: list[dict],
                   kv: bool = True) -> dict:
     """One corpus, three ways: embeddings only; ragblend searchable first (``kv="skip"``), a
     question answered at once, then the KV in the foreground (``kv.run()``, what ``ragblend
@@ -96,6 +96,7 @@ def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: d
     otherwise idle process, then a question asked twice at 100% coverage. ``kv=False`` stops
     after the question (a corpus whose KV would take too long to compute twice)."""
     row: dict = {"label": label}
+    qa = questions[0] if questions else None
     fore = fresh_index(engine, work / "foreground")
     row["embeddings_s"] = embeddings_only(fore, docs, work)
     report = fore.ingest([docs], show_progress=True, kv="skip")
@@ -107,6 +108,8 @@ def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: d
         row.update(answer=answer.text, first_ask=answer.stats,
                    correct=any(a.lower() in answer.text.lower() for a in qa["answers"]))
     if not kv:
+        if questions:
+            row["correctness"] = correctness(fore, questions)
         print(row, flush=True)
         return row
     t = time.perf_counter()
@@ -125,6 +128,7 @@ def ingest_phases(engine: BlendEngine, docs: Path, work: Path, label: str, qa: d
     if qa is not None:
         back.ask(qa["question"], max_new_tokens=24)
         row["repeat"] = back.ask(qa["question"], max_new_tokens=24).stats
+        row["correctness"] = correctness(back, questions)
     print({k: v for k, v in row.items() if k not in ("first_ask", "repeat")}, flush=True)
     return row
 
@@ -157,18 +161,35 @@ def corpus_lines(rows: list[dict]) -> list[str]:
                          f"chunks: {first.chunks_reused} reused, {first.chunks_computed} computed in the prefill. "
                          f"Asked twice at 100% coverage (background index), the second time: {repeat.chunks_reused} "
                          f"chunks reused, {repeat.chunks_computed} computed, {repeat.chunks_missing} missing.")
+        if "correctness" in r:
+            c = r["correctness"]
+            lines.append(f"  Of {c['asked']} SQuAD questions about these files: gold paragraph retrieved for "
+                         f"{c['retrieved']}; answered correctly {c['fused']} with fusion, {c['full']} with a full "
+                         "prefill over the same retrieved chunks (the model's own reach).")
     return lines
 
 
-def question_for(texts: list[str]) -> dict | None:
-    """A SQuAD question whose gold paragraph is one of ``texts`` (the files ingested)."""
+def questions_for(texts: list[str], n: int = 5) -> list[dict]:
+    """Up to ``n`` SQuAD questions whose gold paragraph is one of ``texts`` (the files ingested)."""
     from .squad import rag_samples
 
     present = set(texts)
-    for sample in rag_samples(limit=400):
-        if sample["chunks"][sample["gold"]].strip() in present:
-            return sample
-    return None
+    return [s for s in rag_samples(limit=400) if s["chunks"][s["gold"]].strip() in present][:n]
+
+
+def correctness(rag: LocalIndex, questions: list[dict]) -> dict:
+    """How many questions were answered correctly (a gold answer in the text), with fusion and with
+    a full prefill over the same retrieved chunks, and how often the gold paragraph was retrieved:
+    what the model gets right from this index, not only what ragblend does."""
+    counts = {"asked": len(questions), "fused": 0, "full": 0, "retrieved": 0}
+    for qa in questions:
+        fused = rag.ask(qa["question"], max_new_tokens=24)
+        full = rag.ask(qa["question"], max_new_tokens=24, strategy="full_recompute")
+        gold = qa["chunks"][qa["gold"]].strip()
+        counts["retrieved"] += any(n.node.get_content().strip() == gold for n in fused.sources)
+        for name, answer in (("fused", fused), ("full", full)):
+            counts[name] += any(a.lower() in answer.text.lower() for a in qa["answers"])
+    return counts
 
 
 def main(argv=None) -> None:
@@ -197,7 +218,7 @@ def main(argv=None) -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ingest-", dir=cache_dir()) as tmp:
         if not args.no_kv:
-            rows.append(ingest_phases(engine, sample_dir(), Path(tmp) / "sample", "sample documents", None))
+            rows.append(ingest_phases(engine, sample_dir(), Path(tmp) / "sample", "sample documents", []))
         if args.files:
             docs = Path(tmp) / "files"
             docs.mkdir()
@@ -207,7 +228,7 @@ def main(argv=None) -> None:
             for i, text in enumerate(texts):
                 (docs / f"{i:05d}.txt").write_text(text + "\n", encoding="utf-8")
             rows.append(ingest_phases(engine, docs, Path(tmp) / "files-index",
-                                      f"{len(texts):,} one-paragraph files", question_for(texts), kv=not args.no_kv))
+                                      f"{len(texts):,} one-paragraph files", questions_for(texts), kv=not args.no_kv))
     lines += corpus_lines(rows)
     print("\n".join(lines), flush=True)
     write_report(args.out, "ingest-run.md", "Ingestion", command_line("benchmarks.ingest", argv),
