@@ -41,6 +41,7 @@ from .ingest import Ingestion
 from .kernels import KernelPlan
 from .kv import ChunkKV, ChunkRef, calibration_key
 from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, with_linears
+from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
@@ -91,6 +92,7 @@ class BlendEngine:
         self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
         # Built now (a few seconds for 4-bit weights), not in the first answer's time to first token.
         self.decoding_adapter()
+        release_thread_pool()   # as every prefill, precompute and answer ends: see .omp
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,

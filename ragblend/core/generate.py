@@ -23,6 +23,7 @@ import torch
 from .cancel import check_cancelled
 from .errors import InvalidInputError
 from .masks import attention_plan
+from .omp import release_thread_pool
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ class Decoding:
         """``stats`` (a :class:`~ragblend.core.results.Stats`) completed with this decoding's answer."""
         stats.generated_tokens = len(self.token_ids)
         stats.decode_s, stats.decode_steps, stats.finish_reason = self.decode_s, self.steps, self.finish_reason
+        release_thread_pool()   # the answer is done: see .omp
         return stats
 
     def __post_init__(self):

@@ -21,6 +21,7 @@ from .errors import InvalidInputError, PromptTooLongError
 from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
 from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
+from .omp import release_thread_pool
 from .prompt import ChunkFinder, PromptBuilder, check_text
 from .store import KVStore
 
@@ -89,6 +90,7 @@ class Ingestion:
             if key is not None and refs[i] is None:
                 refs[i] = refs[todo[key][0]]
         self._warn_unstored(refs)
+        release_thread_pool()   # see .omp
         return refs
 
     def tokenize_chunks(self, texts: str | Iterable[str], skip_unusable: bool):

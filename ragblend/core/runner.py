@@ -15,6 +15,7 @@ import torch
 from .errors import PromptTooLongError
 from .ingest import Ingestion
 from .model import ModelAdapter
+from .omp import release_thread_pool
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import fused_prefill
@@ -99,6 +100,7 @@ class PrefillRunner:
         trace = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, fused.key_bias)
+        release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
 
     def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back):

@@ -35,6 +35,7 @@ from typing import Iterable, Iterator
 
 from ragblend.core.errors import RagblendError
 from ragblend.core.kv import KV_METADATA_KEY
+from ragblend.core.omp import release_thread_pool
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class KVFiller:
             self._thread.join()   # an ending thread still holds the fill lock for an instant
         self._stop.clear()
         self.error, self._exiting, self.state = None, False, "filling"
+        release_thread_pool()   # this thread's idle OpenMP workers (the embeddings') would slow the filler's
         self._thread = threading.Thread(target=self._background, name="ragblend-kv-fill", daemon=True)
         self._thread.start()
         _running.add(self)
