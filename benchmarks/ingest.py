@@ -139,14 +139,11 @@ def corpus_lines(rows: list[dict]) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         emb = r["embeddings_s"]
-        if "fg_s" not in r:   # searchable and answered only
-            r = {**r, "fg_s": float("nan"), "fg_rate": float("nan"), "bg_s": float("nan"), "bg_rate": float("nan"),
-                 "coverage": float("nan")}
         answered = (f"{r['answered_s']:.1f} ({r['answered_s'] / emb:.2f}x)" if "answered_s" in r else "-")
+        kv = (f"{r['fg_s']:.1f}, {r['fg_rate']:,.0f} | {r['bg_s']:.1f}, {r['bg_rate']:,.0f} | "
+              f"{r['bg_rate'] / r['fg_rate']:.2f} | {r['coverage']:.0%}" if "fg_s" in r else "- | - | - | -")
         lines.append(f"| {r['label']} | {r['files']:,} | {r['chunks']:,} | {emb:.1f} | {r['searchable_s']:.1f} "
-                     f"({r['searchable_s'] / emb:.2f}x) | {answered} | {r['fg_s']:.1f}, {r['fg_rate']:,.0f} | "
-                     f"{r['bg_s']:.1f}, {r['bg_rate']:,.0f} | {r['bg_rate'] / r['fg_rate']:.2f} | "
-                     f"{r['coverage']:.0%} |")
+                     f"({r['searchable_s'] / emb:.2f}x) | {answered} | {kv} |")
     lines.append("")
     for r in rows:
         if "answer" in r and "repeat" not in r:
