@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration import answer_kl, answer_logits, first_token_kl
 
 from .common import (
     MUSIQUE,
     RUNS_DIR,
+    SYSTEM,
     Prompt,
     command_line,
     first_token_and_answer,
@@ -58,10 +59,15 @@ VARIANTS = {
        for r in (0.05, 0.10, 0.15, 0.20, 0.30) for s in (1.0, 0.8, 0.7, 0.6, 0.5, 0.4)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
+PREFILL_ONLY = ", scale in the prefill only"
 
 
-def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int) -> dict:
-    """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included."""
+def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int,
+            answer_level: bool = False) -> dict:
+    """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included.
+    ``answer_level`` adds "answer_kl" (mean KL over the full prefill's greedy answer, teacher-forced:
+    :func:`ragblend.core.calibration.answer_kl`) and "same_answer" (identical greedy answer), and
+    for a strategy that scales the cached attention, a row with the scale in the prefill only."""
     engine.precompute(prompt.chunks)
     segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
     reversed_segments = [Chunk(c) for c in reversed(prompt.chunks)] + [prompt.question]
@@ -69,23 +75,53 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
     def run(strategy, segs=segments):
         return first_token_and_answer(engine, segs, strategy, greedy_tokens)
 
-    ref_logits, _, ref_text = run(FullRecompute())
+    if answer_level:
+        reference = engine.generate(segments, system=SYSTEM, strategy=FullRecompute(), max_new_tokens=greedy_tokens)
+        answer_ids = reference.token_ids
+        ref_steps = answer_logits(engine, engine.prefill(segments, system=SYSTEM, strategy=FullRecompute()),
+                                  answer_ids)
+        ref_logits, ref_text = reference.logits, reference.text
+    else:
+        ref_logits, _, ref_text = run(FullRecompute())
     rows = {}
     for name, strategy in [*variants.items(), (NOISE, FullRecompute())]:
-        logits, stats, text = run(strategy, reversed_segments if name == NOISE else segments)
+        segs = reversed_segments if name == NOISE else segments
+        logits, stats, text = run(strategy, segs)
         rows[name] = {"kl": first_token_kl(ref_logits, logits), "rouge": rouge_l(text, ref_text),
                       "compute": stats.compute_fraction, "same_first": float(logits.argmax() == ref_logits.argmax())}
+        if answer_level:
+            pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
+            rows[name].update(answer_kl=answer_kl(ref_steps, answer_logits(engine, pre, answer_ids)),
+                              same_answer=float(text == ref_text))
+            if pre.key_bias is not None:   # the attention scale kept out of the answer's steps
+                rows[name + PREFILL_ONLY] = {
+                    **rows[name], "rouge": float("nan"), "same_answer": float("nan"),
+                    "answer_kl": answer_kl(ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=False))}
     return rows
 
 
 def table(results: list[dict], greedy_tokens: int) -> list[str]:
-    lines = ["| strategy | compute | KL mean | KL median | first token same | ROUGE-L vs full |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """One row per strategy: means and medians over the prompts; with answer-level rows, also how
+    many prompts' answer-level KL exceeds 3x the order noise's median (issue 29's outlier bound)."""
+    answer_level = "answer_kl" in results[0][NOISE]
+    head = "| strategy | compute | KL mean | KL median | first token same | ROUGE-L vs full |"
+    rule = "|---|---:|---:|---:|---:|---:|"
+    if answer_level:
+        head += " answer KL mean | answer KL median | answer same | answer KL > 3x noise median |"
+        rule += "---:|---:|---:|---:|"
+        bound = 3 * statistics.median(r[NOISE]["answer_kl"] for r in results)
+    lines = [head, rule]
     for name in results[0]:
         col = {k: [r[name][k] for r in results] for k in results[0][name]}
-        rouge = f"{statistics.mean(col['rouge']):.2f}" if greedy_tokens else "-"
-        lines.append(f"| {name} | {statistics.mean(col['compute']):.1%} | {statistics.mean(col['kl']):.4f} | "
-                     f"{statistics.median(col['kl']):.4f} | {statistics.mean(col['same_first']):.0%} | {rouge} |")
+        rouge = f"{statistics.mean(col['rouge']):.2f}" if greedy_tokens and col["rouge"][0] == col["rouge"][0] else "-"
+        line = (f"| {name} | {statistics.mean(col['compute']):.1%} | {statistics.mean(col['kl']):.4f} | "
+                f"{statistics.median(col['kl']):.4f} | {statistics.mean(col['same_first']):.0%} | {rouge} |")
+        if answer_level:
+            same = col["same_answer"]
+            line += (f" {statistics.mean(col['answer_kl']):.4f} | {statistics.median(col['answer_kl']):.4f} | "
+                     f"{f'{statistics.mean(same):.0%}' if same[0] == same[0] else '-'} | "
+                     f"{sum(k > bound for k in col['answer_kl'])} |")
+        lines.append(line)
     return lines
 
 
@@ -96,6 +132,9 @@ def main(argv=None) -> None:
                         help="prompt sets as NAME:COUNT (fidelity, squad, musique)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="strategies by their table name")
     parser.add_argument("--greedy-tokens", type=int, default=32, help="answer length for ROUGE-L (0: KL only)")
+    parser.add_argument("--answer-level", action="store_true",
+                        help="also answer-level KL (teacher-forced over the full prefill's greedy answer) and "
+                             "identical answers; slower: one more prefill per strategy")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
     parser.add_argument("--out", default=RUNS_DIR)
@@ -114,7 +153,7 @@ def main(argv=None) -> None:
                 continue
             results = []
             for i, prompt in enumerate(prompts):
-                results.append(measure(engine, prompt, variants, args.greedy_tokens))
+                results.append(measure(engine, prompt, variants, args.greedy_tokens, args.answer_level))
                 print(f"[{model}/{set_name}] {i + 1}/{len(prompts)}", flush=True)
             raw[f"{model}/{set_name}"] = results
             lines += [f"## {model}: {set_name} ({len(prompts)} prompts)", "", *table(results, args.greedy_tokens), ""]

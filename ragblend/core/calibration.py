@@ -268,3 +268,30 @@ def calibrate_and_save(engine, prompts=None, *, save: bool = True, progress: boo
             log.warning("ragblend: could not save the calibration (%s: %s); this engine uses it, later "
                         "engines will not.", type(err).__name__, err)
     return result
+
+
+def answer_logits(engine, prefill, answer_ids: list[int], *, decoding_bias: bool = True) -> torch.Tensor:
+    """The next-token logits ``[len(answer_ids), vocab]`` at each step of ``answer_ids`` after
+    ``prefill`` (a :class:`~ragblend.core.results.Prefill`), teacher-forced: step i is conditioned
+    on ``answer_ids[:i]``, whatever the prefill would have chosen. One pass on the engine's
+    decoding weights. ``decoding_bias=False`` leaves the fused prefill's key bias (QueryAware's
+    cached-attention scale) out of the answer's steps, keeping it in the prefill's own logits."""
+    from .generate import KVDecoder
+
+    n = len(prefill.token_ids)
+    first = prefill.logits.float()[None]
+    if len(answer_ids) < 2:
+        return first[:len(answer_ids)]
+    decoder = KVDecoder(engine.decoding_adapter(), prefill.keys, prefill.values, n + len(answer_ids),
+                        prefill.key_bias if decoding_bias else None)
+    with engine.lock:
+        rest = decoder.extend(list(answer_ids[:-1]))
+    return torch.cat([first, rest.float()])
+
+
+def answer_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
+    """Answer-level KL: the mean over the answer's steps of KL(reference || other), both from
+    :func:`answer_logits` on the same answer (the reference's own greedy answer). First-token KL
+    sees only the first step; this sees the answer drift that follows."""
+    log_ref, log_other = torch.log_softmax(reference.float(), -1), torch.log_softmax(logits.float(), -1)
+    return (log_ref.exp() * (log_ref - log_other)).sum(-1).mean().item()

@@ -182,3 +182,28 @@ def test_every_shipped_calibration_is_of_the_current_format():
     for path in files:
         calibration = _from_json(json.loads(path.read_text()))
         assert path.stem == calibration.fingerprint[:32] and calibration.within_noise
+
+
+def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
+    """answer_logits: step 0 is the prefill's own logits, step i the decoder's after the answer's
+    first i tokens; answer_kl is zero for the same prefill and positive for another one."""
+    import torch
+
+    from ragblend.core.calibration import answer_kl, answer_logits
+    from ragblend.core.generate import KVDecoder
+
+    tiny_engine.precompute(CHUNKS[:3])
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    full = tiny_engine.prefill(segments, strategy=FullRecompute())
+    answer = tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=6).token_ids
+    steps = answer_logits(tiny_engine, full, answer)
+    assert steps.shape == (len(answer), full.logits.shape[-1])
+    assert torch.equal(steps[0], full.logits.float())
+    decoder = KVDecoder(tiny_engine.decoding_adapter(), full.keys, full.values, len(full.token_ids) + 8)
+    assert torch.allclose(steps[2], decoder.extend(answer[:2])[-1].float(), atol=1e-4)
+
+    assert answer_kl(steps, answer_logits(tiny_engine, full, answer)) == pytest.approx(0.0, abs=1e-6)
+    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5))
+    with_bias = answer_kl(steps, answer_logits(tiny_engine, fused, answer))
+    prefill_only = answer_kl(steps, answer_logits(tiny_engine, fused, answer, decoding_bias=False))
+    assert with_bias > 0 and prefill_only > 0 and with_bias != prefill_only   # the bias reaches the answer's steps
