@@ -166,12 +166,12 @@ class Ingestion:
         return stored.to_cpu()
 
 
-def packs(items: list, max_tokens: int):
-    """Consecutive groups of ``(key, (index, ids))`` items of at most ``max_tokens`` tokens
-    (a longer chunk goes alone)."""
+def packs(items: Iterable, max_tokens: int, size=lambda item: len(item[1][1])):
+    """Consecutive groups of items of at most ``max_tokens`` tokens in all (a longer item goes
+    alone); ``size(item)``: its tokens (default: of ``(key, (index, ids))`` items)."""
     pack, tokens = [], 0
     for item in items:
-        n = len(item[1][1])
+        n = size(item)
         if pack and tokens + n > max_tokens:
             yield pack
             pack, tokens = [], 0

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ragblend.core.errors import RagblendError
+from ragblend.core.ingest import packs
 from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.omp import release_thread_pool
 
@@ -340,17 +341,7 @@ class KVFiller:
 
     def _passes(self, items: list[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
         """Groups of ``(node id, key, text)`` that fill one pass of the model (``precompute_batch_tokens``)."""
-        budget = self.engine.precompute_batch_tokens
-        group, tokens = [], 0
-        for item in items:
-            n = self.engine.count_tokens(item[2])
-            if group and tokens + n > budget:
-                yield group
-                group, tokens = [], 0
-            group.append(item)
-            tokens += n
-        if group:
-            yield group
+        return packs(items, self.engine.precompute_batch_tokens, size=lambda item: self.engine.count_tokens(item[2]))
 
     def _warn_unstorable(self, key: str, ref) -> None:
         if self._warned_unstorable:
