@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from .calibration import UNCALIBRATED, Calibration
 from .errors import InvalidInputError
-from .selection import Selection
+from .selection import Selection, selection_for
 from .strategies import STRATEGIES, CacheBlend, FullRecompute, QueryAware, Strategy
 
 UNCALIBRATED_REASON = ("default for an uncalibrated model: a ratio that stayed within the order noise on every "
@@ -26,24 +26,23 @@ CALLER_REASON = "chosen by the caller"
 class StrategyPlan:
     """How one prefill fuses."""
 
-    strategy: Strategy | Selection   # ratio filled in (but CacheBlend's "auto": see with_auto_ratio)
+    strategy: Strategy | Selection   # as the caller gave it (QueryAware(None) keeps its None)
     reason: str                      # why this strategy and ratio (caller's choice, calibration, default)
     calibration_id: str | None = None   # the calibration the strategy or its ratio came from, if one did
+    ratio: float | str | None = None    # what this call runs at (None given: the strategy's own)
     # What the fused prefill runs (the strategy's Selection), made once here; None until
     # CacheBlend's "auto" ratio is settled.
     selection: Selection | None = None
 
     def __post_init__(self):
+        if self.ratio is None:
+            object.__setattr__(self, "ratio", getattr(self.strategy, "ratio", None))
         if self.selection is None and self.ratio != "auto":
-            object.__setattr__(self, "selection", self.strategy.selection())
+            object.__setattr__(self, "selection", selection_for(self.strategy, self.ratio))
 
     @property
     def name(self) -> str:
         return self.strategy.name
-
-    @property
-    def ratio(self) -> float | str | None:
-        return getattr(self.strategy, "ratio", None)
 
     @property
     def cached_attention_scale(self) -> float | None:
@@ -62,7 +61,7 @@ class StrategyPlan:
             return self
         tier = "disk" if "disk" in tiers else "memory"
         ratio = loading.plan(prompt_tokens, reused_tokens, tier).ratio
-        return replace(self, strategy=replace(self.strategy, ratio=ratio), selection=None)
+        return replace(self, ratio=ratio, selection=None)
 
 
 def check_strategy(strategy, num_layers: int) -> Strategy | Selection:
@@ -71,10 +70,11 @@ def check_strategy(strategy, num_layers: int) -> Strategy | Selection:
         raise InvalidInputError(
             f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), FullReuse() "
             "or FullRecompute().")
-    if isinstance(strategy, CacheBlend) and max(strategy.schedule()) >= num_layers:
+    check_layers = [strategy.check_layer, *(layer for layer, _ in strategy.gradual)] \
+        if isinstance(strategy, CacheBlend) else []
+    if check_layers and max(check_layers) >= num_layers:
         raise InvalidInputError(
-            f"CacheBlend check layers {sorted(strategy.schedule())} must be below the model's "
-            f"{num_layers} layers.")
+            f"CacheBlend check layers {sorted(check_layers)} must be below the model's {num_layers} layers.")
     return strategy
 
 
@@ -102,5 +102,6 @@ def resolve_strategy(strategy, *, engine_strategy, engine_chose: bool, calibrati
         else:
             ratio = calibration.ratio if calibration else UNCALIBRATED.ratio
             from_calibration = calibration is not None
-        chosen = replace(chosen, ratio=ratio)
-    return StrategyPlan(chosen, reason, calibration.fingerprint if from_calibration else None)
+    else:
+        ratio = None   # the strategy's own
+    return StrategyPlan(chosen, reason, calibration.fingerprint if from_calibration else None, ratio)

@@ -25,7 +25,7 @@ import torch
 from .cancel import check_cancelled
 from .masks import QueryGroup, attend, attention_plan, attention_weights
 from .model import ModelAdapter, RopeTables
-from .selection import CheckStep, EveryToken, FusionPrompt, ReusedSpan, Selection, UncachedTokens
+from .selection import CheckStep, EveryToken, FusionPrompt, ReusedSpan, Selection, UncachedTokens, selection_for
 
 
 class LayerSource:
@@ -92,7 +92,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
     :class:`Selection`) says. With no spans (or :class:`FullRecompute`) this is an
     ordinary causal prefill."""
     t0 = time.perf_counter()
-    selection = strategy.selection()
+    selection = selection_for(strategy)
     if isinstance(selection, EveryToken):
         spans = []
     prompt = FusionPrompt.build(len(token_ids), spans, adapter.device)

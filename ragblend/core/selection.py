@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .errors import InvalidInputError
+
 
 @dataclass
 class ReusedSpan:
@@ -219,3 +221,30 @@ class QuestionAttention(Selection):
             rest = relevance.masked_fill(chosen, float("-inf"))
             chosen[torch.topk(rest, remaining, sorted=False).indices] = True
         return prompt.with_reused(prompt.reused_pos[chosen])
+
+
+def selection_for(strategy, ratio: float | str | None = None) -> Selection:
+    """What ``strategy`` (settings from :mod:`.strategies`, or already a :class:`Selection`) runs,
+    at ``ratio`` (None: the strategy's own). Reads the strategy's fields only, so the plan of a
+    call (:mod:`.plan`) is made without calling back into the strategy."""
+    if isinstance(strategy, Selection):
+        return strategy
+    ratio = getattr(strategy, "ratio", None) if ratio is None else ratio
+    if strategy.name == "full_recompute":
+        return EveryToken()
+    if strategy.name == "full_reuse":
+        return UncachedTokens()
+    if strategy.name == "legolink":
+        return UncachedTokens(head=strategy.k)
+    if strategy.name == "cacheblend":
+        if ratio == "auto":
+            raise InvalidInputError("CacheBlend(ratio='auto') is resolved by the engine; run it through "
+                                    "BlendEngine.prefill, or pass a number.")
+        return TopScoreSelection({strategy.check_layer: ratio, **dict(strategy.gradual)}, strategy.deviation)
+    if strategy.name == "query_aware":
+        if ratio is None:
+            raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
+                                    "BlendEngine.prefill, or pass a number.")
+        return QuestionAttention(ratio, strategy.whole_chunks, strategy.query_tokens, strategy.cached_attention_scale)
+    raise InvalidInputError(f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), "
+                            "FullReuse() or FullRecompute().")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InvalidInputError
-from .selection import EveryToken, QuestionAttention, Selection, TopScoreSelection, UncachedTokens
+from .selection import Selection, selection_for
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class FullRecompute:
     name = "full_recompute"
 
     def selection(self) -> "Selection":
-        return EveryToken()
+        return selection_for(self)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class FullReuse:
     name = "full_reuse"
 
     def selection(self) -> "Selection":
-        return UncachedTokens()
+        return selection_for(self)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class LegoLink:
             raise InvalidInputError(f"LegoLink k must be an integer >= 0, got {self.k!r}.")
 
     def selection(self) -> "Selection":
-        return UncachedTokens(head=self.k)
+        return selection_for(self)
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,7 @@ class CacheBlend:
         return {self.check_layer: self.ratio, **dict(self.gradual)}
 
     def selection(self) -> "Selection":
-        if self.ratio == "auto":
-            raise InvalidInputError("CacheBlend(ratio='auto') is resolved by the engine; run it through "
-                                    "BlendEngine.prefill, or pass a number.")
-        return TopScoreSelection(self.schedule(), self.deviation)
+        return selection_for(self)
 
 
 @dataclass(frozen=True)
@@ -164,10 +161,7 @@ class QueryAware:
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
 
     def selection(self) -> "Selection":
-        if self.ratio is None:
-            raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
-                                    "BlendEngine.prefill, or pass a number.")
-        return QuestionAttention(self.ratio, self.whole_chunks, self.query_tokens, self.cached_attention_scale)
+        return selection_for(self)
 
 
 DEVIATIONS = ("key", "value", "key_value")
