@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from .calibration import UNCALIBRATED, Calibration
 from .errors import InvalidInputError
-from .selection import Selection, selection_for
+from .selection import Selection, cacheblend_schedule, selection_for
 from .strategies import STRATEGIES, CacheBlend, FullRecompute, QueryAware, Strategy
 
 UNCALIBRATED_REASON = ("default for an uncalibrated model: a ratio that stayed within the order noise on every "
@@ -70,8 +70,7 @@ def check_strategy(strategy, num_layers: int) -> Strategy | Selection:
         raise InvalidInputError(
             f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), FullReuse() "
             "or FullRecompute().")
-    check_layers = [strategy.check_layer, *(layer for layer, _ in strategy.gradual)] \
-        if isinstance(strategy, CacheBlend) else []
+    check_layers = list(cacheblend_schedule(strategy)) if isinstance(strategy, CacheBlend) else []
     if check_layers and max(check_layers) >= num_layers:
         raise InvalidInputError(
             f"CacheBlend check layers {sorted(check_layers)} must be below the model's {num_layers} layers.")

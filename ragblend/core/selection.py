@@ -94,9 +94,6 @@ class Selection:
     check_layers: frozenset[int] = frozenset()
     cached_attention_scale: float = 1.0
 
-    def selection(self) -> "Selection":
-        return self
-
     def first(self, prompt: FusionPrompt, probe: Probe) -> torch.Tensor:
         """Bool [N]: the tokens computed from layer 0. ``probe()`` runs the question
         alone over the cached chunks and returns each reused token's relevance at each layer,
@@ -223,6 +220,12 @@ class QuestionAttention(Selection):
         return prompt.with_reused(prompt.reused_pos[chosen])
 
 
+def cacheblend_schedule(strategy, ratio: float | str | None = None) -> dict[int, float | str]:
+    """A CacheBlend strategy's check layers and the fraction of reused tokens kept after each,
+    the first at ``ratio`` (None: the strategy's own)."""
+    return {strategy.check_layer: strategy.ratio if ratio is None else ratio, **dict(strategy.gradual)}
+
+
 def selection_for(strategy, ratio: float | str | None = None) -> Selection:
     """What ``strategy`` (settings from :mod:`.strategies`, or already a :class:`Selection`) runs,
     at ``ratio`` (None: the strategy's own). Reads the strategy's fields only, so the plan of a
@@ -240,7 +243,7 @@ def selection_for(strategy, ratio: float | str | None = None) -> Selection:
         if ratio == "auto":
             raise InvalidInputError("CacheBlend(ratio='auto') is resolved by the engine; run it through "
                                     "BlendEngine.prefill, or pass a number.")
-        return TopScoreSelection({strategy.check_layer: ratio, **dict(strategy.gradual)}, strategy.deviation)
+        return TopScoreSelection(cacheblend_schedule(strategy, ratio), strategy.deviation)
     if strategy.name == "query_aware":
         if ratio is None:
             raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "

@@ -18,31 +18,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import InvalidInputError
-from .selection import Selection, selection_for
+from .selection import Selection, cacheblend_schedule, selection_for
+
+
+class _Settings:
+    """What every strategy has: the Selection it runs (made from its fields, in .selection)."""
+
+    def selection(self) -> Selection:
+        return selection_for(self)
 
 
 @dataclass(frozen=True)
-class FullRecompute:
+class FullRecompute(_Settings):
     """Recompute every token at every layer (a normal prefill; the quality reference)."""
 
     name = "full_recompute"
 
-    def selection(self) -> "Selection":
-        return selection_for(self)
-
 
 @dataclass(frozen=True)
-class FullReuse:
+class FullReuse(_Settings):
     """Reuse every cached chunk as is; recompute only tokens that have no cache."""
 
     name = "full_reuse"
 
-    def selection(self) -> "Selection":
-        return selection_for(self)
-
 
 @dataclass(frozen=True)
-class LegoLink:
+class LegoLink(_Settings):
     """Recompute the first ``k`` tokens of every chunk except the first one (Epic/LegoLink).
 
     Those tokens were computed as the start of a sequence and soak up attention
@@ -56,12 +57,9 @@ class LegoLink:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
             raise InvalidInputError(f"LegoLink k must be an integer >= 0, got {self.k!r}.")
 
-    def selection(self) -> "Selection":
-        return selection_for(self)
-
 
 @dataclass(frozen=True)
-class CacheBlend:
+class CacheBlend(_Settings):
     """Selective recompute of the reused tokens with the highest KV deviation (CacheBlend).
 
     Layers before ``check_layer`` run over all tokens. At ``check_layer`` every reused token
@@ -107,14 +105,11 @@ class CacheBlend:
 
     def schedule(self) -> dict[int, float]:
         """Check layers and the fraction of reused tokens kept after each."""
-        return {self.check_layer: self.ratio, **dict(self.gradual)}
-
-    def selection(self) -> "Selection":
-        return selection_for(self)
+        return cacheblend_schedule(self)
 
 
 @dataclass(frozen=True)
-class QueryAware:
+class QueryAware(_Settings):
     """Recompute the reused tokens the question attends to most (ProphetKV, QCFuse).
 
     Two stages. First the tokens without a cache (the question, the template) run through
@@ -159,9 +154,6 @@ class QueryAware:
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
-
-    def selection(self) -> "Selection":
-        return selection_for(self)
 
 
 DEVIATIONS = ("key", "value", "key_value")
