@@ -60,17 +60,28 @@ VARIANTS = {
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 PREFILL_ONLY = ", scale in the prefill only"
+FADING = ", scale fading over the answer"
+FADE_STEPS = 16   # the fading scale's bias shrinks linearly to none over the answer's first 16 tokens
+
+
+def fading(step: int) -> float:
+    """The factor on the cached-attention bias at answer step ``step`` (the FADING rows)."""
+    return max(0.0, 1.0 - step / FADE_STEPS)
 
 
 def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int,
-            answer_level: bool = False) -> dict:
+            answer_level: bool = False, kl_only: dict | None = None, logits: dict | None = None) -> dict:
     """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included.
     ``answer_level`` adds "answer_kl" (mean KL over the full prefill's greedy answer, teacher-forced:
     :func:`ragblend.core.calibration.answer_kl`) and "same_answer" (identical greedy answer), and
-    for a strategy that scales the cached attention, a row with the scale in the prefill only."""
+    for a strategy that scales the cached attention, rows with the scale in the prefill only and
+    fading over the answer. ``kl_only``: more variants measured without a greedy answer of their
+    own (KL and compute only; ROUGE-L nan). ``logits``, when given, receives each row's first-token
+    logits (the reference's under "reference")."""
     engine.precompute(prompt.chunks)
     segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
     reversed_segments = [Chunk(c) for c in reversed(prompt.chunks)] + [prompt.question]
+    logits = {} if logits is None else logits
 
     def run(strategy, segs=segments):
         return first_token_and_answer(engine, segs, strategy, greedy_tokens)
@@ -83,20 +94,32 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
         ref_logits, ref_text = reference.logits, reference.text
     else:
         ref_logits, _, ref_text = run(FullRecompute())
+    logits["reference"] = ref_logits
     rows = {}
-    for name, strategy in [*variants.items(), (NOISE, FullRecompute())]:
+    runs = [*((name, strategy, True) for name, strategy in variants.items()), (NOISE, FullRecompute(), True),
+            *((name, strategy, False) for name, strategy in (kl_only or {}).items())]
+    for name, strategy, answers in runs:
         segs = reversed_segments if name == NOISE else segments
-        logits, stats, text = run(strategy, segs)
-        rows[name] = {"kl": first_token_kl(ref_logits, logits), "rouge": rouge_l(text, ref_text),
-                      "compute": stats.compute_fraction, "same_first": float(logits.argmax() == ref_logits.argmax())}
-        if answer_level:
+        if answers:
+            out, stats, text = run(strategy, segs)
+        else:
             pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
+            out, stats, text = pre.logits, pre.stats, None
+        logits[name] = out
+        rows[name] = {"kl": first_token_kl(ref_logits, out), "compute": stats.compute_fraction,
+                      "rouge": rouge_l(text, ref_text) if text is not None else float("nan"),
+                      "same_first": float(out.argmax() == ref_logits.argmax())}
+        if answer_level:
+            if answers:
+                pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
             rows[name].update(answer_kl=answer_kl(ref_steps, answer_logits(engine, pre, answer_ids)),
-                              same_answer=float(text == ref_text))
-            if pre.key_bias is not None:   # the attention scale kept out of the answer's steps
-                rows[name + PREFILL_ONLY] = {
-                    **rows[name], "rouge": float("nan"), "same_answer": float("nan"),
-                    "answer_kl": answer_kl(ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=False))}
+                              same_answer=float(text == ref_text) if text is not None else float("nan"))
+            if pre.key_bias is not None and answers:   # the attention scale kept out of the answer's steps
+                unanswered = {**rows[name], "rouge": float("nan"), "same_answer": float("nan")}
+                rows[name + PREFILL_ONLY] = {**unanswered, "answer_kl": answer_kl(
+                    ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=False))}
+                rows[name + FADING] = {**unanswered, "answer_kl": answer_kl(
+                    ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=fading))}
     return rows
 
 

@@ -270,22 +270,32 @@ def calibrate_and_save(engine, prompts=None, *, save: bool = True, progress: boo
     return result
 
 
-def answer_logits(engine, prefill, answer_ids: list[int], *, decoding_bias: bool = True) -> torch.Tensor:
+def answer_logits(engine, prefill, answer_ids: list[int], *, decoding_bias=True) -> torch.Tensor:
     """The next-token logits ``[len(answer_ids), vocab]`` at each step of ``answer_ids`` after
     ``prefill`` (a :class:`~ragblend.core.results.Prefill`), teacher-forced: step i is conditioned
     on ``answer_ids[:i]``, whatever the prefill would have chosen. One pass on the engine's
     decoding weights. ``decoding_bias=False`` leaves the fused prefill's key bias (QueryAware's
-    cached-attention scale) out of the answer's steps, keeping it in the prefill's own logits."""
+    cached-attention scale) out of the answer's steps, keeping it in the prefill's own logits.
+    ``decoding_bias`` may also be a function ``step -> factor`` (step 1 is the answer's second
+    token): the bias times that factor at each step, e.g. a scale that fades over the answer
+    (one pass per token then, since each step sees another bias)."""
     from .generate import KVDecoder
 
     n = len(prefill.token_ids)
     first = prefill.logits.float()[None]
     if len(answer_ids) < 2:
         return first[:len(answer_ids)]
-    decoder = KVDecoder(engine.decoding_adapter(), prefill.keys, prefill.values, n + len(answer_ids),
-                        prefill.key_bias if decoding_bias else None)
+    bias = prefill.key_bias if decoding_bias is not False else None
+    decoder = KVDecoder(engine.decoding_adapter(), prefill.keys, prefill.values, n + len(answer_ids), bias)
     with engine.lock:
-        rest = decoder.extend(list(answer_ids[:-1]))
+        if bias is None or not callable(decoding_bias):
+            rest = decoder.extend(list(answer_ids[:-1]))
+        else:
+            steps = []
+            for i, token in enumerate(answer_ids[:-1], start=1):
+                decoder.key_bias[:n] = bias * float(decoding_bias(i))
+                steps.append(decoder.extend([token]))
+            rest = torch.cat(steps)
     return torch.cat([first, rest.float()])
 
 

@@ -207,3 +207,26 @@ def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
     with_bias = answer_kl(steps, answer_logits(tiny_engine, fused, answer))
     prefill_only = answer_kl(steps, answer_logits(tiny_engine, fused, answer, decoding_bias=False))
     assert with_bias > 0 and prefill_only > 0 and with_bias != prefill_only   # the bias reaches the answer's steps
+
+
+def test_answer_logits_with_a_fading_bias_spans_the_scaled_and_the_prefill_only_answer(tiny_engine):
+    """decoding_bias as a function of the step: factor 1 at every step is the bias kept in decoding,
+    factor 0 the bias in the prefill only; a fading factor lands between them."""
+    import torch
+
+    from ragblend.core.calibration import answer_kl, answer_logits
+
+    tiny_engine.precompute(CHUNKS[:3])
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    full = tiny_engine.prefill(segments, strategy=FullRecompute())
+    answer = tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=6).token_ids
+    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5))
+    kept = answer_logits(tiny_engine, fused, answer)
+    assert torch.allclose(answer_logits(tiny_engine, fused, answer, decoding_bias=lambda step: 1.0), kept, atol=1e-4)
+    dropped = answer_logits(tiny_engine, fused, answer, decoding_bias=False)
+    assert torch.allclose(answer_logits(tiny_engine, fused, answer, decoding_bias=lambda step: 0.0), dropped,
+                          atol=1e-4)
+    fading = answer_logits(tiny_engine, fused, answer, decoding_bias=lambda step: max(0.0, 1 - step / 4))
+    assert torch.equal(fading[0], kept[0])
+    reference = answer_logits(tiny_engine, full, answer)
+    assert answer_kl(reference, fading) not in (answer_kl(reference, kept), answer_kl(reference, dropped))

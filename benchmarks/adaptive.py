@@ -1,0 +1,274 @@
+"""Per-query adaptive recompute (issue 29, item 2): does a cheap signal of the fused prefill
+predict the prompts it fuses badly, and what would escalating on it cost?
+
+For every prompt it runs :func:`benchmarks.fidelity.measure` at the answer level: full prefill
+(the reference), the order noise, the model's shipped strategy (its calibrated
+``QueryAware`` ratio, scale 0.7) with its greedy answer, and a ladder of higher ratios (KL
+only). The shipped strategy runs through a selection that keeps what the question pass saw, so
+that each prompt also gets the candidate signals:
+
+* ``left_mass``: the share of the question's attention (summed over layers) on reused tokens
+  left cached; known *before* the fused pass, so escalating on it wastes nothing;
+* ``left_mass_deep``: the same over the deeper half of the layers;
+* ``relevance_entropy``: how spread the question's attention over the reused tokens is (0-1);
+* ``probe_kl``: first-token KL between the question pass (the cached chunks as they are, what
+  :class:`~ragblend.FullReuse` computes) and the fused result: how far recomputing moved it;
+* ``fused_entropy`` and ``fused_margin`` (1 - top-1 + top-2 probability) of the fused logits;
+* ``probe_flip``: the question pass's top token differs from the fused one;
+* ``reused_tokens``: the prompt's reused tokens (a baseline that knows nothing of the prompt).
+
+Then: each signal's AUROC for "answer KL above the set's order-noise median" (and for first-token
+KL above the noise's median, and answer KL above 3x it), per set and pooled; and escalation
+policies: a threshold chosen on one set (``--tune``) so that the average compute matches a fixed
+ratio's there, tested on the other sets against that fixed ratio.
+
+    python -m benchmarks.adaptive --models smollm2 --sets squad:12 musique:8 fidelity:6 --json /tmp/a.json
+    python -m benchmarks.adaptive --from-json /tmp/a.json     # the analysis again, no model run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ragblend import BlendEngine, FullReuse, QueryAware
+from ragblend.core.calibration import first_token_kl
+from ragblend.core.selection import QuestionAttention
+
+from .common import MUSIQUE, RUNS_DIR, command_line, prompt_sets, write_report
+from .fidelity import NOISE, measure, table
+from .models import MODELS, model_path
+
+SIGNALS = ("left_mass", "left_mass_deep", "relevance_entropy", "probe_kl", "fused_entropy", "fused_margin",
+           "probe_flip", "reused_tokens")
+POLICY_SIGNALS = ("left_mass", "probe_kl", "fused_margin", "reused_tokens")   # the escalation tables' signals
+PROBE = "FullReuse (the question pass)"
+
+
+class RecordingQuestionAttention(QuestionAttention):
+    """QueryAware's selection, keeping what its question pass saw: the relevance of each reused
+    token at each layer and the tokens chosen (for the signals; it selects exactly as QueryAware)."""
+
+    def first(self, prompt, probe):
+        seen = {}
+
+        def recording_probe():
+            seen["relevance"] = probe()
+            return seen["relevance"]
+
+        selected = super().first(prompt, recording_probe)
+        self.relevance = seen.get("relevance")
+        self.left_out = ~selected[prompt.reused_pos]   # per reused token: left cached
+        return selected
+
+
+def signals(recorder: RecordingQuestionAttention, fused: torch.Tensor, probe: torch.Tensor) -> dict:
+    """The candidate signals of one prompt (module docstring); higher means riskier."""
+    relevance, left = recorder.relevance.float(), recorder.left_out
+    layers = relevance.sum(dim=1) > 0                  # layers where the question attended
+    per_layer_left = (relevance[:, left].sum(dim=1))[layers]
+    total = relevance.sum(dim=0)
+    p = total / total.sum().clamp_min(1e-12)
+    entropy = -(p * p.clamp_min(1e-12).log()).sum().item() / math.log(max(2, p.numel()))
+    probs = torch.softmax(fused.float(), -1)
+    top = torch.topk(probs, 2).values
+    return {"left_mass": per_layer_left.mean().item(),
+            "left_mass_deep": per_layer_left[per_layer_left.numel() // 2:].mean().item(),
+            "relevance_entropy": entropy,
+            "probe_kl": first_token_kl(fused, probe),
+            "fused_entropy": -(probs * probs.clamp_min(1e-12).log()).sum().item(),
+            "fused_margin": 1.0 - (top[0] - top[1]).item(),
+            "probe_flip": float(fused.argmax() != probe.argmax()),
+            "reused_tokens": float(left.numel())}
+
+
+def auroc(scores: list[float], labels: list[bool]) -> float:
+    """Probability that a random positive scores above a random negative (ties count half);
+    nan without both classes."""
+    pos = [s for s, y in zip(scores, labels) if y]
+    neg = [s for s, y in zip(scores, labels) if not y]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def labels(rows: list[dict], shipped: str, kind: str) -> list[bool]:
+    """Per prompt: is the shipped strategy outside the noise? ``kind``: "answer" (answer KL above
+    the noise's median), "first" (first-token KL above the noise's median), "outlier" (answer KL
+    above 3x the noise's median)."""
+    key, factor = {"answer": ("answer_kl", 1), "first": ("kl", 1), "outlier": ("answer_kl", 3)}[kind]
+    bound = factor * statistics.median(r["rows"][NOISE][key] for r in rows)
+    return [r["rows"][shipped][key] > bound for r in rows]
+
+
+def auroc_table(raw: dict, shipped_of: dict) -> list[str]:
+    lines = ["| model, set (prompts) | positives (answer / first / 3x) | "
+             + " | ".join(SIGNALS) + " |", "|---|---|" + "---:|" * len(SIGNALS)]
+    for key, rows in raw.items():
+        shipped = shipped_of[key.split("/")[0]]
+        for kind in ("answer", "first"):
+            ys = labels(rows, shipped, kind)
+            counts = "/".join(str(sum(labels(rows, shipped, k))) for k in ("answer", "first", "outlier"))
+            cells = [f"{auroc([r['signals'][s] for r in rows], ys):.2f}" for s in SIGNALS]
+            lines.append(f"| {key} ({len(rows)}), {kind} | {counts if kind == 'answer' else ''} | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
+def pooled_auroc(raw: dict, shipped_of: dict) -> list[str]:
+    """AUROC over every prompt of each model (labels still against each set's own noise)."""
+    lines = ["| model (prompts) | label | " + " | ".join(SIGNALS) + " |", "|---|---|" + "---:|" * len(SIGNALS)]
+    models = dict.fromkeys(key.split("/")[0] for key in raw)
+    for model in [*models, "all"]:
+        keys = [k for k in raw if model == "all" or k.split("/")[0] == model]
+        for kind in ("answer", "first"):
+            scores = {s: [] for s in SIGNALS}
+            ys = []
+            for key in keys:
+                rows = raw[key]
+                ys += labels(rows, shipped_of[key.split("/")[0]], kind)
+                for s in SIGNALS:
+                    scores[s] += [r["signals"][s] for r in rows]
+            cells = [f"{auroc(scores[s], ys):.2f}" for s in SIGNALS]
+            lines.append(f"| {model} ({len(ys)}) | {kind} (positives {sum(ys)}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def escalate(rows: list[dict], shipped: str, target: str, signal: str, threshold: float) -> list[tuple[float, dict]]:
+    """Per prompt (compute, row) when the shipped strategy escalates to ``target`` (a row name,
+    or "full" for a full prefill) where ``signal`` > ``threshold``. A signal known before the
+    fused pass (left_mass...) spends the target's compute only; one read off the fused result
+    spends the shipped pass too (less the question pass, which the target reuses)."""
+    before_fusion = signal.startswith(("left_mass", "relevance", "reused"))
+    out = []
+    for r in rows:
+        base = r["rows"][shipped]
+        if r["signals"][signal] <= threshold:
+            out.append((base["compute"], base))
+            continue
+        row = {"kl": 0.0, "answer_kl": 0.0, "compute": 1.0} if target == "full" else r["rows"][target]
+        extra = 0.0 if before_fusion else base["compute"] - r["rows"][PROBE]["compute"]
+        out.append((row["compute"] + extra, row))
+    return out
+
+
+def summary(results: list[tuple[float, dict]], bound: float) -> str:
+    compute = statistics.mean(c for c, _ in results)
+    kl = [row["kl"] for _, row in results]
+    akl = [row["answer_kl"] for _, row in results]
+    return (f"{compute:.1%} | {statistics.mean(kl):.4f} / {statistics.median(kl):.4f} | "
+            f"{statistics.mean(akl):.4f} / {statistics.median(akl):.4f} | {sum(k > bound for k in akl)}")
+
+
+def tuned_threshold(rows: list[dict], shipped: str, target: str, signal: str, budget: float) -> float:
+    """The lowest threshold on ``signal`` whose escalation to ``target`` keeps the mean compute
+    over ``rows`` within ``budget`` (inf: none does)."""
+    threshold = math.inf
+    for t in sorted({r["signals"][signal] for r in rows}, reverse=True):
+        if statistics.mean(c for c, _ in escalate(rows, shipped, target, signal, t)) > budget + 1e-9:
+            break
+        threshold = t
+    return threshold
+
+
+def policy_tables(raw: dict, shipped_of: dict, tune: str, fixed_of: dict, targets_of: dict) -> list[str]:
+    """Per model: thresholds chosen on the ``tune`` set so that escalating matches the fixed
+    ratio's mean compute there (the largest threshold that reaches it), tested on every set."""
+    lines = []
+    models = dict.fromkeys(key.split("/")[0] for key in raw)
+    for model in models:
+        shipped, fixed = shipped_of[model], fixed_of[model]
+        tune_rows = raw.get(f"{model}/{tune}")
+        if not tune_rows or fixed not in tune_rows[0]["rows"]:
+            continue
+        budget = statistics.mean(r["rows"][fixed]["compute"] for r in tune_rows)
+        lines += [f"### {model}: thresholds tuned on {tune} to {fixed}'s compute there ({budget:.1%})", "",
+                  "| set | policy | compute | first-token KL mean / median | answer KL mean / median | "
+                  "answer KL > 3x noise median |", "|---|---|---:|---:|---:|---:|"]
+        chosen = {(target, signal): tuned_threshold(tune_rows, shipped, target, signal, budget)
+                  for target in targets_of[model] if target == "full" or target in tune_rows[0]["rows"]
+                  for signal in POLICY_SIGNALS}
+        for key, rows in raw.items():
+            if key.split("/")[0] != model:
+                continue
+            bound = 3 * statistics.median(r["rows"][NOISE]["answer_kl"] for r in rows)
+            name = key.split("/")[1] + (" (tuning)" if key.endswith("/" + tune) else "")
+            lines.append(f"| {name} | order noise | - | " + summary(
+                [(1.0, r["rows"][NOISE]) for r in rows], bound).split(" | ", 1)[1] + " |")
+            for row_name in (shipped, fixed):
+                lines.append(f"| {name} | fixed {row_name} | " + summary(
+                    [(r["rows"][row_name]["compute"], r["rows"][row_name]) for r in rows], bound) + " |")
+            for (target, signal), threshold in chosen.items():
+                results = escalate(rows, shipped, target, signal, threshold)
+                share = sum(r["signals"][signal] > threshold for r in rows) / len(rows)
+                lines.append(f"| {name} | {signal} > {threshold:.4g} -> {target} ({share:.0%} escalated) | "
+                             + summary(results, bound) + " |")
+        lines.append("")
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--sets", nargs="+", default=["squad:12", "musique:8", "fidelity:6"],
+                        help="prompt sets as NAME:COUNT (fidelity, squad, musique)")
+    parser.add_argument("--ladder", nargs="+", type=float, default=[0.2, 0.3, 0.5],
+                        help="QueryAware ratios measured (KL only) above the shipped one, for the escalation")
+    parser.add_argument("--greedy-tokens", type=int, default=32)
+    parser.add_argument("--tune", default="squad", help="the set whose prompts choose the thresholds")
+    parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
+    parser.add_argument("--json", type=Path, help="write every per-prompt row and signal here (after each prompt)")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="analyse earlier --json files instead of running")
+    parser.add_argument("--out", default=RUNS_DIR)
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    raw, shipped_of = {}, {}
+    if args.from_json:
+        for path in args.from_json:
+            data = json.loads(path.read_text())
+            raw.update(data["raw"])
+            shipped_of.update(data["shipped"])
+    else:
+        for model in args.models:
+            engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+            ratio = engine.strategy.ratio
+            shipped = f"QueryAware({ratio:.2f}) (shipped)"
+            shipped_of[model] = shipped
+            recorder = RecordingQuestionAttention(ratio, cached_attention_scale=engine.strategy.cached_attention_scale)
+            ladder = {f"QueryAware({r:.2f})": QueryAware(r) for r in args.ladder if r > ratio}
+            for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
+                rows = raw.setdefault(f"{model}/{set_name}", [])
+                for i, prompt in enumerate(prompts):
+                    tp = time.perf_counter()
+                    logits = {}
+                    result = measure(engine, prompt, {shipped: recorder}, args.greedy_tokens, answer_level=True,
+                                     kl_only={**ladder, PROBE: FullReuse()}, logits=logits)
+                    rows.append({"rows": result, "signals": signals(recorder, logits[shipped], logits[PROBE])})
+                    print(f"[{model}/{set_name}] {i + 1}/{len(prompts)} {time.perf_counter() - tp:.0f}s "
+                          f"answer KL {result[shipped]['answer_kl']:.4f} noise {result[NOISE]['answer_kl']:.4f}",
+                          flush=True)
+                    if args.json:
+                        args.json.write_text(json.dumps({"raw": raw, "shipped": shipped_of}))
+            del engine
+    lines = []
+    for key, rows in raw.items():
+        lines += [f"## {key} ({len(rows)} prompts)", "", *table([r["rows"] for r in rows], 32), ""]
+    lines += ["## AUROC of each signal, per set", "", *auroc_table(raw, shipped_of), "",
+              "## AUROC pooled over the sets", "", *pooled_auroc(raw, shipped_of), "", "## Escalation", ""]
+    fixed_of = {m: ("QueryAware(0.20)" if "0.10" in s else "QueryAware(0.30)") for m, s in shipped_of.items()}
+    targets_of = {m: ("QueryAware(0.30)", "QueryAware(0.50)", "full") for m in shipped_of}
+    lines += policy_tables(raw, shipped_of, args.tune, fixed_of, targets_of)
+    print("\n".join(lines))
+    write_report(args.out, "adaptive-run.md", "Per-query adaptive recompute: signals and escalation",
+                 command_line("benchmarks.adaptive", argv), time.perf_counter() - t0, lines)
+
+
+if __name__ == "__main__":
+    main()
