@@ -100,7 +100,7 @@ def measure(engine: BlendEngine, prompt) -> dict[str, tuple[float, float]]:
 
     spans = full.layout.chunk_spans
     positions = torch.cat([torch.arange(s.start, s.end) for s in spans])
-    cached = torch.cat([engine.compute_entry(list(s.token_ids)).values[:, :, s.offset:s.offset + s.end - s.start]
+    cached = torch.cat([engine.ingestion.compute_entry(list(s.token_ids)).values[:, :, s.offset:s.offset + s.end - s.start]
                         for s in spans], dim=2)
     oracle = true_v_deviation(full.values, cached, positions, DEFAULT.check_layer)
     rows["V oracle (true deviation), r=0.15"] = run(with_score(lambda rows_, deviation, sizes: oracle[rows_]))

@@ -67,7 +67,7 @@ def reference_answer(engine: BlendEngine, pre, tokens: int,
     with engine.lock:
         while len(answer) < tokens:
             token = int(torch.argmax(logits))
-            if stop_at_end and token in engine.eos_ids:
+            if stop_at_end and token in engine.answers.eos_ids:
                 break
             answer.append(token)
             if len(answer) < tokens:
@@ -96,9 +96,9 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
     segments = [Chunk(c) for c in sample["chunks"]] + [sample["question"]]
     exact.precompute(sample["chunks"])
     pre = exact.prefill(segments)
-    ends = exact.eos_ids
+    ends = exact.answers.eos_ids
     for engine in (exact, *others.values()):
-        engine.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
+        engine.answers.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
     variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens - 1),
                 "reference decoder (F.linear, one token a pass)":
                     lambda: reference_answer(exact, pre, tokens, stop_at_end=False)[1:]}
@@ -115,7 +115,7 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
             seconds, passes[name] = run()
             times[name].append(seconds)
     for engine in (exact, *others.values()):
-        engine.eos_ids = ends
+        engine.answers.eos_ids = ends
     base = statistics.median(times["transformers generate (decode only)"])
     lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} greedy tokens, "
              f"median of {runs} interleaved rounds:", "",

@@ -107,7 +107,7 @@ class RagblendPeer:
     def __init__(self, engine: BlendEngine, chunks: list[str], tokens: int):
         self.engine, self.tokens = engine, tokens
         engine.precompute(chunks)
-        engine.eos_ids = frozenset()   # decode exactly `tokens`, like the other peers
+        engine.answers.eos_ids = frozenset()   # decode exactly `tokens`, like the other peers
 
     def answer(self, segments) -> tuple[float, float]:
         t0, first = time.perf_counter(), None
@@ -140,7 +140,7 @@ def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: i
     strategy = engine.strategy
     notes["ragblend default"] = (f"{strategy.name}({getattr(strategy, 'ratio', '')}), decode_dtype="
                                  f"{engine.decode_dtype!r} (decoding step's linear layers: "
-                                 f"{', '.join(f'{n} {kind}' for kind, n in engine.decoding_layers().items())}), "
+                                 f"{', '.join(f'{n} {kind}' for kind, n in engine.decode_weights.layer_counts().items())}), "
                                  "KV in memory")
     for dtype in decode_dtypes:
         if dtype == engine.decode_dtype:

@@ -385,7 +385,7 @@ def _info(args) -> int:
     for bits, why_not in (("4", int4_available()), ("8", int8_available())):
         print(f"{bits}-bit decoding (decode_dtype='int{bits}'): "
               f"{'available' if why_not is None else 'unavailable: ' + why_not}")
-    layers = ", ".join(f"{count} {kind}" for kind, count in engine.decoding_layers().items())
+    layers = ", ".join(f"{count} {kind}" for kind, count in engine.decode_weights.layer_counts().items())
     print(f"Decoding step (decode_dtype={engine.decode_dtype!r}, chosen on this host): linear layers {layers}")
     return 0
 

@@ -16,8 +16,9 @@ Example::
 The engine is a facade over named parts, each usable alone (docs/concepts.md, "Map of the
 rooms"): :class:`~.ingest.Ingestion` (chunk texts -> stored entries), :class:`~.chunk_index.ChunkIndex`
 (chunks in flat prompts), :func:`~.plan.resolve_strategy` (one plan per call),
-:class:`~.runner.PrefillRunner` (the fused prefill over the store) and
-:class:`~.decode_weights.DecodeWeights` (the weights decoding runs on).
+:class:`~.runner.PrefillRunner` (the fused prefill over the store),
+:class:`~.decode_weights.DecodeWeights` (the weights decoding runs on) and
+:class:`~.answers.Answers` (an answer's decoding after the prefill).
 """
 
 from __future__ import annotations
@@ -31,15 +32,16 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .answers import Answers, eos_ids_of
 from .calibration import Calibration, calibrate_and_save, load_calibration
 from .chunk_index import ChunkIndex
 from .controller import LoadingController
 from .decode_weights import DecodeWeights
 from .errors import InvalidInputError
-from .generate import Decoding, SamplingParams, sampling_params, start_decoding
+from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
-from .kv import ChunkKV, ChunkRef, calibration_key
+from .kv import ChunkRef, calibration_key
 from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, with_linears
 from .omp import release_thread_pool
 from .options import EngineOptions
@@ -65,13 +67,12 @@ class BlendEngine:
                  options: EngineOptions | None = None, **keywords):
         """``options`` (:class:`~ragblend.core.options.EngineOptions`) and/or its engine fields as keywords."""
         self.options = options = EngineOptions.merged(options, keywords, engine_only=True)
-        self.hf_model, self.tokenizer = hf_model, tokenizer
+        self.hf_model, self.tokenizer, self.lock = hf_model, tokenizer, threading.RLock()
         self.adapter, self.kernel_plan = _fast_adapter(hf_model)
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
         self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
         self.fingerprint = self.adapter.fingerprint(tokenizer)
-        self.lock = threading.RLock()
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index)
@@ -79,20 +80,20 @@ class BlendEngine:
         self._engine_chose = strategy is None   # the calibration's (or the safe default), not the caller's
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
                                        self.adapter.shape.num_layers)
+        self._controller: LoadingController | None = None
+        self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading)
+        self.decode_dtype = options.decode_dtype
+        self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
+        self.answers = Answers(self.decode_weights, tokenizer, eos_ids_of(hf_model, tokenizer), self.context_window,
+                               self.lock)
         self.prefetch, self.write_back = options.prefetch, options.write_back   # these four may be changed later
         self.precompute_batch_tokens, self.prompt_lookup_num_tokens = (options.precompute_batch_tokens,
                                                                        options.prompt_lookup_num_tokens)
         self.name = options.name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
-        self._controller: LoadingController | None = None
-        self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading)
-        self.eos_ids = _eos_ids(hf_model, tokenizer)
-        self.decode_dtype = options.decode_dtype
-        self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
-        # Built now (a few seconds for 4-bit weights), not in the first answer's time to first token.
-        self.decoding_adapter()
-        release_thread_pool()   # as every prefill, precompute and answer ends: see .omp
+        self.decoding_adapter()   # built now (seconds for 4-bit weights), not in the first answer's TTFT
+        release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
@@ -110,7 +111,7 @@ class BlendEngine:
                                       options.disk_bytes)
         return engine
 
-    # ------------------------------------------------------------------ what the engine is
+    # What the engine is
 
     @property
     def context_window(self) -> int:
@@ -118,19 +119,14 @@ class BlendEngine:
 
     @property
     def entry_spec(self) -> EntrySpec:
-        shape = self.adapter.shape
-        vocab_size = self.hf_model.get_input_embeddings().num_embeddings
-        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
+        """What a stored entry must match to be this model's (see :class:`~.store.EntrySpec`)."""
+        return self.ingestion.entry_spec
 
-    @property
-    def min_chunk_tokens(self) -> int:
-        """Chunks shorter than this are never found inside flat prompts (BlendLLM,
-        BlendChatModel without markers), so ingestion hooks do not store them."""
-        return ChunkFinder.MIN_RUN
+    min_chunk_tokens = ChunkFinder.MIN_RUN   # shorter chunks are never found in flat prompts: hooks skip them
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The dtype chunk KV is stored in (new entries; their keys name it)."""
+        """The dtype new chunk KV is stored in (their keys name it); settable."""
         return self.ingestion.kv_dtype
 
     @kv_dtype.setter
@@ -142,72 +138,66 @@ class BlendEngine:
         """What a calibration holds for: the model and what chunks are precomputed after."""
         return calibration_key(self.fingerprint, self.sink_ids)
 
-    # ------------------------------------------------------------------ chunks: ingestion and the index
+    @property
+    def loading(self) -> LoadingController:
+        """The loading controller, built on first use (see :mod:`.controller`)."""
+        if self._controller is None:
+            self._controller = LoadingController.for_store(self.adapter, self.entry_spec, self.kv_dtype, self.store)
+        return self._controller
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.prompts.tokenize(text))
+    # Chunks: ingestion (.ingest) and the chunk index (.chunk_index)
 
     def tokenize(self, text: str) -> list[int]:
         """The model's token ids of ``text`` (no special tokens): what a chunk is keyed by."""
         return self.prompts.tokenize(text)
 
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenize(text))
+
     def key_of(self, text: str) -> str:
-        """The key under which a chunk text's KV is stored (see :func:`ragblend.core.kv.chunk_key`)."""
+        """The key a chunk text's KV is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
         return self.ingestion.key_for(self.tokenize(text))
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
-        """Compute and store the KV of each chunk text (skipping ones already stored); every text
-        is checked before anything is stored. With ``skip_unusable`` (what ingestion hooks want), a
-        chunk empty, too long for the window or shorter than ``min_chunk_tokens`` gets None, not an
-        error. A :class:`ChunkRef` says whether its entry is ``stored`` (a failing KV store is a
-        warning, and queries compute that chunk instead)."""
+        """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`."""
         return self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
                                          progress=progress, skip_unusable=skip_unusable)
-
-    def compute_entry(self, token_ids: list[int]) -> ChunkKV:
-        """A chunk's KV computed in isolation after the sink prefix, in the storage dtype (not stored)."""
-        return self.ingestion.compute_entry(token_ids)
 
     def forget(self, keys: Iterable[str]) -> int:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted)."""
         return sum(bool(self.store.delete(key)) for key in keys)
 
     def remember_chunk(self, text: str) -> str:
-        """Declare ``text`` a chunk (returns its key), so :meth:`find_chunks` marks it in flat prompts
-        even when its KV is not stored (it is then computed in isolation and written back)."""
+        """Declare ``text`` a chunk, stored or not: see :meth:`.ingest.Ingestion.remember`."""
         return self.ingestion.remember(text)
 
     def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
                      history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
-        """Lay out segments as the last user turn after ``history`` (``(role, text)`` pairs,
-        role "user" or "assistant"), joined by ``separator`` (default: the engine's)."""
+        """Lay out segments as the last user turn: see :meth:`.prompt.PromptBuilder.build`."""
         return self.prompts.build(segments, system, history=history, separator=separator)
 
     def find_chunks(self, prompt: str, *, system: str | None = None,
                     history: Sequence[tuple[str, str]] = ()) -> PromptLayout:
-        """Lay out a flat prompt (one user message), tokenized whole as a plain full prefill
-        would, and mark the known chunks where their token ids appear unchanged inside it. Pass
-        the layout to :meth:`prefill`, :meth:`generate` or :meth:`stream`."""
+        """Lay out a flat prompt (one user message) as a plain full prefill would, with the known chunks
+        marked where their token ids appear unchanged (:meth:`.chunk_index.ChunkIndex.mark`)."""
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         check_text(prompt, "prompt")
-        return self.index.mark(self.build_prompt([prompt], system=system, history=history).token_ids, self.store)
+        return self.find_chunks_in_ids(self.build_prompt([prompt], system=system, history=history).token_ids)
 
     def find_chunks_in_ids(self, token_ids: Sequence[int]) -> PromptLayout:
-        """Mark the known chunks inside raw prompt token ids (no chat template is added)."""
         return self.index.mark(token_ids, self.store)
 
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""
         self.runner.background.flush()
 
-    # ------------------------------------------------------------------ strategy
+    # Strategy (.plan, .calibration)
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True) -> Calibration:
-        """Measure which recompute ratio keeps this model within its own order noise (once per model,
-        minutes on a CPU; :mod:`ragblend.core.calibration`; ``prompts``: your own ``(chunks, question)``
-        pairs). Stored (``save``) for later engines; this engine's strategy unless it was given one."""
+        """Find this model's cheapest ratio within its order noise (:func:`.calibration.calibrate_and_save`);
+        it becomes this engine's strategy unless the engine was given one."""
         self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress)
         if self._engine_chose:
             self.strategy = result.strategy
@@ -218,22 +208,11 @@ class BlendEngine:
         return resolve_strategy(strategy, engine_strategy=self.strategy, engine_chose=self._engine_chose,
                                 calibration=self.calibration, num_layers=self.adapter.shape.num_layers)
 
-    def plan(self, prompt_tokens: int, reused_tokens: int, tier: str | None = None):
-        """What the loading controller would do for such a prompt (see :mod:`.controller`)."""
-        return self.loading.plan(prompt_tokens, reused_tokens, tier)
-
-    @property
-    def loading(self):
-        """The loading controller (built on first use; see :mod:`.controller`)."""
-        if self._controller is None:
-            self._controller = LoadingController.for_store(self.adapter, self.entry_spec, self.kv_dtype, self.store)
-        return self._controller
-
-    # ------------------------------------------------------------------ prefill and decoding
+    # Prefill (.runner) and decoding (.answers)
 
     def prefill(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
                 strategy: Strategy | StrategyPlan | None = None) -> Prefill:
-        """Run the fused prefill of ``segments`` (the user turn) under ``system``, or of a
+        """The fused prefill of ``segments`` (the user turn) under ``system``, or of a
         :class:`PromptLayout` from :meth:`find_chunks` (``system`` is part of it then)."""
         t0 = time.perf_counter()
         plan = strategy if isinstance(strategy, StrategyPlan) else self.resolve(strategy)
@@ -247,63 +226,45 @@ class BlendEngine:
         """The adapter decoding runs on (see :class:`~.decode_weights.DecodeWeights`)."""
         return self.decode_weights.decoding_adapter()
 
-    def decoding_layers(self) -> dict[str, int]:
-        """Linear layers a decoding step runs per weight format on this host, e.g. ``{"4-bit": 210, "8-bit": 1}``."""
-        return self.decode_weights.layer_counts()
-
-    def _decoding(self, segments, system, strategy, params: SamplingParams) -> tuple[Prefill, Decoding]:
-        pre = self.prefill(segments, system=system, strategy=self.resolve(strategy))
-        decoding = start_decoding(pre, self.decoding_adapter(), self.tokenizer, params, eos_ids=self.eos_ids,
-                                  context_window=self.context_window, lock=self.lock,
-                                  draft_tokens=self.prompt_lookup_num_tokens,
-                                  drafts_allowed=self.adapter.dtype == torch.float32)
-        return pre, decoding
-
-    def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-               strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | None = None) -> "TextStream":
-        """Iterate the answer's text as it is decoded; the stream's ``stats`` are this call's (complete
-        once it is exhausted). Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
-        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
-        text_stream = TextStream()
-
-        def run():
-            pre, decoding = self._decoding(segments, system, strategy, params)
-            text_stream.stats = pre.stats
-            yield from decoding  # the engine lock is taken per decoding step, never across a yield
-            self.last_stats = decoding.finish_stats(pre.stats)
-
-        text_stream._deltas = run()
-        return text_stream
-
-    def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-                 strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] | None = None) -> Generation:
-        """Prefill with fusion, then decode. ``temperature=0`` is greedy. Sampling is
-        ``params`` or, as shortcuts, the keywords after it (not both)."""
-        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
-        pre, decoding = self._decoding(segments, system, strategy, params)
-        for _ in decoding:
-            pass
-        self.last_stats = decoding.finish_stats(pre.stats)
-        return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, pre.stats, pre.token_ids,
-                          pre.logits)
-
     def begin(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-              strategy: Strategy | None = None, params: SamplingParams | None = None) -> Decoding:
-        """Prefill with fusion and return the decoding, not yet stepped, for a loop that decodes many
-        requests together (:class:`~ragblend.core.batching.BatchDecoder`); :meth:`finish` completes its ``stats``."""
-        params = sampling_params(params, 256, 0.0, 1.0, None, None)
-        pre, decoding = self._decoding(segments, system, strategy, params)
-        decoding.stats = pre.stats
-        return decoding
+              strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
+              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+              stop: Sequence[str] | None = None) -> Decoding:
+        """Prefill with fusion and return the answer's decoding, not stepped yet: iterate it for text
+        deltas, or step it with others (:class:`~.batching.BatchDecoder`); :meth:`finish` completes its
+        ``stats``. Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
+        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
+        pre = self.prefill(segments, system=system, strategy=strategy)
+        return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens)
 
     def finish(self, decoding: Decoding) -> Stats:
         """The stats of a decoding from :meth:`begin`, completed with its answer's."""
         self.last_stats = decoding.finish_stats(decoding.stats)
         return decoding.stats
+
+    def generate(self, segments: Sequence[Segment] | PromptLayout, **arguments) -> Generation:
+        """Prefill with fusion, then decode the whole answer; :meth:`begin`'s arguments
+        (``temperature=0``, the default, is greedy)."""
+        decoding = self.begin(segments, **arguments)
+        for _ in decoding:
+            pass
+        pre = decoding.prefill
+        return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, self.finish(decoding),
+                          pre.token_ids, pre.logits)
+
+    def stream(self, segments: Sequence[Segment] | PromptLayout, **arguments) -> TextStream:
+        """Iterate the answer's text as it is decoded; :meth:`begin`'s arguments. The stream's ``stats``
+        are this call's, complete once it is exhausted."""
+        text_stream = TextStream()
+
+        def run():
+            decoding = self.begin(segments, **arguments)
+            text_stream.stats = decoding.stats
+            yield from decoding  # the engine lock is taken per decoding step, never across a yield
+            self.finish(decoding)
+
+        text_stream._deltas = run()
+        return text_stream
 
 
 def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
@@ -315,14 +276,6 @@ def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
     # the model itself is left as it is.
     plan = kernel_plan_for(hf_model)
     return ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, plan))), plan
-
-
-def _eos_ids(hf_model, tokenizer) -> frozenset[int]:
-    eos = hf_model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None:
-        eos.append(tokenizer.eos_token_id)
-    return frozenset(eos)
 
 
 def _load(options: EngineOptions | None, keywords: dict):

@@ -209,6 +209,7 @@ class Decoding:
     decode_s: float = 0.0
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
     stats: object = None                 # the engine's Stats of this request, when it made the decoding
+    prefill: object = None               # and its Prefill (results.Prefill)
 
     def finish_stats(self, stats):
         """``stats`` (a :class:`~ragblend.core.results.Stats`) completed with this decoding's answer."""
@@ -315,20 +316,3 @@ def sampling_params(params, max_new_tokens, temperature, top_p, seed, stop) -> S
         raise InvalidInputError("Pass sampling options either as params=SamplingParams(...) or as keywords, not both.")
     return params
 
-
-def start_decoding(pre, adapter, tokenizer, params: SamplingParams, *, eos_ids, context_window: int, lock,
-                   draft_tokens: int, drafts_allowed: bool) -> Decoding:
-    """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
-    on ``adapter``; ``pre.keys``/``values`` become views of the decoder's buffers."""
-    capacity = min(len(pre.token_ids) + params.max_new_tokens, context_window)
-    decoder = KVDecoder(adapter, pre.keys, pre.values, capacity, pre.key_bias)
-    # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
-    n = len(pre.token_ids)
-    pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
-    lookup = None
-    # Drafts are verified in a pass over several tokens, which in float32 gives each token's
-    # logits to ~1e-5; in bfloat16 a trial saw 0.69 and a changed answer, so only float32 drafts.
-    if draft_tokens and params.temperature == 0 and drafts_allowed:
-        lookup = PromptLookup(pre.token_ids)
-    return Decoding(decoder, tokenizer, pre.logits.to(adapter.device), len(pre.token_ids), params, eos_ids,
-                    context_window, lock=lock, lookup=lookup, draft_tokens=draft_tokens)

@@ -23,7 +23,7 @@ from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
 from .omp import release_thread_pool
 from .prompt import ChunkFinder, PromptBuilder, check_text
-from .store import KVStore
+from .store import EntrySpec, KVStore
 
 log = logging.getLogger("ragblend")
 
@@ -45,13 +45,19 @@ class Ingestion:
         self._sink_kv: list | None = None   # the sink's K/V, computed once (see compute_entries)
         self._warned_unstored = False
 
+    @property
+    def entry_spec(self) -> EntrySpec:
+        """What a stored entry must match to be this model's chunk KV."""
+        shape, vocab_size = self.adapter.shape, self.adapter.hf_model.get_input_embeddings().num_embeddings
+        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
+
     def key_for(self, token_ids: Sequence[int]) -> str:
         """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
         return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
 
     def remember(self, text: str) -> str:
-        """Declare ``text`` a chunk in the index (see :meth:`BlendEngine.remember_chunk
-        <ragblend.BlendEngine.remember_chunk>`); returns its key."""
+        """Declare ``text`` a chunk in the index (returns its key), so flat prompts have it marked
+        even when its KV is not stored: it is then computed in isolation and written back."""
         ids = self.prompts.tokenize(text)
         key = self.key_for(ids)
         self.index.add(key, ids)
@@ -59,8 +65,11 @@ class Ingestion:
 
     def precompute(self, texts, store: KVStore, *, batch_tokens: int, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
-        """:meth:`BlendEngine.precompute <ragblend.BlendEngine.precompute>` into ``store``, up to
-        ``batch_tokens`` chunk tokens a pass."""
+        """Compute and store in ``store`` each chunk text's KV, up to ``batch_tokens`` chunk tokens a
+        pass, skipping chunks already stored; every text is checked before anything is stored. With
+        ``skip_unusable`` (for ingestion hooks) a chunk empty, longer than the window or shorter than
+        ``ChunkFinder.MIN_RUN`` gets None, not an error. A :class:`~.kv.ChunkRef` says whether its
+        entry is ``stored`` (a failing store is a warning; queries then compute that chunk)."""
         texts, tokenized = self.tokenize_chunks(texts, skip_unusable)
         refs: list[ChunkRef | None] = [None] * len(tokenized)
         todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), not stored yet

@@ -428,7 +428,8 @@ class PromptBuilder:
 
     def build(self, segments: Sequence[Segment], system: str | None = None,
               history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
-        """Lay out ``segments`` as the user turn, after ``history``, under ``system``."""
+        """Lay out ``segments`` as the last user turn, after ``history`` (``(role, text)`` pairs, role
+        "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's)."""
         segments = check_segments(segments)
         prefix, suffix = self.template_parts(system, history)
         separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []

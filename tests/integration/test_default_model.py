@@ -43,7 +43,7 @@ def test_greedy_generate_equals_transformers_generate(smol_engine):
     with torch.no_grad():
         ref = smol_engine.hf_model.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=24,
                                             do_sample=False)[0, len(out.prompt_token_ids):].tolist()
-    ref = [t for t in ref if t not in smol_engine.eos_ids]  # ours never includes EOS
+    ref = [t for t in ref if t not in smol_engine.answers.eos_ids]  # ours never includes EOS
     assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)
     assert out.text == smol_engine.tokenizer.decode(ref, skip_special_tokens=True)
     assert "1871" in out.text

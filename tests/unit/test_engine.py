@@ -367,7 +367,7 @@ def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context
     ids = engine.prompts.tokenize(PASSAGES[1])
     engine.precompute_batch_tokens = 0
     stored = engine.store.get(engine.precompute(PASSAGES[1:2])[0].key)
-    assert torch.equal(engine.compute_entry(ids).keys, stored.keys)
+    assert torch.equal(engine.ingestion.compute_entry(ids).keys, stored.keys)
     alone_k, _ = isolated_kv(engine.adapter, engine.sink_ids, ids)
     assert (stored.keys.float() - alone_k).abs().max() < 1e-2     # stored as float16
     with pytest.raises(InvalidInputError, match="chunk_context must be a str"):

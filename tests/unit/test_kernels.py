@@ -399,7 +399,7 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     twin = eight.decoding_adapter().hf_model
     assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
     assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
-    assert eight.decoding_layers() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
+    assert eight.decode_weights.layer_counts() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
     pre = exact.prefill(segments())
     answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
     ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
@@ -425,7 +425,7 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     gguf.lm_head.weight = torch.nn.Parameter(torch.randn_like(gguf.lm_head.weight))   # a Q8_0-like head
     model_module._FROM_GGUF.add(gguf)                        # as load_model marks a model read from a GGUF file
     engine = BlendEngine(gguf, tokenizer)
-    assert engine.decoding_layers() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
+    assert engine.decode_weights.layer_counts() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
                                         "8-bit": 1}
     assert isinstance(engine.decoding_adapter().hf_model.lm_head, Int8Linear)
     assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
@@ -434,7 +434,7 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     slower = copy.deepcopy(gguf)
     model_module._FROM_GGUF.add(slower)
     engine = BlendEngine(slower, tokenizer)
-    assert engine.decoding_adapter() is engine.adapter and engine.decoding_layers() == {
+    assert engine.decoding_adapter() is engine.adapter and engine.decode_weights.layer_counts() == {
         "float32": 7 * gguf.config.num_hidden_layers + 1}
 
 

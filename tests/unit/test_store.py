@@ -362,7 +362,7 @@ def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     engine = make_tiny_engine("llama", tokenizer)
     engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
-    plan = engine.plan(3000, 2900)
+    plan = engine.loading.plan(3000, 2900)
     m = engine.loading.measurements()
     assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
     assert m.bytes_per_token_layer == 2 * 2 * 16 * 2  # K+V, 2 kv heads, 16 dims, fp16
@@ -374,14 +374,14 @@ def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
     # A slow disk: it would delay the prompt, so memory is the cheapest tier without delay,
     # and with the KV on disk the ratio rises until recompute hides the load.
     engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e7})
-    slow = engine.plan(3000, 2900)
+    slow = engine.loading.plan(3000, 2900)
     assert slow.tier == "memory"
-    on_disk = engine.plan(3000, 2900, tier="disk")
+    on_disk = engine.loading.plan(3000, 2900, tier="disk")
     assert on_disk.ratio > 0.15
     assert on_disk.recompute_s_per_layer == pytest.approx(on_disk.load_s_per_layer["disk"], rel=1e-3)
     fast = Measurements("cpu", 1e-5, 128, {"memory": 1e12, "disk": 1e11})
     engine.loading._measured = fast
-    assert engine.plan(3000, 2900).ratio == 0.15 and engine.plan(3000, 2900).tier == "disk"
+    assert engine.loading.plan(3000, 2900).ratio == 0.15 and engine.loading.plan(3000, 2900).tier == "disk"
 
 
 def test_cacheblend_auto_uses_the_controller(disk_engine):
@@ -392,7 +392,7 @@ def test_cacheblend_auto_uses_the_controller(disk_engine):
     engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e6})
     pre = engine.prefill(SEGMENTS, strategy=CacheBlend("auto"))
     reused = sum(s.end - s.start for s in pre.layout.chunk_spans)
-    expected = engine.plan(len(pre.token_ids), reused, "disk").ratio
+    expected = engine.loading.plan(len(pre.token_ids), reused, "disk").ratio
     assert pre.stats.ratio == expected > 0.15
     assert pre.stats.recomputed_tokens >= int(expected * reused)
 
