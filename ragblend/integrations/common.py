@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, field_default, field_help
+from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, EngineOptions, field_default, field_help
 from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
@@ -41,6 +41,11 @@ class EngineFields(BaseModel):
     base_url: Optional[str] = Field(default=None, description="A server to answer instead of a local model: `ragblend serve` or vLLM + LMCache (http://host:port).")
     api_key: Optional[str] = Field(default=None, description="Bearer key for base_url (None = $RAGBLEND_API_KEY, if set).", repr=False)
     backend: Backend = Field(default="ragblend", description="What base_url runs: 'ragblend' (ragblend serve) or 'vllm-lmcache' (vLLM with LMCache blending).")
+
+    def engine_options(self) -> EngineOptions:
+        """The :class:`~ragblend.core.options.EngineOptions` of the local engine these fields ask for."""
+        return EngineOptions(model=self.model_path, kv_dir=self.kv_dir, kv_dtype=self.kv_dtype,
+                             decode_dtype=self.decode_dtype)
 
     def check_strategy(self) -> None:
         """Fail on a bad strategy or ratio at construction, before any model loads."""
@@ -83,9 +88,9 @@ make_strategy = strategy_from_name
 
 
 def lazy_engine(owner) -> BlendEngine | RemoteEngine:
-    """``owner``'s engine, made on first use: a :class:`RemoteEngine` for its ``base_url``,
-    else a local model from its ``model_path`` and ``kv_dir`` (``owner`` has ``_engine``
-    and ``_lock`` private attributes)."""
+    """``owner``'s engine (an :class:`EngineFields`), made on first use: a :class:`RemoteEngine` for
+    its ``base_url``, else a local model with its :meth:`~EngineFields.engine_options` (``owner``
+    has ``_engine`` and ``_lock`` private attributes)."""
     with owner._lock:
         if owner._engine is None and owner.base_url:
             # BlendChatModel keeps its key as a pydantic SecretStr, whose str() is "**********".
@@ -93,8 +98,7 @@ def lazy_engine(owner) -> BlendEngine | RemoteEngine:
             owner._engine = RemoteEngine(owner.base_url, api_key=key or os.environ.get("RAGBLEND_API_KEY"),
                                          backend=owner.backend)
         elif owner._engine is None:
-            owner._engine = BlendEngine.from_pretrained(owner.model_path, kv_dir=owner.kv_dir, kv_dtype=owner.kv_dtype,
-                                                        decode_dtype=owner.decode_dtype)
+            owner._engine = BlendEngine.from_pretrained(options=owner.engine_options())
     return owner._engine
 
 

@@ -51,3 +51,13 @@ def test_integration_fields_describe_the_options():
                           ("decode_dtype", "decode_dtype")]:
         assert fields[field].description == field_help(option)
     assert (fields["kv_dtype"].default, fields["decode_dtype"].default) == ("float16", "auto")
+
+
+def test_integration_fields_give_the_engine_options_they_name():
+    from ragblend.integrations.common import EngineFields
+
+    fields = EngineFields(model_path="/models/m.gguf", kv_dir="/tmp/kv", kv_dtype="int8", decode_dtype="float32")
+    assert fields.engine_options() == EngineOptions(model="/models/m.gguf", kv_dir="/tmp/kv", kv_dtype="int8",
+                                                    decode_dtype="float32")
+    # Their defaults are the options' own: one declaration.
+    assert EngineFields().engine_options() == EngineOptions()
