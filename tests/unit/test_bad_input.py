@@ -47,31 +47,6 @@ def test_prompt_longer_than_context_window(engine):
         engine.prefill([long_text])
 
 
-def test_chunk_longer_than_window_stores_nothing(engine):
-    before = len(engine.store)
-    fine = "A short chunk that would be fine on its own."
-    with pytest.raises(PromptTooLongError, match="Split it"):
-        engine.precompute([fine, "word " * (engine.context_window + 10)])
-    assert len(engine.store) == before  # validated before anything was stored
-    assert engine.key_of(fine) not in engine.store
-
-
-def test_precompute_rejects_empty_and_non_text(engine):
-    with pytest.raises(InvalidInputError, match="empty"):
-        engine.precompute(["ok", ""])
-    with pytest.raises(InvalidInputError, match="str"):
-        engine.precompute(["ok", 7])
-
-
-def test_precompute_can_skip_what_could_never_be_reused(engine):
-    """What the ingestion hooks use: one tokenization, and None where a chunk is unusable."""
-    too_long = "word " * (engine.context_window + 10)
-    refs = engine.precompute(["", "Too short.", PASSAGES[0], too_long], skip_unusable=True)
-    assert refs[0] is None and refs[1] is None and refs[3] is None
-    assert refs[2] is not None and refs[2].key in engine.store
-    assert engine.count_tokens("Too short.") < engine.min_chunk_tokens
-
-
 @pytest.mark.parametrize("make", [lambda: CacheBlend(ratio=0), lambda: CacheBlend(ratio=1.5),
                                   lambda: CacheBlend(ratio=-0.1), lambda: CacheBlend(check_layer=0),
                                   lambda: CacheBlend(gradual=((0, 0.1),)),
@@ -168,12 +143,6 @@ def test_a_tiny_temperature_samples_the_greedy_token(engine):
     greedy = engine.generate(segments, max_new_tokens=4)
     tiny = engine.generate(segments, max_new_tokens=4, temperature=1e-40, seed=3)
     assert tiny.token_ids == greedy.token_ids
-
-
-@pytest.mark.parametrize("bad, error", [(None, InvalidInputError), (123, InvalidInputError)])
-def test_precompute_of_not_texts(engine, bad, error):
-    with pytest.raises(error, match="precompute takes"):
-        engine.precompute(bad)
 
 
 def test_system_must_be_text(engine):

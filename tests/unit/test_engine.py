@@ -8,7 +8,7 @@ import torch
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.generate import KVDecoder
-from ragblend.core.ingest import isolated_kv, packed_isolated_kv
+from ragblend.core.ingest import isolated_kv
 from ragblend.core.kv import ChunkKV
 
 from ..conftest import PASSAGES
@@ -210,46 +210,6 @@ def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
     assert torch.equal(first.logits, second.logits)
 
 
-def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engine):
-    from ..conftest import make_tiny_engine
-
-    refs = tiny_engine.precompute(PASSAGES[:2])
-    assert [r.num_tokens for r in refs] == [len(tiny_engine.prompts.tokenize(p)) for p in PASSAGES[:2]]
-    again = tiny_engine.precompute(PASSAGES[:2])
-    assert again == refs
-    other = make_tiny_engine("qwen3" if tiny_engine.adapter.arch != "qwen3" else "llama", tokenizer)
-    assert other.precompute(PASSAGES[:1])[0].key != refs[0].key
-
-
-def test_packed_precompute_gives_each_chunk_its_isolated_kv(tiny_engine):
-    engine = tiny_engine
-    chunks = [engine.prompts.tokenize(p) for p in PASSAGES] + [[5], engine.prompts.tokenize(PASSAGES[0])]
-    sink = engine.sink_ids
-    windows = [w for i in range(engine.adapter.shape.num_layers) if (w := engine.adapter.window(i))]
-    if windows and len(sink) + max(map(len, chunks)) > min(windows):
-        sink = engine.prompts.sink_ids()   # the engine packs only what fits the window
-    for (keys, values), ids in zip(packed_isolated_kv(engine.adapter, sink, chunks), chunks):
-        alone_k, alone_v = isolated_kv(engine.adapter, sink, ids)
-        assert keys.shape == alone_k.shape
-        assert (keys - alone_k).abs().max() < 1e-5 and (values - alone_v).abs().max() < 1e-5
-
-
-def test_precompute_packs_chunks_keeps_order_and_skips_what_cannot_be_stored(tiny_engine):
-    engine = tiny_engine
-    engine.kv_dtype = torch.float32
-    too_long = "word " * (engine.context_window + 10)
-    texts = [PASSAGES[0], too_long, PASSAGES[1], "hi", PASSAGES[0], PASSAGES[2]]
-    refs = engine.precompute(texts, skip_unusable=True, progress=True)
-    assert refs[1] is None and refs[3] is None                  # over the window, too short: skipped
-    assert refs[4] == refs[0] and len({r.key for r in refs if r}) == 3
-    for ref, text in zip(refs, texts):
-        if ref is not None:
-            ids = engine.prompts.tokenize(text)
-            assert ref.num_tokens == len(ids) and ref.stored
-            stored, (alone_k, _) = engine.store.get(ref.key), isolated_kv(engine.adapter, engine.sink_ids, ids)
-            assert stored.token_ids == ids and (stored.keys - alone_k).abs().max() < 1e-5
-
-
 def test_chunk_finder_finds_whole_and_partial_chunks():
     from ragblend.core.prompt import ChunkFinder
 
@@ -351,24 +311,3 @@ def test_decode_dtype_must_be_known(tokenizer):
         make_tiny_engine("llama", tokenizer, decode_dtype="int3")
 
 
-def test_chunks_are_precomputed_after_the_template_opening_and_the_chunk_context(tokenizer):
-    from ragblend.core.prompt import CHUNK_CONTEXT
-
-    from ..conftest import make_tiny_engine
-
-    engine, bare = make_tiny_engine("llama", tokenizer), make_tiny_engine("llama", tokenizer, chunk_context="")
-    opening = engine.prompts.sink_ids()
-    assert bare.sink_ids == opening
-    assert engine.sink_ids == opening + engine.prompts.tokenize(CHUNK_CONTEXT) + engine.prompts._separator_ids
-    # Another prefix gives other KV: another key, and another calibration.
-    assert engine.precompute(PASSAGES[:1])[0].key != bare.precompute(PASSAGES[:1])[0].key
-    assert engine.calibration_id != bare.calibration_id
-    # A chunk computed for a query (missing from the store) equals the precomputed one exactly.
-    ids = engine.prompts.tokenize(PASSAGES[1])
-    engine.precompute_batch_tokens = 0
-    stored = engine.store.get(engine.precompute(PASSAGES[1:2])[0].key)
-    assert torch.equal(engine.ingestion.compute_entry(ids).keys, stored.keys)
-    alone_k, _ = isolated_kv(engine.adapter, engine.sink_ids, ids)
-    assert (stored.keys.float() - alone_k).abs().max() < 1e-2     # stored as float16
-    with pytest.raises(InvalidInputError, match="chunk_context must be a str"):
-        make_tiny_engine("llama", tokenizer, chunk_context=None)
