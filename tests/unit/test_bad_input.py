@@ -36,11 +36,6 @@ def test_non_string_segments(engine, bad):
     assert isinstance(info.value, TypeError)
 
 
-def test_chunk_of_non_string():
-    with pytest.raises(SegmentTypeError):
-        Chunk(123)
-
-
 def test_prompt_longer_than_context_window(engine):
     long_text = "word " * (engine.context_window + 10)
     with pytest.raises(PromptTooLongError, match="context window"):
@@ -148,11 +143,6 @@ def test_a_tiny_temperature_samples_the_greedy_token(engine):
 def test_system_must_be_text(engine):
     with pytest.raises(SegmentTypeError, match="system must be a str"):
         engine.prefill(["Q?"], system=123)
-
-
-def test_empty_chunk():
-    with pytest.raises(InvalidInputError, match="Chunk text is empty"):
-        Chunk("")
 
 
 @pytest.mark.parametrize("option", ["--top-k", "--max-new-tokens"])

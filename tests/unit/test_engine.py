@@ -210,37 +210,6 @@ def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
     assert torch.equal(first.logits, second.logits)
 
 
-def test_chunk_finder_finds_whole_and_partial_chunks():
-    from ragblend.core.prompt import ChunkFinder
-
-    finder = ChunkFinder()
-    a, b = tuple(range(100, 160)), tuple(range(500, 540))
-    finder.add(a)
-    finder.add(b)
-    finder.add(range(7))  # too short to index
-    prompt = [1, 2, 3] + list(a) + [9, 9] + list(b[5:30]) + [7] + list(b[:10])
-    spans = finder.find(prompt)
-    assert [(s.start, s.end, s.offset, s.token_ids) for s in spans] == [
-        (3, 63, 0, a),           # whole chunk
-        (65, 90, 5, b),          # a middle part of a chunk
-    ]                            # a 10-token tail match is below MIN_RUN
-    assert all(prompt[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start]) for s in spans)
-    assert finder.find([1, 2, 3]) == [] and len(finder) == 2
-
-
-def test_chunk_finder_work_is_bounded_for_repeated_token_chunks():
-    """Stored text is untrusted: chunks of one repeated token must not make matching quadratic."""
-    from ragblend.core.prompt import ChunkFinder
-
-    finder = ChunkFinder()
-    for extra in range(200):
-        finder.add([5] * (100 + extra))
-    assert all(len(places) <= ChunkFinder.MAX_CHUNKS_PER_NGRAM for places in finder._index.values())
-    spans = finder.find([5] * 20000)
-    assert sum(s.end - s.start for s in spans) == 20000     # still reused, whole
-    assert all(s.end - s.start <= 299 for s in spans)
-
-
 def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
     from ragblend import BlendEngine
     from ragblend.core.store import MemoryStore

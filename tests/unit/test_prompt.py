@@ -1,0 +1,68 @@
+"""core.prompt: Chunk and segment checks, prompt layouts with their chunk spans, and the chunk
+finder that marks known chunks in flat prompts. (Hostile template text: test_injection.py.)"""
+
+import pytest
+
+from ragblend import Chunk, InvalidInputError, SegmentTypeError
+from ragblend.core.prompt import PromptBuilder, check_segments
+
+from ..conftest import PASSAGES
+
+
+def test_chunk_finder_finds_whole_and_partial_chunks():
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    a, b = tuple(range(100, 160)), tuple(range(500, 540))
+    finder.add(a)
+    finder.add(b)
+    finder.add(range(7))  # too short to index
+    prompt = [1, 2, 3] + list(a) + [9, 9] + list(b[5:30]) + [7] + list(b[:10])
+    spans = finder.find(prompt)
+    assert [(s.start, s.end, s.offset, s.token_ids) for s in spans] == [
+        (3, 63, 0, a),           # whole chunk
+        (65, 90, 5, b),          # a middle part of a chunk
+    ]                            # a 10-token tail match is below MIN_RUN
+    assert all(prompt[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start]) for s in spans)
+    assert finder.find([1, 2, 3]) == [] and len(finder) == 2
+
+
+def test_chunk_finder_work_is_bounded_for_repeated_token_chunks():
+    """Stored text is untrusted: chunks of one repeated token must not make matching quadratic."""
+    from ragblend.core.prompt import ChunkFinder
+
+    finder = ChunkFinder()
+    for extra in range(200):
+        finder.add([5] * (100 + extra))
+    assert all(len(places) <= ChunkFinder.MAX_CHUNKS_PER_NGRAM for places in finder._index.values())
+    spans = finder.find([5] * 20000)
+    assert sum(s.end - s.start for s in spans) == 20000     # still reused, whole
+    assert all(s.end - s.start <= 299 for s in spans)
+
+
+def test_chunk_of_non_string():
+    with pytest.raises(SegmentTypeError):
+        Chunk(123)
+
+
+def test_empty_chunk():
+    with pytest.raises(InvalidInputError, match="Chunk text is empty"):
+        Chunk("")
+
+
+def test_a_layout_marks_each_chunk_where_its_own_tokens_sit(tokenizer):
+    prompts = PromptBuilder(tokenizer)
+    layout = prompts.build([Chunk(PASSAGES[0]), "Some fresh text.", Chunk(PASSAGES[1]), "Question?"], "Be brief.")
+    assert len(layout.chunk_spans) == 2                  # plain str segments are no chunks
+    for span, text in zip(layout.chunk_spans, PASSAGES):
+        # A chunk's ids in the prompt are the ids it was precomputed with (tokenized alone).
+        assert list(span.token_ids) == prompts.tokenize(text) == layout.token_ids[span.start:span.end]
+    assert layout.chunk_spans[0].end < layout.chunk_spans[1].start
+
+
+def test_check_segments_takes_one_segment_or_a_list_and_names_the_bad_one():
+    assert check_segments("Q?") == ["Q?"] and check_segments(Chunk("a")) == [Chunk("a")]
+    with pytest.raises(SegmentTypeError, match="segment 1 is a int"):
+        check_segments([Chunk("a"), 5])
+    with pytest.raises(InvalidInputError, match="segments is empty"):
+        check_segments(())
