@@ -7,7 +7,6 @@ from ragblend import (
     Chunk,
     FullReuse,
     InvalidInputError,
-    LegoLink,
     PromptTooLongError,
     RagblendError,
     SegmentTypeError,
@@ -40,17 +39,6 @@ def test_prompt_longer_than_context_window(engine):
     long_text = "word " * (engine.context_window + 10)
     with pytest.raises(PromptTooLongError, match="context window"):
         engine.prefill([long_text])
-
-
-@pytest.mark.parametrize("make", [lambda: CacheBlend(ratio=0), lambda: CacheBlend(ratio=1.5),
-                                  lambda: CacheBlend(ratio=-0.1), lambda: CacheBlend(check_layer=0),
-                                  lambda: CacheBlend(gradual=((0, 0.1),)),
-                                  lambda: CacheBlend(0.15, gradual=((3, 0.5),)),
-                                  lambda: CacheBlend(deviation="query"),
-                                  lambda: LegoLink(-1), lambda: LegoLink(2.5)])
-def test_bad_strategy_parameters(make):
-    with pytest.raises(InvalidInputError):
-        make()
 
 
 def test_check_layer_beyond_model_and_unknown_strategy(engine):
