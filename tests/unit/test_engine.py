@@ -174,42 +174,6 @@ def test_later_text_never_changes_earlier_tokens(tiny_engine):
         assert torch.equal(va[:, :start], vb[:, :start])
 
 
-def test_any_order_repeats_and_unknown_chunks(tiny_engine):
-    engine = tiny_engine
-    engine.precompute(PASSAGES[:3])
-    unknown_text = f"A chunk that was never stored ({engine.adapter.arch})."
-    segs = [Chunk(PASSAGES[2]), Chunk(PASSAGES[0]), Chunk(PASSAGES[2]), Chunk(unknown_text), "Question?"]
-    engine.write_back = False  # unknown chunks are then computed as plain text
-    pre = engine.prefill(segs, strategy=FullReuse())
-    # distinct chunks: PASSAGES[2] appears twice but is one chunk
-    assert pre.stats.chunks_reused == 2 and pre.stats.chunks_missing == 1 and pre.stats.chunks_computed == 0
-    assert sum(pre.stats.tiers.values()) == 2
-    spans = pre.layout.chunk_spans
-    assert pre.token_ids[spans[0].start:spans[0].end] == pre.token_ids[spans[2].start:spans[2].end]
-    unknown = spans[3]
-    assert pre.recomputed[unknown.start:unknown.end].all()  # computed as plain text
-    assert not pre.recomputed[spans[0].start:spans[0].end].any()
-    ref = engine.prefill(segs, strategy=FullRecompute())
-    assert ref.token_ids == pre.token_ids
-
-
-def test_unknown_chunk_is_computed_used_and_written_back(tiny_engine):
-    engine = tiny_engine
-    engine.precompute(PASSAGES[:2])
-    text = f"Another chunk nobody precomputed ({engine.adapter.arch})."
-    key = engine.key_of(text)
-    segs = [Chunk(PASSAGES[0]), Chunk(text), Chunk(PASSAGES[1]), "Question?"]
-    first = engine.prefill(segs, strategy=FullReuse())
-    assert first.stats.chunks_missing == 1 and first.stats.chunks_computed == 1
-    span = first.layout.chunk_spans[1]
-    assert not first.recomputed[span.start:span.end].any()  # its isolated KV was used
-    engine.flush()
-    assert key in engine.store  # saved off the TTFT path
-    second = engine.prefill(segs, strategy=FullReuse())
-    assert second.stats.chunks_missing == 0 and second.stats.chunks_reused == 3
-    assert torch.equal(first.logits, second.logits)
-
-
 def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
     from ragblend import BlendEngine
     from ragblend.core.store import MemoryStore

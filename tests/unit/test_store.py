@@ -424,16 +424,6 @@ def test_scanning_a_shared_directory_never_deletes_other_models_entries(tokenize
     assert llama.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?").chunk_spans
 
 
-def test_reused_tokens_count_only_kv_from_the_store(disk_engine):
-    engine = disk_engine
-    engine.precompute(PASSAGES[:1])
-    fresh = f"A chunk this engine never stored, long enough to matter ({len(PASSAGES)})."
-    pre = engine.prefill([Chunk(PASSAGES[0]), Chunk(fresh), "Question?"], strategy=FullReuse())
-    stored = pre.layout.chunk_spans[0]
-    assert pre.stats.chunks_reused == 1 and pre.stats.chunks_computed == 1 and pre.stats.chunks_missing == 1
-    assert pre.stats.reused_tokens == stored.end - stored.start
-
-
 def test_stream_does_not_hold_the_engine_across_yields(disk_engine):
     import threading
 
