@@ -95,26 +95,6 @@ def test_reuse_strategies_run_and_recompute_only_what_they_should(tiny_engine, s
     assert all(k.shape[1] == n for k in pre.keys)
 
 
-def test_compute_scales_with_selected_tokens(tiny_engine):
-    """After the check layer, only the kept tokens run through the layer."""
-    from ragblend.core.pipeline import SequentialSource
-    from ragblend.core.prefill import fused_prefill
-    from ragblend.core.selection import ReusedSpan
-
-    engine = tiny_engine
-    engine.precompute(PASSAGES[:3])
-    layout = engine.prompts.build(segments())
-    spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
-    chunks = [engine.store.open(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans]
-    n = len(layout.token_ids)
-    reused = sum(s.num_tokens for s in spans)
-    fused = fused_prefill(engine.adapter, layout.token_ids, spans,
-                          SequentialSource(chunks), CacheBlend(0.25, check_layer=1))
-    kept = n - reused + -(-reused // 4)
-    assert fused.layer_selected[0] == n and fused.layer_selected[1] == n
-    assert fused.layer_selected[2:] == [kept] * (engine.adapter.shape.num_layers - 2)
-
-
 def test_compute_fraction_counts_token_layers(tiny_engine):
     tiny_engine.precompute(PASSAGES[:3])
     full = tiny_engine.prefill(segments(), strategy=FullRecompute())
