@@ -342,47 +342,6 @@ def test_int8_storage_stays_close_and_never_meets_float16_entries(tokenizer, tmp
 # ---------------------------------------------------------------------------- controller
 
 
-def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
-    from ragblend.core.controller import LoadingController, Measurements
-
-    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
-    engine = make_tiny_engine("llama", tokenizer)
-    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
-    plan = engine.loading.plan(3000, 2900)
-    m = engine.loading.measurements()
-    assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
-    assert m.bytes_per_token_layer == 2 * 2 * 16 * 2  # K+V, 2 kv heads, 16 dims, fp16
-    assert engine.loading.cache_file.exists()
-    again = LoadingController(engine.adapter, engine.entry_spec, engine.kv_dtype, tmp_path)
-    assert again.measurements() == m  # read back from the cache file
-    assert 0.15 <= plan.ratio <= 1.0 and plan.tier in ("disk", "memory")
-
-    # A slow disk: it would delay the prompt, so memory is the cheapest tier without delay,
-    # and with the KV on disk the ratio rises until recompute hides the load.
-    engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e7})
-    slow = engine.loading.plan(3000, 2900)
-    assert slow.tier == "memory"
-    on_disk = engine.loading.plan(3000, 2900, tier="disk")
-    assert on_disk.ratio > 0.15
-    assert on_disk.recompute_s_per_layer == pytest.approx(on_disk.load_s_per_layer["disk"], rel=1e-3)
-    fast = Measurements("cpu", 1e-5, 128, {"memory": 1e12, "disk": 1e11})
-    engine.loading._measured = fast
-    assert engine.loading.plan(3000, 2900).ratio == 0.15 and engine.loading.plan(3000, 2900).tier == "disk"
-
-
-def test_cacheblend_auto_uses_the_controller(disk_engine):
-    from ragblend.core.controller import Measurements
-
-    engine = disk_engine
-    engine.precompute(PASSAGES[:3])
-    engine.loading._measured = Measurements("cpu", 1e-5, 128, {"memory": 1e10, "disk": 2e6})
-    pre = engine.prefill(SEGMENTS, strategy=CacheBlend("auto"))
-    reused = sum(s.end - s.start for s in pre.layout.chunk_spans)
-    expected = engine.loading.plan(len(pre.token_ids), reused, "disk").ratio
-    assert pre.stats.ratio == expected > 0.15
-    assert pre.stats.recomputed_tokens >= int(expected * reused)
-
-
 def test_scanning_a_shared_directory_never_deletes_other_models_entries(tokenizer, tmp_path):
     llama = make_tiny_engine("llama", tokenizer)
     qwen = make_tiny_engine("qwen3", tokenizer)
