@@ -7,7 +7,6 @@ import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import KVDecoder
 from ragblend.core.ingest import isolated_kv
 from ragblend.core.kv import ChunkKV
 
@@ -192,29 +191,6 @@ def test_prompt_lookup_num_tokens_must_be_a_count(tokenizer, bad):
 
     with pytest.raises(InvalidInputError, match="prompt_lookup_num_tokens"):
         make_tiny_engine("llama", tokenizer, prompt_lookup_num_tokens=bad)
-
-
-def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
-    from ragblend.core.calibration import first_token_kl
-    from ragblend.core.model import HalfLinear
-
-    from ..conftest import make_tiny_engine
-
-    exact = make_tiny_engine("qwen2", tokenizer)              # biased projections
-    half = make_tiny_engine("qwen2", tokenizer, decode_dtype="float16")
-    a = exact.generate(segments(), max_new_tokens=12, temperature=0)
-    b = half.generate(segments(), max_new_tokens=12, temperature=0)
-    assert a.logits.equal(b.logits)                           # the prefill is untouched
-    twin = half.decoding_adapter().hf_model
-    assert isinstance(twin.model.layers[0].self_attn.q_proj, HalfLinear)
-    assert twin.model.layers[0].self_attn.q_proj.bias.dtype == torch.float16
-    assert all(p.dtype == torch.float32 for p in half.hf_model.parameters())   # the original keeps float32
-    assert twin.model.embed_tokens.weight is half.hf_model.model.embed_tokens.weight   # shared, not copied
-    pre = exact.prefill(segments())
-    steps = a.token_ids[:6]
-    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
-    low = KVDecoder(half.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
-    assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
 
 
 def test_decode_dtype_must_be_known(tokenizer):

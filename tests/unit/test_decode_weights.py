@@ -1,0 +1,254 @@
+"""core.decode_weights: the weights decoding runs on. float32 decodes on the engine's own
+adapter; float16, 4-bit and 8-bit twins of the model answer like it, are built once per model
+and kind, leave the model alone, and fall back to float32 (saying why) where they cannot run.
+(The low-bit layers themselves: test_kernels.py.)"""
+
+import logging
+import threading
+
+import torch
+
+from ragblend.core.decode_weights import DecodeWeights
+from ragblend.core.generate import KVDecoder
+from ragblend.core.model import INT4_GROUP, CpuLinear, Int4Linear, ModelAdapter, quantize_int4
+
+from ..conftest import tiny_model
+from .test_engine import segments
+
+
+def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.model import HalfLinear
+
+    from ..conftest import make_tiny_engine
+
+    exact = make_tiny_engine("qwen2", tokenizer)              # biased projections
+    half = make_tiny_engine("qwen2", tokenizer, decode_dtype="float16")
+    a = exact.generate(segments(), max_new_tokens=12, temperature=0)
+    b = half.generate(segments(), max_new_tokens=12, temperature=0)
+    assert a.logits.equal(b.logits)                           # the prefill is untouched
+    twin = half.decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, HalfLinear)
+    assert twin.model.layers[0].self_attn.q_proj.bias.dtype == torch.float16
+    assert all(p.dtype == torch.float32 for p in half.hf_model.parameters())   # the original keeps float32
+    assert twin.model.embed_tokens.weight is half.hf_model.model.embed_tokens.weight   # shared, not copied
+    pre = exact.prefill(segments())
+    steps = a.token_ids[:6]
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    low = KVDecoder(half.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 6, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in steps) < 1e-3
+
+
+def snapped_to_int4(model):
+    """A copy of ``model`` whose linear weights lie on the 4-bit grid, as a Q4_1 GGUF's do
+    once dequantized: 4-bit decoding then differs from float32 only by its bfloat16 activations."""
+    import copy
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                codes, scales, low = quantize_int4(module.weight)
+                grid = scales[..., None] * codes.reshape(*scales.shape, INT4_GROUP).float() + low[..., None]
+                module.weight.copy_(grid.reshape(module.weight.shape))
+    return model
+
+
+def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer):
+    from ragblend import BlendEngine
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.generate import KVDecoder
+
+    from ..conftest import tiny_model
+
+    model = snapped_to_int4(tiny_model("qwen2"))                # biased projections
+    exact = BlendEngine(model, tokenizer)
+    four = BlendEngine(model, tokenizer, decode_dtype="int4")
+    twin = four.decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].mlp.down_proj, Int4Linear)
+    assert twin.model.layers[0].mlp.down_proj.quantization_error < 1e-6   # the grid's own blocks
+    assert type(twin.lm_head) is CpuLinear                   # logits stay float32
+    assert all(p.dtype == torch.float32 for p in four.hf_model.parameters())
+    pre = exact.prefill(segments())
+    answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2
+    # A drafted pass verifies several tokens at once; the 4-bit kernel must give each the
+    # logits it gets alone, or drafting would change greedy answers.
+    one = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    many = KVDecoder(four.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    singly = torch.stack([one.step(t) for t in answer[:4]])
+    assert (many.extend(answer[:4]) - singly).abs().max() < 1e-3
+    four.prompt_lookup_num_tokens = 0
+    plain = four.generate(segments(), max_new_tokens=12, temperature=0)
+    four.prompt_lookup_num_tokens = 3
+    drafted = four.generate(segments(), max_new_tokens=12, temperature=0)
+    assert drafted.token_ids == plain.token_ids
+
+
+def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, caplog):
+    import copy
+
+    from ragblend import BlendEngine
+
+    from ..conftest import tiny_model
+
+    with caplog.at_level(logging.WARNING, logger="ragblend"):   # a copy: no other engine built its twin before
+        four = BlendEngine(copy.deepcopy(tiny_model("mistral")), tokenizer, decode_dtype="int4")
+    assert isinstance(four.decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert "quantized at load" in caplog.text
+
+
+def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    from ragblend import BlendEngine
+    from ragblend.core import decode_weights as engine_module
+
+    from ..conftest import tiny_model
+
+    monkeypatch.setattr(engine_module, "int4_available", lambda: "this torch has no int4 kernel")
+    model = snapped_to_int4(tiny_model("llama"))   # its own copy: no other engine built its twin before
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        four = BlendEngine(model, tokenizer, decode_dtype="int4")
+        out = four.generate(segments(), max_new_tokens=4, temperature=0)
+    assert four.decoding_adapter() is four.adapter and out.token_ids
+    assert "no int4 kernel" in caplog.text and "float32" in caplog.text
+
+
+def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from ragblend import BlendEngine
+
+    from ..conftest import TOKENIZER_DIR
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    torch.manual_seed(0)
+    odd = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       vocab_size=1024)).eval()
+    engine = BlendEngine(odd, tokenizer, decode_dtype="int4")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        engine.generate(segments(), max_new_tokens=3, temperature=0)
+    mlp = engine.decoding_adapter().hf_model.model.layers[0].mlp
+    assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
+    assert "cannot hold 4-bit weights" in caplog.text and "groups of 32" in caplog.text
+
+
+def low_bit_measures(monkeypatch, faster: bool):
+    """Make the decoding-format measurement say low-bit weights are (or are not) faster here."""
+    from ragblend.core import decode_weights as engine_module
+
+    seen = []
+
+    def fake(workloads, rounds=5):
+        seen.append(sorted(workloads))
+        return {"float32": 1.0, "low-bit": 0.5 if faster else 1.0}
+
+    monkeypatch.setattr(engine_module, "fastest_rounds", fake)
+    return seen
+
+
+def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer, monkeypatch):
+    from ragblend import BlendEngine
+
+    from ..conftest import tiny_model
+
+    low_bit_measures(monkeypatch, faster=True)
+    snapped = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)   # as from a Q4_1 GGUF
+    plain = BlendEngine(tiny_model("llama"), tokenizer)   # float weights, not from a GGUF: low bits would lose
+    assert snapped.decode_dtype == plain.decode_dtype == "auto"
+    layers = snapped.decoding_adapter().hf_model.model.layers
+    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in layers)
+    assert plain.decoding_adapter() is plain.adapter
+    assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids
+
+
+def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core.calibration import first_token_kl
+    from ragblend.core.generate import KVDecoder
+    from ragblend.core.model import Int8Head, Int8Linear
+
+    from ..conftest import tiny_model
+
+    model = copy.deepcopy(tiny_model("qwen2"))   # its own copy: its twin is built here
+    exact = BlendEngine(model, tokenizer, decode_dtype="float32")
+    eight = BlendEngine(model, tokenizer, decode_dtype="int8")
+    twin = eight.decoding_adapter().hf_model
+    assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
+    assert eight.decode_weights.layer_counts() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
+    pre = exact.prefill(segments())
+    answer = exact.generate(segments(), max_new_tokens=8, temperature=0).token_ids
+    ref = KVDecoder(exact.adapter, pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    low = KVDecoder(eight.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias)
+    assert max(first_token_kl(ref.step(t), low.step(t)) for t in answer[:6]) < 1e-2   # wrong scales: > 1
+    eight.prompt_lookup_num_tokens = 0
+    plain = eight.generate(segments(), max_new_tokens=12, temperature=0)
+    eight.prompt_lookup_num_tokens = 3
+    assert eight.generate(segments(), max_new_tokens=12, temperature=0).token_ids == plain.token_ids
+
+
+def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster(tokenizer, monkeypatch):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import model as model_module
+    from ragblend.core.model import Int8Linear
+
+    from ..conftest import tiny_model
+
+    seen = low_bit_measures(monkeypatch, faster=True)
+    gguf = snapped_to_int4(tiny_model("llama"))
+    gguf.lm_head.weight = torch.nn.Parameter(torch.randn_like(gguf.lm_head.weight))   # a Q8_0-like head
+    model_module._FROM_GGUF.add(gguf)                        # as load_model marks a model read from a GGUF file
+    engine = BlendEngine(gguf, tokenizer)
+    assert engine.decode_weights.layer_counts() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
+                                        "8-bit": 1}
+    assert isinstance(engine.decoding_adapter().hf_model.lm_head, Int8Linear)
+    assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
+
+    low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
+    slower = copy.deepcopy(gguf)
+    model_module._FROM_GGUF.add(slower)
+    engine = BlendEngine(slower, tokenizer)
+    assert engine.decoding_adapter() is engine.adapter and engine.decode_weights.layer_counts() == {
+        "float32": 7 * gguf.config.num_hidden_layers + 1}
+
+
+def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import decode_weights as engine_module
+
+    from ..conftest import tiny_model
+
+    monkeypatch.setattr(engine_module, "int8_available", lambda: "this torch has no int8 kernel")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        eight = BlendEngine(copy.deepcopy(tiny_model("llama")), tokenizer, decode_dtype="int8")
+        out = eight.generate(segments(), max_new_tokens=3, temperature=0)
+    assert eight.decoding_adapter() is eight.adapter and out.token_ids
+    assert "no int8 kernel" in caplog.text and "float32" in caplog.text
+
+
+def test_float32_decodes_on_the_engines_own_adapter_and_counts_its_layers():
+    model = tiny_model("llama")
+    adapter = ModelAdapter(model)
+    weights = DecodeWeights(model, adapter, None, "float32", threading.RLock())
+    assert weights.decoding_adapter() is adapter
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert linears == 7 * model.config.num_hidden_layers + 1          # q k v o, gate up down, and the LM head
+    assert weights.layer_counts() == {"float32": linears}
+
+
+def test_a_float16_twin_is_built_once_per_model_and_counted_as_float16():
+    model = tiny_model("mistral")
+    first = DecodeWeights(model, ModelAdapter(model), None, "float16", threading.RLock())
+    second = DecodeWeights(model, ModelAdapter(model), None, "float16", threading.RLock())
+    twin = first.decoding_adapter()
+    assert twin is second.decoding_adapter() and twin is not first.adapter          # shared by the model's engines
+    assert first.layer_counts() == {"float16": 7 * model.config.num_hidden_layers + 1}
+    assert all(p.dtype == torch.float32 for p in model.parameters())                # the model keeps float32
