@@ -342,17 +342,6 @@ def test_int8_storage_stays_close_and_never_meets_float16_entries(tokenizer, tmp
 # ---------------------------------------------------------------------------- controller
 
 
-def test_scanning_a_shared_directory_never_deletes_other_models_entries(tokenizer, tmp_path):
-    llama = make_tiny_engine("llama", tokenizer)
-    qwen = make_tiny_engine("qwen3", tokenizer)
-    llama.store = DiskStore(tmp_path, llama.entry_spec)
-    qwen.store = DiskStore(tmp_path, qwen.entry_spec)
-    llama.precompute(PASSAGES[:2])
-    layout = qwen.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?")  # scans every entry's header
-    assert layout.chunk_spans == [] and len(llama.store) == 2
-    assert llama.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?").chunk_spans
-
-
 def test_stream_does_not_hold_the_engine_across_yields(disk_engine):
     import threading
 
