@@ -15,6 +15,8 @@ that each prompt also gets the candidate signals:
   :class:`~ragblend.FullReuse` computes) and the fused result: how far recomputing moved it;
 * ``fused_entropy`` and ``fused_margin`` (1 - top-1 + top-2 probability) of the fused logits;
 * ``probe_flip``: the question pass's top token differs from the fused one;
+* ``selected_deviation``: how far the recomputed reused tokens' K/V moved from their cache
+  (squared distance over squared norm, all layers), CacheBlend's score on the tokens chosen;
 * ``reused_tokens``: the prompt's reused tokens (a baseline that knows nothing of the prompt).
 
 Then: each signal's AUROC for "answer KL above the set's order-noise median" (and for first-token
@@ -46,7 +48,7 @@ from .fidelity import NOISE, measure, table
 from .models import MODELS, model_path
 
 SIGNALS = ("left_mass", "left_mass_deep", "relevance_entropy", "probe_kl", "fused_entropy", "fused_margin",
-           "probe_flip", "reused_tokens")
+           "probe_flip", "selected_deviation", "reused_tokens")
 POLICY_SIGNALS = ("left_mass", "probe_kl", "fused_margin", "reused_tokens")   # the escalation tables' signals
 PROBE = "FullReuse (the question pass)"
 
@@ -68,23 +70,32 @@ class RecordingQuestionAttention(QuestionAttention):
         return selected
 
 
-def signals(recorder: RecordingQuestionAttention, fused: torch.Tensor, probe: torch.Tensor) -> dict:
-    """The candidate signals of one prompt (module docstring); higher means riskier."""
+def signals(recorder: RecordingQuestionAttention, fused, probe) -> dict:
+    """The candidate signals of one prompt (module docstring) from the shipped strategy's
+    Prefill ``fused`` and the question pass's (FullReuse) ``probe``; higher means riskier."""
     relevance, left = recorder.relevance.float(), recorder.left_out
     layers = relevance.sum(dim=1) > 0                  # layers where the question attended
     per_layer_left = (relevance[:, left].sum(dim=1))[layers]
     total = relevance.sum(dim=0)
     p = total / total.sum().clamp_min(1e-12)
     entropy = -(p * p.clamp_min(1e-12).log()).sum().item() / math.log(max(2, p.numel()))
-    probs = torch.softmax(fused.float(), -1)
+    probs = torch.softmax(fused.logits.float(), -1)
     top = torch.topk(probs, 2).values
+    # The recomputed reused tokens: FullReuse keeps their cached K/V (rotated alike, so distances hold).
+    reused = probe.recomputed.logical_not()
+    chosen = fused.recomputed & reused
+    moved = sum((fk[:, chosen] - pk[:, chosen]).float().pow(2).sum() + (fv[:, chosen] - pv[:, chosen]).float().pow(2).sum()
+                for fk, fv, pk, pv in zip(fused.keys, fused.values, probe.keys, probe.values))
+    size = sum(pk[:, chosen].float().pow(2).sum() + pv[:, chosen].float().pow(2).sum()
+               for pk, pv in zip(probe.keys, probe.values))
     return {"left_mass": per_layer_left.mean().item(),
             "left_mass_deep": per_layer_left[per_layer_left.numel() // 2:].mean().item(),
             "relevance_entropy": entropy,
-            "probe_kl": first_token_kl(fused, probe),
+            "probe_kl": first_token_kl(fused.logits, probe.logits),
             "fused_entropy": -(probs * probs.clamp_min(1e-12).log()).sum().item(),
             "fused_margin": 1.0 - (top[0] - top[1]).item(),
-            "probe_flip": float(fused.argmax() != probe.argmax()),
+            "probe_flip": float(fused.logits.argmax() != probe.logits.argmax()),
+            "selected_deviation": (moved / size.clamp_min(1e-12)).item() if bool(chosen.any()) else 0.0,
             "reused_tokens": float(left.numel())}
 
 
@@ -99,36 +110,74 @@ def auroc(scores: list[float], labels: list[bool]) -> float:
     return wins / (len(pos) * len(neg))
 
 
+LABELS = {
+    "answer": "answer KL above the set's order-noise median",
+    "first": "first-token KL above the set's order-noise median",
+    "prompt": "answer KL above the same prompt's order noise",
+    "top": "answer KL in the set's top quarter",
+}
+
+
 def labels(rows: list[dict], shipped: str, kind: str) -> list[bool]:
-    """Per prompt: is the shipped strategy outside the noise? ``kind``: "answer" (answer KL above
-    the noise's median), "first" (first-token KL above the noise's median), "outlier" (answer KL
-    above 3x the noise's median)."""
+    """Per prompt: is the shipped strategy a bad fusion, as ``kind`` (a key of LABELS, or
+    "outlier": answer KL above 3x the set's order-noise median) says?"""
+    answer = [r["rows"][shipped]["answer_kl"] for r in rows]
+    if kind == "prompt":
+        return [a > r["rows"][NOISE]["answer_kl"] for a, r in zip(answer, rows)]
+    if kind == "top":
+        cut = sorted(answer, reverse=True)[max(0, math.ceil(len(answer) / 4) - 1)]
+        return [a >= cut for a in answer]
     key, factor = {"answer": ("answer_kl", 1), "first": ("kl", 1), "outlier": ("answer_kl", 3)}[kind]
     bound = factor * statistics.median(r["rows"][NOISE][key] for r in rows)
     return [r["rows"][shipped][key] > bound for r in rows]
 
 
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    norm = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / norm if norm else float("nan")
+
+
 def auroc_table(raw: dict, shipped_of: dict) -> list[str]:
-    lines = ["| model, set (prompts) | positives (answer / first / 3x) | "
-             + " | ".join(SIGNALS) + " |", "|---|---|" + "---:|" * len(SIGNALS)]
+    """Per set: each signal's AUROC for each label, and its rank correlation with the answer KL."""
+    lines = ["| model/set (prompts) | label (positives) | " + " | ".join(SIGNALS) + " |",
+             "|---|---|" + "---:|" * len(SIGNALS)]
     for key, rows in raw.items():
         shipped = shipped_of[key.split("/")[0]]
-        for kind in ("answer", "first"):
+        for kind in LABELS:
             ys = labels(rows, shipped, kind)
-            counts = "/".join(str(sum(labels(rows, shipped, k))) for k in ("answer", "first", "outlier"))
             cells = [f"{auroc([r['signals'][s] for r in rows], ys):.2f}" for s in SIGNALS]
-            lines.append(f"| {key} ({len(rows)}), {kind} | {counts if kind == 'answer' else ''} | "
-                         + " | ".join(cells) + " |")
+            lines.append(f"| {key} ({len(rows)}) | {kind} ({sum(ys)}) | " + " | ".join(cells) + " |")
+        answer = [r["rows"][shipped]["answer_kl"] for r in rows]
+        cells = [f"{spearman([r['signals'][s] for r in rows], answer):.2f}" for s in SIGNALS]
+        lines.append(f"| {key} ({len(rows)}) | Spearman with answer KL | " + " | ".join(cells) + " |")
     return lines
 
 
 def pooled_auroc(raw: dict, shipped_of: dict) -> list[str]:
-    """AUROC over every prompt of each model (labels still against each set's own noise)."""
-    lines = ["| model (prompts) | label | " + " | ".join(SIGNALS) + " |", "|---|---|" + "---:|" * len(SIGNALS)]
+    """AUROC over every prompt of each model and of all (labels still per set)."""
+    lines = ["| model (prompts) | label (positives) | " + " | ".join(SIGNALS) + " |",
+             "|---|---|" + "---:|" * len(SIGNALS)]
     models = dict.fromkeys(key.split("/")[0] for key in raw)
     for model in [*models, "all"]:
         keys = [k for k in raw if model == "all" or k.split("/")[0] == model]
-        for kind in ("answer", "first"):
+        for kind in LABELS:
             scores = {s: [] for s in SIGNALS}
             ys = []
             for key in keys:
@@ -137,7 +186,7 @@ def pooled_auroc(raw: dict, shipped_of: dict) -> list[str]:
                 for s in SIGNALS:
                     scores[s] += [r["signals"][s] for r in rows]
             cells = [f"{auroc(scores[s], ys):.2f}" for s in SIGNALS]
-            lines.append(f"| {model} ({len(ys)}) | {kind} (positives {sum(ys)}) | " + " | ".join(cells) + " |")
+            lines.append(f"| {model} ({len(ys)}) | {kind} ({sum(ys)}) | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -247,10 +296,11 @@ def main(argv=None) -> None:
                 rows = raw.setdefault(f"{model}/{set_name}", [])
                 for i, prompt in enumerate(prompts):
                     tp = time.perf_counter()
-                    logits = {}
+                    prefills = {shipped: None, PROBE: None}
                     result = measure(engine, prompt, {shipped: recorder}, args.greedy_tokens, answer_level=True,
-                                     kl_only={**ladder, PROBE: FullReuse()}, logits=logits)
-                    rows.append({"rows": result, "signals": signals(recorder, logits[shipped], logits[PROBE])})
+                                     kl_only={**ladder, PROBE: FullReuse()}, prefills=prefills)
+                    rows.append({"rows": result, "signals": signals(recorder, prefills[shipped], prefills[PROBE])})
+                    del prefills
                     print(f"[{model}/{set_name}] {i + 1}/{len(prompts)} {time.perf_counter() - tp:.0f}s "
                           f"answer KL {result[shipped]['answer_kl']:.4f} noise {result[NOISE]['answer_kl']:.4f}",
                           flush=True)
@@ -260,7 +310,8 @@ def main(argv=None) -> None:
     lines = []
     for key, rows in raw.items():
         lines += [f"## {key} ({len(rows)} prompts)", "", *table([r["rows"] for r in rows], 32), ""]
-    lines += ["## AUROC of each signal, per set", "", *auroc_table(raw, shipped_of), "",
+    lines += ["## AUROC of each signal, per set", "", "Labels: " + "; ".join(
+        f"*{k}*: {v}" for k, v in LABELS.items()) + ".", "", *auroc_table(raw, shipped_of), "",
               "## AUROC pooled over the sets", "", *pooled_auroc(raw, shipped_of), "", "## Escalation", ""]
     fixed_of = {m: ("QueryAware(0.20)" if "0.10" in s else "QueryAware(0.30)") for m, s in shipped_of.items()}
     targets_of = {m: ("QueryAware(0.30)", "QueryAware(0.50)", "full") for m in shipped_of}

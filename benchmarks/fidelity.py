@@ -70,14 +70,16 @@ def fading(step: int) -> float:
 
 
 def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: int,
-            answer_level: bool = False, kl_only: dict | None = None, logits: dict | None = None) -> dict:
+            answer_level: bool = False, kl_only: dict | None = None, logits: dict | None = None,
+            prefills: dict | None = None) -> dict:
     """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included.
     ``answer_level`` adds "answer_kl" (mean KL over the full prefill's greedy answer, teacher-forced:
     :func:`ragblend.core.calibration.answer_kl`) and "same_answer" (identical greedy answer), and
     for a strategy that scales the cached attention, rows with the scale in the prefill only and
     fading over the answer. ``kl_only``: more variants measured without a greedy answer of their
     own (KL and compute only; ROUGE-L nan). ``logits``, when given, receives each row's first-token
-    logits (the reference's under "reference")."""
+    logits (the reference's under "reference"); ``prefills`` (answer level), the Prefill of each
+    row named in it already (its value is replaced)."""
     engine.precompute(prompt.chunks)
     segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
     reversed_segments = [Chunk(c) for c in reversed(prompt.chunks)] + [prompt.question]
@@ -112,6 +114,8 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
         if answer_level:
             if answers:
                 pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
+            if prefills is not None and name in prefills:
+                prefills[name] = pre
             rows[name].update(answer_kl=answer_kl(ref_steps, answer_logits(engine, pre, answer_ids)),
                               same_answer=float(text == ref_text) if text is not None else float("nan"))
             if pre.key_bias is not None and answers:   # the attention scale kept out of the answer's steps
