@@ -40,11 +40,13 @@ class Background:
             self._pending.append(self._writer.submit(fn, *args))
 
     def flush(self) -> None:
-        """Wait for the writes submitted so far; re-raises the first one that failed."""
+        """Wait for every write submitted so far, then re-raise the first one that failed."""
         with self._lock:
             pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
+        failures = [future.exception() for future in pending]   # exception() waits for each
+        first = next((err for err in failures if err is not None), None)
+        if first is not None:
+            raise first
 
 
 @dataclass

@@ -123,9 +123,14 @@ def test_background_flush_re_raises_a_failed_write_once():
     def failing_write():
         raise OSError("disk full")
 
+    def slow_write(item):
+        time.sleep(0.1)
+        done.append(item)
+
     background.submit(done.append, "before")
     background.submit(failing_write)
+    background.submit(slow_write, "after")
     with pytest.raises(OSError, match="disk full"):
         background.flush()
-    assert done == ["before"]                   # the writes before the failure were waited for
+    assert done == ["before", "after"]          # every write was waited for, those after the failure too
     background.flush()                          # reported once: the next flush has nothing to raise
