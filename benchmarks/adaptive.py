@@ -101,9 +101,9 @@ def signals(recorder: RecordingQuestionAttention, fused, probe) -> dict:
 
 def auroc(scores: list[float], labels: list[bool]) -> float:
     """Probability that a random positive scores above a random negative (ties count half);
-    nan without both classes."""
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
+    nan without both classes. Prompts without the signal (None: an older run) are left out."""
+    pos = [s for s, y in zip(scores, labels) if y and s is not None]
+    neg = [s for s, y in zip(scores, labels) if not y and s is not None]
     if not pos or not neg:
         return float("nan")
     wins = sum((a > b) + 0.5 * (a == b) for a in pos for b in neg)
@@ -133,7 +133,11 @@ def labels(rows: list[dict], shipped: str, kind: str) -> list[bool]:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (average ranks for ties)."""
+    """Rank correlation (average ranks for ties); pairs without the signal (None) left out."""
+    pairs = [(x, y) for x, y in zip(xs, ys) if x is not None]
+    xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+    if len(pairs) < 3:
+        return float("nan")
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         out = [0.0] * len(values)
@@ -284,6 +288,9 @@ def main(argv=None) -> None:
             data = json.loads(path.read_text())
             raw.update(data["raw"])
             shipped_of.update(data["shipped"])
+        for rows in raw.values():   # a signal added after a run: None (left out of its AUROC)
+            for r in rows:
+                r["signals"] = {s: r["signals"].get(s) for s in SIGNALS}
     else:
         for model in args.models:
             engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
@@ -293,6 +300,9 @@ def main(argv=None) -> None:
             recorder = RecordingQuestionAttention(ratio, cached_attention_scale=engine.strategy.cached_attention_scale)
             ladder = {f"QueryAware({r:.2f})": QueryAware(r) for r in args.ladder if r > ratio}
             for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
+                if not prompts:
+                    print(f"[{model}/{set_name}] no prompts (MuSiQue needs --musique-file)", flush=True)
+                    continue
                 rows = raw.setdefault(f"{model}/{set_name}", [])
                 for i, prompt in enumerate(prompts):
                     tp = time.perf_counter()
@@ -308,6 +318,7 @@ def main(argv=None) -> None:
                         args.json.write_text(json.dumps({"raw": raw, "shipped": shipped_of}))
             del engine
     lines = []
+    raw = {key: rows for key, rows in raw.items() if rows}
     for key, rows in raw.items():
         lines += [f"## {key} ({len(rows)} prompts)", "", *table([r["rows"] for r in rows], 32), ""]
     lines += ["## AUROC of each signal, per set", "", "Labels: " + "; ".join(
