@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragblend import BlendEngine
+from ragblend import BlendEngine, Chunk
 from ragblend.core.kv import ChunkKV
 from ragblend.core.model import load_model, resolve_model_dir
 from ragblend.core.store import MAGIC, DiskStore, EntrySpec
@@ -181,3 +181,15 @@ def with_header(blob: bytes, header: bytes) -> bytes:
     (old_len,) = struct.unpack("<I", blob[4:8])
     layers = blob[8 + old_len + 4:]
     return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<I", zlib.crc32(header)) + layers
+
+
+# A prompt over three stored passages, and an engine whose store is a DiskStore (store, pipeline
+# and controller tests).
+SEGMENTS = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[2]), "Question: who ran the ferry?"]
+
+
+@pytest.fixture
+def disk_engine(tokenizer, tmp_path):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
+    return engine

@@ -6,21 +6,11 @@ import json
 import pytest
 import torch
 
-from ragblend import CacheBlend, Chunk
+from ragblend import CacheBlend
 from ragblend.core.controller import LoadingController, Measurements
 from ragblend.core.store import DiskStore
 
-from ..conftest import PASSAGES, make_tiny_engine
-
-
-@pytest.fixture
-def disk_engine(tokenizer, tmp_path):
-    engine = make_tiny_engine("llama", tokenizer)
-    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
-    return engine
-
-
-SEGMENTS = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[2]), "Question: who ran the ferry?"]
+from ..conftest import PASSAGES, SEGMENTS, make_tiny_engine
 
 
 def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):

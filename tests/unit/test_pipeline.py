@@ -4,21 +4,11 @@ the layers reading on demand (SequentialSource) gives, windows included, and clo
 import pytest
 import torch
 
-from ragblend import CacheBlend, Chunk, FullReuse
+from ragblend import CacheBlend, FullReuse
 from ragblend.core.pipeline import PrefetchSource, SequentialSource
-from ragblend.core.store import DiskStore, MemoryReader
+from ragblend.core.store import MemoryReader
 
-from ..conftest import PASSAGES, make_tiny_engine, synthetic_entry
-
-
-@pytest.fixture
-def disk_engine(tokenizer, tmp_path):
-    engine = make_tiny_engine("llama", tokenizer)
-    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
-    return engine
-
-
-SEGMENTS = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[2]), "Question: who ran the ferry?"]
+from ..conftest import PASSAGES, SEGMENTS, make_tiny_engine, synthetic_entry
 
 
 @pytest.mark.parametrize("strategy", [CacheBlend(0.2), FullReuse()])

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragblend import CacheBlend, Chunk, FullReuse
+from ragblend import CacheBlend, FullReuse
 from ragblend.core.kv import ChunkKV, quantize_int8
 from ragblend.core.store import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
 
-from ..conftest import PASSAGES, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
+from ..conftest import PASSAGES, SEGMENTS, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
 
 # ---------------------------------------------------------------------------- format
 
@@ -85,14 +85,6 @@ def test_layout_is_layer_major_with_one_read_per_layer(tmp_path):
 # ---------------------------------------------------------------------------- integrity
 
 
-@pytest.fixture
-def disk_engine(tokenizer, tmp_path):
-    engine = make_tiny_engine("llama", tokenizer)
-    engine.store = DiskStore(tmp_path / "kv", engine.entry_spec)
-    return engine
-
-
-SEGMENTS = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[2]), "Question: who ran the ferry?"]
 
 
 def corrupt(kind: str, engine, store: DiskStore, key: str) -> None:
