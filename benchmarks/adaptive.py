@@ -267,6 +267,29 @@ def policy_tables(raw: dict, shipped_of: dict, tune: str, fixed_of: dict, target
     return lines
 
 
+def shipped_table(raw: dict, shipped_of: dict) -> list[str]:
+    """One table for every model and set: the shipped strategy (the scale kept in decoding, in
+    the prefill only, fading over the answer), the ladder above it and the order noise."""
+    lines = ["| model, set (prompts) | strategy | compute | first-token KL mean / median | "
+             "answer KL mean / median | answer identical | answer KL > 3x noise median | ROUGE-L |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for key, rows in raw.items():
+        shipped = shipped_of[key.split("/")[0]]
+        bound = 3 * statistics.median(r["rows"][NOISE]["answer_kl"] for r in rows)
+        names = [n for n in rows[0]["rows"] if n != PROBE and n != NOISE] + [NOISE]
+        for name in names:
+            col = {k: [r["rows"][name][k] for r in rows] for k in ("compute", "kl", "answer_kl", "same_answer", "rouge")}
+            label = name.replace(shipped, "shipped").replace(NOISE, "order noise")
+            same = f"{statistics.mean(col['same_answer']):.0%}" if col["same_answer"][0] == col["same_answer"][0] else "-"
+            rouge = f"{statistics.mean(col['rouge']):.2f}" if col["rouge"][0] == col["rouge"][0] else "-"
+            lines.append(f"| {key} ({len(rows)}) | {label if name != shipped else shipped} | "
+                         f"{statistics.mean(col['compute']):.1%} | "
+                         f"{statistics.mean(col['kl']):.4f} / {statistics.median(col['kl']):.4f} | "
+                         f"{statistics.mean(col['answer_kl']):.4f} / {statistics.median(col['answer_kl']):.4f} | "
+                         f"{same} | {sum(k > bound for k in col['answer_kl'])} | {rouge} |")
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -321,7 +344,8 @@ def main(argv=None) -> None:
     raw = {key: rows for key, rows in raw.items() if rows}
     for key, rows in raw.items():
         lines += [f"## {key} ({len(rows)} prompts)", "", *table([r["rows"] for r in rows], 32), ""]
-    lines += ["## AUROC of each signal, per set", "", "Labels: " + "; ".join(
+    lines += ["## Answer level at the shipped defaults", "", *shipped_table(raw, shipped_of), "",
+              "## AUROC of each signal, per set", "", "Labels: " + "; ".join(
         f"*{k}*: {v}" for k, v in LABELS.items()) + ".", "", *auroc_table(raw, shipped_of), "",
               "## AUROC pooled over the sets", "", *pooled_auroc(raw, shipped_of), "", "## Escalation", ""]
     fixed_of = {m: ("QueryAware(0.20)" if "0.10" in s else "QueryAware(0.30)") for m, s in shipped_of.items()}
