@@ -1,0 +1,72 @@
+"""benchmarks.adaptive: the signals for per-query adaptive recompute and their ranking measures,
+on a tiny random model (the measured AUROCs are in docs/benchmarks.md)."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.adaptive import (
+    PROBE,
+    SIGNALS,
+    RecordingQuestionAttention,
+    auroc,
+    escalate,
+    signals,
+    spearman,
+    tuned_threshold,
+)
+from ragblend import Chunk, FullReuse, QueryAware
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+CHUNKS = [f"{a} {b}" for a, b in zip(PASSAGES, PASSAGES[1:] + PASSAGES[:1])]
+
+
+def test_auroc_and_rank_correlation():
+    assert auroc([0.9, 0.8, 0.1, 0.2], [True, True, False, False]) == 1.0
+    assert auroc([0.1, 0.2, 0.9, 0.8], [True, True, False, False]) == 0.0
+    assert auroc([0.5, 0.5], [True, False]) == 0.5                       # a tie counts half
+    assert math.isnan(auroc([0.1, 0.2], [True, True]))                   # one class only
+    assert auroc([0.9, None, 0.1], [True, True, False]) == 1.0           # a missing signal is left out
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+
+
+def test_escalation_spends_the_target_where_the_signal_passes_the_threshold():
+    def prompt(signal, kl):
+        rows = {"shipped": {"kl": kl, "answer_kl": kl, "compute": 0.2},
+                "QueryAware(0.30)": {"kl": kl / 4, "answer_kl": kl / 4, "compute": 0.4},
+                PROBE: {"kl": 1.0, "answer_kl": 1.0, "compute": 0.05}}
+        return {"rows": rows, "signals": {"left_mass": signal, "probe_kl": signal}}
+
+    rows = [prompt(0.1, 0.01), prompt(0.5, 0.02), prompt(0.9, 0.08)]
+    # A signal known before the fused pass spends only the target's compute ...
+    spent = escalate(rows, "shipped", "QueryAware(0.30)", "left_mass", 0.6)
+    assert [c for c, _ in spent] == [0.2, 0.2, 0.4] and spent[2][1]["answer_kl"] == 0.02
+    # ... one read off the fused result spends the shipped pass too, less the question pass.
+    assert escalate(rows, "shipped", "QueryAware(0.30)", "probe_kl", 0.6)[2][0] == pytest.approx(0.55)
+    assert escalate(rows, "shipped", "full", "left_mass", 0.6)[2] == (1.0, {"kl": 0.0, "answer_kl": 0.0,
+                                                                            "compute": 1.0})
+    # The lowest threshold within a budget of one escalated prompt in three: above the middle prompt's.
+    assert tuned_threshold(rows, "shipped", "QueryAware(0.30)", "left_mass", (0.2 + 0.2 + 0.4) / 3) == 0.5
+    assert tuned_threshold(rows, "shipped", "QueryAware(0.30)", "left_mass", 0.1) == math.inf
+
+
+def test_the_recording_selection_selects_as_query_aware_and_gives_every_signal(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(CHUNKS)
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    recorder = RecordingQuestionAttention(0.2, cached_attention_scale=0.7)
+    recorded = engine.prefill(segments, strategy=recorder)
+    plain = engine.prefill(segments, strategy=QueryAware(0.2))
+    assert torch.equal(recorded.recomputed, plain.recomputed)
+    assert torch.allclose(recorded.logits, plain.logits, atol=1e-5)
+    assert recorder.relevance.shape[1] == recorder.left_out.numel()
+    assert int((~recorder.left_out).sum()) == math.ceil(0.2 * recorder.left_out.numel() - 1e-9)
+
+    values = signals(recorder, recorded, engine.prefill(segments, strategy=FullReuse()))
+    assert set(values) == set(SIGNALS)
+    assert 0 < values["left_mass"] < 1 and 0 < values["relevance_entropy"] <= 1
+    assert values["selected_deviation"] > 0 and values["probe_kl"] >= 0
+    assert values["reused_tokens"] == recorder.left_out.numel()
