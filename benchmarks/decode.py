@@ -25,6 +25,7 @@ engine's float32 kernels and each other decode dtype, the KL between its next-to
 distributions and the reference's at every step (both fed the reference answer).
 
     python -m benchmarks.decode --models smollm2 --sets fidelity:6 squad:32
+    python -m benchmarks.decode --models smollm2 qwen2.5-0.5b --kv-agreement --decode-kv-dtypes bfloat16 float16
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
     """Per step, KL between the reference layers' and ``engine``'s decoding next-token distributions."""
     capacity = len(pre.token_ids) + len(answer)
     ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)
-    twin = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
+    twin = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias,
+                     dtype=engine.answers.kv_dtype)
     with engine.lock:
         return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
 
@@ -106,7 +108,7 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
         variants[f"ragblend, decode_dtype='float32', prompt_lookup_num_tokens={n}"] = lambda n=n: ragblend_answer(exact, segments, tokens, n)[1:]
     for dtype, other in others.items():
         for n in sorted({0, drafts[-1]}):
-            variants[f"ragblend, decode_dtype={dtype!r}, prompt_lookup_num_tokens={n}"] = \
+            variants[f"ragblend, {dtype}, prompt_lookup_num_tokens={n}"] = \
                 lambda other=other, n=n: ragblend_answer(other, segments, tokens, n)[1:]
     times = {name: [] for name in variants}
     passes = {}
@@ -131,7 +133,7 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
     if not any(sets.values()):
         return []
     variants = [(f"decode_dtype='float32', prompt_lookup_num_tokens={n}", exact, n) for n in drafts]
-    variants += [(f"decode_dtype={dtype!r}, prompt_lookup_num_tokens={drafts[-1]}", other, drafts[-1])
+    variants += [(f"{dtype}, prompt_lookup_num_tokens={drafts[-1]}", other, drafts[-1])
                  for dtype, other in others.items()]
     dtypes = {"float32 (the engine's kernels)": exact, **others}
     lines = ["", f"Against the reference decoder (up to {tokens} greedy tokens after the same fused prefill; "
@@ -177,6 +179,43 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
             "| set | decoding | steps | KL mean | KL median | KL max |", "|---|---|---:|---:|---:|---:|", *kl_lines]
 
 
+def kv_agreement(model: str, kv_dtypes: list[str], sets: dict, tokens: int) -> list[str]:
+    """The default decoding with each ``decode_kv_dtype`` against the same with float32 K/V: identical
+    greedy answers (``tokens`` at most, drafts on), and per step the KL of its next-token distribution
+    from the float32 K/V's, both fed the float32 K/V's answer."""
+    base = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_kv_dtype="float32")
+    others = {kv: BlendEngine(base.hf_model, base.tokenizer, store=base.store, decode_kv_dtype=kv) for kv in kv_dtypes}
+    lines = [f"Decoding K/V dtypes against float32 K/V (decode_dtype='auto': "
+             f"{', '.join(f'{n} {kind}' for kind, n in base.decode_weights.layer_counts().items())}; "
+             f"up to {tokens} greedy tokens, prompt lookup on):", "",
+             "| set | prompts | decode_kv_dtype | identical answers | ROUGE-L mean | step KL mean | median | max |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for set_name, prompts in sets.items():
+        same, rouges, kls = ({kv: [] for kv in kv_dtypes} for _ in range(3))
+        for prompt in prompts:
+            base.precompute(prompt.chunks)
+            segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
+            ref = base.generate(segments, max_new_tokens=tokens)
+            pre = base.prefill(segments)
+            capacity = len(pre.token_ids) + len(ref.token_ids)
+            for kv, engine in others.items():
+                out = engine.generate(segments, max_new_tokens=tokens)
+                same[kv].append(out.token_ids == ref.token_ids)
+                rouges[kv].append(rouge_l(out.text, ref.text))
+                exact = KVDecoder(base.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias)
+                other = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias,
+                                  dtype=engine.answers.kv_dtype)
+                with base.lock:
+                    kls[kv] += [first_token_kl(exact.step(t), other.step(t)) for t in ref.token_ids[:-1]]
+        for kv in kv_dtypes:
+            values = kls[kv] or [0.0]
+            lines.append(f"| {set_name} | {len(prompts)} | {kv} | {sum(same[kv])}/{len(prompts)} | "
+                         f"{statistics.mean(rouges[kv]):.3f} | {statistics.mean(values):.2e} | "
+                         f"{statistics.median(values):.2e} | {max(values):.2e} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
@@ -186,13 +225,27 @@ def main(argv=None) -> None:
     parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
                         help="prompt_lookup_num_tokens settings to time (the last also runs with --decode-dtypes)")
     parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["auto", "float16", "int4", "int8"])
+    parser.add_argument("--decode-kv-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
+                        help="also decode_dtype='auto' with each of these decode_kv_dtype settings")
+    parser.add_argument("--kv-agreement", action="store_true",
+                        help="only compare --decode-kv-dtypes against float32 K/V on --sets (no speed, no reference)")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
 
+    if args.kv_agreement:
+        report_per_model(args.models, lambda model: [f"## {model}", "", f"Host: {cpu_summary()}", "", *kv_agreement(
+            model, args.decode_kv_dtypes, prompt_sets(args.sets, MUSIQUE), args.tokens), ""],
+            args.out, "decode-kv-run.md", "Decoding K/V dtypes", "benchmarks.decode", argv)
+        return
+
     def measure(model: str) -> list[str]:
         exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_dtype="float32")
-        others = {dtype: BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype=dtype)
+        others = {f"decode_dtype={dtype!r}": BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store,
+                                                         decode_dtype=dtype, decode_kv_dtype="float32")
                   for dtype in args.decode_dtypes}
+        others.update({f"decode_dtype='auto', decode_kv_dtype={kv!r}": BlendEngine(
+            exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype="auto", decode_kv_dtype=kv)
+            for kv in args.decode_kv_dtypes})
         timed = speed(exact, others, args.runs, args.tokens, args.drafts) if args.runs else []
         return [f"## {model}", "", f"Host: {cpu_summary()}", "", *timed,
                 *agreement(exact, others, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]

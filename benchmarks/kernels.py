@@ -7,7 +7,14 @@ matmul above) at several row counts: 1-4 rows as a decoding pass has, ~140 as a 
 as a fused prefill's selected tokens, ~3k as a full prefill. Best of ``--runs``; GFLOPS and
 GB/s of weights read, and the largest difference between the two outputs.
 
+``--batch-rows``: instead, the linear layers of one decoding pass on the weights decoding runs on
+(the engine's default ``decode_dtype``: 4-bit on SmolLM2) at 1-8 rows, as a batched step over
+that many sequences runs them: ms, ratio to one row, GFLOPS. A step over 8 sequences can give
+8x the tokens/s of one only if its cost stays near one row's; where it grows with the rows, the
+pass is bound by arithmetic, not by reading the weights.
+
     python -m benchmarks.kernels --models smollm2 qwen2.5-0.5b
+    python -m benchmarks.kernels --models smollm2 --batch-rows
 """
 
 from __future__ import annotations
@@ -62,12 +69,40 @@ def measure(model: str, runs: int) -> list[str]:
     return [*lines, ""]
 
 
+def batch_rows(model: str, runs: int) -> list[str]:
+    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    twin = engine.decoding_adapter().hf_model
+    layers = [m for m in twin.modules() if isinstance(m, (torch.nn.Linear, CpuLinear))]
+    kinds = ", ".join(f"{n} {kind}" for kind, n in engine.decode_weights.layer_counts().items())
+    lines = [f"## {model}", "", f"One decoding pass's {len(layers)} linear layers ({kinds}), "
+             f"{torch.get_num_threads()} threads, best of {runs}:", "",
+             "| rows (sequences) | ms | vs 1 row | ms per row | GFLOPS |", "|---:|---:|---:|---:|---:|"]
+    torch.manual_seed(0)
+    one = None
+    with torch.inference_mode():
+        for rows in (1, 2, 4, 8):
+            inputs = {n: torch.randn(rows, n) for n in {m.weight.shape[1] for m in layers}}
+            flops = sum(2 * rows * m.weight.numel() for m in layers)
+            seconds = best_of(runs, lambda: [m(inputs[m.weight.shape[1]]) for m in layers])
+            one = one or seconds
+            lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds / one:.2f}x | {seconds / rows * 1e3:.1f} | "
+                         f"{flops / seconds / 1e9:.0f} |")
+            print(lines[-1], flush=True)
+    return [*lines, ""]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--batch-rows", action="store_true",
+                        help="time one decoding pass's layers at 1-8 rows (a batched step) instead")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
+    if args.batch_rows:
+        report_per_model(args.models, lambda model: batch_rows(model, args.runs), args.out, "kernels-batch-run.md",
+                         "Decoding pass at 1-8 rows", "benchmarks.kernels", argv)
+        return
     report_per_model(args.models, lambda model: measure(model, args.runs), args.out, "kernels-run.md",
                      "Linear-layer kernels", "benchmarks.kernels", argv)
 

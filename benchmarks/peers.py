@@ -121,7 +121,7 @@ def gguf_file(model: str) -> str:
 
 
 def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: int, tokens: int,
-               n_ctx: int, decode_dtypes=("int4",)) -> tuple[dict, dict[str, str]]:
+               n_ctx: int, decode_dtypes=("int4",), decode_kv_dtypes=()) -> tuple[dict, dict[str, str]]:
     """The peers that load here, and a note per peer (its settings, or why it was skipped)."""
     peers = {"transformers, full prefill": HFPeer(engine, tokens),
              "transformers, cached system prefix": HFPeer(engine, tokens, prefix_len)}
@@ -140,25 +140,31 @@ def make_peers(model: str, engine: BlendEngine, chunks: list[str], prefix_len: i
     strategy = engine.strategy
     notes["ragblend default"] = (f"{strategy.name}({getattr(strategy, 'ratio', '')}), decode_dtype="
                                  f"{engine.decode_dtype!r} (decoding step's linear layers: "
-                                 f"{', '.join(f'{n} {kind}' for kind, n in engine.decode_weights.layer_counts().items())}), "
-                                 "KV in memory")
+                                 f"{', '.join(f'{n} {kind}' for kind, n in engine.decode_weights.layer_counts().items())}; "
+                                 f"K/V {str(engine.answers.kv_dtype).split('.')[-1]}), KV in memory")
     for dtype in decode_dtypes:
         if dtype == engine.decode_dtype:
             continue
         other = BlendEngine(engine.hf_model, engine.tokenizer, store=engine.store, decode_dtype=dtype)
         peers[f"ragblend, decode_dtype={dtype!r}"] = RagblendPeer(other, chunks, tokens)
         notes[f"ragblend, decode_dtype={dtype!r}"] = "the same strategy and store, other decoding matmuls"
+    for kv in decode_kv_dtypes:
+        other = BlendEngine(engine.hf_model, engine.tokenizer, store=engine.store, decode_kv_dtype=kv)
+        peers[f"ragblend, decode_kv_dtype={kv!r}"] = RagblendPeer(other, chunks, tokens)
+        notes[f"ragblend, decode_kv_dtype={kv!r}"] = "the same strategy, store and matmuls, K/V decoded over as named"
     return peers, notes
 
 
-def measure(model: str, runs: int, tokens: int, scenarios=SCENARIOS, decode_dtypes=()) -> list[str]:
+def measure(model: str, runs: int, tokens: int, scenarios=SCENARIOS, decode_dtypes=(),
+            decode_kv_dtypes=()) -> list[str]:
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
     sample = load_sample()
     chunks, question = sample["chunks"], sample["question"]
     layout = engine.build_prompt([Chunk(c) for c in chunks] + [question])
     prefix_len = layout.chunk_spans[0].start
     n_ctx = 1 << (len(layout.token_ids) + tokens).bit_length()
-    peers, notes = make_peers(model, engine, chunks, prefix_len, tokens, n_ctx, list(decode_dtypes))
+    peers, notes = make_peers(model, engine, chunks, prefix_len, tokens, n_ctx, list(decode_dtypes),
+                              list(decode_kv_dtypes))
     rng = random.Random(0)
     times = {(s, p): [] for s in scenarios for p in peers}
     for round_ in range(runs + 1):                    # round 0 warms every peer up
@@ -208,12 +214,15 @@ def main(argv=None) -> None:
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--decode-dtypes", nargs="*", default=["int4"], choices=["float32", "float16", "int4", "int8"],
                         help="ragblend's decoding matmuls to compare beside the default")
+    parser.add_argument("--decode-kv-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "float16"],
+                        help="ragblend's decoding K/V dtypes to compare beside the default")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
 
     def measure_all(model: str) -> list[str]:
         return [line for tokens in args.tokens
-                for line in measure(model, args.runs, tokens, args.scenarios, args.decode_dtypes)]
+                for line in measure(model, args.runs, tokens, args.scenarios, args.decode_dtypes,
+                                    args.decode_kv_dtypes)]
 
     report_per_model(args.models, measure_all, args.out, "peers-run.md", "Peers", "benchmarks.peers", argv)
 

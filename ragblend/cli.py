@@ -387,6 +387,8 @@ def _info(args) -> int:
               f"{'available' if why_not is None else 'unavailable: ' + why_not}")
     layers = ", ".join(f"{count} {kind}" for kind, count in engine.decode_weights.layer_counts().items())
     print(f"Decoding step (decode_dtype={engine.decode_dtype!r}, chosen on this host): linear layers {layers}")
+    print(f"Decoding K/V (decode_kv_dtype={engine.options.decode_kv_dtype!r}, chosen on this host): "
+          f"{str(engine.answers.kv_dtype).split('.')[-1]}")
     return 0
 
 
@@ -523,7 +525,7 @@ def _ask_parser(sub) -> None:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
-    _add_engine_options(ask, "decode_dtype")
+    _add_engine_options(ask, "decode_dtype", "decode_kv_dtype")
     _add_answer_options(ask)
     _add_index(ask)
     ask.set_defaults(func=_ask)
@@ -549,7 +551,7 @@ def _calibrate_parser(sub) -> None:
 def _info_parser(sub) -> None:
     info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
                                        "(measured once per host, then cached)")
-    _add_engine_options(info, "model", "decode_dtype")
+    _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype")
     info.add_argument("--measure", action="store_true",
                       help="measure the kernels again and cache the new choice (e.g. if the first measurement "
                            "ran on a busy machine)")
@@ -572,7 +574,7 @@ def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    _add_engine_options(serve, "model", "kv_dir", "kv_dtype", "decode_dtype")
+    _add_engine_options(serve, "model", "kv_dir", "kv_dtype", "decode_dtype", "decode_kv_dtype")
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     serve.add_argument("--api-key", default=os.environ.get("RAGBLEND_API_KEY") or None,
                        help="require Authorization: Bearer KEY on every endpoint but /health (default: $RAGBLEND_API_KEY)")

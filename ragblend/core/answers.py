@@ -1,15 +1,21 @@
 """Answers after a fused prefill: where the decoding part of :class:`~ragblend.core.engine.BlendEngine`
-starts. It moves the prompt's K/V into the decoder's buffers, on the weights
-:class:`~ragblend.core.decode_weights.DecodeWeights` chose, and sets the answer's limits (end
-tokens, the context window) and prompt lookup. The decoding loop itself is
-:class:`~ragblend.core.generate.Decoding`."""
+starts. It moves the prompt's K/V into the decoder's buffers (in the dtype
+:func:`decode_kv_dtype` chose), on the weights :class:`~ragblend.core.decode_weights.DecodeWeights`
+chose, and sets the answer's limits (end tokens, the context window) and prompt lookup. The
+decoding loop itself is :class:`~ragblend.core.generate.Decoding`."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from .decode_weights import DecodeWeights
 from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
+from .kernels import MIN_GAIN, fastest_rounds
+
+log = logging.getLogger("ragblend")
+MEASURED_KEYS = 1024   # keys per layer of the attention timed: over all layers, more than a CPU's caches hold
 
 
 def eos_ids_of(hf_model, tokenizer) -> frozenset[int]:
@@ -21,13 +27,52 @@ def eos_ids_of(hf_model, tokenizer) -> frozenset[int]:
     return frozenset(eos)
 
 
-class Answers:
-    """Starts the decoding of answers for one engine: on ``weights``' adapter, ending at
-    ``eos_ids`` or the ``context_window``; model passes hold ``lock``."""
+def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=fastest_rounds) -> torch.dtype:
+    """The dtype of an answer's K/V buffers for ``wanted`` (an ``EngineOptions.decode_kv_dtype``).
 
-    def __init__(self, weights: DecodeWeights, tokenizer, eos_ids: frozenset[int], context_window: int, lock):
+    Over a long prompt a decoding step spends about half its time in attention, reading every
+    prompt token's K and V (~46 KB a token for SmolLM2 in float32); 16-bit halves the bytes.
+    ``"auto"`` takes float16 only where the decoding matmuls already round activations to
+    bfloat16 (4-bit or 8-bit weights), so that float32 decoding stays exact, and only if a
+    decoding step's attention (all layers, ``MEASURED_KEYS`` keys, timed by ``measure``) is
+    faster so than in float32 on this host beyond the noise. Not bfloat16, though often a
+    little faster: its 8-bit mantissa changed greedy answers that float16's 11 bits kept
+    (docs/benchmarks.md, "Decoding")."""
+    adapter = weights.adapter
+    if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
+        return adapter.dtype   # a model loaded in 16 bits already decodes in them
+    if wanted != "auto":
+        return getattr(torch, wanted)
+    if not {"4-bit", "8-bit"} & set(weights.layer_counts()):
+        return torch.float32
+    with torch.inference_mode():
+        seconds = measure({str(dtype): _attention_step(adapter, dtype) for dtype in (torch.float32, torch.float16)})
+    chosen = torch.float16 if seconds["torch.float16"] * MIN_GAIN < seconds["torch.float32"] else torch.float32
+    log.info("ragblend: a decoding step's attention over %d keys: %s; decoding K/V in %s", MEASURED_KEYS,
+             ", ".join(f"{name.split('.')[-1]} {s * 1e3:.2f} ms" for name, s in seconds.items()), chosen)
+    return chosen
+
+
+def _attention_step(adapter, dtype: torch.dtype):
+    """A decoding step's attention in ``dtype``: one query over ``MEASURED_KEYS`` keys, every layer."""
+    shape = adapter.shape
+    keys = [torch.zeros(shape.num_kv_heads, MEASURED_KEYS, shape.head_dim, dtype=dtype)
+            for _ in range(2 * shape.num_layers)]
+    query = torch.zeros(shape.num_heads, 1, shape.head_dim, dtype=dtype)
+    mask = torch.zeros(1, MEASURED_KEYS, dtype=dtype)
+    return lambda: [adapter.attention(query, keys[2 * layer], keys[2 * layer + 1], mask)
+                    for layer in range(shape.num_layers)]
+
+
+class Answers:
+    """Starts the decoding of answers for one engine: on ``weights``' adapter, over K/V in
+    ``kv_dtype`` (see :func:`decode_kv_dtype`), ending at ``eos_ids`` or the ``context_window``;
+    model passes hold ``lock``."""
+
+    def __init__(self, weights: DecodeWeights, tokenizer, eos_ids: frozenset[int], context_window: int, lock,
+                 kv_dtype: torch.dtype = torch.float32):
         self.weights, self.tokenizer, self.eos_ids = weights, tokenizer, eos_ids
-        self.context_window, self.lock = context_window, lock
+        self.context_window, self.lock, self.kv_dtype = context_window, lock, kv_dtype
 
     def start(self, pre, params: SamplingParams, *, draft_tokens: int) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
@@ -36,7 +81,7 @@ class Answers:
         adapter = self.weights.decoding_adapter()
         n = len(pre.token_ids)
         decoder = KVDecoder(adapter, pre.keys, pre.values, min(n + params.max_new_tokens, self.context_window),
-                            pre.key_bias)
+                            pre.key_bias, dtype=self.kv_dtype)
         # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
         pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
         lookup = None

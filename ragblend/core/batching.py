@@ -36,11 +36,12 @@ def kv_bytes_per_position(decoder: KVDecoder) -> int:
     return 2 * len(decoder.keys) * k.shape[0] * k.shape[2] * k.element_size()
 
 
-def kv_bytes_for(adapter, positions: int) -> int:
+def kv_bytes_for(adapter, positions: int, dtype: torch.dtype | None = None) -> int:
     """Bytes of the KV buffers a decoder over ``adapter``'s model holds for ``positions`` positions
-    (:class:`~ragblend.core.generate.KVDecoder` keeps K and V in the model's dtype)."""
+    with K and V in ``dtype`` (default: the model's; an engine's answers use ``engine.answers.kv_dtype``)."""
     shape = adapter.shape
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * adapter.dtype.itemsize * positions
+    itemsize = (dtype or adapter.dtype).itemsize
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * itemsize * positions
 
 
 @torch.inference_mode()
@@ -91,11 +92,11 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     (GQA), which for one query costs more than the attention itself (profiled: ~30% of a step
     over 8 sequences)."""
     kv_heads, dim = k.shape[0], k.shape[2]
-    grouped = q.reshape(kv_heads, -1, dim)   # HF's layout: consecutive query heads share a K/V head
-    scores = (grouped @ k.transpose(1, 2)) * scaling   # [kv_heads, group, N]
+    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)   # HF's layout: consecutive query heads share a K/V head
+    scores = (grouped @ k.transpose(1, 2)).float() * scaling   # [kv_heads, group, N]; softmax in float32
     if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    return (torch.softmax(scores, dim=-1) @ v).reshape(1, -1)
+        scores = scores + bias.float()
+    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).reshape(1, -1).to(q.dtype)
 
 
 @dataclass(eq=False)

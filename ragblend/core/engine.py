@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .answers import Answers, eos_ids_of
+from .answers import Answers, decode_kv_dtype, eos_ids_of
 from .calibration import Calibration, calibrate_and_save, load_calibration
 from .chunk_index import ChunkIndex
 from .controller import LoadingController
@@ -76,6 +76,9 @@ class BlendEngine:
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index)
+        self.context_window: int = self.adapter.shape.context_window
+        self.entry_spec: EntrySpec = self.ingestion.entry_spec   # what a stored entry must match to be this model's
+        self.calibration_id = calibration_key(self.fingerprint, self.sink_ids)   # the model, what chunks follow
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
         self._engine_chose = strategy is None   # the calibration's (or the safe default), not the caller's
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
@@ -84,15 +87,15 @@ class BlendEngine:
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading)
         self.decode_dtype = options.decode_dtype
         self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
+        self.decoding_adapter()   # built now (seconds for 4-bit weights), not in the first answer's TTFT
         self.answers = Answers(self.decode_weights, tokenizer, eos_ids_of(hf_model, tokenizer), self.context_window,
-                               self.lock)
+                               self.lock, decode_kv_dtype(self.decode_weights, options.decode_kv_dtype))
         self.prefetch, self.write_back = options.prefetch, options.write_back   # these four may be changed later
         self.precompute_batch_tokens, self.prompt_lookup_num_tokens = (options.precompute_batch_tokens,
                                                                        options.prompt_lookup_num_tokens)
         self.name = options.name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
-        self.decoding_adapter()   # built now (seconds for 4-bit weights), not in the first answer's TTFT
         release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
 
     @classmethod
@@ -113,15 +116,6 @@ class BlendEngine:
 
     # What the engine is
 
-    @property
-    def context_window(self) -> int:
-        return self.adapter.shape.context_window
-
-    @property
-    def entry_spec(self) -> EntrySpec:
-        """What a stored entry must match to be this model's (see :class:`~.store.EntrySpec`)."""
-        return self.ingestion.entry_spec
-
     min_chunk_tokens = ChunkFinder.MIN_RUN   # shorter chunks are never found in flat prompts: hooks skip them
 
     @property
@@ -132,11 +126,6 @@ class BlendEngine:
     @kv_dtype.setter
     def kv_dtype(self, dtype: torch.dtype) -> None:
         self.ingestion.kv_dtype = dtype
-
-    @property
-    def calibration_id(self) -> str:
-        """What a calibration holds for: the model and what chunks are precomputed after."""
-        return calibration_key(self.fingerprint, self.sink_ids)
 
     @property
     def loading(self) -> LoadingController:

@@ -60,21 +60,24 @@ class KVDecoder:
     ``keys``/``values``: the prompt's per-layer ``[kv_heads, N, head_dim]`` K (after RoPE)
     and V; ``capacity``: the most positions the buffers will hold (prompt + answer);
     ``key_bias``: the fused prefill's score bias on the prompt's keys (``[N]``, see
-    :attr:`~ragblend.core.prefill.FusedPrefill.key_bias`), kept for every answer token.
+    :attr:`~ragblend.core.prefill.FusedPrefill.key_bias`), kept for every answer token;
+    ``dtype``: the buffers' (default: the prompt K/V's). Attention runs in it; the rest of a
+    step in the model's dtype.
     """
 
     def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int,
-                 key_bias: torch.Tensor | None = None):
+                 key_bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
         shape, n = adapter.shape, keys[0].shape[1]
         self.adapter, self.length = adapter, n
+        self.dtype = dtype or keys[0].dtype
         self.key_bias = None
         if key_bias is not None:
             self.key_bias = key_bias.new_zeros(capacity)
             self.key_bias[:n] = key_bias
         self.keys, self.values = [], []
         for k, v in zip(keys, values):
-            key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim)
-            value_buffer = v.new_empty(shape.num_kv_heads, capacity, shape.head_dim)
+            key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
+            value_buffer = v.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
             key_buffer[:, :n], value_buffer[:, :n] = k, v
             self.keys.append(key_buffer)
             self.values.append(value_buffer)
@@ -109,10 +112,11 @@ class KVDecoder:
             q = adapter.rope(adapter.q(layer, x), cos, sin)
             window = adapter.window(layer)
             if window not in plans:
-                plans[window] = attention_plan(positions, end, window, adapter.dtype, n, key_bias)[0]
+                plans[window] = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
             plan = plans[window]
-            attn = adapter.attention(q, self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys], plan.mask)
-            hidden = adapter.finish(layer, hidden, attn)
+            attn = adapter.attention(q.to(self.dtype), self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys],
+                                     plan.mask)
+            hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
         self.length = end
         return adapter.logits(hidden)
 

@@ -33,6 +33,7 @@ from .store import STORAGE_DTYPES
 
 KV_DTYPES = tuple(STORAGE_DTYPES)                           # ("float32", "float16", "bfloat16", "int8")
 DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
+DECODE_KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A pass over more rows than this is timed and run as a prefill (kernels.BUCKETS).
 MAX_DRAFT_TOKENS = DRAFT_ROWS - 1
 
@@ -83,6 +84,11 @@ class EngineOptions:
                 "only where it measures faster than float32 on this host; float32 otherwise. 'int4' / 'int8': 4-bit "
                 "(LM head float32) / 8-bit weights for every layer. 'float32' and 'float16' as named. Measured "
                 "trade-offs: docs/benchmarks.md, 'Decoding'.", flag="--decode-dtype", choices=DECODE_DTYPES, type=str)
+    decode_kv_dtype: str = option(
+        "auto", "Dtype of the K/V an answer's decoding attends over. 'auto': float16 where the decoding matmuls "
+                "already round activations to bfloat16 (4-bit or 8-bit weights) and float16 attention measures faster "
+                "than float32 on this host; float32 otherwise. 'bfloat16' only when asked: it changed more answers. "
+                "Measured trade-offs: docs/benchmarks.md, 'Decoding'.", flag="--decode-kv-dtype", choices=DECODE_KV_DTYPES, type=str)
     # precompute() runs up to this many chunk tokens through the model in one pass (and holds the
     # engine that long): large enough to fill the matmuls, short enough that a query waiting behind
     # ingestion is not kept for long. 0: one chunk per pass, whose entry is bit-identical to the one
@@ -110,6 +116,9 @@ class EngineOptions:
                 f"decode_dtype must be 'auto' (the default: 4-bit weights where the model's already are 4-bit, else "
                 f"float32), 'float32', 'float16' (float16 weights in the decoding matmuls), 'int4' (4-bit weights, "
                 f"bfloat16 activations) or 'int8' (8-bit weights, bfloat16 activations), got {self.decode_dtype!r}.")
+        if self.decode_kv_dtype not in DECODE_KV_DTYPES:
+            raise InvalidInputError(f"decode_kv_dtype must be one of {', '.join(map(repr, DECODE_KV_DTYPES))}, "
+                                    f"got {self.decode_kv_dtype!r}.")
         batch = self.precompute_batch_tokens
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 0:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "

@@ -409,7 +409,7 @@ def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout
         job.emit(("ready", None))
         positions = min(len(layout.token_ids) + params.max_new_tokens, engine.context_window)
         return Decode(lambda: engine.begin(layout, strategy=strategy, params=params),
-                      kv_bytes_for(engine.adapter, positions), finished)
+                      kv_bytes_for(engine.adapter, positions, engine.answers.kv_dtype), finished)
 
     def finished(decoding) -> Stats:
         stats = engine.finish(decoding)

@@ -1,16 +1,22 @@
 """core.answers: starting an answer after a fused prefill. The decoder's buffers hold the
 prompt and the answer but never more than the context window; the answer ends at an end token
-or the window; greedy float32 answers draft from the prompt, others do not."""
+or the window; greedy float32 answers draft from the prompt, others do not. The answer's K/V
+dtype (decode_kv_dtype): float16 only on low-bit weights and where it measures faster (a fake
+timer drives the choice), close to float32's in every step."""
 
 import threading
 
 import pytest
+import torch
 
-from ragblend.core.answers import Answers, eos_ids_of
+from ragblend.core.answers import Answers, decode_kv_dtype, eos_ids_of
+from ragblend.core.batching import batch_extend, kv_bytes_for
+from ragblend.core.calibration import first_token_kl
 from ragblend.core.decode_weights import DecodeWeights
-from ragblend.core.generate import SamplingParams
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.generate import KVDecoder, SamplingParams
 
-from ..conftest import make_tiny_engine
+from ..conftest import PASSAGES, make_tiny_engine
 from .test_engine import segments
 
 
@@ -74,3 +80,65 @@ def test_the_end_tokens_are_the_generation_configs_and_the_tokenizers(engine, to
         assert eos_ids_of(model, tokenizer) == {tokenizer.eos_token_id}
     finally:
         model.generation_config.eos_token_id = saved
+
+
+# -- the dtype of an answer's K/V (decode_kv_dtype)
+
+def _fake_times(float32, float16):
+    """A stand-in for kernels.fastest_rounds that reports these milliseconds, not a measurement."""
+    def measure(workloads):
+        assert set(workloads) == {"torch.float32", "torch.float16"}   # bfloat16 is never a candidate
+        return {"torch.float32": float32 / 1e3, "torch.float16": float16 / 1e3}
+    return measure
+
+
+def test_auto_kv_dtype_is_float16_only_on_low_bit_weights_and_when_it_measures_faster(tokenizer):
+    four = make_tiny_engine("llama", tokenizer, decode_dtype="int4", decode_kv_dtype="float32")
+    weights = four.decode_weights
+    assert decode_kv_dtype(weights, "auto", measure=_fake_times(10.0, 7.0)) == torch.float16
+    # Within the noise (MIN_GAIN) of float32, or slower: float32.
+    assert decode_kv_dtype(weights, "auto", measure=_fake_times(10.0, 9.9)) == torch.float32
+    assert decode_kv_dtype(weights, "auto", measure=_fake_times(10.0, 12.0)) == torch.float32
+    # Float32 weights decode exactly: their K/V stay float32, whatever a timer would say.
+    exact = make_tiny_engine("llama", tokenizer, decode_dtype="float32")
+    assert decode_kv_dtype(exact.decode_weights, "auto", measure=_fake_times(10.0, 1.0)) == torch.float32
+    assert exact.answers.kv_dtype == torch.float32
+    # Asked for by name: as named.
+    assert decode_kv_dtype(exact.decode_weights, "bfloat16") == torch.bfloat16
+    with pytest.raises(InvalidInputError, match="decode_kv_dtype must be one of"):
+        make_tiny_engine("llama", tokenizer, decode_kv_dtype="int8")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_16_bit_kv_answers_close_to_float32_and_batched_steps_agree(tokenizer, arch):
+    """K/V buffers in bfloat16: each step's distribution stays close to the float32 buffers'
+    (with the fused prefill's key bias and Gemma 3's sliding window), and a batched step gives
+    each sequence the logits of its own step."""
+    from ragblend import QueryAware
+
+    engine = make_tiny_engine(arch, tokenizer, decode_dtype="float32", decode_kv_dtype="bfloat16")
+    assert engine.answers.kv_dtype == torch.bfloat16
+    engine.precompute(PASSAGES[:3])
+    pre = engine.prefill(segments(), strategy=QueryAware(0.3))
+    answer = [5, 77, 300, 12, 900, 41]
+    capacity = len(pre.token_ids) + len(answer)
+    exact = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias)
+    half = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias, dtype=torch.bfloat16)
+    assert half.keys[0].dtype == torch.bfloat16 and exact.keys[0].dtype == torch.float32
+    kls = [first_token_kl(exact.step(t), half.step(t)) for t in answer]
+    assert max(kls) < 1e-3
+    # A drafted pass verifies several tokens at once: each gets the logits it gets alone, to the
+    # rounding of 16-bit attention (exactly on Llama; Gemma 3's windowed layers mask more keys).
+    one, many = (KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias, dtype=torch.bfloat16)
+                 for _ in range(2))
+    singly, together = torch.stack([one.step(t) for t in answer[:4]]), many.extend(answer[:4])
+    assert max(first_token_kl(a, b) for a, b in zip(singly, together)) < 1e-5
+    alone = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias, dtype=torch.bfloat16)
+    other = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias, dtype=torch.bfloat16)
+    batched = batch_extend([alone, other], [5, 77])
+    single = KVDecoder(engine.adapter, pre.keys, pre.values, capacity, pre.key_bias, dtype=torch.bfloat16).step(5)
+    assert first_token_kl(single, batched[0]) < 1e-3   # the batch's softmax runs in float32, SDPA's in bfloat16
+    # The engine's own answers run on them: generate and stream agree, and the KV budget counts 2 bytes.
+    out = engine.generate(segments(), max_new_tokens=6)
+    assert "".join(engine.stream(segments(), max_new_tokens=6)) == out.text
+    assert kv_bytes_for(engine.adapter, 10, torch.bfloat16) * 2 == kv_bytes_for(engine.adapter, 10)
