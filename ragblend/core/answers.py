@@ -15,7 +15,7 @@ from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
 from .kernels import MIN_GAIN, fastest_rounds
 
 log = logging.getLogger("ragblend")
-MEASURED_KEYS = 1024   # keys per layer of the attention timed: over all layers, more than a CPU's caches hold
+MEASURED_KEYS = 2048   # keys per layer of the attention timed: over all layers, more than a CPU's caches hold
 
 
 def eos_ids_of(hf_model, tokenizer) -> frozenset[int]:
