@@ -231,23 +231,31 @@ class BlendEngine:
         self.last_stats = decoding.finish_stats(decoding.stats)
         return decoding.stats
 
-    def generate(self, segments: Sequence[Segment] | PromptLayout, **arguments) -> Generation:
-        """Prefill with fusion, then decode the whole answer; :meth:`begin`'s arguments
-        (``temperature=0``, the default, is greedy)."""
-        decoding = self.begin(segments, **arguments)
+    def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
+                 strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
+                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                 stop: Sequence[str] | None = None) -> Generation:
+        """Prefill with fusion, then decode the whole answer (:meth:`begin`'s arguments;
+        ``temperature=0``, the default, is greedy)."""
+        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
+        decoding = self.begin(segments, system=system, strategy=strategy, params=params)
         for _ in decoding:
             pass
         pre = decoding.prefill
         return Generation(decoding.text, decoding.token_ids, decoding.finish_reason, self.finish(decoding),
                           pre.token_ids, pre.logits)
 
-    def stream(self, segments: Sequence[Segment] | PromptLayout, **arguments) -> TextStream:
-        """Iterate the answer's text as it is decoded; :meth:`begin`'s arguments. The stream's ``stats``
-        are this call's, complete once it is exhausted."""
+    def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
+               strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] | None = None) -> TextStream:
+        """Iterate the answer's text as it is decoded (:meth:`begin`'s arguments, checked now, not at
+        the first delta); the stream's ``stats`` are this call's, complete once it is exhausted."""
+        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
         text_stream = TextStream()
 
         def run():
-            decoding = self.begin(segments, **arguments)
+            decoding = self.begin(segments, system=system, strategy=strategy, params=params)
             text_stream.stats = decoding.stats
             yield from decoding  # the engine lock is taken per decoding step, never across a yield
             self.finish(decoding)

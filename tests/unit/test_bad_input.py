@@ -54,6 +54,8 @@ def test_check_layer_beyond_model_and_unknown_strategy(engine):
 def test_bad_sampling_parameters(engine, kwargs):
     with pytest.raises(InvalidInputError):
         engine.generate(["hello"], **kwargs)
+    with pytest.raises(InvalidInputError):   # when the stream is asked for, before any prefill
+        engine.stream(["hello"], **kwargs)
 
 
 def test_unsupported_architecture_names_supported_ones(tokenizer):
