@@ -16,6 +16,7 @@ from .kernels import MIN_GAIN, fastest_rounds
 
 log = logging.getLogger("ragblend")
 MEASURED_KEYS = 2048   # keys per layer of the attention timed: over all layers, more than a CPU's caches hold
+_MEASURED: dict[tuple, torch.dtype] = {}   # (model shape, threads) -> decode_kv_dtype("auto")'s choice
 
 
 def eos_ids_of(hf_model, tokenizer) -> frozenset[int]:
@@ -45,11 +46,17 @@ def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=fastest_rounds)
         return getattr(torch, wanted)
     if not {"4-bit", "8-bit"} & set(weights.layer_counts()):
         return torch.float32
+    # Engines over models of one shape, in one process, share the measurement (~0.5 s).
+    key = (adapter.shape, torch.get_num_threads())
+    if measure is fastest_rounds and key in _MEASURED:
+        return _MEASURED[key]
     with torch.inference_mode():
         seconds = measure({str(dtype): _attention_step(adapter, dtype) for dtype in (torch.float32, torch.float16)})
     chosen = torch.float16 if seconds["torch.float16"] * MIN_GAIN < seconds["torch.float32"] else torch.float32
     log.info("ragblend: a decoding step's attention over %d keys: %s; decoding K/V in %s", MEASURED_KEYS,
              ", ".join(f"{name.split('.')[-1]} {s * 1e3:.2f} ms" for name, s in seconds.items()), chosen)
+    if measure is fastest_rounds:
+        _MEASURED[key] = chosen
     return chosen
 
 

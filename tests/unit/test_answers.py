@@ -109,6 +109,17 @@ def test_auto_kv_dtype_is_float16_only_on_low_bit_weights_and_when_it_measures_f
         make_tiny_engine("llama", tokenizer, decode_kv_dtype="int8")
 
 
+def test_auto_kv_dtype_is_measured_once_per_model_shape_and_threads(tokenizer, monkeypatch):
+    import ragblend.core.answers as answers
+
+    monkeypatch.setattr(answers, "_MEASURED", {})
+    four = make_tiny_engine("llama", tokenizer, decode_dtype="int4")   # measures with the real timer
+    key = (four.adapter.shape, torch.get_num_threads())
+    assert answers._MEASURED == {key: four.answers.kv_dtype}
+    answers._MEASURED[key] = torch.bfloat16   # a marker no measurement gives: a second engine reads it
+    assert make_tiny_engine("llama", tokenizer, decode_dtype="int4").answers.kv_dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_16_bit_kv_answers_close_to_float32_and_batched_steps_agree(tokenizer, arch):
     """K/V buffers in bfloat16: each step's distribution stays close to the float32 buffers'
