@@ -64,9 +64,8 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     for layer in range(adapter.shape.num_layers):
         cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
-        k, v = adapter.kv(layer, x)   # [kv_heads, sequences, head_dim]
-        k = adapter.rope(k, cos, sin)
-        q = adapter.rope(adapter.q(layer, x), cos, sin)
+        q, k, v = adapter.qkv(layer, x)   # k, v: [kv_heads, sequences, head_dim]
+        q, k = adapter.rope(q, cos, sin), adapter.rope(k, cos, sin)
         window = adapter.window(layer)
         outs = []
         for i, (d, p) in enumerate(zip(decoders, starts)):

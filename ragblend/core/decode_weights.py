@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .kernels import MIN_GAIN, KernelPlan, fastest_rounds
+from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
 from .model import (
     EXACT_INT4,
     CpuLinear,
@@ -61,13 +61,17 @@ class DecodeWeights:
         return self._adapter
 
     def layer_counts(self) -> dict[str, int]:
-        """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``."""
-        counts: dict[str, int] = {}
-        for module in self.decoding_adapter().hf_model.modules():
-            if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear)):
-                kind = _KIND_NAMES.get(type(module), "float32")
-                counts[kind] = counts.get(kind, 0) + 1
-        return counts
+        """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``
+        (the parts of a :class:`FusedRows` count each, under its format)."""
+        model = self.decoding_adapter().hf_model
+        fused = [module for module in model.modules() if isinstance(module, FusedRows)]
+        counted = {id(weight) for group in fused for weight in group.weights}
+        kinds = [_KIND_NAMES[type(group.low_bit)] for group in fused for _ in group.sizes]
+        # (a FusedRows' own low-bit layer has no weight of its own, and its parts are counted above)
+        kinds += [_KIND_NAMES.get(type(module), "float32") for module in model.modules()
+                  if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear))
+                  and module.weight is not None and id(module.weight) not in counted]
+        return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
 
     def _build(self) -> ModelAdapter | None:
         if self.decode_dtype == "float16":
@@ -75,11 +79,18 @@ class DecodeWeights:
         low_bit = self.low_bit_layers()
         if not low_bit:
             return None
-        twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
-                            CpuLinear(layer, self.kernel_plan))
+        fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)
+        in_fused = {id(weight) for group in fused.values() for weight in group.weights}
+        # A fused layer's parts keep only their float32 weights (shared, not copied), for passes
+        # longer than a decoding pass: their low-bit form lives once, in the fused matmul.
+        twin = with_linears(self.hf_model, lambda layer: CpuLinear(layer, self.kernel_plan) if id(layer.weight) in
+                            in_fused else low_bit.get(id(layer.weight)) or CpuLinear(layer, self.kernel_plan))
+        for name, group in fused.items():
+            owner, _, attribute = name.rpartition(".")
+            setattr(twin.get_submodule(owner), attribute, group)
         kinds = sorted({type(layer).__name__ for layer in low_bit.values()})
-        log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r)", len(low_bit),
-                 ", ".join(kinds), self.decode_dtype)
+        log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r), %d of them "
+                 "in %d fused matmuls", len(low_bit), ", ".join(kinds), self.decode_dtype, len(in_fused), len(fused))
         return ModelAdapter(twin)
 
     def low_bit_layers(self) -> dict[int, CpuLinear]:
@@ -167,3 +178,55 @@ class DecodeWeights:
                 if faster:
                     kept.update(group)
         return kept
+
+
+class FusedRows(torch.nn.Module):
+    """Linear layers that read the same input -- a layer's Q, K and V projections, its MLP's
+    gate and up -- as one low-bit matmul over their stacked weights, for decoding passes (at
+    most ``max_rows`` rows). Same weights, same math, row for row; one kernel call and one
+    bfloat16 rounding of the input instead of one per layer, which is most of what such small
+    matmuls cost on a decoding pass. Returns the layers' outputs in order.
+
+    ``weights`` are the parts' float32 weights (not held: longer passes run the parts)."""
+
+    def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None):
+        super().__init__()
+        self.sizes = [linear.out_features for linear in linears]
+        self.weights = [linear.weight for linear in linears]
+        stacked = torch.nn.utils.skip_init(torch.nn.Linear, linears[0].in_features, sum(self.sizes),
+                                           bias=any(linear.bias is not None for linear in linears))
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([linear.weight for linear in linears]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([linear.bias if linear.bias is not None else
+                                              linear.weight.new_zeros(linear.out_features) for linear in linears]))
+        self.low_bit = kind(stacked, plan)
+        self.low_bit.weight = None   # the stacked float32 copy: never read by a decoding pass
+        self.max_rows = DRAFT_ROWS
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.low_bit.rows(x).split(self.sizes, dim=-1)
+
+
+FUSABLE = {"self_attn": ("fused_qkv", ("q_proj", "k_proj", "v_proj")), "mlp": ("fused_gate_up", ("gate_proj", "up_proj"))}
+
+
+def fused_groups(hf_model, low_bit: dict[int, CpuLinear], plan: KernelPlan | None) -> dict[str, FusedRows]:
+    """The :class:`FusedRows` to attach to a decoding twin, by the name of the attribute they
+    go to (``model.layers.3.self_attn.fused_qkv``): each group of :data:`FUSABLE` layers whose
+    parts all decode in the same 4-bit or 8-bit format (exactly; a mixed group stays unfused)."""
+    groups = {}
+    for index, block in enumerate(hf_model.model.layers):
+        for owner_name, (attribute, part_names) in FUSABLE.items():
+            owner = getattr(block, owner_name, None)
+            parts = [getattr(owner, name, None) for name in part_names]
+            if any(type(part) is not torch.nn.Linear for part in parts):
+                continue
+            kinds = {type(low_bit.get(id(part.weight))) for part in parts}
+            if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear}:
+                continue
+            try:
+                groups[f"model.layers.{index}.{owner_name}.{attribute}"] = FusedRows(kinds.pop(), parts, plan)
+            except (ValueError, RuntimeError) as err:   # a stacked shape the packing does not take
+                log.info("ragblend: layer %d's %s decode unfused (%s)", index, "/".join(part_names), err)
+    return groups

@@ -101,21 +101,23 @@ class KVDecoder:
         rope = self.rope.rows(slice(start, end))
         positions = torch.arange(start, end, device=adapter.device)
         key_bias = None if self.key_bias is None else self.key_bias[:end]
-        plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their mask
+        plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their masks
         hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
         for layer in range(adapter.shape.num_layers):
             cos, sin = rope.layer(layer)
             x = adapter.attn_input(layer, hidden)
-            k, v = adapter.kv(layer, x)
+            q, k, v = adapter.qkv(layer, x)
             self.keys[layer][:, start:end] = adapter.rope(k, cos, sin)
             self.values[layer][:, start:end] = v
-            q = adapter.rope(adapter.q(layer, x), cos, sin)
+            q = adapter.rope(q, cos, sin)
             window = adapter.window(layer)
             if window not in plans:
-                plans[window] = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
-            plan = plans[window]
+                plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
+                folded = None if plan.mask is None else adapter.fold_mask(plan.mask)   # once, not in every layer
+                plans[window] = plan, folded
+            plan, folded_mask = plans[window]
             attn = adapter.attention(q.to(self.dtype), self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys],
-                                     plan.mask)
+                                     plan.mask, folded_mask)
             hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
         self.length = end
         return adapter.logits(hidden)

@@ -526,19 +526,31 @@ class ModelAdapter:
     def kv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (before RoPE) and V ``[kv_heads, tokens, head_dim]`` from the normed input ``x``."""
         attn = self.layers[layer].self_attn
-        k = attn.k_proj(x).view(x.shape[0], -1, self.shape.head_dim)
-        if hasattr(attn, "k_norm"):  # Qwen3, Gemma 3: RMSNorm over each head's dims, before RoPE
-            k = attn.k_norm(k)
-        v = attn.v_proj(x).view(x.shape[0], -1, self.shape.head_dim)
-        return k.transpose(0, 1), v.transpose(0, 1)
+        return self._heads(attn.k_proj(x), getattr(attn, "k_norm", None)), self._heads(attn.v_proj(x))
 
     def q(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Q (before RoPE) ``[heads, tokens, head_dim]`` from the normed input ``x``."""
         attn = self.layers[layer].self_attn
-        q = attn.q_proj(x).view(x.shape[0], -1, self.shape.head_dim)
-        if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
-        return q.transpose(0, 1)
+        return self._heads(attn.q_proj(x), getattr(attn, "q_norm", None))
+
+    def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (before RoPE) and V, as :meth:`q` and :meth:`kv` give them. A decoding twin
+        whose layer holds them fused (``fused_qkv``, see :mod:`.decode_weights`) computes all
+        three in one low-bit matmul for the few rows of a decoding pass."""
+        attn = self.layers[layer].self_attn
+        fused = getattr(attn, "fused_qkv", None)
+        if fused is None or x.shape[0] > fused.max_rows:
+            return (self.q(layer, x), *self.kv(layer, x))
+        q, k, v = fused(x)
+        return (self._heads(q, getattr(attn, "q_norm", None)), self._heads(k, getattr(attn, "k_norm", None)),
+                self._heads(v))
+
+    def _heads(self, projected: torch.Tensor, norm=None) -> torch.Tensor:
+        """A projection's output ``[tokens, heads * head_dim]`` as ``[heads, tokens, head_dim]``,
+        through the per-head norm of the models that have one for Q and K (Qwen3, Gemma 3:
+        RMSNorm over each head's dims, before RoPE)."""
+        heads = projected.view(projected.shape[0], -1, self.shape.head_dim)
+        return (heads if norm is None else norm(heads)).transpose(0, 1)
 
     def rope_tables(self, num_positions: int) -> RopeTables:
         """cos/sin ``[positions, head_dim]`` of each layer (:meth:`RopeTables.layer`), from the
@@ -559,11 +571,13 @@ class ModelAdapter:
         return x * cos + rotated * sin
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor | None) -> torch.Tensor:
+                  mask: torch.Tensor | None, folded_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of queries ``q [H, n, D]`` over ``k, v [Hkv, N, D]``.
 
         ``mask`` is ``[n, N]``, boolean (True = may attend) or additive float, or None for the plain causal
         case where the queries are exactly the last ``n == N`` keys. Returns ``[n, H*D]``.
+        ``folded_mask``: :meth:`fold_mask` of ``mask``, for a decoding pass that made it once
+        for all its layers.
         """
         heads, n, dim = q.shape
         group = heads // k.shape[0]   # query heads per K/V head
@@ -572,7 +586,8 @@ class ModelAdapter:
             # are read once. (Masked SDPA with enable_gqa copies K/V once per query head on CPU,
             # which made it several times slower over a long prompt.) Same math.
             folded = q.reshape(k.shape[0], group * n, dim)
-            out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask.repeat(group, 1),
+            folded_mask = self.fold_mask(mask) if folded_mask is None else folded_mask
+            out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=folded_mask,
                                                  scale=self.scaling)
             return out[0].reshape(heads, n, dim).transpose(0, 1).reshape(n, -1)
         out = F.scaled_dot_product_attention(
@@ -581,6 +596,11 @@ class ModelAdapter:
         )
         return out[0].transpose(0, 1).reshape(n, -1)
 
+    def fold_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """``mask [n, N]`` for a decoding pass's folded queries (:meth:`attention`): one copy
+        per query head sharing a K/V head."""
+        return mask.repeat(self.shape.num_heads // self.shape.num_kv_heads, 1)
+
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm, MLP, residual (Gemma 3: the
         attention output and the MLP's are normed before their residual, the MLP's input by
@@ -588,9 +608,19 @@ class ModelAdapter:
         block = self.layers[layer]
         if self._sandwich_norms:
             hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
-            return hidden + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(hidden)))
+            return hidden + block.post_feedforward_layernorm(self._mlp(block.mlp, block.pre_feedforward_layernorm(hidden)))
         hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return hidden + self._mlp(block.mlp, block.post_attention_layernorm(hidden))
+
+    @staticmethod
+    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP, its gate and up projections in one low-bit matmul where a decoding
+        twin fused them (``fused_gate_up``) and the pass is short enough."""
+        fused = getattr(mlp, "fused_gate_up", None)
+        if fused is None or x.shape[0] > fused.max_rows:
+            return mlp(x)
+        gate, up = fused(x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ the final logit soft-capping of models that have one)."""

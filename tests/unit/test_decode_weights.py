@@ -96,7 +96,7 @@ def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, ca
 
     with caplog.at_level(logging.WARNING, logger="ragblend"):   # a copy: no other engine built its twin before
         four = BlendEngine(copy.deepcopy(tiny_model("mistral")), tokenizer, decode_dtype="int4")
-    assert isinstance(four.decoding_adapter().hf_model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(four.decoding_adapter().hf_model.model.layers[0].mlp.down_proj, Int4Linear)
     assert "quantized at load" in caplog.text
 
 
@@ -130,7 +130,7 @@ def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         engine.generate(segments(), max_new_tokens=3, temperature=0)
     mlp = engine.decoding_adapter().hf_model.model.layers[0].mlp
-    assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.up_proj, Int4Linear)   # 80 inputs: not 32s
+    assert type(mlp.down_proj) is CpuLinear and isinstance(mlp.fused_gate_up.low_bit, Int4Linear)   # 80 inputs: not 32s
     assert "cannot hold 4-bit weights" in caplog.text and "groups of 32" in caplog.text
 
 
@@ -177,7 +177,8 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     exact = BlendEngine(model, tokenizer, decode_dtype="float32")
     eight = BlendEngine(model, tokenizer, decode_dtype="int8")
     twin = eight.decoding_adapter().hf_model
-    assert isinstance(twin.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert isinstance(twin.model.layers[0].self_attn.fused_qkv.low_bit, Int8Linear)   # q, k and v in one matmul
+    assert isinstance(twin.model.layers[0].self_attn.o_proj, Int8Linear)
     assert type(twin.lm_head) is Int8Head                        # the LM head too, its top logits rescored
     assert eight.decode_weights.layer_counts() == {"8-bit": sum(type(m) is torch.nn.Linear for m in model.modules())}
     pre = exact.prefill(segments())
@@ -252,3 +253,52 @@ def test_a_float16_twin_is_built_once_per_model_and_counted_as_float16():
     assert twin is second.decoding_adapter() and twin is not first.adapter          # shared by the model's engines
     assert first.layer_counts() == {"float16": 7 * model.config.num_hidden_layers + 1}
     assert all(p.dtype == torch.float32 for p in model.parameters())                # the model keeps float32
+
+
+def test_fused_projections_compute_what_their_parts_compute(tokenizer, monkeypatch):
+    """Q, K and V (and gate and up) run as one low-bit matmul over their stacked weights: each
+    part's output is the one its own low-bit layer gives, biases included, and a decoding twin
+    built with them steps like one built without."""
+    import copy
+
+    from ragblend.core import decode_weights as module
+    from ragblend.core.decode_weights import FusedRows
+    from ragblend.core.model import Int8Linear
+
+    model = snapped_to_int4(tiny_model("qwen2"))                  # biased q, k and v
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, model.config.hidden_size)
+    for kind in (Int4Linear, Int8Linear):
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        fused = FusedRows(kind, parts, None)
+        with torch.inference_mode():
+            for part, out in zip(parts, fused(x)):
+                assert torch.allclose(out, kind(part).rows(x), atol=1e-5, rtol=0)
+        assert fused.low_bit.weight is None                       # no stacked float32 copy kept
+
+    from ragblend import BlendEngine
+
+    fused_engine = BlendEngine(copy.deepcopy(model), tokenizer, decode_dtype="int4")
+    monkeypatch.setattr(module, "fused_groups", lambda *args: {})
+    separate_engine = BlendEngine(copy.deepcopy(model), tokenizer, decode_dtype="int4")
+    twin = fused_engine.decoding_adapter().hf_model.model.layers[0]
+    assert isinstance(twin.self_attn.fused_qkv, FusedRows) and isinstance(twin.mlp.fused_gate_up, FusedRows)
+    assert type(twin.self_attn.q_proj) is CpuLinear               # its float32 weight, for long passes
+    assert not hasattr(separate_engine.decoding_adapter().hf_model.model.layers[0].self_attn, "fused_qkv")
+    layers = model.config.num_hidden_layers
+    assert fused_engine.decode_weights.layer_counts() == {"4-bit": 7 * layers, "float32": 1}   # parts counted each
+    pre = fused_engine.prefill(segments())
+    steps = [KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 4, pre.key_bias)
+             for engine in (fused_engine, separate_engine)]
+    tokens = [5, 9, 11]
+    assert torch.allclose(steps[0].extend(tokens), steps[1].extend(tokens), atol=1e-4, rtol=0)
+
+
+def test_a_group_whose_parts_decode_in_different_formats_stays_unfused():
+    from ragblend.core.decode_weights import fused_groups
+
+    model = tiny_model("llama")
+    block = model.model.layers[0]
+    low_bit = {id(m.weight): Int4Linear(m) for m in (block.self_attn.q_proj, block.self_attn.k_proj,   # v stays float32
+                                                     block.mlp.gate_proj, block.mlp.up_proj)}
+    assert list(fused_groups(model, low_bit, None)) == ["model.layers.0.mlp.fused_gate_up"]
