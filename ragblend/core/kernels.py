@@ -183,17 +183,29 @@ def _cpu_facts() -> tuple[str, str]:
 def cpu_summary() -> str:
     """One line naming the CPU and its widest vector extension (for reports)."""
     name, _ = _cpu_facts()
+    narrowed = "".join(f", {k}={os.environ[k]}" for k in ISA_SETTINGS if k in os.environ)
+    return (f"{name}, {os.cpu_count()} cores, torch CPU capability {_torch_capability()}{narrowed}, "
+            f"{torch.get_num_threads()} threads")
+
+
+# Settings that narrow which instructions the libraries use below what the CPU has (an AVX-512
+# host told to run AVX2 code): a choice measured under other settings does not hold.
+ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _torch_capability() -> str:
     try:
-        capability = torch.backends.cpu.get_cpu_capability()
+        return torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
-        capability = "unknown"
-    return f"{name}, {os.cpu_count()} cores, torch CPU capability {capability}, {torch.get_num_threads()} threads"
+        return "unknown"
 
 
 def host_key(shapes: Sequence[tuple[int, int]]) -> dict:
     """What a kernel choice depends on. A cached choice is used only when all of it matches."""
     name, flags = _cpu_facts()
-    return {"cpu": name, "cpu_flags": flags, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": name, "cpu_flags": flags, "capability": _torch_capability(),
+            "isa_settings": {k: os.environ[k] for k in ISA_SETTINGS if k in os.environ},
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
             "kernels": sorted(KERNELS), "shapes": [list(s) for s in shapes]}
 
 

@@ -102,10 +102,14 @@ def test_a_measurement_disturbed_by_a_busy_machine_is_not_cached(tmp_path):
     assert {c.kernel for c in plan.choices.values()} == {"linear"}   # fastest rounds tie: F.linear stays
 
 
-def test_the_cache_key_names_host_threads_torch_and_shapes():
+def test_the_cache_key_names_host_threads_torch_and_shapes(monkeypatch):
     key = kernels.host_key([(96, 64)])
-    assert {"cpu", "cpu_flags", "threads", "torch", "shapes", "kernels"} <= set(key)
+    assert {"cpu", "cpu_flags", "capability", "threads", "torch", "shapes", "kernels"} <= set(key)
     assert kernels.host_key([(96, 64)]) == key and kernels.host_key([(96, 65)]) != key
+    # The same CPU with its libraries held to AVX2 code runs other kernels: its own choice.
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernels.host_key([(96, 64)]) != key
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in kernels.cpu_summary()
 
 
 def test_a_kernel_that_fails_while_measured_is_left_out(tmp_path, monkeypatch, caplog):
