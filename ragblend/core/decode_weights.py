@@ -187,7 +187,8 @@ class FusedRows(torch.nn.Module):
     bfloat16 rounding of the input instead of one per layer, which is most of what such small
     matmuls cost on a decoding pass. Returns the layers' outputs in order.
 
-    ``weights`` are the parts' float32 weights (not held: longer passes run the parts)."""
+    ``weights``: the parts' own float32 weights (the same tensors, not copies); the parts run
+    the passes longer than ``max_rows`` on them."""
 
     def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None):
         super().__init__()
