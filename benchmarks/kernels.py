@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine
+from ragblend.core.decode_weights import FusedRows
 from ragblend.core.model import CpuLinear
 
 from .common import RUNS_DIR, report_per_model
@@ -72,18 +73,23 @@ def measure(model: str, runs: int) -> list[str]:
 def batch_rows(model: str, runs: int) -> list[str]:
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
     twin = engine.decoding_adapter().hf_model
-    layers = [m for m in twin.modules() if isinstance(m, (torch.nn.Linear, CpuLinear))]
+    # What a decoding pass runs: each fused group as one matmul, every other linear layer alone.
+    fused = [m for m in twin.modules() if isinstance(m, FusedRows)]
+    in_fused = {id(w) for group in fused for w in group.weights}
+    calls = [(group, group.weights[0].shape[1], sum(w.numel() for w in group.weights)) for group in fused]
+    calls += [(m, m.weight.shape[1], m.weight.numel()) for m in twin.modules()
+              if isinstance(m, (torch.nn.Linear, CpuLinear)) and m.weight is not None and id(m.weight) not in in_fused]
     kinds = ", ".join(f"{n} {kind}" for kind, n in engine.decode_weights.layer_counts().items())
-    lines = [f"## {model}", "", f"One decoding pass's {len(layers)} linear layers ({kinds}), "
-             f"{torch.get_num_threads()} threads, best of {runs}:", "",
+    lines = [f"## {model}", "", f"One decoding pass's linear layers ({kinds}) in {len(calls)} matmuls "
+             f"({len(fused)} of them fused), {torch.get_num_threads()} threads, best of {runs}:", "",
              "| rows (sequences) | ms | vs 1 row | ms per row | GFLOPS |", "|---:|---:|---:|---:|---:|"]
     torch.manual_seed(0)
     one = None
     with torch.inference_mode():
         for rows in (1, 2, 4, 8):
-            inputs = {n: torch.randn(rows, n) for n in {m.weight.shape[1] for m in layers}}
-            flops = sum(2 * rows * m.weight.numel() for m in layers)
-            seconds = best_of(runs, lambda: [m(inputs[m.weight.shape[1]]) for m in layers])
+            inputs = {n: torch.randn(rows, n) for n in {width for _, width, _ in calls}}
+            flops = sum(2 * rows * weights for _, _, weights in calls)
+            seconds = best_of(runs, lambda: [m(inputs[width]) for m, width, _ in calls])
             one = one or seconds
             lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds / one:.2f}x | {seconds / rows * 1e3:.1f} | "
                          f"{flops / seconds / 1e9:.0f} |")

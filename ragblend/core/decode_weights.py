@@ -10,6 +10,7 @@ import threading
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
 from .model import (
@@ -80,13 +81,17 @@ class DecodeWeights:
         if not low_bit:
             return None
         fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)
-        in_fused = {id(weight) for group in fused.values() for weight in group.weights}
-        # A fused layer's parts keep only their float32 weights (shared, not copied), for passes
-        # longer than a decoding pass: their low-bit form lives once, in the fused matmul.
-        twin = with_linears(self.hf_model, lambda layer: CpuLinear(layer, self.kernel_plan) if id(layer.weight) in
-                            in_fused else low_bit.get(id(layer.weight)) or CpuLinear(layer, self.kernel_plan))
-        for name, group in fused.items():
-            owner, _, attribute = name.rpartition(".")
+        in_fused = {id(weight) for _, _, group in fused for weight in group.weights}
+
+        def decoding_layer(layer: torch.nn.Linear) -> torch.nn.Module:
+            # A fused layer's parts keep only their float32 weights (shared, not copied), for
+            # passes longer than a decoding pass: their low-bit form lives once, in the fused matmul.
+            if id(layer.weight) in in_fused:
+                return CpuLinear(layer, self.kernel_plan)
+            return low_bit.get(id(layer.weight)) or CpuLinear(layer, self.kernel_plan)
+
+        twin = with_linears(self.hf_model, decoding_layer)
+        for owner, attribute, group in fused:
             setattr(twin.get_submodule(owner), attribute, group)
         kinds = sorted({type(layer).__name__ for layer in low_bit.values()})
         log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r), %d of them "
@@ -187,36 +192,46 @@ class FusedRows(torch.nn.Module):
     bfloat16 rounding of the input instead of one per layer, which is most of what such small
     matmuls cost on a decoding pass. Returns the layers' outputs in order.
 
-    ``weights``: the parts' own float32 weights (the same tensors, not copies); the parts run
-    the passes longer than ``max_rows`` on them."""
+    ``weights``, ``biases``: the parts' own float32 tensors (the same, not copies), which a
+    longer pass runs on."""
 
     def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None):
         super().__init__()
         self.sizes = [linear.out_features for linear in linears]
         self.weights = [linear.weight for linear in linears]
+        self.biases = [linear.bias for linear in linears]
         stacked = torch.nn.utils.skip_init(torch.nn.Linear, linears[0].in_features, sum(self.sizes),
-                                           bias=any(linear.bias is not None for linear in linears))
+                                           bias=any(bias is not None for bias in self.biases))
         with torch.no_grad():
-            stacked.weight.copy_(torch.cat([linear.weight for linear in linears]))
+            stacked.weight.copy_(torch.cat(self.weights))
             if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([linear.bias if linear.bias is not None else
-                                              linear.weight.new_zeros(linear.out_features) for linear in linears]))
+                stacked.bias.copy_(torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0])
+                                              for weight, bias in zip(self.weights, self.biases)]))
         self.low_bit = kind(stacked, plan)
-        self.low_bit.weight = None   # the stacked float32 copy: never read by a decoding pass
+        self.low_bit.weight = None   # the stacked float32 copy: a decoding pass never reads it
+        # Past DRAFT_ROWS rows a low-bit layer runs on its float32 weight, which this one does not
+        # keep: longer passes run the parts' own weights instead (forward), or the parts (the adapter).
         self.max_rows = DRAFT_ROWS
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.low_bit.rows(x).split(self.sizes, dim=-1)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= self.max_rows:
+            outputs = self.low_bit.rows(flat).split(self.sizes, dim=-1)
+        else:
+            outputs = [F.linear(flat, weight, bias) for weight, bias in zip(self.weights, self.biases)]
+        return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
 
 FUSABLE = {"self_attn": ("fused_qkv", ("q_proj", "k_proj", "v_proj")), "mlp": ("fused_gate_up", ("gate_proj", "up_proj"))}
 
 
-def fused_groups(hf_model, low_bit: dict[int, CpuLinear], plan: KernelPlan | None) -> dict[str, FusedRows]:
-    """The :class:`FusedRows` to attach to a decoding twin, by the name of the attribute they
-    go to (``model.layers.3.self_attn.fused_qkv``): each group of :data:`FUSABLE` layers whose
-    parts all decode in the same 4-bit or 8-bit format (exactly; a mixed group stays unfused)."""
-    groups = {}
+def fused_groups(hf_model, low_bit: dict[int, CpuLinear],
+                 plan: KernelPlan | None) -> list[tuple[str, str, FusedRows]]:
+    """The :class:`FusedRows` to attach to a decoding twin, as ``(owner, attribute, group)``
+    (``("model.layers.3.self_attn", "fused_qkv", ...)``): one per group of :data:`FUSABLE`
+    layers whose parts all decode in the same 4-bit or 8-bit format (a group with a part in
+    another format, float32 included, stays unfused)."""
+    groups = []
     for index, block in enumerate(hf_model.model.layers):
         for owner_name, (attribute, part_names) in FUSABLE.items():
             owner = getattr(block, owner_name, None)
@@ -227,7 +242,7 @@ def fused_groups(hf_model, low_bit: dict[int, CpuLinear], plan: KernelPlan | Non
             if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear}:
                 continue
             try:
-                groups[f"model.layers.{index}.{owner_name}.{attribute}"] = FusedRows(kinds.pop(), parts, plan)
+                groups.append((f"model.layers.{index}.{owner_name}", attribute, FusedRows(kinds.pop(), parts, plan)))
             except (ValueError, RuntimeError) as err:   # a stacked shape the packing does not take
                 log.info("ragblend: layer %d's %s decode unfused (%s)", index, "/".join(part_names), err)
     return groups

@@ -113,8 +113,7 @@ class KVDecoder:
             window = adapter.window(layer)
             if window not in plans:
                 plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
-                folded = None if plan.mask is None else adapter.fold_mask(plan.mask)   # once, not in every layer
-                plans[window] = plan, folded
+                plans[window] = plan, adapter.fold_mask(plan.mask)   # once, not in every layer
             plan, folded_mask = plans[window]
             attn = adapter.attention(q.to(self.dtype), self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys],
                                      plan.mask, folded_mask)

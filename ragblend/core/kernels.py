@@ -15,7 +15,8 @@ candidate on the model's own layer shapes, for each row bucket a pass uses, keep
 * :class:`KernelPlan` -- the choice, one kernel per bucket; :func:`plan_for` measures or loads it.
 
 The cache file (``<cache dir>/kernels/<key hash>.json``) is keyed by the CPU's model name and
-flags, the thread count, the torch version and the model's layer shapes. A file that is
+flags, torch's CPU capability and the settings that hold the libraries to fewer instructions
+(:data:`ISA_SETTINGS`), the thread count, the torch version and the model's layer shapes. A file that is
 corrupt, of another format or of another host is ignored and the kernels are measured again;
 it is never trusted blindly. ``RAGBLEND_KERNELS=linear`` turns the choice off (``F.linear``
 everywhere), e.g. to compare against transformers' own kernels.
@@ -165,6 +166,18 @@ class KernelPlan:
 # ------------------------------------------------------------------------------- host key
 
 
+# Settings that narrow which instructions the libraries use below what the CPU has (an AVX-512
+# host told to run AVX2 code): a choice measured under other settings does not hold.
+ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _torch_capability() -> str:
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def _cpu_facts() -> tuple[str, str]:
     """(CPU model name, a hash of its feature flags), from /proc/cpuinfo where there is one."""
     facts: dict[str, str] = {}
@@ -186,18 +199,6 @@ def cpu_summary() -> str:
     narrowed = "".join(f", {k}={os.environ[k]}" for k in ISA_SETTINGS if k in os.environ)
     return (f"{name}, {os.cpu_count()} cores, torch CPU capability {_torch_capability()}{narrowed}, "
             f"{torch.get_num_threads()} threads")
-
-
-# Settings that narrow which instructions the libraries use below what the CPU has (an AVX-512
-# host told to run AVX2 code): a choice measured under other settings does not hold.
-ISA_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-
-
-def _torch_capability() -> str:
-    try:
-        return torch.backends.cpu.get_cpu_capability()
-    except (AttributeError, RuntimeError):
-        return "unknown"
 
 
 def host_key(shapes: Sequence[tuple[int, int]]) -> dict:

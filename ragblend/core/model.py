@@ -545,7 +545,7 @@ class ModelAdapter:
         return (self._heads(q, getattr(attn, "q_norm", None)), self._heads(k, getattr(attn, "k_norm", None)),
                 self._heads(v))
 
-    def _heads(self, projected: torch.Tensor, norm=None) -> torch.Tensor:
+    def _heads(self, projected: torch.Tensor, norm: torch.nn.Module | None = None) -> torch.Tensor:
         """A projection's output ``[tokens, heads * head_dim]`` as ``[heads, tokens, head_dim]``,
         through the per-head norm of the models that have one for Q and K (Qwen3, Gemma 3:
         RMSNorm over each head's dims, before RoPE)."""
@@ -581,7 +581,7 @@ class ModelAdapter:
         """
         heads, n, dim = q.shape
         group = heads // k.shape[0]   # query heads per K/V head
-        if mask is not None and group > 1 and n <= DRAFT_ROWS:
+        if self._folds_heads(mask, n):
             # A decoding pass: the heads that share a K/V head become rows of one query, so K/V
             # are read once. (Masked SDPA with enable_gqa copies K/V once per query head on CPU,
             # which made it several times slower over a long prompt.) Same math.
@@ -596,9 +596,16 @@ class ModelAdapter:
         )
         return out[0].transpose(0, 1).reshape(n, -1)
 
-    def fold_mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _folds_heads(self, mask: torch.Tensor | None, rows: int) -> bool:
+        """Whether :meth:`attention` folds the query heads sharing a K/V head into rows: on a
+        masked decoding pass (at most ``DRAFT_ROWS`` rows) of a model with grouped heads."""
+        return mask is not None and self.shape.num_heads > self.shape.num_kv_heads and rows <= DRAFT_ROWS
+
+    def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """``mask [n, N]`` for a decoding pass's folded queries (:meth:`attention`): one copy
-        per query head sharing a K/V head."""
+        per query head sharing a K/V head; None where the attention does not fold."""
+        if not self._folds_heads(mask, 0 if mask is None else mask.shape[0]):
+            return None
         return mask.repeat(self.shape.num_heads // self.shape.num_kv_heads, 1)
 
     def finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -615,7 +622,9 @@ class ModelAdapter:
     @staticmethod
     def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP, its gate and up projections in one low-bit matmul where a decoding
-        twin fused them (``fused_gate_up``) and the pass is short enough."""
+        twin fused them (``fused_gate_up``) and the pass is short enough. The fused form
+        computes ``down(act(gate(x)) * up(x))``, the MLP of every supported architecture
+        (SUPPORTED_ARCHITECTURES); a family with another MLP must not be fused."""
         fused = getattr(mlp, "fused_gate_up", None)
         if fused is None or x.shape[0] > fused.max_rows:
             return mlp(x)

@@ -6,6 +6,7 @@ and kind, leave the model alone, and fall back to float32 (saying why) where the
 import logging
 import threading
 
+import pytest
 import torch
 
 from ragblend.core.decode_weights import DecodeWeights
@@ -255,31 +256,40 @@ def test_a_float16_twin_is_built_once_per_model_and_counted_as_float16():
     assert all(p.dtype == torch.float32 for p in model.parameters())                # the model keeps float32
 
 
-def test_fused_projections_compute_what_their_parts_compute(tokenizer, monkeypatch):
-    """Q, K and V (and gate and up) run as one low-bit matmul over their stacked weights: each
-    part's output is the one its own low-bit layer gives, biases included, and a decoding twin
-    built with them steps like one built without."""
-    import copy
-
-    from ragblend.core import decode_weights as module
+def test_fused_projections_compute_what_their_parts_compute():
+    """Q, K and V run as one low-bit matmul over their stacked weights: each part's output is
+    the one its own low-bit layer gives, biases included, whatever the rows and leading dimensions."""
     from ragblend.core.decode_weights import FusedRows
     from ragblend.core.model import Int8Linear
 
     model = snapped_to_int4(tiny_model("qwen2"))                  # biased q, k and v
     attn = model.model.layers[0].self_attn
-    x = torch.randn(3, model.config.hidden_size)
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
     for kind in (Int4Linear, Int8Linear):
-        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         fused = FusedRows(kind, parts, None)
+        assert fused.low_bit.weight is None                       # no stacked float32 copy kept
         with torch.inference_mode():
+            x = torch.randn(3, model.config.hidden_size)
             for part, out in zip(parts, fused(x)):
                 assert torch.allclose(out, kind(part).rows(x), atol=1e-5, rtol=0)
-        assert fused.low_bit.weight is None                       # no stacked float32 copy kept
+            long = torch.randn(2, 6, model.config.hidden_size)    # 12 rows: past a decoding pass
+            for part, out in zip(parts, fused(long)):
+                assert out.shape == (2, 6, part.out_features)
+                assert torch.allclose(out, part(long), atol=1e-5, rtol=0)   # the parts' float32 weights
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])   # biases; q/k norms; sandwich norms, windows
+def test_a_fused_twin_decodes_like_an_unfused_one(arch, tokenizer, monkeypatch):
+    import copy
 
     from ragblend import BlendEngine
+    from ragblend.core import decode_weights as module
+    from ragblend.core.batching import batch_extend
+    from ragblend.core.decode_weights import FusedRows
 
+    model = snapped_to_int4(tiny_model(arch))
     fused_engine = BlendEngine(copy.deepcopy(model), tokenizer, decode_dtype="int4")
-    monkeypatch.setattr(module, "fused_groups", lambda *args: {})
+    monkeypatch.setattr(module, "fused_groups", lambda *args: [])
     separate_engine = BlendEngine(copy.deepcopy(model), tokenizer, decode_dtype="int4")
     twin = fused_engine.decoding_adapter().hf_model.model.layers[0]
     assert isinstance(twin.self_attn.fused_qkv, FusedRows) and isinstance(twin.mlp.fused_gate_up, FusedRows)
@@ -288,17 +298,26 @@ def test_fused_projections_compute_what_their_parts_compute(tokenizer, monkeypat
     layers = model.config.num_hidden_layers
     assert fused_engine.decode_weights.layer_counts() == {"4-bit": 7 * layers, "float32": 1}   # parts counted each
     pre = fused_engine.prefill(segments())
-    steps = [KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 4, pre.key_bias)
-             for engine in (fused_engine, separate_engine)]
-    tokens = [5, 9, 11]
-    assert torch.allclose(steps[0].extend(tokens), steps[1].extend(tokens), atol=1e-4, rtol=0)
+
+    def decoder(engine):
+        return KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 16, pre.key_bias)
+
+    fused, separate = decoder(fused_engine), decoder(separate_engine)
+    for tokens in ([5, 9, 11], list(range(20, 32))):              # a drafted pass, then one past DRAFT_ROWS
+        assert torch.allclose(fused.extend(tokens), separate.extend(tokens), atol=1e-4, rtol=0)
+    others = [decoder(fused_engine), decoder(separate_engine)]
+    assert torch.allclose(batch_extend([fused, others[0]], [7, 8]), batch_extend([separate, others[1]], [7, 8]),
+                          atol=1e-4, rtol=0)
 
 
 def test_a_group_whose_parts_decode_in_different_formats_stays_unfused():
     from ragblend.core.decode_weights import fused_groups
+    from ragblend.core.model import Int8Linear
 
-    model = tiny_model("llama")
-    block = model.model.layers[0]
-    low_bit = {id(m.weight): Int4Linear(m) for m in (block.self_attn.q_proj, block.self_attn.k_proj,   # v stays float32
-                                                     block.mlp.gate_proj, block.mlp.up_proj)}
-    assert list(fused_groups(model, low_bit, None)) == ["model.layers.0.mlp.fused_gate_up"]
+    model = snapped_to_int4(tiny_model("llama"))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    low_bit = {id(m.weight): Int4Linear(m) for m in (attn.q_proj, attn.k_proj, mlp.gate_proj, mlp.up_proj)}
+    assert [(owner, name) for owner, name, _ in fused_groups(model, low_bit, None)] == [
+        ("model.layers.0.mlp", "fused_gate_up")]                   # v stays float32: q/k/v unfused
+    low_bit[id(attn.v_proj.weight)] = Int8Linear(attn.v_proj)     # 4-bit q and k beside 8-bit v
+    assert [name for _, name, _ in fused_groups(model, low_bit, None)] == ["fused_gate_up"]
