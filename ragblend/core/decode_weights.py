@@ -80,22 +80,17 @@ class DecodeWeights:
         low_bit = self.low_bit_layers()
         if not low_bit:
             return None
-        fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)
+        count, kinds = len(low_bit), sorted({type(layer).__name__ for layer in low_bit.values()})
+        fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)   # takes the fused parts out of low_bit
         in_fused = {id(weight) for _, _, group in fused for weight in group.weights}
-
-        def decoding_layer(layer: torch.nn.Linear) -> torch.nn.Module:
-            # A fused layer's parts keep only their float32 weights (shared, not copied), for
-            # passes longer than a decoding pass: their low-bit form lives once, in the fused matmul.
-            if id(layer.weight) in in_fused:
-                return CpuLinear(layer, self.kernel_plan)
-            return low_bit.get(id(layer.weight)) or CpuLinear(layer, self.kernel_plan)
-
-        twin = with_linears(self.hf_model, decoding_layer)
+        # A fused layer's parts keep only their float32 weights (shared, not copied), for passes
+        # longer than a decoding pass: their low-bit form lives once, in the fused matmul.
+        twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
+                            CpuLinear(layer, self.kernel_plan))
         for owner, attribute, group in fused:
             setattr(twin.get_submodule(owner), attribute, group)
-        kinds = sorted({type(layer).__name__ for layer in low_bit.values()})
         log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r), %d of them "
-                 "in %d fused matmuls", len(low_bit), ", ".join(kinds), self.decode_dtype, len(in_fused), len(fused))
+                 "in %d fused matmuls", count, ", ".join(kinds), self.decode_dtype, len(in_fused), len(fused))
         return ModelAdapter(twin)
 
     def low_bit_layers(self) -> dict[int, CpuLinear]:
@@ -230,7 +225,9 @@ def fused_groups(hf_model, low_bit: dict[int, CpuLinear],
     """The :class:`FusedRows` to attach to a decoding twin, as ``(owner, attribute, group)``
     (``("model.layers.3.self_attn", "fused_qkv", ...)``): one per group of :data:`FUSABLE`
     layers whose parts all decode in the same 4-bit or 8-bit format (a group with a part in
-    another format, float32 included, stays unfused)."""
+    another format, float32 included, stays unfused). Each fused part's own low-bit layer is
+    taken out of ``low_bit`` as its group is built, so that at most one group's low-bit weights
+    exist twice while a twin is built (Qwen2.5's fused parts hold ~230 MB in 8-bit)."""
     groups = []
     for index, block in enumerate(hf_model.model.layers):
         for owner_name, (attribute, part_names) in FUSABLE.items():
@@ -245,4 +242,7 @@ def fused_groups(hf_model, low_bit: dict[int, CpuLinear],
                 groups.append((f"model.layers.{index}.{owner_name}", attribute, FusedRows(kinds.pop(), parts, plan)))
             except (ValueError, RuntimeError) as err:   # a stacked shape the packing does not take
                 log.info("ragblend: layer %d's %s decode unfused (%s)", index, "/".join(part_names), err)
+                continue
+            for part in parts:
+                del low_bit[id(part.weight)]
     return groups

@@ -316,8 +316,12 @@ def test_a_group_whose_parts_decode_in_different_formats_stays_unfused():
 
     model = snapped_to_int4(tiny_model("llama"))
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
-    low_bit = {id(m.weight): Int4Linear(m) for m in (attn.q_proj, attn.k_proj, mlp.gate_proj, mlp.up_proj)}
+    def four_bit():
+        return {id(m.weight): Int4Linear(m) for m in (attn.q_proj, attn.k_proj, mlp.gate_proj, mlp.up_proj)}
+
+    low_bit = four_bit()
     assert [(owner, name) for owner, name, _ in fused_groups(model, low_bit, None)] == [
         ("model.layers.0.mlp", "fused_gate_up")]                   # v stays float32: q/k/v unfused
-    low_bit[id(attn.v_proj.weight)] = Int8Linear(attn.v_proj)     # 4-bit q and k beside 8-bit v
+    assert set(low_bit) == {id(attn.q_proj.weight), id(attn.k_proj.weight)}   # fused parts' own layers let go
+    low_bit = {**four_bit(), id(attn.v_proj.weight): Int8Linear(attn.v_proj)}   # 4-bit q and k beside 8-bit v
     assert [name for _, name, _ in fused_groups(model, low_bit, None)] == ["fused_gate_up"]
