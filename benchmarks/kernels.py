@@ -72,13 +72,14 @@ def measure(model: str, runs: int) -> list[str]:
 
 def batch_rows(model: str, runs: int) -> list[str]:
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
-    twin = engine.decoding_adapter().hf_model
+
+    def width_and_size(matmul) -> tuple[int, int]:
+        weights = matmul.weights if isinstance(matmul, FusedRows) else [matmul.weight]
+        return weights[0].shape[1], sum(w.numel() for w in weights)
+
     # What a decoding pass runs: each fused group as one matmul, every other linear layer alone.
-    fused = [m for m in twin.modules() if isinstance(m, FusedRows)]
-    in_fused = {id(w) for group in fused for w in group.weights}
-    calls = [(group, group.weights[0].shape[1], sum(w.numel() for w in group.weights)) for group in fused]
-    calls += [(m, m.weight.shape[1], m.weight.numel()) for m in twin.modules()
-              if isinstance(m, (torch.nn.Linear, CpuLinear)) and m.weight is not None and id(m.weight) not in in_fused]
+    calls = [(m, *width_and_size(m)) for m in engine.decode_weights.decoding_matmuls()]
+    fused = [m for m, _, _ in calls if isinstance(m, FusedRows)]
     kinds = ", ".join(f"{n} {kind}" for kind, n in engine.decode_weights.layer_counts().items())
     lines = [f"## {model}", "", f"One decoding pass's linear layers ({kinds}) in {len(calls)} matmuls "
              f"({len(fused)} of them fused), {torch.get_num_threads()} threads, best of {runs}:", "",

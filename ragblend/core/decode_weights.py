@@ -10,7 +10,6 @@ import threading
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
 from .model import (
@@ -64,15 +63,23 @@ class DecodeWeights:
     def layer_counts(self) -> dict[str, int]:
         """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``
         (the parts of a :class:`FusedRows` count each, under its format)."""
+        kinds = []
+        for matmul in self.decoding_matmuls():
+            if isinstance(matmul, FusedRows):
+                kinds += [_KIND_NAMES[type(matmul.low_bit)]] * len(matmul.sizes)
+            else:
+                kinds.append(_KIND_NAMES.get(type(matmul), "float32"))
+        return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+
+    def decoding_matmuls(self) -> list[torch.nn.Module]:
+        """The matmuls a decoding pass runs: each :class:`FusedRows`, then every linear layer that
+        is not a fused group's part (nor a FusedRows' own low-bit layer, which has no weight)."""
         model = self.decoding_adapter().hf_model
         fused = [module for module in model.modules() if isinstance(module, FusedRows)]
-        counted = {id(weight) for group in fused for weight in group.weights}
-        kinds = [_KIND_NAMES[type(group.low_bit)] for group in fused for _ in group.sizes]
-        # (a FusedRows' own low-bit layer has no weight of its own, and its parts are counted above)
-        kinds += [_KIND_NAMES.get(type(module), "float32") for module in model.modules()
-                  if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear))
-                  and module.weight is not None and id(module.weight) not in counted]
-        return {kind: kinds.count(kind) for kind in dict.fromkeys(kinds)}
+        parts = {id(weight) for group in fused for weight in group.weights}
+        return fused + [module for module in model.modules()
+                        if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear))
+                        and module.weight is not None and id(module.weight) not in parts]
 
     def _build(self) -> ModelAdapter | None:
         if self.decode_dtype == "float16":
@@ -82,7 +89,6 @@ class DecodeWeights:
             return None
         count, kinds = len(low_bit), sorted({type(layer).__name__ for layer in low_bit.values()})
         fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)   # takes the fused parts out of low_bit
-        in_fused = {id(weight) for _, _, group in fused for weight in group.weights}
         # A fused layer's parts keep only their float32 weights (shared, not copied), for passes
         # longer than a decoding pass: their low-bit form lives once, in the fused matmul.
         twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
@@ -90,7 +96,8 @@ class DecodeWeights:
         for owner, attribute, group in fused:
             setattr(twin.get_submodule(owner), attribute, group)
         log.info("ragblend: %d linear layer(s) decode on low-bit weights (%s; decode_dtype=%r), %d of them "
-                 "in %d fused matmuls", count, ", ".join(kinds), self.decode_dtype, len(in_fused), len(fused))
+                 "in %d fused matmuls", count, ", ".join(kinds), self.decode_dtype,
+                 sum(len(group.sizes) for _, _, group in fused), len(fused))
         return ModelAdapter(twin)
 
     def low_bit_layers(self) -> dict[int, CpuLinear]:
@@ -188,7 +195,7 @@ class FusedRows(torch.nn.Module):
     matmuls cost on a decoding pass. Returns the layers' outputs in order.
 
     ``weights``, ``biases``: the parts' own float32 tensors (the same, not copies), which a
-    longer pass runs on."""
+    longer pass runs on through the host's kernel plan, as the parts themselves would."""
 
     def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None):
         super().__init__()
@@ -204,16 +211,13 @@ class FusedRows(torch.nn.Module):
                                               for weight, bias in zip(self.weights, self.biases)]))
         self.low_bit = kind(stacked, plan)
         self.low_bit.weight = None   # the stacked float32 copy: a decoding pass never reads it
-        # Past DRAFT_ROWS rows a low-bit layer runs on its float32 weight, which this one does not
-        # keep: longer passes run the parts' own weights instead (forward), or the parts (the adapter).
-        self.max_rows = DRAFT_ROWS
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= self.max_rows:
+        if flat.shape[0] <= DRAFT_ROWS:
             outputs = self.low_bit.rows(flat).split(self.sizes, dim=-1)
-        else:
-            outputs = [F.linear(flat, weight, bias) for weight, bias in zip(self.weights, self.biases)]
+        else:   # past a decoding pass a low-bit layer runs on float32 weights: here the parts'
+            outputs = [self.low_bit.plan.run(flat, weight, bias) for weight, bias in zip(self.weights, self.biases)]
         return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
 

@@ -536,10 +536,11 @@ class ModelAdapter:
     def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (before RoPE) and V, as :meth:`q` and :meth:`kv` give them. A decoding twin
         whose layer holds them fused (``fused_qkv``, see :mod:`.decode_weights`) computes all
-        three in one low-bit matmul for the few rows of a decoding pass."""
+        three in one low-bit matmul for the few rows of a decoding pass (a longer pass runs them
+        on their float32 weights, as the separate layers would)."""
         attn = self.layers[layer].self_attn
         fused = getattr(attn, "fused_qkv", None)
-        if fused is None or x.shape[0] > fused.max_rows:
+        if fused is None:
             return (self.q(layer, x), *self.kv(layer, x))
         q, k, v = fused(x)
         return (self._heads(q, getattr(attn, "q_norm", None)), self._heads(k, getattr(attn, "k_norm", None)),
@@ -622,11 +623,12 @@ class ModelAdapter:
     @staticmethod
     def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP, its gate and up projections in one low-bit matmul where a decoding
-        twin fused them (``fused_gate_up``) and the pass is short enough. The fused form
-        computes ``down(act(gate(x)) * up(x))``, the MLP of every supported architecture
-        (SUPPORTED_ARCHITECTURES); a family with another MLP must not be fused."""
+        twin fused them (``fused_gate_up``; a pass longer than a decoding pass runs them on
+        their float32 weights). The fused form computes ``down(act(gate(x)) * up(x))``, the MLP
+        of every supported architecture (SUPPORTED_ARCHITECTURES); a family with another MLP
+        must not be fused."""
         fused = getattr(mlp, "fused_gate_up", None)
-        if fused is None or x.shape[0] > fused.max_rows:
+        if fused is None:
             return mlp(x)
         gate, up = fused(x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
