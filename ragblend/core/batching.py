@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .errors import InvalidInputError
 from .generate import Decoding, KVDecoder
@@ -61,41 +62,50 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     # Each sequence sits at its own position: its own row of RoPE angles.
     rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
     hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
+    spans = {}   # per sliding window (layers may differ): each sequence's first visible key and its bias mask
     for layer in range(adapter.shape.num_layers):
         cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
         q, k, v = adapter.qkv(layer, x)   # k, v: [kv_heads, sequences, head_dim]
         q, k = adapter.rope(q, cos, sin), adapter.rope(k, cos, sin)
         window = adapter.window(layer)
+        if window not in spans:
+            spans[window] = [_visible(d, p, window) for d, p in zip(decoders, starts)]
         outs = []
-        for i, (d, p) in enumerate(zip(decoders, starts)):
-            d.keys[layer][:, p] = k[:, i]
-            d.values[layer][:, p] = v[:, i]
-            first = 0 if window is None else max(0, p - window + 1)   # a sliding window sees its last keys only
-            bias = None if d.key_bias is None else d.key_bias[first:p + 1]
-            outs.append(_attend_one(q[:, i], d.keys[layer][:, first:p + 1], d.values[layer][:, first:p + 1],
-                                    bias, adapter.scaling))
-        hidden = adapter.finish(layer, hidden, torch.cat(outs))
+        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.to(decoders[0].dtype).unbind(1),
+                                                      k.unbind(1), v.unbind(1)):
+            d.keys[layer][:, p] = k_i
+            d.values[layer][:, p] = v_i
+            outs.append(_attend_one(q_i, d.keys[layer][:, first:p + 1], d.values[layer][:, first:p + 1],
+                                    mask, adapter.scaling))
+        hidden = adapter.finish(layer, hidden, torch.cat(outs).to(hidden.dtype))
     for d, p in zip(decoders, starts):
         d.length = p + 1
     return adapter.logits(hidden)
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+def _visible(decoder: KVDecoder, position: int, window: int | None) -> tuple[int, torch.Tensor | None]:
+    """The first key a token at ``position`` sees (a sliding window sees its last keys only), and
+    the additive mask ``[1, keys]`` of the decoder's key bias over the keys it sees (None: no bias)."""
+    first = 0 if window is None else max(0, position - window + 1)
+    bias = decoder.key_bias
+    return first, None if bias is None else bias[first:position + 1].to(decoder.dtype)[None]
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 scaling: float) -> torch.Tensor:
     """Attention of one token's queries ``q [heads, head_dim]`` over ``k, v [kv_heads, N, head_dim]``
-    (all N visible; ``bias [N]`` added to the scores), as ``[1, heads * head_dim]``.
+    (all N visible; ``mask [1, N]`` added to the scores), as ``[1, heads * head_dim]`` in K/V's dtype.
 
-    The same math as the adapter's SDPA call, in three small matmuls: the query heads that share
-    a K/V head go through one matmul, where SDPA would first copy K and V once per query head
-    (GQA), which for one query costs more than the attention itself (profiled: ~30% of a step
-    over 8 sequences)."""
+    The query heads that share a K/V head are folded into rows of one query (HF's layout:
+    consecutive query heads share a K/V head), so K and V are read once, where SDPA's GQA would
+    first copy them once per query head. SDPA's CPU kernel, not three small matmuls: a float16
+    matmul has no fast CPU kernel, and over float16 K/V the matmuls were ~3x slower than SDPA on
+    a short prompt (a quarter of a step over 8 sequences, profiled)."""
     kv_heads, dim = k.shape[0], k.shape[2]
-    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)   # HF's layout: consecutive query heads share a K/V head
-    scores = (grouped @ k.transpose(1, 2)).float() * scaling   # [kv_heads, group, N]; softmax in float32
-    if bias is not None:
-        scores = scores + bias.float()
-    return (torch.softmax(scores, dim=-1).to(v.dtype) @ v).reshape(1, -1).to(q.dtype)
+    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)
+    out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask, scale=scaling)
+    return out.reshape(1, -1)
 
 
 @dataclass(eq=False)
