@@ -92,12 +92,15 @@ def musique_prompts(n: int, path: Path = MUSIQUE) -> list[Prompt]:
 
 
 def prompt_sets(spec: list[str], musique_file: Path) -> dict[str, list[Prompt]]:
+    """``spec`` items name a set and its first prompts, ``squad:12``, or a range of them,
+    ``squad:12-20`` (prompts 12 to 19: more prompts without running the first ones again)."""
     sets = {}
     for item in spec:
         name, _, count = item.partition(":")
-        n = int(count or 8)
-        sets[name] = {"fidelity": fidelity_prompts, "squad": squad_prompts,
-                      "musique": lambda k: musique_prompts(k, musique_file)}[name](n)
+        first, _, last = (count or "8").rpartition("-")
+        prompts = {"fidelity": fidelity_prompts, "squad": squad_prompts,
+                   "musique": lambda k: musique_prompts(k, musique_file)}[name](int(last))
+        sets[name] = prompts[int(first or 0):]
     return sets
 
 
