@@ -63,6 +63,10 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
     hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
     spans = {}   # per sliding window (layers may differ): each sequence's first visible key and its bias mask
+    # The queries go to the K/V dtype once for the batch where every sequence keeps its K/V in one
+    # dtype; otherwise each sequence's own (a float32 sequence must not see 16-bit-rounded queries).
+    kv_dtypes = {d.dtype for d in decoders}
+    kv_dtype = kv_dtypes.pop() if len(kv_dtypes) == 1 else None
     for layer in range(adapter.shape.num_layers):
         cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
@@ -71,8 +75,9 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
         window = adapter.window(layer)
         if window not in spans:
             spans[window] = [_visible(d, p, window) for d, p in zip(decoders, starts)]
+        queries = q if kv_dtype is None else q.to(kv_dtype)   # _attend_one casts each to its K/V's dtype
         outs = []
-        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.to(decoders[0].dtype).unbind(1),
+        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], queries.unbind(1),
                                                       k.unbind(1), v.unbind(1)):
             d.keys[layer][:, p] = k_i
             d.values[layer][:, p] = v_i
