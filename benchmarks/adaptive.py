@@ -26,6 +26,7 @@ ratio's there, tested on the other sets against that fixed ratio.
 
     python -m benchmarks.adaptive --models smollm2 --sets squad:12 musique:8 fidelity:6 --json /tmp/a.json
     python -m benchmarks.adaptive --from-json /tmp/a.json     # the analysis again, no model run
+    python -m benchmarks.adaptive --from-json /tmp/a.json /tmp/b.json   # b.json: more prompts (--sets musique:8-12)
 """
 
 from __future__ import annotations
@@ -309,7 +310,8 @@ def main(argv=None) -> None:
     if args.from_json:
         for path in args.from_json:
             data = json.loads(path.read_text())
-            raw.update(data["raw"])
+            for key, rows in data["raw"].items():   # a set's prompts from several runs (e.g. musique:2-5) pool
+                raw.setdefault(key, []).extend(rows)
             shipped_of.update(data["shipped"])
         for rows in raw.values():   # a signal added after a run: None (left out of its AUROC)
             for r in rows:
