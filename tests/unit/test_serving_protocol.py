@@ -153,8 +153,13 @@ def test_chat_openai_stream_shows_usage_without_stream_usage(server):
     total = None
     for chunk in chat.stream("hi"):
         total = chunk if total is None else total + chunk
-    assert total.usage_metadata and total.usage_metadata["output_tokens"] >= 1
-    assert "cache_read" in total.usage_metadata["input_token_details"]
+    usage = total.usage_metadata
+    assert usage and usage["input_tokens"] >= 1
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    # The random tiny model can end at once (its end token near-tied with others: a busy run's
+    # kernel choice flipped it once); the usage must then say 0, else count what streamed.
+    assert (usage["output_tokens"] >= 1) == bool(total.content)
+    assert "cache_read" in usage["input_token_details"]
 
 
 def test_one_log_line_per_request(server, caplog):
