@@ -50,7 +50,7 @@ VARIANTS = {
     "QueryAware(0.20)": QueryAware(0.20),
     "QueryAware(0.30)": QueryAware(0.30),
     "QueryAware(0.50)": QueryAware(0.50),
-    "QueryAware(0.15, whole chunks)": QueryAware(0.15, whole_chunks=True),
+    **{f"QueryAware({r:.2f}, whole chunks)": QueryAware(r, whole_chunks=True) for r in (0.10, 0.15, 0.20, 0.30)},
     "QueryAware(0.15, last 4 tokens)": QueryAware(0.15, query_tokens=4),
     "QueryAware(0.20, last 4 tokens)": QueryAware(0.20, query_tokens=4),
     "QueryAware(0.30, last 4 tokens)": QueryAware(0.30, query_tokens=4),
