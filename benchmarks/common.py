@@ -68,10 +68,13 @@ class Prompt:
 
 def fidelity_prompts(n: int) -> list[Prompt]:
     """Six ~500-token passages written for the project; each prompt asks another question,
-    with the passages in another order."""
+    with the passages in another order. There are as many distinct prompts as questions (6):
+    more would repeat the first ones and count them twice."""
     sample = load_sample()
     questions = [sample["question"], *[q["question"] for q in sample["demo"]]]
     chunks = sample["chunks"]
+    if n > len(questions):
+        raise SystemExit(f"The passage set has {len(questions)} distinct prompts; asked for {n}.")
     return [Prompt(chunks[i % 6:] + chunks[:i % 6], questions[i % len(questions)]) for i in range(n)]
 
 
