@@ -63,10 +63,6 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
     hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
     spans = {}   # per sliding window (layers may differ): each sequence's first visible key and its bias mask
-    # The queries go to the K/V dtype once for the batch where every sequence keeps its K/V in one
-    # dtype; otherwise each sequence's own (a float32 sequence must not see 16-bit-rounded queries).
-    kv_dtypes = {d.dtype for d in decoders}
-    kv_dtype = kv_dtypes.pop() if len(kv_dtypes) == 1 else None
     for layer in range(adapter.shape.num_layers):
         cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
@@ -75,9 +71,8 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
         window = adapter.window(layer)
         if window not in spans:
             spans[window] = [_visible(d, p, window) for d, p in zip(decoders, starts)]
-        queries = q if kv_dtype is None else q.to(kv_dtype)   # _attend_one casts each to its K/V's dtype
         outs = []
-        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], queries.unbind(1),
+        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.unbind(1),
                                                       k.unbind(1), v.unbind(1)):
             d.keys[layer][:, p] = k_i
             d.values[layer][:, p] = v_i
@@ -108,7 +103,7 @@ def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     matmul has no fast CPU kernel, and over float16 K/V the matmuls were ~3x slower than SDPA on
     a short prompt (a quarter of a step over 8 sequences, profiled)."""
     kv_heads, dim = k.shape[0], k.shape[2]
-    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)
+    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)   # this sequence's K/V dtype, whatever the others'
     out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask, scale=scaling)
     return out.reshape(1, -1)
 
