@@ -441,6 +441,74 @@ class RopeTables:
         return RopeTables([stacked[id(cos)] for cos, _ in first])
 
 
+def _norm_of(module: torch.nn.Module | None, dtype: torch.dtype):
+    """``module`` (an RMSNorm of a supported family) as a function: ``F.rms_norm`` for the
+    families' float32 norms, one fused call where theirs is seven small ops (Llama's and the
+    others' ``weight * x / rms(x)``; Gemma 3's ``(1 + weight) * x / rms(x)``, its weight taken
+    when the adapter is built); the module itself for anything else. None stays None."""
+    if module is None:
+        return None
+    kind, weight = type(module).__name__, getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if dtype != torch.float32 or not kind.endswith("RMSNorm") or weight is None or eps is None or weight.dim() != 1:
+        return module
+    if kind.startswith("Gemma"):
+        weight = 1.0 + weight.detach().float()
+    elif not kind.startswith(("Llama", "Mistral", "Qwen2", "Qwen3")):
+        return module
+    shape = (weight.shape[0],)
+    return lambda x: F.rms_norm(x, shape, weight, eps)
+
+
+def _call_of(module: torch.nn.Module | None):
+    """``module``'s forward, bound: the same result as calling the module without the ~3 us of
+    ``nn.Module.__call__`` (hooks, which ragblend never sets on a model it runs). A decoding
+    step calls ~8 modules a layer; these calls were ~20% of a short-prompt step."""
+    return None if module is None else module.forward
+
+
+@dataclass(frozen=True)
+class LayerSteps:
+    """One decoder layer's parts, resolved once from the model's modules (see :func:`_norm_of`
+    and :func:`_call_of`): what :class:`ModelAdapter`'s per-layer steps call. ``fused_qkv`` and
+    ``fused_gate_up`` are a decoding twin's :class:`~ragblend.core.decode_weights.FusedRows`
+    (None elsewhere); ``post_mlp_norm`` is Gemma 3's norm after the MLP (None elsewhere), and
+    with it ``post_attention_norm`` norms the attention's output, not the MLP's input."""
+
+    input_norm: object
+    q_proj: object
+    k_proj: object
+    v_proj: object
+    fused_qkv: object
+    q_norm: object
+    k_norm: object
+    o_proj: object
+    post_attention_norm: object
+    pre_mlp_norm: object
+    post_mlp_norm: object
+    gate_proj: object
+    up_proj: object
+    fused_gate_up: object
+    down_proj: object
+    act: object
+
+    @classmethod
+    def of(cls, block: torch.nn.Module, dtype: torch.dtype) -> "LayerSteps":
+        attn, mlp = block.self_attn, block.mlp
+        return cls(
+            input_norm=_norm_of(block.input_layernorm, dtype),
+            q_proj=_call_of(attn.q_proj), k_proj=_call_of(attn.k_proj), v_proj=_call_of(attn.v_proj),
+            fused_qkv=_call_of(getattr(attn, "fused_qkv", None)),
+            q_norm=_norm_of(getattr(attn, "q_norm", None), dtype), k_norm=_norm_of(getattr(attn, "k_norm", None), dtype),
+            o_proj=_call_of(attn.o_proj),
+            post_attention_norm=_norm_of(block.post_attention_layernorm, dtype),
+            pre_mlp_norm=_norm_of(getattr(block, "pre_feedforward_layernorm", None), dtype),
+            post_mlp_norm=_norm_of(getattr(block, "post_feedforward_layernorm", None), dtype),
+            gate_proj=_call_of(mlp.gate_proj), up_proj=_call_of(mlp.up_proj),
+            fused_gate_up=_call_of(getattr(mlp, "fused_gate_up", None)),
+            down_proj=_call_of(mlp.down_proj), act=_call_of(mlp.act_fn))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -490,8 +558,9 @@ class ModelAdapter:
         per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         self._rope_kinds = [cfg.layer_types[i] if per_type else None for i in range(cfg.num_hidden_layers)]
         # Gemma 3: norms after the attention and around the MLP as well as before the attention.
-        self._sandwich_norms = hasattr(self.layers[0], "pre_feedforward_layernorm")
         self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self._steps = [LayerSteps.of(block, self.dtype) for block in self.layers]
+        self._final_norm, self._head = _norm_of(self.base.norm, self.dtype), _call_of(hf_model.lm_head)
 
     @staticmethod
     def _sliding_window(cfg, layer: int) -> int | None:
@@ -521,32 +590,30 @@ class ModelAdapter:
 
     def attn_input(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's input norm (what Q, K and V are projected from)."""
-        return self.layers[layer].input_layernorm(hidden)
+        return self._steps[layer].input_norm(hidden)
 
     def kv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (before RoPE) and V ``[kv_heads, tokens, head_dim]`` from the normed input ``x``."""
-        attn = self.layers[layer].self_attn
-        return self._heads(attn.k_proj(x), getattr(attn, "k_norm", None)), self._heads(attn.v_proj(x))
+        steps = self._steps[layer]
+        return self._heads(steps.k_proj(x), steps.k_norm), self._heads(steps.v_proj(x))
 
     def q(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Q (before RoPE) ``[heads, tokens, head_dim]`` from the normed input ``x``."""
-        attn = self.layers[layer].self_attn
-        return self._heads(attn.q_proj(x), getattr(attn, "q_norm", None))
+        steps = self._steps[layer]
+        return self._heads(steps.q_proj(x), steps.q_norm)
 
     def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (before RoPE) and V, as :meth:`q` and :meth:`kv` give them. A decoding twin
         whose layer holds them fused (``fused_qkv``, see :mod:`.decode_weights`) computes all
         three in one low-bit matmul for the few rows of a decoding pass (a longer pass runs them
         on their float32 weights, as the separate layers would)."""
-        attn = self.layers[layer].self_attn
-        fused = getattr(attn, "fused_qkv", None)
-        if fused is None:
+        steps = self._steps[layer]
+        if steps.fused_qkv is None:
             return (self.q(layer, x), *self.kv(layer, x))
-        q, k, v = fused(x)
-        return (self._heads(q, getattr(attn, "q_norm", None)), self._heads(k, getattr(attn, "k_norm", None)),
-                self._heads(v))
+        q, k, v = steps.fused_qkv(x)
+        return self._heads(q, steps.q_norm), self._heads(k, steps.k_norm), self._heads(v)
 
-    def _heads(self, projected: torch.Tensor, norm: torch.nn.Module | None = None) -> torch.Tensor:
+    def _heads(self, projected: torch.Tensor, norm=None) -> torch.Tensor:
         """A projection's output ``[tokens, heads * head_dim]`` as ``[heads, tokens, head_dim]``,
         through the per-head norm of the models that have one for Q and K (Qwen3, Gemma 3:
         RMSNorm over each head's dims, before RoPE)."""
@@ -613,29 +680,28 @@ class ModelAdapter:
         """Output projection, residual, post-attention norm, MLP, residual (Gemma 3: the
         attention output and the MLP's are normed before their residual, the MLP's input by
         its pre-feedforward norm)."""
-        block = self.layers[layer]
-        if self._sandwich_norms:
-            hidden = hidden + block.post_attention_layernorm(block.self_attn.o_proj(attn_out))
-            return hidden + block.post_feedforward_layernorm(self._mlp(block.mlp, block.pre_feedforward_layernorm(hidden)))
-        hidden = hidden + block.self_attn.o_proj(attn_out)
-        return hidden + self._mlp(block.mlp, block.post_attention_layernorm(hidden))
+        steps = self._steps[layer]
+        if steps.post_mlp_norm is not None:
+            hidden = hidden + steps.post_attention_norm(steps.o_proj(attn_out))
+            return hidden + steps.post_mlp_norm(self._mlp(steps, steps.pre_mlp_norm(hidden)))
+        hidden = hidden + steps.o_proj(attn_out)
+        return hidden + self._mlp(steps, steps.post_attention_norm(hidden))
 
     @staticmethod
-    def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP, its gate and up projections in one low-bit matmul where a decoding
-        twin fused them (``fused_gate_up``; a pass longer than a decoding pass runs them on
-        their float32 weights). The fused form computes ``down(act(gate(x)) * up(x))``, the MLP
-        of every supported architecture (SUPPORTED_ARCHITECTURES); a family with another MLP
-        must not be fused."""
-        fused = getattr(mlp, "fused_gate_up", None)
-        if fused is None:
-            return mlp(x)
-        gate, up = fused(x)
-        return mlp.down_proj(mlp.act_fn(gate) * up)
+    def _mlp(steps: LayerSteps, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP, ``down(act(gate(x)) * up(x))`` (the MLP of every supported
+        architecture, SUPPORTED_ARCHITECTURES), its gate and up projections in one low-bit
+        matmul where a decoding twin fused them (``fused_gate_up``; a pass longer than a
+        decoding pass runs them on their float32 weights)."""
+        if steps.fused_gate_up is None:
+            gate, up = steps.gate_proj(x), steps.up_proj(x)
+        else:
+            gate, up = steps.fused_gate_up(x)
+        return steps.down_proj(steps.act(gate) * up)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ the final logit soft-capping of models that have one)."""
-        logits = self.hf_model.lm_head(self.base.norm(hidden))
+        logits = self._head(self._final_norm(hidden))
         if self._final_softcap is not None:
             logits = torch.tanh(logits / self._final_softcap) * self._final_softcap
         return logits

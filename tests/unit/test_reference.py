@@ -164,3 +164,35 @@ def test_decoding_after_a_fused_prefill_matches_dense_reference(arch, scale, tok
     fused = check_against_reference(engine, flat_prompt(chunks), QueryAware(0.3, cached_attention_scale=scale),
                                     answer_token=int(tokenizer.encode(" ferry")[0]))
     assert (fused.key_bias is None) == (scale == 1.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_the_adapters_resolved_norms_compute_the_models_own(arch):
+    """ModelAdapter calls each RMSNorm as one ``F.rms_norm`` (Gemma 3's with ``1 + weight``), not
+    through the module: same values as the module, on norm weights that are not all 0 or 1."""
+    from transformers import AutoModelForCausalLM
+
+    from ragblend.core.model import ModelAdapter
+
+    from ..conftest import tiny_config
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    adapter = ModelAdapter(model)
+    x = torch.randn(5, model.config.hidden_size)
+    for block, steps in zip(adapter.layers, adapter._steps):
+        pairs = [(steps.input_norm, block.input_layernorm), (steps.post_attention_norm, block.post_attention_layernorm)]
+        if arch != "llama":
+            heads = torch.randn(5, 2, adapter.shape.head_dim)
+            for resolved, module in ((steps.q_norm, block.self_attn.q_norm), (steps.k_norm, block.self_attn.k_norm)):
+                assert not isinstance(resolved, torch.nn.Module)
+                torch.testing.assert_close(resolved(heads), module(heads), rtol=1e-5, atol=1e-6)
+        for resolved, module in pairs:
+            assert not isinstance(resolved, torch.nn.Module)   # the fused call, not the module
+            torch.testing.assert_close(resolved(x), module(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(adapter._final_norm(x), model.model.norm(x), rtol=1e-5, atol=1e-6)
+    half = ModelAdapter(model.to(torch.bfloat16))   # other dtypes keep the modules (their rounding is theirs)
+    assert isinstance(half._steps[0].input_norm, torch.nn.Module)
