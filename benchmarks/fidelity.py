@@ -57,6 +57,9 @@ VARIANTS = {
     # APE's scaling of the attention paid to the reused tokens left out (cached_attention_scale)
     **{f"QueryAware({r:.2f}, cached x{s})": QueryAware(r, cached_attention_scale=s)
        for r in (0.05, 0.10, 0.15, 0.20, 0.30) for s in (1.0, 0.8, 0.7, 0.6, 0.5, 0.4)},
+    # ... and in the answer's decoding too (scaled), or in the fused prefill only (unscaled)
+    **{f"QueryAware({r:.2f}, decoding {'scaled' if scaled else 'unscaled'})": QueryAware(r, scale_in_decoding=scaled)
+       for r in (0.10, 0.20) for scaled in (True, False)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 PREFILL_ONLY = ", scale in the prefill only"

@@ -134,6 +134,12 @@ class QueryAware(_Settings):
     prompts more but hurt both models' SQuAD prompts (``docs/benchmarks.md``). 1.0 leaves
     attention as it is.
 
+    ``scale_in_decoding``: whether the answer's tokens, too, pay the reused tokens left cached
+    ``cached_attention_scale`` times the attention (True), or decode over the fused prompt with
+    plain attention (False). The answer's own tokens were computed in context, so the reason for
+    the scale is weaker there; on the answer-level yardstick (``docs/benchmarks.md``) each
+    setting was better on some prompt sets and worse on others.
+
     ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
     when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
     means in the integrations and the CLI.
@@ -143,6 +149,7 @@ class QueryAware(_Settings):
     whole_chunks: bool = False
     query_tokens: int | None = None
     cached_attention_scale: float = 0.7
+    scale_in_decoding: bool = True
     name = "query_aware"
 
     def __post_init__(self):
@@ -151,6 +158,8 @@ class QueryAware(_Settings):
         scale = self.cached_attention_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 1:
             raise InvalidInputError(f"QueryAware cached_attention_scale must be a number in (0, 1], got {scale!r}.")
+        if not isinstance(self.scale_in_decoding, bool):
+            raise InvalidInputError(f"QueryAware scale_in_decoding must be True or False, got {self.scale_in_decoding!r}.")
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")

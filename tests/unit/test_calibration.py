@@ -20,6 +20,7 @@ from ragblend.core.calibration import (
     cheapest_within_margin,
     load_calibration,
 )
+from ragblend.core.errors import InvalidInputError
 from ragblend.core.strategies import strategy_from_name
 
 from ..conftest import make_tiny_engine
@@ -230,3 +231,26 @@ def test_answer_logits_with_a_fading_bias_spans_the_scaled_and_the_prefill_only_
     assert torch.equal(fading[0], kept[0])
     reference = answer_logits(tiny_engine, full, answer)
     assert answer_kl(reference, fading) not in (answer_kl(reference, kept), answer_kl(reference, dropped))
+
+
+def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_engine):
+    """QueryAware(scale_in_decoding=False): the same fused prefill (same first-token logits), and
+    an answer decoded as if the bias had been dropped after the prompt, in generate() too."""
+    import torch
+
+    from ragblend.core.calibration import answer_logits
+
+    tiny_engine.precompute(CHUNKS[:3])
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    scaled_strategy = QueryAware(0.1, cached_attention_scale=0.5)
+    unscaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=False)
+    scaled, unscaled = tiny_engine.prefill(segments, strategy=scaled_strategy), tiny_engine.prefill(
+        segments, strategy=unscaled_strategy)
+    assert scaled.key_bias is not None and unscaled.key_bias is None
+    assert torch.equal(scaled.logits, unscaled.logits)
+    answer = tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=6).token_ids
+    dropped = answer_logits(tiny_engine, scaled, answer, decoding_bias=False)
+    assert torch.allclose(answer_logits(tiny_engine, unscaled, answer), dropped, atol=1e-5)
+    assert not torch.allclose(answer_logits(tiny_engine, scaled, answer), dropped, atol=1e-5)
+    with pytest.raises(InvalidInputError, match="scale_in_decoding"):
+        QueryAware(0.1, scale_in_decoding="no")
