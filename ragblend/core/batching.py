@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .errors import InvalidInputError
 from .generate import Decoding, KVDecoder
+from .masks import visible_keys
 from .model import RopeTables
 
 
@@ -62,7 +62,7 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     # Each sequence sits at its own position: its own row of RoPE angles.
     rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
     hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
-    spans = {}   # per sliding window (layers may differ): each sequence's first visible key and its bias mask
+    spans = {}   # per sliding window (layers may differ): each sequence's visible keys and bias mask
     for layer in range(adapter.shape.num_layers):
         cos, sin = rope.layer(layer)
         x = adapter.attn_input(layer, hidden)
@@ -70,42 +70,18 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
         q, k = adapter.rope(q, cos, sin), adapter.rope(k, cos, sin)
         window = adapter.window(layer)
         if window not in spans:
-            spans[window] = [_visible(d, p, window) for d, p in zip(decoders, starts)]
+            spans[window] = [visible_keys(p, window, d.key_bias, d.dtype) for d, p in zip(decoders, starts)]
         outs = []
-        for d, p, (first, mask), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.unbind(1),
-                                                      k.unbind(1), v.unbind(1)):
+        for d, p, (keys, bias), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.unbind(1),
+                                                     k.unbind(1), v.unbind(1)):
             d.keys[layer][:, p] = k_i
             d.values[layer][:, p] = v_i
-            outs.append(_attend_one(q_i, d.keys[layer][:, first:p + 1], d.values[layer][:, first:p + 1],
-                                    mask, adapter.scaling))
+            # Each sequence's queries go to its own K/V dtype (a float32 one beside a float16 one).
+            outs.append(adapter.attend_one_token(q_i[:, None], d.keys[layer][:, keys], d.values[layer][:, keys], bias))
         hidden = adapter.finish(layer, hidden, torch.cat(outs).to(hidden.dtype))
     for d, p in zip(decoders, starts):
         d.length = p + 1
     return adapter.logits(hidden)
-
-
-def _visible(decoder: KVDecoder, position: int, window: int | None) -> tuple[int, torch.Tensor | None]:
-    """The first key a token at ``position`` sees (a sliding window sees its last keys only), and
-    the additive mask ``[1, keys]`` of the decoder's key bias over the keys it sees (None: no bias)."""
-    first = 0 if window is None else max(0, position - window + 1)
-    bias = decoder.key_bias
-    return first, None if bias is None else bias[first:position + 1].to(decoder.dtype)[None]
-
-
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                scaling: float) -> torch.Tensor:
-    """Attention of one token's queries ``q [heads, head_dim]`` over ``k, v [kv_heads, N, head_dim]``
-    (all N visible; ``mask [1, N]`` added to the scores), as ``[1, heads * head_dim]`` in K/V's dtype.
-
-    The query heads that share a K/V head are folded into rows of one query (HF's layout:
-    consecutive query heads share a K/V head), so K and V are read once, where SDPA's GQA would
-    first copy them once per query head. SDPA's CPU kernel, not three small matmuls: a float16
-    matmul has no fast CPU kernel, and over float16 K/V the matmuls were ~3x slower than SDPA on
-    a short prompt (a quarter of a step over 8 sequences, profiled)."""
-    kv_heads, dim = k.shape[0], k.shape[2]
-    grouped = q.reshape(kv_heads, -1, dim).to(k.dtype)   # this sequence's K/V dtype, whatever the others'
-    out = F.scaled_dot_product_attention(grouped[None], k[None], v[None], attn_mask=mask, scale=scaling)
-    return out.reshape(1, -1)
 
 
 @dataclass(eq=False)

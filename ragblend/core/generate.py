@@ -22,7 +22,7 @@ import torch
 
 from .cancel import check_cancelled
 from .errors import InvalidInputError
-from .masks import attention_plan
+from .masks import attention_plan, visible_keys
 from .omp import release_thread_pool
 
 
@@ -111,12 +111,17 @@ class KVDecoder:
             self.values[layer][:, start:end] = v
             q = adapter.rope(q, cos, sin)
             window = adapter.window(layer)
-            if window not in plans:
-                plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
-                plans[window] = plan, adapter.fold_mask(plan.mask)   # once, not in every layer
-            plan, folded_mask = plans[window]
-            attn = adapter.attention(q.to(self.dtype), self.keys[layer][:, plan.keys], self.values[layer][:, plan.keys],
-                                     plan.mask, folded_mask)
+            if window not in plans:   # once, not in every layer
+                if n == 1:   # one token sees all its keys: no causal mask, only the bias if any
+                    plans[window] = visible_keys(start, window, self.key_bias, self.dtype)
+                else:
+                    plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
+                    plans[window] = plan.keys, plan.mask, adapter.fold_mask(plan.mask)
+            keys, values = self.keys[layer][:, plans[window][0]], self.values[layer][:, plans[window][0]]
+            if n == 1:
+                attn = adapter.attend_one_token(q, keys, values, plans[window][1])
+            else:
+                attn = adapter.attention(q.to(self.dtype), keys, values, *plans[window][1:])
             hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
         self.length = end
         return adapter.logits(hidden)

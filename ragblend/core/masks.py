@@ -20,6 +20,14 @@ def causal_mask(query_pos: torch.Tensor, num_keys: int, window: int | None) -> t
     return mask
 
 
+def visible_keys(position: int, window: int | None, key_bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> tuple[slice, torch.Tensor | None]:
+    """The keys a token at ``position`` sees (a sliding window sees its last ``window`` keys only)
+    and the additive bias ``[1, keys]`` of ``key_bias`` over them in ``dtype`` (None: no bias)."""
+    keys = slice(0 if window is None else max(0, position - window + 1), position + 1)
+    return keys, None if key_bias is None else key_bias[keys].to(dtype)[None]
+
+
 @dataclass
 class QueryGroup:
     rows: slice                  # rows of the selected queries

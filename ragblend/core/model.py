@@ -664,6 +664,21 @@ class ModelAdapter:
         )
         return out[0].transpose(0, 1).reshape(n, -1)
 
+    def attend_one_token(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one token's queries ``q [H, 1, D]`` over keys it sees all of, ``k, v
+        [Hkv, N, D]`` (a decoding step's: the caller slices a sliding window's), ``bias [1, N]``
+        added to every score (None: none), as ``[1, H*D]`` in K/V's dtype (``q`` is cast to it).
+
+        The query heads that share a K/V head become rows of one query (HF's layout: consecutive
+        query heads share one), so K/V are read once; SDPA over GQA would copy them per query
+        head. SDPA's CPU kernel, not three small matmuls: a float16 matmul has no fast CPU kernel
+        (~3x SDPA's time over float16 K/V on a short prompt)."""
+        heads, _, dim = q.shape
+        folded = q.reshape(k.shape[0], heads // k.shape[0], dim).to(k.dtype)
+        out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=bias, scale=self.scaling)
+        return out.reshape(1, heads * dim)
+
     def _folds_heads(self, mask: torch.Tensor | None, rows: int) -> bool:
         """Whether :meth:`attention` folds the query heads sharing a K/V head into rows: on a
         masked decoding pass (at most ``DRAFT_ROWS`` rows) of a model with grouped heads."""
