@@ -103,24 +103,49 @@ def lazy_engine(owner) -> BlendEngine | RemoteEngine:
 
 
 async def iterate_in_thread(make_iterator):
-    """Consume a blocking iterator in a worker thread, yielding its items to the event loop."""
+    """Consume a blocking iterator in a worker thread, yielding its items to the event loop.
+
+    A consumer that stops early (``break``, cancellation, its event loop closing) stops the
+    worker too: the iterator is closed at its next item, so an abandoned answer stops decoding
+    instead of running to ``max_tokens`` in the background."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    stop = threading.Event()
+
+    def hand_over(item) -> bool:
+        """Give ``item`` to the consumer; False once nobody will take it."""
+        if stop.is_set():
+            return False
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:   # the consumer's event loop is closed
+            return False
+        return True
 
     def pump():
+        iterator = None
         try:
-            for item in make_iterator():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+            iterator = make_iterator()
+            for item in iterator:
+                if not hand_over(item):
+                    return
         except BaseException as err:  # handed to the consumer below
-            loop.call_soon_threadsafe(queue.put_nowait, err)
-        loop.call_soon_threadsafe(queue.put_nowait, done)
+            hand_over(err)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()   # a generator's own cleanup runs (a stopped stream releases the engine)
+        hand_over(done)
 
     threading.Thread(target=pump, daemon=True, name="ragblend-stream").start()
-    while True:
-        item = await queue.get()
-        if item is done:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            item = await queue.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, HumanMessage, SystemMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field, PrivateAttr, SecretStr
@@ -44,6 +44,33 @@ from ragblend.serving.protocol import is_marked, segments_of, text_of
 from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_TOKENS = 256   # what max_tokens=None generates at most
+
+# LangChain's generic ChatMessage carries its role as a string; these are the chat template's.
+ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
+              "system": "system", "developer": "system"}
+
+
+def _role(message: BaseMessage) -> str:
+    """The chat-template role of a LangChain message (a tool message keeps its own type)."""
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, HumanMessage):
+        return "user"
+    if isinstance(message, ChatMessage):
+        return ROLE_NAMES.get(message.role.lower(), message.role)
+    return message.type
+
+
+def _check_max_tokens(max_tokens):
+    """``max_tokens`` if it is None (then 256 at most) or an integer >= 1; anything else is an error,
+    never a silent default."""
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise InvalidInputError(f"max_tokens must be an integer >= 1 (or None for {DEFAULT_MAX_TOKENS}), "
+                                f"got {max_tokens!r}.")
+    return max_tokens
 
 
 def usage_metadata(stats: Stats) -> UsageMetadata:
@@ -60,7 +87,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
     from ``model_path``/``kv_dir`` on first use, so constructing the class is cheap.
     """
 
-    max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate.")
+    max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate (None = 256).")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings.")
     streaming: bool = Field(default=False, description="Stream by default in invoke (LangChain convention).")
     # Standard LangChain parameters with no meaning for a local model; accepted so generic
@@ -75,6 +102,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
     def __init__(self, engine: BlendEngine | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.check_strategy()   # validate early, load nothing
+        _check_max_tokens(self.max_tokens)
         self._engine = engine
 
     # ------------------------------------------------------------------ identity
@@ -116,8 +144,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
 
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         engine = self.engine
-        turns = [("system" if isinstance(m, SystemMessage) else "assistant" if isinstance(m, AIMessage)
-                  else "user" if isinstance(m, HumanMessage) else m.type, text_of(m.content)) for m in messages]
+        turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")
         content = messages[-1].content
         if isinstance(content, list) and any(is_marked(b) for b in content):
@@ -129,7 +156,8 @@ class BlendChatModel(EngineFields, BaseChatModel):
 
     def _options(self, stop: Optional[list[str]], kwargs: dict) -> dict:
         kwargs.pop("model", None)  # one local model: a per-call override only names it
-        options = self.generation_options(kwargs, kwargs.pop("max_tokens", self.max_tokens) or 256)
+        max_tokens = _check_max_tokens(kwargs.pop("max_tokens", self.max_tokens))
+        options = self.generation_options(kwargs, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens)
         options["stop"] = stop or options["stop"] or self.stop
         return options
 

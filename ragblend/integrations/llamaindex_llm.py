@@ -37,9 +37,16 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import PromptLayout, Segment
 
 from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
+
+# The chat template's role of each LlamaIndex role: OpenAI's developer role is a system turn,
+# Gemini's "model" and Cohere's "chatbot" are the assistant's; the others (tool, function) are read
+# as the user's.
+CHAT_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.ASSISTANT: "assistant",
+              MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
 
 
 @dataclass
@@ -75,6 +82,10 @@ class BlendLLM(EngineFields, CustomLLM):
     def __init__(self, engine: BlendEngine | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.check_strategy()
+        window = self.context_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            # a synthesizer would pack its prompts for a window of nothing (or take 0 as "the model's")
+            raise InvalidInputError(f"context_window must be an integer >= 1, or None for the model's; got {window!r}.")
         self._engine = engine
 
     @classmethod
@@ -129,8 +140,7 @@ class BlendLLM(EngineFields, CustomLLM):
         yield "", stream.stats
 
     def _chat_layout(self, messages: Sequence[ChatMessage]) -> PromptLayout:
-        turns = [("system" if m.role == MessageRole.SYSTEM else "assistant" if m.role == MessageRole.ASSISTANT
-                  else "user", m.content or "") for m in messages]
+        turns = [(CHAT_ROLES.get(m.role, "user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
         return self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
 

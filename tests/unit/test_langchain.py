@@ -64,3 +64,57 @@ def test_langchain_integration_needs_no_llamaindex():
             "from ragblend import BlendChatModel; BlendChatModel(max_tokens=4)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-500:]
+
+
+# ---------------------------------------------------------------------------- unusual but legal calls
+
+
+def test_an_abandoned_astream_stops_decoding(tokenizer):
+    """A consumer that leaves an async stream after two chunks stops the answer's decoding in the
+    worker thread, instead of letting it run to max_tokens in the background."""
+    import asyncio
+    import threading
+
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    chat = BlendChatModel(engine=engine, max_tokens=400)
+
+    async def take_two_then_wait():
+        chunks = 0
+        async for _ in chat.astream("Tell me a long story."):
+            chunks += 1
+            if chunks == 2:
+                break
+        # The event loop stays up meanwhile, so the worker can go on handing chunks to nobody.
+        for worker in [t for t in threading.enumerate() if t.name == "ragblend-stream"]:
+            await asyncio.to_thread(worker.join, 60)
+            assert not worker.is_alive()
+
+    asyncio.run(take_two_then_wait())
+    assert engine.last_stats.generated_tokens == 0   # the answer was stopped, never finished
+
+
+def test_max_tokens_zero_is_refused_not_256(tokenizer):
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BlendChatModel(engine=engine, max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BlendChatModel(engine=engine, max_tokens=4).invoke("Hi", max_tokens=0)
+    assert BlendChatModel(engine=engine, max_tokens=None).invoke("Hi").usage_metadata["output_tokens"] <= 256
+
+
+def test_generic_chat_messages_keep_their_role(tokenizer):
+    """LangChain's ChatMessage(role=...) is a user, assistant or system turn by its role."""
+    from langchain_core.messages import ChatMessage, HumanMessage, SystemMessage
+
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    chat = BlendChatModel(engine=engine, max_tokens=2)
+    chat.invoke([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")])
+    generic = engine.last_prompt.token_ids
+    chat.invoke([SystemMessage("Be brief."), HumanMessage("Hi")])
+    assert generic == engine.last_prompt.token_ids
