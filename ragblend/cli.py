@@ -164,6 +164,8 @@ def _ask(args) -> int:
     except InvalidInputError:
         raise InvalidInputError("the question is not valid UTF-8 text; set your terminal to UTF-8 (e.g. "
                                 "LANG=C.UTF-8) or pass the question in UTF-8.") from None
+    if not args.question.strip():   # LocalIndex.ask says the same, but only once the model has loaded
+        raise InvalidInputError("Ask a non-empty question.")
     rag = _open_index(args, engine_options.from_args(args))   # --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     if args.compare:

@@ -158,6 +158,15 @@ def test_cli_question_that_is_not_utf8(tmp_path):
     assert not any(tmp_path.iterdir())  # refused before anything was loaded
 
 
+
+def test_cli_empty_question_is_refused_before_the_model_loads(capsys, tmp_path):
+    from ragblend.cli import main
+
+    for question in ("", "   \n"):
+        assert main(["ask", question, "--index", str(tmp_path)]) == 2
+        assert "Ask a non-empty question" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before the index (or the model) was opened
+
 def test_cli_cache_commands_on_a_file(capsys, tmp_path):
     from ragblend.cli import main
 
