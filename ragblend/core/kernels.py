@@ -319,7 +319,8 @@ def _read_cached(path: Path, key: dict) -> dict[str, BucketChoice] | None:
                     choices[bucket.name] = BucketChoice(kernel, seconds, float(raw.get("flops", 0)),
                                                         float(raw.get("weight_bytes", 0)))
                 return choices
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+            # (RecursionError: JSON nested deeper than the decoder goes, e.g. a file of "[[[[...")
             why = f"unreadable ({type(err).__name__}: {err})"
     log.warning("ragblend: ignoring the kernel cache %s (%s); measuring the kernels again.", path, why)
     return None

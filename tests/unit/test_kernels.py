@@ -59,13 +59,16 @@ def test_a_later_process_reuses_the_choice_without_measuring(tmp_path):
     assert any("GFLOPS" in line for line in again.describe())
 
 
-@pytest.mark.parametrize("damage", ["garbage", "other-host", "unknown-kernel", "negative-time", "symlink", "format"])
+@pytest.mark.parametrize("damage", ["garbage", "nested", "other-host", "unknown-kernel", "negative-time", "symlink",
+                                    "format"])
 def test_a_corrupt_or_foreign_cache_is_measured_again(tmp_path, damage, caplog):
     plan_for(layers(), directory=tmp_path, timer=fake_timer({"column": {1: 0.1}}))
     (path,) = tmp_path.glob("*.json")
     data = json.loads(path.read_text())
     if damage == "garbage":
         path.write_text("{not json")
+    elif damage == "nested":   # under 1 MiB, but deeper than json's recursion allows
+        path.write_text("[" * 200_000)
     elif damage == "other-host":   # copied from another machine under this file's name
         data["key"]["cpu"] = "Some Other CPU"
         path.write_text(json.dumps(data))
