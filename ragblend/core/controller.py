@@ -21,6 +21,8 @@ From them, for a prompt of ``N`` tokens of which ``R`` are reused:
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import tempfile
 import time
@@ -35,6 +37,8 @@ from .prefill import fused_prefill
 from .store import DiskStore, EntrySpec, FileReader, MemoryReader
 from .strategies import FullRecompute
 
+log = logging.getLogger("ragblend")
+
 TIERS_BY_COST = ("disk", "memory")  # cheapest storage first
 
 
@@ -44,6 +48,27 @@ class Measurements:
     compute_s_per_token_layer: float
     bytes_per_token_layer: float
     read_bytes_per_s: dict[str, float]
+
+
+def _read_measurements(path: Path) -> Measurements | None:
+    """The measurements cached at ``path``, or None (logged) for a file that is unreadable or holds
+    numbers a plan cannot use (it divides by them): measured again, never trusted."""
+    def positive(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        m = Measurements(**data) if isinstance(data, dict) else None
+        tiers = m.read_bytes_per_s if m is not None else None
+        if (m is not None and isinstance(m.device, str) and positive(m.compute_s_per_token_layer)
+                and positive(m.bytes_per_token_layer) and isinstance(tiers, dict) and tiers
+                and all(isinstance(t, str) and positive(bw) for t, bw in tiers.items())):
+            return m
+        why = "values out of range"
+    except (OSError, ValueError, TypeError, RecursionError) as err:   # RecursionError: JSON nested too deep
+        why = f"{type(err).__name__}: {err}"
+    log.warning("ragblend: ignoring the loading controller's measurements in %s (%s); measuring again.", path, why)
+    return None
 
 
 @dataclass
@@ -86,16 +111,17 @@ class LoadingController:
             return self._measured
         path = self.cache_file
         if path.exists() and not refresh:
-            try:
-                self._measured = Measurements(**json.loads(path.read_text()))
+            self._measured = _read_measurements(path)
+            if self._measured is not None:
                 return self._measured
-            except (ValueError, TypeError):
-                pass  # unreadable: measure again
         self._measured = self._measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self._measured), indent=2))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(self._measured), indent=2))
+            os.replace(tmp, path)
+        except OSError as err:   # e.g. a read-only cache dir: the measurements hold for this process only
+            log.info("ragblend: could not save the loading controller's measurements to %s (%s)", path, err)
         return self._measured
 
     def plan(self, prompt_tokens: int, reused_tokens: int, tier: str | None = None) -> LoadingPlan:

@@ -72,3 +72,36 @@ def test_an_unreadable_measurement_file_is_measured_again(tokenizer, tmp_path, m
     m = controller.measurements()
     assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
     assert json.loads(controller.cache_file.read_text())["device"] == "cpu"   # replaced with the new one
+
+
+@pytest.mark.parametrize("damage", ["nested", "wrong-types", "zero-throughput", "no-tiers", "a-folder"])
+def test_a_damaged_measurement_file_is_measured_again(tokenizer, tmp_path, monkeypatch, damage):
+    """A cache file that parses but holds unusable numbers (or does not parse at all) is measured
+    again: trusted, it crashed CacheBlend('auto') plans (a ZeroDivisionError, a TypeError)."""
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    engine = make_tiny_engine("llama", tokenizer)
+    controller = LoadingController(engine.adapter, engine.entry_spec, torch.float16, tmp_path, probe_tokens=64)
+    controller.cache_file.parent.mkdir(parents=True)
+    good = {"device": "cpu", "compute_s_per_token_layer": 1e-5, "bytes_per_token_layer": 128.0,
+            "read_bytes_per_s": {"memory": 1e10, "disk": 1e9}}
+    if damage == "nested":
+        controller.cache_file.write_text("[" * 200_000)
+    elif damage == "a-folder":
+        controller.cache_file.mkdir()
+    else:
+        bad = {"wrong-types": {"compute_s_per_token_layer": "fast"},
+               "zero-throughput": {"read_bytes_per_s": {"memory": 0, "disk": 1e9}},
+               "no-tiers": {"read_bytes_per_s": {}}}[damage]
+        controller.cache_file.write_text(json.dumps({**good, **bad}))
+    m = controller.measurements()
+    assert m.compute_s_per_token_layer > 0 and m.read_bytes_per_s["disk"] > 0
+    assert 0.15 <= controller.plan(3000, 2900).ratio <= 1.0
+
+
+def test_measurements_hold_in_memory_when_the_cache_cannot_be_written(tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path / "not-a-folder"))   # mkdir under it fails
+    engine = make_tiny_engine("llama", tokenizer)
+    controller = LoadingController(engine.adapter, engine.entry_spec, torch.float16, tmp_path, probe_tokens=64)
+    assert controller.measurements().compute_s_per_token_layer > 0
+    assert 0.15 <= controller.plan(3000, 2900).ratio <= 1.0
