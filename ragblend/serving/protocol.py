@@ -224,8 +224,8 @@ def strategy_to_json(strategy) -> dict:
 def strategy_from_json(options: dict):
     """The strategy of a request's ``ragblend`` field: ``strategy`` (a name) and any of that
     strategy's settings (``ratio``, ``check_layer``, ``gradual``, ``deviation``, ``k`` or
-    ``legolink_k``, ``whole_chunks``, ``query_tokens``, ``cached_attention_scale``). A setting
-    the strategy does not have is a 400, never ignored."""
+    ``legolink_k``, ``whole_chunks``, ``query_tokens``, ``cached_attention_scale``,
+    ``scale_in_decoding``). A setting the strategy does not have is a 400, never ignored."""
     name = options.get("strategy") or "default"
     if not isinstance(name, str):
         raise ApiError(400, "ragblend.strategy must be a strategy name.", param="ragblend.strategy")
