@@ -324,7 +324,10 @@ def header_dtype(handle: BinaryIO | None) -> str | None:
         (header_len,) = struct.unpack("<I", start[4:])
         if header_len > MAX_HEADER_BYTES:
             return None
-        dtype = json.loads(handle.read(header_len)).get("dtype")
+        raw = handle.read(header_len)
+        if raw.count(b"{") != 1 or raw.count(b"[") > 2:   # as FileReader: no nesting a parser could choke on
+            return None
+        dtype = json.loads(raw).get("dtype")
     return dtype if dtype in STORAGE_DTYPES else None
 
 

@@ -239,3 +239,18 @@ def test_a_query_during_background_fill_is_answered(rag, docs):
     thread.join(60)
     assert results and results[0].stats is not None
     assert rag.kv.wait(timeout=120) and rag.kv_coverage().fraction == 1.0
+
+
+def test_entries_by_dtype_counts_an_old_entry_with_a_deeply_nested_header_as_unreadable(tmp_path):
+    """An untagged (older) entry is counted from its header; one nested too deep for json is
+    'unreadable', not a RecursionError out of `ragblend cache stats`."""
+    import struct
+
+    spec = EntrySpec("f" * 16, 2, 2, 8)
+    store = DiskStore(tmp_path / "kv", spec)
+    store.put(synthetic_entry(0, dtype=torch.float16, spec=spec))
+    store.cache._sql("UPDATE Cache SET tag = NULL")
+    (filename,) = store.cache._sql("SELECT filename FROM Cache").fetchone()
+    header = b"[" * 200_000
+    (tmp_path / "kv" / filename).write_bytes(b"RBKV" + struct.pack("<I", len(header)) + header)
+    assert {dtype: row["entries"] for dtype, row in store.entries_by_dtype().items()} == {"unreadable": 1}
