@@ -65,7 +65,7 @@ def test_a_batched_step_gives_each_sequence_its_own_step_logits(arch, kv_dtype, 
     float16 K/V too (what an engine's answers keep on 4-bit weights), where the matmuls' float
     rounding over more rows can round a stored key to the next float16 value (~1e-3 of it):
     logits within 2e-3."""
-    engine = make_tiny_engine(arch, tokenizer, strategy=QueryAware(ratio=0.5))
+    engine = make_tiny_engine(arch, tokenizer, strategy=QueryAware(ratio=0.5, scale_in_decoding=True))
     pres = [engine.prefill(p) for p in prompts()]
 
     def decoders():

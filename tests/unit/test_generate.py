@@ -32,7 +32,7 @@ def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
     from ragblend import QueryAware
 
     tiny_engine.precompute(PASSAGES[:3])
-    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3))
+    pre = tiny_engine.prefill(segments(), strategy=QueryAware(0.3, scale_in_decoding=True))
     assert pre.key_bias is not None
     answer = [5, 77, 300, 12]
     adapter, capacity = tiny_engine.decoding_adapter(), len(pre.token_ids) + len(answer)
