@@ -101,8 +101,9 @@ class PrefillRunner:
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
         trace = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
-        # The bias the answer's tokens keep (QueryAware's scale_in_decoding=False: none).
-        decoding_bias = fused.key_bias if getattr(plan.strategy, "scale_in_decoding", True) else None
+        # The bias the answer's tokens keep: none unless the strategy asks for it (QueryAware's
+        # scale_in_decoding; a Selection without the setting decodes as QueryAware's default).
+        decoding_bias = fused.key_bias if getattr(plan.strategy, "scale_in_decoding", False) else None
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, decoding_bias)
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)

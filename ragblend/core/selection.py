@@ -86,8 +86,8 @@ class Selection:
     A selection is also accepted wherever a strategy is, so benchmarks can try their own.
 
     ``cached_attention_scale``: the factor on every attention weight paid to the reused tokens
-    that :meth:`first` leaves out (they keep their cached K/V at every layer); see
-    :class:`QueryAware`.
+    that :meth:`first` leaves out (they keep their cached K/V at every layer), in the fused
+    prefill only unless the selection sets ``scale_in_decoding = True``; see :class:`QueryAware`.
     """
 
     name = "selection"
