@@ -23,7 +23,6 @@ from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
 from .selection import ReusedSpan
 from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
-from .strategies import QueryAware
 
 
 class Background:
@@ -101,10 +100,9 @@ class PrefillRunner:
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
         trace = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
-        # The bias the answer's tokens keep (QueryAware's scale_in_decoding; a Selection without
-        # the setting decodes as QueryAware's default).
-        keep = getattr(plan.strategy, "scale_in_decoding", QueryAware.scale_in_decoding)
-        decoding_bias = fused.key_bias if keep else None
+        # The bias the answer's tokens keep: none unless the strategy asks for it (QueryAware's
+        # scale_in_decoding; a Selection without the setting decodes as QueryAware's default).
+        decoding_bias = fused.key_bias if getattr(plan.strategy, "scale_in_decoding", False) else None
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, decoding_bias)
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)

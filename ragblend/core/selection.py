@@ -87,8 +87,7 @@ class Selection:
 
     ``cached_attention_scale``: the factor on every attention weight paid to the reused tokens
     that :meth:`first` leaves out (they keep their cached K/V at every layer), in the fused
-    prefill, and in decoding as QueryAware's default ``scale_in_decoding`` says unless the
-    selection sets its own; see :class:`QueryAware`.
+    prefill only unless the selection sets ``scale_in_decoding = True``; see :class:`QueryAware`.
     """
 
     name = "selection"

@@ -127,7 +127,7 @@ class QueryAware(_Settings):
 
     ``cached_attention_scale`` (APE's scaling factor): every attention weight on a reused
     token that is not recomputed is multiplied by it before the softmax normalises, in the
-    fused prefill and, with ``scale_in_decoding=True`` (the default), in decoding after it. A chunk computed alone, without the chunks before
+    fused prefill (and in decoding after it with ``scale_in_decoding=True``). A chunk computed alone, without the chunks before
     it, draws more attention than it would in context; scaling it down brings the fused
     prefill closer to a full prefill. At equal compute 0.7 lowered the mean KL to full prefill
     on the fidelity prompts and SQuAD of both benchmark models, where 0.5 helped Qwen2.5's long
@@ -136,12 +136,11 @@ class QueryAware(_Settings):
 
     ``scale_in_decoding``: whether the answer's tokens, too, pay the reused tokens left cached
     ``cached_attention_scale`` times the attention (True), or decode over the fused prompt with
-    plain attention (False). Over 73 prompts of three models and three sets, with the scale in
-    the prefill only the answers' mean KL to full prefill's was lower on 6 of the 9 model/set
-    pairs (higher on two MuSiQue sets, within their noise) and 1 prompt was over 3x the order
-    noise's median instead of 3; it stays an option until a server test's stream and non-stream
-    answers, which differ with it, are understood (``docs/benchmarks.md``, "The attention scale
-    in decoding, re-judged").
+    plain attention (False, the default). Over 73 prompts of three models and three sets, with
+    the scale in the prefill only the answers' mean KL to full prefill's was lower on 6 of the 9
+    model/set pairs (higher on two MuSiQue sets, within their noise) and 1 prompt was over 3x
+    the order noise's median instead of 3 (``docs/benchmarks.md``, "The attention scale in
+    decoding").
 
     ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
     when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
@@ -152,7 +151,7 @@ class QueryAware(_Settings):
     whole_chunks: bool = False
     query_tokens: int | None = None
     cached_attention_scale: float = 0.7
-    scale_in_decoding: bool = True
+    scale_in_decoding: bool = False
     name = "query_aware"
 
     def __post_init__(self):

@@ -234,7 +234,7 @@ def test_answer_logits_with_a_fading_bias_spans_the_scaled_and_the_prefill_only_
 
 
 def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_engine):
-    """QueryAware(scale_in_decoding=False): the same fused prefill (same first-token
+    """QueryAware(scale_in_decoding=False), the default: the same fused prefill (same first-token
     logits) as with True, and an answer decoded as if the bias had been dropped after the prompt."""
     import torch
 
@@ -243,7 +243,8 @@ def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_en
     tiny_engine.precompute(CHUNKS[:3])
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
     scaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True)
-    unscaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=False)
+    unscaled_strategy = QueryAware(0.1, cached_attention_scale=0.5)
+    assert unscaled_strategy.scale_in_decoding is False
     scaled, unscaled = tiny_engine.prefill(segments, strategy=scaled_strategy), tiny_engine.prefill(
         segments, strategy=unscaled_strategy)
     assert scaled.key_bias is not None and unscaled.key_bias is None
