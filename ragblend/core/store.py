@@ -220,10 +220,8 @@ class FileReader(ChunkReader):
         raw = handle.read(header_len + 4)
         if len(raw) < header_len + 4 or struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4]):
             raise bad("header checksum mismatch")
-        # A real header is one flat object with two flat lists; refusing any other nesting
-        # before parsing keeps a crafted one from exhausting the parser's recursion.
         raw = raw[:-4]
-        if raw.count(b"{") != 1 or raw.count(b"[") != 2:
+        if not _header_shaped(raw):
             raise bad("header is not shaped like a ragblend header")
         try:
             header = json.loads(raw)
@@ -312,6 +310,12 @@ class FileReader(ChunkReader):
 # ---------------------------------------------------------------------------- interface
 
 
+def _header_shaped(raw: bytes) -> bool:
+    """Whether ``raw`` is shaped like a header this format writes: one flat object with two flat
+    lists. Checked before parsing, so a crafted header cannot exhaust the parser's recursion."""
+    return raw.count(b"{") == 1 and raw.count(b"[") == 2
+
+
 def header_dtype(handle: BinaryIO | None) -> str | None:
     """The dtype the header of an entry file names (``handle``, closed after), or None when it
     is missing or unreadable; a malformed header can raise ValueError or AttributeError."""
@@ -325,7 +329,7 @@ def header_dtype(handle: BinaryIO | None) -> str | None:
         if header_len > MAX_HEADER_BYTES:
             return None
         raw = handle.read(header_len)
-        if raw.count(b"{") != 1 or raw.count(b"[") > 2:   # as FileReader: no nesting a parser could choke on
+        if not _header_shaped(raw):
             return None
         dtype = json.loads(raw).get("dtype")
     return dtype if dtype in STORAGE_DTYPES else None
