@@ -111,17 +111,19 @@ class KVDecoder:
             self.values[layer][:, start:end] = v
             q = adapter.rope(q, cos, sin)
             window = adapter.window(layer)
-            if window not in plans:   # once, not in every layer
+            if window not in plans:   # once, not in every layer: the keys seen, and the masks
                 if n == 1:   # one token sees all its keys: no causal mask, only the bias if any
-                    plans[window] = visible_keys(start, window, self.key_bias, self.dtype)
+                    seen, bias = visible_keys(start, window, self.key_bias, self.dtype)
+                    plans[window] = seen, (bias,)
                 else:
                     plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
-                    plans[window] = plan.keys, plan.mask, adapter.fold_mask(plan.mask)
-            keys, values = self.keys[layer][:, plans[window][0]], self.values[layer][:, plans[window][0]]
+                    plans[window] = plan.keys, (plan.mask, adapter.fold_mask(plan.mask))
+            seen, masks = plans[window]
+            keys, values = self.keys[layer][:, seen], self.values[layer][:, seen]
             if n == 1:
-                attn = adapter.attend_one_token(q, keys, values, plans[window][1])
+                attn = adapter.attend_one_token(q, keys, values, *masks)
             else:
-                attn = adapter.attention(q.to(self.dtype), keys, values, *plans[window][1:])
+                attn = adapter.attention(q.to(self.dtype), keys, values, *masks)
             hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
         self.length = end
         return adapter.logits(hidden)

@@ -557,7 +557,6 @@ class ModelAdapter:
         # no layer type), else the layer's type (Gemma 3: "sliding_attention" / "full_attention").
         per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         self._rope_kinds = [cfg.layer_types[i] if per_type else None for i in range(cfg.num_hidden_layers)]
-        # Gemma 3: norms after the attention and around the MLP as well as before the attention.
         self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self._steps = [LayerSteps.of(block, self.dtype) for block in self.layers]
         self._final_norm, self._head = _norm_of(self.base.norm, self.dtype), _call_of(hf_model.lm_head)

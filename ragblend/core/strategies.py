@@ -127,8 +127,9 @@ class QueryAware(_Settings):
 
     ``cached_attention_scale`` (APE's scaling factor): every attention weight on a reused
     token that is not recomputed is multiplied by it before the softmax normalises, in the
-    fused prefill (and in decoding after it with ``scale_in_decoding=True``). A chunk computed alone, without the chunks before
-    it, draws more attention than it would in context; scaling it down brings the fused
+    fused prefill (and in decoding after it with ``scale_in_decoding=True``). A chunk computed
+    alone, without the chunks before it, draws more attention than it would in context; scaling
+    it down brings the fused
     prefill closer to a full prefill. At equal compute 0.7 lowered the mean KL to full prefill
     on the fidelity prompts and SQuAD of both benchmark models, where 0.5 helped Qwen2.5's long
     prompts more but hurt both models' SQuAD prompts (``docs/benchmarks.md``). 1.0 leaves
@@ -140,7 +141,7 @@ class QueryAware(_Settings):
     the scale in the prefill only the answers' mean KL to full prefill's was lower on 6 of the 9
     model/set pairs (higher on two MuSiQue sets, within their noise) and 1 prompt was over 3x
     the order noise's median instead of 3 (``docs/benchmarks.md``, "The attention scale in
-    decoding").
+    decoding, re-judged").
 
     ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
     when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
