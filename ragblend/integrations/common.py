@@ -64,6 +64,19 @@ class EngineFields(BaseModel):
                     seed=kwargs.pop("seed", self.seed), stop=kwargs.pop("stop", None))
 
 
+# The chat template's role for the role names frameworks and APIs use: OpenAI's "developer" is a
+# system turn, LangChain's "human"/"ai" are the user's and the assistant's, Gemini's "model" and
+# Cohere's "chatbot" the assistant's.
+TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
+                  "assistant": "assistant", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}
+
+
+def template_role(name: str, unknown: str | None = None) -> str:
+    """The chat template's role for the role ``name`` (any case); an unknown name gives
+    ``unknown``, or stays itself when that is None."""
+    return TEMPLATE_ROLES.get(name.lower(), name if unknown is None else unknown)
+
+
 def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
     """``(system, history, last user text)`` from ``(role, text)`` turns, role one of
     "system", "user", "assistant": system texts are joined, the last turn must be the user's."""

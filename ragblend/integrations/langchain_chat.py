@@ -41,14 +41,10 @@ from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
 from ragblend.serving.protocol import is_marked, segments_of, text_of
 
-from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
+from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, template_role, token_usage
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_TOKENS = 256   # what max_tokens=None generates at most
-
-# LangChain's generic ChatMessage carries its role as a string; these are the chat template's.
-ROLE_NAMES = {"user": "user", "human": "user", "assistant": "assistant", "ai": "assistant",
-              "system": "system", "developer": "system"}
 
 
 def _role(message: BaseMessage) -> str:
@@ -60,7 +56,7 @@ def _role(message: BaseMessage) -> str:
     if isinstance(message, HumanMessage):
         return "user"
     if isinstance(message, ChatMessage):
-        return ROLE_NAMES.get(message.role.lower(), message.role)
+        return template_role(message.role)   # the generic message carries its role as a string
     return message.type
 
 

@@ -40,13 +40,7 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import PromptLayout, Segment
 
-from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, token_usage
-
-# The chat template's role of each LlamaIndex role: OpenAI's developer role is a system turn,
-# Gemini's "model" and Cohere's "chatbot" are the assistant's; the others (tool, function) are read
-# as the user's.
-CHAT_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.ASSISTANT: "assistant",
-              MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
+from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, template_role, token_usage
 
 
 @dataclass
@@ -140,7 +134,8 @@ class BlendLLM(EngineFields, CustomLLM):
         yield "", stream.stats
 
     def _chat_layout(self, messages: Sequence[ChatMessage]) -> PromptLayout:
-        turns = [(CHAT_ROLES.get(m.role, "user"), m.content or "") for m in messages]
+        # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
+        turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
         return self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
 
