@@ -107,6 +107,12 @@ def reused_floor(engine, chunk_tokens: int) -> float:
     return 0.9 * (1 - engine.strategy.ratio) * chunk_tokens
 
 
+def ran_as_a_full_prefill(stats) -> bool:
+    """Whether a prefill skipped the fusion because a full prefill computes less there (a short
+    chunk beside a long template or question: QuestionAttention.cheaper_than_a_prefill)."""
+    return stats.strategy == "full_recompute" and "would compute more than a full prefill" in stats.strategy_reason
+
+
 PASSAGES = [
     "The lighthouse at Cape Orrin was first lit in 1871 and burned whale oil until 1903.",
     "Mara Tellis ran the ferry between the two islands for thirty-one years without a single accident.",

@@ -21,8 +21,9 @@ from .plan import StrategyPlan
 from .prefill import fused_prefill
 from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
-from .selection import ReusedSpan
+from .selection import EveryToken, ReusedSpan
 from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
+from .strategies import FullRecompute
 
 
 class Background:
@@ -118,6 +119,19 @@ class PrefillRunner:
             plan = plan.with_auto_ratio(self.loading(), len(layout.token_ids), reused, tiers) \
                 if plan.ratio == "auto" else plan
             stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
+            selection = plan.selection
+            if reused and not selection.cheaper_than_a_prefill(len(layout.token_ids), reused):
+                # A full prefill is exact and here computes less than the fusion would:
+                # nothing is read from the store.
+                for reader in found.readers:
+                    reader.close()
+                found.spans, found.readers, selection = [], [], EveryToken()
+                found.from_store[:] = False
+                stats.chunks_reused, stats.tiers = 0, {}
+                stats.strategy = FullRecompute.name
+                stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill "
+                                         f"of this prompt ({reused} of {len(layout.token_ids)} tokens cached), so "
+                                         f"it ran as one; the strategy was {plan.reason}")
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in found.spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
             if prefetch and "disk" in tiers:
@@ -130,7 +144,7 @@ class PrefillRunner:
             raise
         try:
             with self.lock:
-                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.selection)
+                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, selection)
         finally:
             source.close()
         self._promote(store, [r.key for r in found.readers if r.tier == "disk"])

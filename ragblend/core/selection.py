@@ -104,6 +104,11 @@ class Selection:
         """Bool [N]: the tokens that go on after ``step.layer`` (a subset of ``step.positions``)."""
         raise NotImplementedError
 
+    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
+        """Whether fusing a prompt of ``num_tokens`` tokens, ``num_reused`` of them cached,
+        computes fewer token-layers than a full prefill of it."""
+        return True
+
 
 class EveryToken(Selection):
     """A normal prefill: every token at every layer."""
@@ -199,8 +204,17 @@ class QuestionAttention(Selection):
         self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
         self.cached_attention_scale = cached_attention_scale
 
+    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
+        # The uncached tokens run twice (the question pass, then the fused pass) when any
+        # reused token is to be chosen: over a mostly uncached prompt that is more than a prefill.
+        budget = self._budget(num_reused)
+        return budget == 0 or 2 * (num_tokens - num_reused) + budget < num_tokens
+
+    def _budget(self, num_reused: int) -> int:
+        return math.ceil(self.ratio * num_reused - 1e-9)
+
     def first(self, prompt, probe):
-        budget = math.ceil(self.ratio * prompt.num_reused - 1e-9)
+        budget = self._budget(prompt.num_reused)
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
         relevance = probe().sum(dim=0)

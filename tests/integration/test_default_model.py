@@ -101,6 +101,9 @@ def test_the_embedded_model_runs_at_its_shipped_calibration(smol_engine):
     assert smol_engine.calibration is not None and smol_engine.calibration.within_noise
     assert smol_engine.strategy == smol_engine.calibration.strategy and smol_engine.calibration.ratio < 0.3
     assert smol_engine.strategy.cached_attention_scale == 0.7   # the default attention scale, calibrated with it
-    pre = smol_engine.prefill([Chunk("The ferry to Hallow Holm is the Sanderling."), Chunk("Gulls nest on the pier."),
-                               "Question: which ferry goes to Hallow Holm?"])
+    ferry = ("The ferry to Hallow Holm is the Sanderling. She leaves the north pier of Lowenmark four times "
+             "a day in summer and twice a day in winter, and the crossing takes about thirty minutes.")
+    gulls = ("Gulls nest on the pier from April to July. The harbour master asks visitors not to feed them, "
+             "and the nesting ledges under the old crane are closed to anglers until the chicks have flown.")
+    pre = smol_engine.prefill([Chunk(ferry), Chunk(gulls), "Question: which ferry goes to Hallow Holm?"])
     assert pre.stats.strategy_reason.startswith("calibrated")

@@ -27,8 +27,14 @@ def shared_engine():
     return _ENGINE
 
 
+# Long enough that fusing it computes less than a full prefill of the prompt around it (a short
+# passage beside the chat template runs as a plain prefill: see QuestionAttention.cheaper_than_a_prefill).
 PASSAGE = ("The Sanderling is a small passenger ferry that crosses from the north pier of Lowenmark "
-           "to the island of Hallow Holm four times a day in summer and twice a day in winter.")
+           "to the island of Hallow Holm four times a day in summer and twice a day in winter. "
+           "She was built in 1962 at the Corran yard, carries up to eighty passengers and a dozen "
+           "bicycles, and has been skippered by the same family for three generations. In rough "
+           "weather the crossing takes fifty minutes instead of thirty, and when the wind rises above "
+           "force eight the sailings are cancelled and a notice is pinned to the harbour office door.")
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ themselves is tests/unit/test_readers.py)."""
 
 import pytest
 
+from ..conftest import ran_as_a_full_prefill
 from ..unit.test_readers import HTML, TIMETABLE, make_docx, make_pdf
 
 pytest.importorskip("llama_index.core")
@@ -31,4 +32,7 @@ def test_a_pdf_an_html_page_and_a_docx_each_answer_a_question(smol_engine, tmp_p
         result = rag.ask(question, top_k=1, max_new_tokens=32)
         assert result.sources[0].node.metadata["file_name"] == source
         assert answer in result.text, (question, result.text)
-        assert result.stats.chunks_reused == 1
+        # The chunk's KV was found (ingest stored it); a chunk this short runs as a plain
+        # prefill beside the prompt's template, which computes less than fusing it.
+        assert result.stats.chunks_missing == 0
+        assert result.stats.chunks_reused == 1 or ran_as_a_full_prefill(result.stats)

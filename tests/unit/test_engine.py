@@ -200,3 +200,24 @@ def test_decode_dtype_must_be_known(tokenizer):
         make_tiny_engine("llama", tokenizer, decode_dtype="int3")
 
 
+def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
+    """QueryAware runs the uncached tokens twice (question pass, fused pass): where that would
+    compute more than a full prefill, the engine runs the full prefill (exact, and cheaper),
+    and its stats say so."""
+    from ragblend import QueryAware
+
+    small = "The ferry ran at dawn."
+    tiny_engine.precompute([small])
+    question = " ".join(["Question: who ran the ferry, and when did the lighthouse keeper light the lamp?"] * 6)
+    segments = [Chunk(small), question]
+    out = tiny_engine.prefill(segments, strategy=QueryAware(0.3))
+    assert out.stats.strategy == "full_recompute" and "would compute more than a full prefill" in out.stats.strategy_reason
+    assert out.stats.compute_fraction == 1.0 and out.stats.reused_tokens == 0 and out.stats.cache_hit_tokens == 0
+    assert out.stats.chunks_reused == 0 and out.stats.tiers == {} and "chosen by the caller" in out.stats.strategy_reason
+    assert torch.allclose(out.logits, tiny_engine.prefill(segments, strategy=FullRecompute()).logits, atol=1e-5)
+    assert tiny_engine.generate(segments, strategy=QueryAware(0.3), max_new_tokens=8).token_ids == \
+        tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=8).token_ids
+    tiny_engine.precompute(PASSAGES[:3])
+    fused = tiny_engine.prefill([Chunk(p) for p in PASSAGES[:3]] + ["Question: who ran the ferry?"],
+                                strategy=QueryAware(0.3))
+    assert fused.stats.strategy == "query_aware" and fused.stats.compute_fraction < 1.0
