@@ -304,6 +304,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="write every per-prompt row and signal here (after each prompt)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="analyse earlier --json files instead of running")
     parser.add_argument("--out", default=RUNS_DIR)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda where a GPU exists)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     raw, shipped_of = {}, {}
@@ -318,7 +319,7 @@ def main(argv=None) -> None:
                 r["signals"] = {s: r["signals"].get(s) for s in SIGNALS}
     else:
         for model in args.models:
-            engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+            engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device)
             ratio = engine.strategy.ratio
             shipped = f"QueryAware({ratio:.2f}) (shipped)"
             shipped_of[model] = shipped

@@ -181,11 +181,12 @@ def main(argv=None) -> None:
         for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
             if not prompts:
                 continue
-            results = []
+            results = raw[f"{model}/{set_name}"] = []
             for i, prompt in enumerate(prompts):
                 results.append(measure(engine, prompt, variants, args.greedy_tokens, args.answer_level))
                 print(f"[{model}/{set_name}] {i + 1}/{len(prompts)}", flush=True)
-            raw[f"{model}/{set_name}"] = results
+                if args.json:   # after each prompt, so a run that is stopped keeps its rows
+                    args.json.write_text(json.dumps(raw))
             lines += [f"## {model}: {set_name} ({len(prompts)} prompts)", "", *table(results, args.greedy_tokens), ""]
             print("\n".join(lines[-len(results[0]) - 4:]), flush=True)
             # Written after each set, so a long run that is stopped keeps what it measured.
