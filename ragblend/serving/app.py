@@ -547,7 +547,7 @@ async def completions(server: Server, request: Request):
     prompt = check_prompt(body.get("prompt"), server.limit, engine.entry_spec.vocab_size, engine.context_window)
     return await answer(server, request, "/v1/completions", body,
                         lambda: completion_layout(engine, prompt, server.separator_ids), False,
-                        passages([prompt]) if isinstance(prompt, str) else [])
+                        passages([], question=[prompt]) if isinstance(prompt, str) else [])
 
 
 @router.post("/v1/chunks")

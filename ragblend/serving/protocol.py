@@ -327,17 +327,25 @@ def _joined(text: str | None, segments: list) -> str:
     return text if text is not None else "".join(s.text if isinstance(s, Chunk) else s for s in segments)
 
 
-def passages(texts: Iterable[str]) -> list[str]:
+def passages(texts: Iterable[str], question: Iterable[str] = ()) -> list[str]:
     """The passages of unmarked texts, split where frameworks join documents (paragraph
     breaks), each once, in order. Their KV is stored after an answer so that the next prompt
-    holding them reuses it, with no setup by the client."""
+    holding them reuses it, with no setup by the client.
+
+    ``question``: the texts of the prompt's last user turn, whose passages count too except its
+    last one, where RAG templates put the question. A question is seldom asked twice, and one
+    whose KV came from the store would leave QueryAware's question pass with nothing to ask."""
     seen: dict[str, None] = {}
     for text in texts:
-        for piece in text.split(PASSAGE_BREAK):
-            piece = piece.strip()
-            if piece:
-                seen.setdefault(piece)
+        for piece in _pieces(text):
+            seen.setdefault(piece)
+    for piece in [piece for text in question for piece in _pieces(text)][:-1]:
+        seen.setdefault(piece)
     return list(seen)
+
+
+def _pieces(text: str) -> list[str]:
+    return [piece.strip() for piece in text.split(PASSAGE_BREAK) if piece.strip()]
 
 
 @dataclass
@@ -350,6 +358,7 @@ class ChatPrompt:
     text: str | None
     segments: list
     unmarked: list[str] = dataclasses.field(default_factory=list)   # texts and unmarked blocks, for passages()
+    question: list[str] = dataclasses.field(default_factory=list)   # the last user turn's, likewise
 
     @classmethod
     def parse(cls, messages, limit: TextLimit) -> "ChatPrompt":
@@ -359,7 +368,7 @@ class ChatPrompt:
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
                            param="messages")
-        system, history, last, parts, chars, unmarked = [], [], None, 0, 0, []
+        system, history, last, parts, chars, unmarked, question = [], [], None, 0, 0, [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
@@ -378,22 +387,25 @@ class ChatPrompt:
                     raise ApiError(400, f"The messages hold more than {MAX_PARTS} content blocks; merge them.",
                                    param=f"messages[{i}].content")
             text, segments = _text_of(content, f"messages[{i}]")
-            unmarked += [text] if text is not None else [s for s in segments if isinstance(s, str)]
+            plain = [text] if text is not None else [s for s in segments if isinstance(s, str)]
             chars += len(_joined(text, segments))
             limit.check(chars, "The messages", "messages")
             if role in ("system", "developer"):
                 system.append(_joined(text, segments))
             elif i == len(messages) - 1 and role == "user":
-                last = (text, segments)
+                last, question = (text, segments), plain
+                continue
             else:
                 history.append((role, _joined(text, segments)))
+            unmarked += plain
         if last is None:
             raise ApiError(400, "The last message must be the user's.", param="messages")
-        return cls("\n\n".join(system) or None, history, *last, unmarked)
+        return cls("\n\n".join(system) or None, history, *last, unmarked, question)
 
     def passages(self) -> list[str]:
-        """The passages of the messages' unmarked text (marked chunks are stored by the fusion)."""
-        return passages(self.unmarked)
+        """The passages of the messages' unmarked text but the question's (see :func:`passages`);
+        marked chunks are stored by the fusion."""
+        return passages(self.unmarked, self.question)
 
     def layout(self, engine: BlendEngine, *, find_chunks: bool = True) -> PromptLayout:
         """Tokenize (worker thread). With ``find_chunks``, a prompt over the window is refused

@@ -14,6 +14,8 @@ from benchmarks.servers import RunningServer  # noqa: E402
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware  # noqa: E402
 from ragblend.serving.protocol import (  # noqa: E402
     ApiError,
+    ChatPrompt,
+    TextLimit,
     blocks_of,
     passages,
     segments_of,
@@ -60,11 +62,25 @@ def test_blocks_segments_and_passages():
     assert segments_of([{"type": "text", "text": "x", "extras": {"cache_control": {"type": "ephemeral"}}}]) == [Chunk("x")]
     text = "Use the context.\n\nFirst doc.\nStill first.\n\n\n  Second doc.  \n\nFirst doc.\nStill first."
     assert passages([text]) == ["Use the context.", "First doc.\nStill first.", "Second doc."]
+    # The last passage of the question's turn (where RAG templates put the question) is not kept.
+    assert passages(["Sys."], question=["Doc one.\n\nDoc two.", "\n\nQuestion: why?"]) == ["Sys.", "Doc one.",
+                                                                                              "Doc two."]
+    assert passages([], question=["Just a question?"]) == []
 
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
     return make_tiny_engine("llama", tokenizer)   # a memory store of its own
+
+
+def test_a_chat_keeps_every_passage_but_its_question(engine):
+    chat = ChatPrompt.parse([{"role": "system", "content": "Use the context.\n\nFirst doc."},
+                             {"role": "user", "content": "Earlier question?"},
+                             {"role": "assistant", "content": "An answer."},
+                             {"role": "user", "content": [{"type": "text", "text": "Second doc."},
+                                                          {"type": "text", "text": "Question: which?"}]}],
+                            TextLimit(engine))
+    assert chat.passages() == ["Use the context.", "First doc.", "Earlier question?", "An answer.", "Second doc."]
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,7 @@ def test_stored_passages_are_reused_and_storing_waits_for_requests(tokenizer):
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * doc_tokens
         assert all(engine.key_of(d) in engine.store for d in docs)
+        assert engine.key_of("What comes first?") not in engine.store   # the question's passage is not kept
     finally:
         running.stop()
 
