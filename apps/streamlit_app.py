@@ -207,6 +207,9 @@ if last:
     cols[3].metric("Recomputed", f"{s.recomputed_tokens} ({s.recompute_fraction:.0%})")
     st.caption(f"KV load {s.load_s * 1000:.0f} ms · compute {s.compute_s * 1000:.0f} ms · "
                f"{s.chunks_reused} chunk(s) from the KV store {s.tiers} · {s.chunks_computed} computed now")
+    if s.fusion_skipped:
+        st.info("Ran as a full prefill: the retrieved chunks are too short beside the rest of the prompt for "
+                "fusion to save work. " + s.strategy_reason.split(", so it ran as one")[0] + ".")
     with st.expander("Retrieved chunks", expanded=True):
         from ragblend.vectorstore_hooks.llamaindex import llm_text
 

@@ -143,6 +143,9 @@ def _print_answer(label: str, answer) -> None:
     strategy = s.strategy if s.ratio is None else f"{s.strategy} {s.ratio:g}"   # what ran, not what was asked
     print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
           f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
+    if s.fusion_skipped:   # say why nothing was reused
+        print(f"  (a full prefill: the retrieved chunks are too short beside the rest of the prompt for fusion "
+              f"to save work: {s.strategy_reason.split(', so it ran as one')[0]})")
     print(f"  {answer.text}\n")
 
 

@@ -110,7 +110,8 @@ def reused_floor(engine, chunk_tokens: int) -> float:
 def ran_as_a_full_prefill(stats) -> bool:
     """Whether a prefill skipped the fusion because a full prefill computes less there (a short
     chunk beside a long template or question: QuestionAttention.cheaper_than_a_prefill)."""
-    return stats.strategy == "full_recompute" and "would compute more than a full prefill" in stats.strategy_reason
+    return stats.fusion_skipped and stats.strategy == "full_recompute" and \
+        "would compute more than a full prefill" in stats.strategy_reason
 
 
 PASSAGES = [

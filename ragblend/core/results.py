@@ -37,6 +37,7 @@ class Stats:
     decode_steps: int = 0          # model passes after the prefill: one per token after the first, fewer when drafts were kept
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
+    fusion_skipped: bool = False   # the fusion would have computed more than a full prefill, which ran instead
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
 
     @property

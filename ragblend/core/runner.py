@@ -100,7 +100,8 @@ class PrefillRunner:
         stats.chunks_computed = len(computed)
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
-        trace = PromptTrace(layout.token_ids, fused.recomputed, layout.chunk_spans)
+        # A skipped fusion computed every chunk token as plain text: none counts as a chunk's.
+        trace = PromptTrace(layout.token_ids, fused.recomputed, [] if stats.fusion_skipped else layout.chunk_spans)
         # The bias the answer's tokens keep: none unless the strategy asks for it (QueryAware's
         # scale_in_decoding; a Selection without the setting decodes as QueryAware's default).
         decoding_bias = fused.key_bias if getattr(plan.strategy, "scale_in_decoding", False) else None
@@ -112,26 +113,22 @@ class PrefillRunner:
     def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back):
         """One fusion attempt. Returns the fused prefill, its source, and a mask of the
         prompt tokens whose KV came from the store (not computed during this call)."""
+        n = len(layout.token_ids)
+        spanned = sum(sp.end - sp.start for sp in layout.chunk_spans if sp.token_ids) if plan.reuses else 0
+        if spanned and plan.ratio != "auto" and not plan.selection.cheaper_than_a_prefill(n, spanned):
+            # Decided before the store is read or a missing chunk computed: both would be wasted.
+            return self._full_prefill(layout, plan, stats, spanned)
         found = self._find(layout, plan, stats, computed, store, write_back)
         try:
             tiers = _count_tiers(found, stats)
             reused = sum(sp.num_tokens for sp in found.spans)
-            plan = plan.with_auto_ratio(self.loading(), len(layout.token_ids), reused, tiers) \
-                if plan.ratio == "auto" else plan
-            stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
-            selection = plan.selection
-            if reused and not selection.cheaper_than_a_prefill(len(layout.token_ids), reused):
-                # A full prefill is exact and here computes less than the fusion would:
-                # nothing is read from the store.
+            plan = plan.with_auto_ratio(self.loading(), n, reused, tiers) if plan.ratio == "auto" else plan
+            if reused and not plan.selection.cheaper_than_a_prefill(n, reused):
+                # Fewer chunks found than the prompt holds (the rest computed as plain text).
                 for reader in found.readers:
                     reader.close()
-                found.spans, found.readers, selection = [], [], EveryToken()
-                found.from_store[:] = False
-                stats.chunks_reused, stats.tiers = 0, {}
-                stats.strategy = FullRecompute.name
-                stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill "
-                                         f"of this prompt ({reused} of {len(layout.token_ids)} tokens cached), so "
-                                         f"it ran as one; the strategy was {plan.reason}")
+                return self._full_prefill(layout, plan, stats, reused)
+            stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in found.spans]
             # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
             if prefetch and "disk" in tiers:
@@ -144,11 +141,29 @@ class PrefillRunner:
             raise
         try:
             with self.lock:
-                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, selection)
+                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.selection)
         finally:
             source.close()
         self._promote(store, [r.key for r in found.readers if r.tier == "disk"])
         return fused, source, found.from_store
+
+    def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int):
+        """The exact full prefill, where ``plan``'s fusion would compute more than it (QueryAware
+        runs the uncached tokens twice: see Selection.cheaper_than_a_prefill). Nothing is read
+        from the store; the stats say what ran and why."""
+        n = len(layout.token_ids)
+        stats.strategy, stats.ratio, stats.cached_attention_scale = FullRecompute.name, None, None
+        stats.chunks_reused, stats.tiers, stats.fusion_skipped = 0, {}, True
+        stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill of "
+                                 f"this prompt ({cached} of {n} tokens in cached chunks), so it ran as one; the "
+                                 f"strategy was {plan.reason}")
+        source = SequentialSource([], self.adapter.device, windows=[])
+        try:
+            with self.lock:
+                fused = fused_prefill(self.adapter, layout.token_ids, [], source, EveryToken())
+        finally:
+            source.close()
+        return fused, source, torch.zeros(n, dtype=torch.bool)
 
     def _find(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, write_back) -> _Found:
         """A reader for every chunk span; a chunk not stored is computed now and written back

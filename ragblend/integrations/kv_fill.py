@@ -324,14 +324,17 @@ class KVFiller:
                 # A chunk deleted since the batch was read gets no KV (its document's KV is gone).
                 alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
                 passed, group = len(group), [item for item in group if item[0] in alive]
+                # Stored meanwhile by a query's write-back: covered, but not computed here (nor timed).
+                stored_before = {key for _, key, _ in group if key in self.engine.store}
                 t0 = time.perf_counter()
                 refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0
             for (_, key, _), ref in zip(group, refs):
                 tried.add(key)
                 if ref is not None and ref.key == key and ref.stored:
-                    self.computed += 1
-                    self.tokens += ref.num_tokens
+                    if key not in stored_before:
+                        self.computed += 1
+                        self.tokens += ref.num_tokens
                     done += 1
                 else:
                     self._warn_unstorable(key, ref)

@@ -149,7 +149,8 @@ class Metrics:
             metric("ragblend_ttft_seconds", "histogram", "Time to first token of each answer.", samples)
             for name, value, help_text in (
                     ("ragblend_prompt_tokens_total", self.prompt_tokens, "Prompt tokens of all answers."),
-                    ("ragblend_reused_tokens_total", self.reused_tokens, "Prompt tokens whose KV came from the store."),
+                    ("ragblend_reused_tokens_total", self.reused_tokens, "Prompt tokens whose stored KV the fusion kept (an "
+                     "answer's cached_tokens also counts the stored tokens it recomputed)."),
                     ("ragblend_recomputed_tokens_total", self.recomputed_tokens, "Prompt tokens computed through every layer."),
                     ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated.")):
                 metric(name, "counter", help_text, [("", value)])

@@ -121,3 +121,19 @@ def test_ask_loads_its_engine_with_the_decode_dtype_flag(capsys, tmp_path, monke
                  "--index", index]) == 0
     assert "TTFT" in capsys.readouterr().out
     assert [engine.decode_dtype for engine in loaded] == ["auto", "float32"]   # ingest: the default
+
+
+def test_ask_says_why_a_short_chunk_ran_as_a_full_prefill(capsys, tmp_path):
+    """One short document beside the chat template: fusing it would compute more than a full
+    prefill, so one runs; the answer line says what ran and why nothing was reused."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "ferry.txt").write_text("The ferry to Hallow Holm is the Sanderling.")
+    index = str(tmp_path / "index")
+    assert main(["ingest", str(docs), "--index", index]) == 0
+    capsys.readouterr()
+    assert main(["ask", "Which ferry goes to Hallow Holm?", "--top-k", "1", "--max-new-tokens", "8",
+                 "--index", index]) == 0
+    out = capsys.readouterr().out
+    assert "| full_recompute |" in out and "0 reused" in out
+    assert "too short beside the rest of the prompt" in out and "would compute more than a full prefill" in out

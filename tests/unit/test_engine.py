@@ -214,6 +214,13 @@ def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
     assert out.stats.strategy == "full_recompute" and "would compute more than a full prefill" in out.stats.strategy_reason
     assert out.stats.compute_fraction == 1.0 and out.stats.reused_tokens == 0 and out.stats.cache_hit_tokens == 0
     assert out.stats.chunks_reused == 0 and out.stats.tiers == {} and "chosen by the caller" in out.stats.strategy_reason
+    assert out.stats.ratio is None and out.stats.cached_attention_scale is None   # what ran: no fusion
+    assert out.stats.fusion_skipped and tiny_engine.last_prompt.chunk_spans == []   # no token counts as a chunk's
+    # Decided before the store is read: a chunk not stored yet is not computed (nor stored) for nothing.
+    fresh = "The gulls nested on the pier."
+    missed = tiny_engine.prefill([Chunk(fresh), question], strategy=QueryAware(0.3))
+    assert missed.stats.strategy == "full_recompute" and missed.stats.isolate_s == 0
+    assert missed.stats.chunks_computed == 0 and tiny_engine.key_of(fresh) not in tiny_engine.store
     assert torch.allclose(out.logits, tiny_engine.prefill(segments, strategy=FullRecompute()).logits, atol=1e-5)
     assert tiny_engine.generate(segments, strategy=QueryAware(0.3), max_new_tokens=8).token_ids == \
         tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=8).token_ids
@@ -221,3 +228,4 @@ def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
     fused = tiny_engine.prefill([Chunk(p) for p in PASSAGES[:3]] + ["Question: who ran the ferry?"],
                                 strategy=QueryAware(0.3))
     assert fused.stats.strategy == "query_aware" and fused.stats.compute_fraction < 1.0
+    assert not fused.stats.fusion_skipped and tiny_engine.last_prompt.chunk_spans

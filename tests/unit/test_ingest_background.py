@@ -84,6 +84,21 @@ def test_chunks_are_searchable_before_their_kv_and_a_query_computes_what_it_uses
     assert rag.kv_coverage().stored == 2
 
 
+
+def test_chunks_a_query_stored_during_a_fill_count_as_covered_not_computed(rag, docs, monkeypatch):
+    rag.ingest([docs], show_progress=False, kv="skip")
+    listed = rag.kv._pending(set())   # the filler lists what is missing; then a query stores two of them
+    answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
+    rag.engine.flush()
+    retrieved = {n.node.metadata[KV_KEY] for n in answer.sources}
+    rounds = iter([listed])
+    monkeypatch.setattr(rag.kv, "_pending", lambda tried: next(rounds, []))
+    assert rag.kv.run() == 24 and rag.kv.computed == 22   # covered, but computed by the query, not here
+    # ... so neither are their tokens in the filler's rate (they took it no computing)
+    assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) for n in rag.vector_store.get_nodes()
+                                if n.metadata[KV_KEY] not in retrieved)
+
+
 def test_background_fill_reaches_full_coverage_and_a_repeated_query_reuses_every_chunk(rag, docs):
     report = rag.ingest([docs], show_progress=False, kv="background")
     assert report.kv_computed == 0
