@@ -5,13 +5,14 @@ Example::
     from ragblend import BlendEngine, Chunk, CacheBlend
 
     engine = BlendEngine.from_pretrained()            # embedded SmolLM2-135M-Instruct
-    engine.precompute(["Paris is the capital of France.", "Berlin is the capital of Germany."])
-    out = engine.generate(
-        [Chunk("Paris is the capital of France."), Chunk("Berlin is the capital of Germany."),
-         "Question: what is the capital of Germany?"],
-        max_new_tokens=16,
-    )
-    print(out.text, out.stats.ttft_s, out.stats.reused_tokens)
+    docs = ["Paris is the capital of France. It lies on the Seine, and with its suburbs it is home to "
+            "about twelve million people, a fifth of the country's population.",
+            "Berlin is the capital of Germany. It lies on the Spree, and it has been the seat of the "
+            "federal government since 1999, when the parliament moved there from Bonn."]
+    engine.precompute(docs)                          # at ingestion: each chunk's KV, stored
+    out = engine.generate([Chunk(docs[0]), Chunk(docs[1]), "Question: what is the capital of Germany?"],
+                          max_new_tokens=16)
+    print(out.text, out.stats.ttft_s, out.stats.reused_tokens)   # a chunk must outweigh the template
 
 The engine is a facade over named parts, each usable alone (docs/concepts.md, "Map of the
 rooms"): :class:`~.ingest.Ingestion` (chunk texts -> stored entries), :class:`~.chunk_index.ChunkIndex`

@@ -13,7 +13,9 @@ Example::
     from ragblend import BlendChatModel
 
     chat = BlendChatModel(max_tokens=64)          # the model loads on first use
-    doc = "The Sanderling ferry crosses from the north pier to Hallow Holm."
+    doc = ("The Sanderling is the passenger ferry that crosses from the north pier of Lowenmark to the "
+           "island of Hallow Holm. It sails four times a day in summer and twice a day in winter, and the "
+           "crossing takes about thirty minutes.")   # a chunk must outweigh the template to be fused
     reply = chat.invoke([
         SystemMessage("Answer from the context."),
         HumanMessage(content=[{"type": "text", "text": doc, "cache_control": {"type": "ephemeral"}},

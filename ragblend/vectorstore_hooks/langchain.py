@@ -12,7 +12,8 @@ by id drops their KV. Everything else (search, retrievers) is the wrapped store'
     engine = BlendEngine.from_pretrained()
     chroma = Chroma("docs", embedding_function=MiniLMEmbeddings(), persist_directory="./chroma")
     store = KVPrecomputeVectorStore(chroma, engine)
-    store.add_texts(["The Sanderling ferry crosses from the north pier to Hallow Holm."])
+    store.add_texts(["The Sanderling is the passenger ferry that crosses from the north pier of Lowenmark to "
+                     "the island of Hallow Holm. It sails four times a day in summer and twice in winter."])
     retriever = store.as_retriever(search_kwargs={"k": 4})
 """
 
