@@ -169,6 +169,14 @@ def _ask(args) -> int:
                                 "LANG=C.UTF-8) or pass the question in UTF-8.") from None
     if not args.question.strip():   # LocalIndex.ask says the same, but only once the model has loaded
         raise InvalidInputError("Ask a non-empty question.")
+    if not args.chroma_url:
+        from ragblend.core.model import cache_dir
+
+        index = os.path.expanduser(args.index) if args.index else str(cache_dir() / "index")
+        if not os.path.isdir(index):
+            where = f" --index {args.index}" if args.index else ""
+            raise InvalidInputError(f"There is no index at {index}; make one first with "
+                                    f"`ragblend ingest <files or folders>{where}`.")
     rag = _open_index(args, engine_options.from_args(args))   # --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     if args.compare:

@@ -27,6 +27,15 @@ def test_cli_reports_bad_input_as_an_error(capsys, tmp_path):
     assert "ratio must be a number in (0, 1]" in capsys.readouterr().err
     assert main(["ask", "anything", "--ratio", "auto", "--index", str(tmp_path)]) == 2   # auto is CacheBlend's
     assert "use strategy 'cacheblend'" in capsys.readouterr().err
+    missing = tmp_path / "no-index"   # refused before the model loads, and not created
+    assert main(["ask", "anything", "--index", str(missing)]) == 2
+    assert "There is no index at" in capsys.readouterr().err and not missing.exists()
+
+
+def test_ask_without_an_index_names_the_default_one(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    assert main(["ask", "anything"]) == 2
+    assert f"There is no index at {tmp_path / 'index'}" in capsys.readouterr().err
 
 
 def test_cache_stats_verify_and_clear(tmp_path, capsys):
