@@ -169,6 +169,9 @@ def _ask(args) -> int:
                                 "LANG=C.UTF-8) or pass the question in UTF-8.") from None
     if not args.question.strip():   # LocalIndex.ask says the same, but only once the model has loaded
         raise InvalidInputError("Ask a non-empty question.")
+    from ragblend.core.extras import require
+
+    require("llamaindex", "ragblend ask")   # a missing extra says so before a missing index does
     if not args.chroma_url:
         from ragblend.core.model import cache_dir
 

@@ -83,7 +83,8 @@ def test_a_batched_step_gives_each_sequence_its_own_step_logits(arch, kv_dtype, 
     for s, b in zip(single, batched):
         assert s.length == b.length
         n = s.length
-        assert torch.allclose(s.keys[0][:, :n], b.keys[0][:, :n], atol=1e-5)
+        # float16 keys: one ulp of a key near 2 is ~2e-3 (the rounding the docstring describes)
+        assert torch.allclose(s.keys[0][:, :n], b.keys[0][:, :n], atol=1e-5 if kv_dtype == torch.float32 else 4e-3)
 
 
 def test_a_batch_of_decoders_with_different_kv_dtypes_gives_each_its_own_step(tokenizer):
