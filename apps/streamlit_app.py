@@ -208,8 +208,8 @@ if last:
     st.caption(f"KV load {s.load_s * 1000:.0f} ms · compute {s.compute_s * 1000:.0f} ms · "
                f"{s.chunks_reused} chunk(s) from the KV store {s.tiers} · {s.chunks_computed} computed now")
     if s.fusion_skipped:
-        st.info("Ran as a full prefill: the retrieved chunks are too short beside the rest of the prompt for "
-                "fusion to save work. " + s.strategy_reason.split(", so it ran as one")[0] + ".")
+        st.info("Ran as a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save "
+                f"work ({s.prompt_tokens} prompt tokens). {s.strategy_reason}")
     with st.expander("Retrieved chunks", expanded=True):
         from ragblend.vectorstore_hooks.llamaindex import llm_text
 

@@ -144,8 +144,8 @@ def _print_answer(label: str, answer) -> None:
     print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
           f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
     if s.fusion_skipped:   # say why nothing was reused
-        print(f"  (a full prefill: the retrieved chunks are too short beside the rest of the prompt for fusion "
-              f"to save work: {s.strategy_reason.split(', so it ran as one')[0]})")
+        print("  (a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save work; "
+              "stats.strategy_reason says more)")
     print(f"  {answer.text}\n")
 
 

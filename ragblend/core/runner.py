@@ -115,7 +115,7 @@ class PrefillRunner:
         prompt tokens whose KV came from the store (not computed during this call)."""
         n = len(layout.token_ids)
         spanned = sum(sp.end - sp.start for sp in layout.chunk_spans if sp.token_ids) if plan.reuses else 0
-        if spanned and plan.ratio != "auto" and not plan.selection.cheaper_than_a_prefill(n, spanned):
+        if spanned and plan.selection is not None and not plan.selection.cheaper_than_a_prefill(n, spanned):
             # Decided before the store is read or a missing chunk computed: both would be wasted.
             return self._full_prefill(layout, plan, stats, spanned)
         found = self._find(layout, plan, stats, computed, store, write_back)
@@ -153,7 +153,7 @@ class PrefillRunner:
         from the store; the stats say what ran and why."""
         n = len(layout.token_ids)
         stats.strategy, stats.ratio, stats.cached_attention_scale = FullRecompute.name, None, None
-        stats.chunks_reused, stats.tiers, stats.fusion_skipped = 0, {}, True
+        stats.chunks_reused, stats.chunks_missing, stats.tiers, stats.fusion_skipped = 0, 0, {}, True
         stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill of "
                                  f"this prompt ({cached} of {n} tokens in cached chunks), so it ran as one; the "
                                  f"strategy was {plan.reason}")

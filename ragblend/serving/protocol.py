@@ -334,12 +334,16 @@ def passages(texts: Iterable[str], question: Iterable[str] = ()) -> list[str]:
 
     ``question``: the texts of the prompt's last user turn, whose passages count too except its
     last one, where RAG templates put the question. A question is seldom asked twice, and one
-    whose KV came from the store would leave QueryAware's question pass with nothing to ask."""
+    whose KV came from the store would leave QueryAware's question pass with nothing to ask. A
+    bare answer cue after it (``"Answer:"``) does not count as that last passage."""
     seen: dict[str, None] = {}
     for text in texts:
         for piece in _pieces(text):
             seen.setdefault(piece)
-    for piece in [piece for text in question for piece in _pieces(text)][:-1]:
+    asked = [piece for text in question for piece in _pieces(text)]
+    if asked and len(asked[-1].split()) <= 2 and asked[-1].endswith(":"):
+        asked.pop()   # a bare answer cue ("Answer:") after the question: the question is the one before
+    for piece in asked[:-1]:
         seen.setdefault(piece)
     return list(seen)
 

@@ -145,4 +145,4 @@ def test_ask_says_why_a_short_chunk_ran_as_a_full_prefill(capsys, tmp_path):
                  "--index", index]) == 0
     out = capsys.readouterr().out
     assert "| full_recompute |" in out and "0 reused" in out
-    assert "too short beside the rest of the prompt" in out and "would compute more than a full prefill" in out
+    assert "too few of the prompt's tokens are in cached chunks" in out

@@ -224,6 +224,15 @@ def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
     assert torch.allclose(out.logits, tiny_engine.prefill(segments, strategy=FullRecompute()).logits, atol=1e-5)
     assert tiny_engine.generate(segments, strategy=QueryAware(0.3), max_new_tokens=8).token_ids == \
         tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=8).token_ids
+    # With write-back off, a missing chunk is plain text: decided again once the lookup found less.
+    stored, missing = "The ferry ran at dawn.", " ".join(PASSAGES[3:6])
+    tiny_engine.write_back = False
+    try:
+        late = tiny_engine.prefill([Chunk(stored), Chunk(missing), "Question: who ran it?"], strategy=QueryAware(0.3))
+    finally:
+        tiny_engine.write_back = True
+    assert late.stats.fusion_skipped and late.stats.reused_tokens == 0 and late.stats.chunks_missing == 0
+    assert tiny_engine.key_of(missing) not in tiny_engine.store
     tiny_engine.precompute(PASSAGES[:3])
     fused = tiny_engine.prefill([Chunk(p) for p in PASSAGES[:3]] + ["Question: who ran the ferry?"],
                                 strategy=QueryAware(0.3))

@@ -66,6 +66,7 @@ def test_blocks_segments_and_passages():
     assert passages(["Sys."], question=["Doc one.\n\nDoc two.", "\n\nQuestion: why?"]) == ["Sys.", "Doc one.",
                                                                                               "Doc two."]
     assert passages([], question=["Just a question?"]) == []
+    assert passages([], question=["Doc one.\n\nQuestion: why?\n\nAnswer:"]) == ["Doc one."]   # a cue after it
 
 
 @pytest.fixture(scope="module")
