@@ -199,6 +199,7 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, pro
     kl = first_token_kl
     noise, fused, lengths = [], {ratio: [] for ratio in LADDER}, []
     compute = {ratio: [] for ratio in LADDER}
+    skipped = {ratio: 0 for ratio in LADDER}   # prompts whose fusion ran as a full prefill (exact: KL 0)
     items = prompts
     if progress:
         from tqdm.auto import tqdm
@@ -216,8 +217,14 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, pro
                 out = engine.prefill(segments, strategy=QueryAware(ratio))
                 fused[ratio].append(kl(reference, out.logits))
                 compute[ratio].append(out.stats.compute_fraction)
+                skipped[ratio] += out.stats.fusion_skipped
     except RagblendError as err:
         raise CalibrationError(f"calibration could not run on this model: {err}") from err
+    if any(skipped.values()):
+        # Their KL of 0 is real (a full prefill ran) but says nothing of fusing longer prompts.
+        log.warning("ragblend: calibration: on %s of %d prompts QueryAware ran as a full prefill (their chunks are "
+                    "short beside the rest of the prompt), so they do not judge the fusion; calibrate on prompts "
+                    "like your real ones.", max(skipped.values()), len(prompts))
     noise_kl = (statistics.mean(noise), statistics.median(noise))
     tried = [{"ratio": r, "kl_mean": statistics.mean(fused[r]), "kl_median": statistics.median(fused[r]),
               "compute": statistics.mean(compute[r])} for r in LADDER]

@@ -130,6 +130,21 @@ def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, 
     assert load_calibration(engine.calibration_id) == own
 
 
+def test_calibrating_on_prompts_too_short_to_fuse_says_so(cache, tokenizer, caplog):
+    """Short chunks beside a long question run as full prefills (KL 0, exact): the calibration
+    warns that those prompts do not judge the fusion."""
+    engine = make_tiny_engine("llama", tokenizer)
+    question = " ".join(["Question: who ran the ferry, and when did the lighthouse keeper light the lamp?"] * 4)
+    short = [(["The ferry ran.", "The lamp was lit."], question)] * 2
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        engine.calibrate(short, progress=False, save=False)
+    assert "ran as a full prefill" in caplog.text and "prompts like your real ones" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        engine.calibrate(prompts()[:2], progress=False, save=False)
+    assert "ran as a full prefill" not in caplog.text
+
+
 def test_a_foreign_calibration_file_is_ignored(cache, tokenizer, caplog):
     llama, qwen = make_tiny_engine("llama", tokenizer), make_tiny_engine("qwen2", tokenizer)
     result = qwen.calibrate(prompts()[:2], progress=False)
