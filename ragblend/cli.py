@@ -173,10 +173,10 @@ def _ask(args) -> int:
 
     require("llamaindex", "ragblend ask")   # a missing extra says so before a missing index does
     if not args.chroma_url:
-        from ragblend.core.model import cache_dir
+        from ragblend.integrations.local_index import index_folder
 
-        index = os.path.expanduser(args.index) if args.index else str(cache_dir() / "index")
-        if not os.path.isdir(index):
+        index = index_folder(args.index)
+        if not index.is_dir():
             where = f" --index {args.index}" if args.index else ""
             raise InvalidInputError(f"There is no index at {index}; make one first with "
                                     f"`ragblend ingest <files or folders>{where}`.")
@@ -217,10 +217,10 @@ def _demo(args) -> int:
 def _store_folder(args):
     from pathlib import Path
 
-    from ragblend.core.model import cache_dir
+    from ragblend.integrations.local_index import index_folder
 
     # The KV that `ragblend ingest/ask` use lives in the index folder.
-    folder = Path(args.kv_dir or Path(args.index or cache_dir() / "index") / "kv").expanduser()
+    folder = Path(args.kv_dir).expanduser() if args.kv_dir else index_folder(args.index) / "kv"
     if folder.exists() and not folder.is_dir():
         raise InvalidInputError(f"{folder} is a file, not a KV store folder; pass the folder given as kv_dir "
                                 "(or an index folder with --index).")
@@ -304,15 +304,12 @@ def _cache(args) -> int:
 def _index_coverage(args, store):
     """How much of the index's chunks' KV ``store`` holds; None without an index (e.g. --kv-dir
     alone) or when its Chroma database holds no ragblend collection. Needs no model."""
-    from pathlib import Path
-
-    from ragblend.core.model import cache_dir
     from ragblend.integrations.kv_fill import coverage_of
-    from ragblend.integrations.local_index import chroma_client
+    from ragblend.integrations.local_index import chroma_client, index_folder
 
     if args.kv_dir is not None:
         return None
-    folder = Path(args.index or cache_dir() / "index").expanduser()
+    folder = index_folder(args.index)
     if args.chroma_url is None and not (folder / "chroma").is_dir():
         return None
     try:

@@ -129,11 +129,10 @@ class QueryAware(_Settings):
     token that is not recomputed is multiplied by it before the softmax normalises, in the
     fused prefill (and in decoding after it with ``scale_in_decoding=True``). A chunk computed
     alone, without the chunks before it, draws more attention than it would in context; scaling
-    it down brings the fused
-    prefill closer to a full prefill. At equal compute 0.7 lowered the mean KL to full prefill
-    on the fidelity prompts and SQuAD of both benchmark models, where 0.5 helped Qwen2.5's long
-    prompts more but hurt both models' SQuAD prompts (``docs/benchmarks.md``). 1.0 leaves
-    attention as it is.
+    it down brings the fused prefill closer to a full prefill. At equal compute 0.7 lowered the
+    mean KL to full prefill on the fidelity prompts and SQuAD of both benchmark models, where 0.5
+    helped Qwen2.5's long prompts more but hurt both models' SQuAD prompts
+    (``docs/benchmarks.md``). 1.0 leaves attention as it is.
 
     ``scale_in_decoding``: whether the answer's tokens, too, pay the reused tokens left cached
     ``cached_attention_scale`` times the attention (True), or decode over the fused prompt with

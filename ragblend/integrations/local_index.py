@@ -378,6 +378,11 @@ def _query_engine_class():
     return KVFillingQueryEngine
 
 
+def index_folder(path: str | os.PathLike | None = None) -> Path:
+    """The folder of the LocalIndex at ``path`` (``~`` expanded), or the default one in ragblend's cache."""
+    return Path(path).expanduser() if path else cache_dir() / "index"
+
+
 class LocalIndex:
     """A persistent Chroma index with KV precompute, and BlendLLM query engines over it."""
 
@@ -393,7 +398,7 @@ class LocalIndex:
 
         from ragblend.vectorstore_hooks.llamaindex import KVAwareVectorStore
 
-        self.path = Path(path).expanduser() if path else cache_dir() / "index"
+        self.path = index_folder(path)
         self.path.mkdir(parents=True, exist_ok=True)
         client = chroma_client(self.path, chroma_url)   # an unreachable server fails before the model loads
         self.client, self.chroma_url = client, chroma_url

@@ -349,7 +349,7 @@ def passages(texts: Iterable[str], question: Iterable[str] = ()) -> list[str]:
 
 
 def _pieces(text: str) -> list[str]:
-    return [piece.strip() for piece in text.split(PASSAGE_BREAK) if piece.strip()]
+    return [piece for piece in map(str.strip, text.split(PASSAGE_BREAK)) if piece]
 
 
 @dataclass
