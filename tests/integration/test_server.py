@@ -92,9 +92,9 @@ def test_openai_sdk_streams_chat_and_completions(server, chunks, smol_engine):
                                            temperature=0)
     assert completion.object == "text_completion" and completion.choices[0].finish_reason in ("stop", "length")
     assert completion.usage.prompt_tokens_details.cached_tokens >= 0.8 * chunk_tokens(smol_engine, chunks)
-    # The server stores the passages it had not seen after an answer (here the question's own,
-    # once it ends in "Answer:"), so a later call may reuse more and answer otherwise: compare the
-    # streamed answer with a plain one made once the store has settled.
+    # The server stores the passages it had not seen after an answer (never the question's own,
+    # the last one), so a later call may reuse more and answer otherwise: compare the streamed
+    # answer with a plain one made once the store has settled.
     for _ in range(3):
         settled = client.completions.create(model=smol_engine.name, prompt=prompt + "\nAnswer:", max_tokens=8,
                                             temperature=0)
