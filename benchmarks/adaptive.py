@@ -204,7 +204,8 @@ def escalate(rows: list[dict], shipped: str, target: str, signal: str, threshold
     out = []
     for r in rows:
         base = r["rows"][shipped]
-        if r["signals"][signal] <= threshold:
+        score = r["signals"][signal]
+        if score is None or score <= threshold:   # None: ran as a full prefill, already exact
             out.append((base["compute"], base))
             continue
         row = {"kl": 0.0, "answer_kl": 0.0, "compute": 1.0} if target == "full" else r["rows"][target]
@@ -225,7 +226,7 @@ def tuned_threshold(rows: list[dict], shipped: str, target: str, signal: str, bu
     """The lowest threshold on ``signal`` whose escalation to ``target`` keeps the mean compute
     over ``rows`` within ``budget`` (inf: none does)."""
     threshold = math.inf
-    for t in sorted({r["signals"][signal] for r in rows}, reverse=True):
+    for t in sorted({r["signals"][signal] for r in rows} - {None}, reverse=True):
         if statistics.mean(c for c, _ in escalate(rows, shipped, target, signal, t)) > budget + 1e-9:
             break
         threshold = t
@@ -335,7 +336,11 @@ def main(argv=None) -> None:
                     prefills = {shipped: None, PROBE: None}
                     result = measure(engine, prompt, {shipped: recorder}, args.greedy_tokens, answer_level=True,
                                      kl_only={**ladder, PROBE: FullReuse()}, prefills=prefills)
-                    rows.append({"rows": result, "signals": signals(recorder, prefills[shipped], prefills[PROBE])})
+                    fused = prefills[shipped]
+                    # A prompt run as a full prefill has no question pass (the recorder still holds the
+                    # last prompt's): no signals, left out of the AUROCs.
+                    rows.append({"rows": result, "signals": dict.fromkeys(SIGNALS) if fused.stats.fusion_skipped
+                                 else signals(recorder, fused, prefills[PROBE])})
                     del prefills
                     print(f"[{model}/{set_name}] {i + 1}/{len(prompts)} {time.perf_counter() - tp:.0f}s "
                           f"answer KL {result[shipped]['answer_kl']:.4f} noise {result[NOISE]['answer_kl']:.4f}",

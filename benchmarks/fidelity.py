@@ -113,7 +113,9 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
         logits[name] = out
         rows[name] = {"kl": first_token_kl(ref_logits, out), "compute": stats.compute_fraction,
                       "rouge": rouge_l(text, ref_text) if text is not None else float("nan"),
-                      "same_first": float(out.argmax() == ref_logits.argmax())}
+                      "same_first": float(out.argmax() == ref_logits.argmax()),
+                      # fusion would have computed more than a prefill: its KL of 0 judges no fusion
+                      "full_prefill": float(stats.fusion_skipped)}
         if answer_level:
             if answers:
                 pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
@@ -152,7 +154,22 @@ def table(results: list[dict], greedy_tokens: int) -> list[str]:
                      f"{f'{statistics.mean(same):.0%}' if same[0] == same[0] else '-'} | "
                      f"{sum(k > bound for k in col['answer_kl'])} |")
         lines.append(line)
-    return lines
+    return lines + full_prefill_notes(results)
+
+
+def full_prefill_notes(results: list[dict]) -> list[str]:
+    """A line for each strategy that ran some prompts as exact full prefills (its chunks too short
+    beside the rest of the prompt for fusion to save compute): those prompts' KL of 0 and compute
+    of 100% judge no fusion, and a reader should know how many there were."""
+    notes = []
+    for name in results[0]:
+        if name == NOISE:
+            continue
+        skipped = sum(r[name].get("full_prefill", 0.0) > 0 for r in results)
+        if skipped:
+            notes.append(f"{name}: {skipped} of {len(results)} prompts ran as a full prefill "
+                         "(fusing would have computed more); their KL of 0 judges no fusion.")
+    return ["", *notes] if notes else []
 
 
 def main(argv=None) -> None:

@@ -51,6 +51,10 @@ def test_escalation_spends_the_target_where_the_signal_passes_the_threshold():
     # The lowest threshold within a budget of one escalated prompt in three: above the middle prompt's.
     assert tuned_threshold(rows, "shipped", "QueryAware(0.30)", "left_mass", (0.2 + 0.2 + 0.4) / 3) == 0.5
     assert tuned_threshold(rows, "shipped", "QueryAware(0.30)", "left_mass", 0.1) == math.inf
+    # A prompt that ran as a full prefill has no signals: never escalated, no threshold of its own.
+    skipped = {**prompt(None, 0.0), "signals": {"left_mass": None, "probe_kl": None}}
+    assert escalate([skipped], "shipped", "full", "left_mass", 0.0) == [(0.2, skipped["rows"]["shipped"])]
+    assert tuned_threshold(rows + [skipped], "shipped", "QueryAware(0.30)", "left_mass", 0.1) == math.inf
 
 
 def test_the_recording_selection_selects_as_query_aware_and_gives_every_signal(tokenizer):
@@ -84,3 +88,20 @@ def test_the_recording_selection_decodes_as_the_shipped_query_aware(tokenizer):
     answer = engine.generate(segments, strategy=RecordingQuestionAttention(0.2, cached_attention_scale=0.7),
                              max_new_tokens=12)
     assert answer.token_ids == engine.generate(segments, strategy=QueryAware(0.2), max_new_tokens=12).token_ids
+
+
+def test_a_prompt_run_as_a_full_prefill_is_counted_not_passed_off_as_a_perfect_fusion(tokenizer):
+    """One short passage beside a long question: QueryAware runs the exact prefill instead of
+    fusing, and the fidelity table says so instead of counting a silent KL of 0."""
+    from benchmarks.common import Prompt
+    from benchmarks.fidelity import measure, table
+
+    engine = make_tiny_engine("llama", tokenizer)
+    short = Prompt([PASSAGES[0]], "Question: " + " ".join(PASSAGES[1:] * 3) + " Who lit the lighthouse?")
+    long = Prompt(CHUNKS * 2, "Question: who ran the ferry?")
+    results = [measure(engine, p, {"QueryAware(0.10)": QueryAware(0.10)}, greedy_tokens=2) for p in (short, long)]
+    assert [r["QueryAware(0.10)"]["full_prefill"] for r in results] == [1.0, 0.0]
+    assert results[0]["QueryAware(0.10)"]["kl"] == 0.0
+    notes = [line for line in table(results, 2) if "ran as a full prefill" in line]
+    assert notes == ["QueryAware(0.10): 1 of 2 prompts ran as a full prefill (fusing would have computed more); "
+                     "their KL of 0 judges no fusion."]
