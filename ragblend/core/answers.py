@@ -11,7 +11,7 @@ import logging
 import torch
 
 from .decode_weights import DecodeWeights
-from .generate import Decoding, KVDecoder, PromptLookup, SamplingParams
+from .generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams
 from .kernels import MIN_GAIN, fastest_rounds
 
 log = logging.getLogger("ragblend")
@@ -80,6 +80,7 @@ class Answers:
                  kv_dtype: torch.dtype = torch.float32):
         self.weights, self.tokenizer, self.eos_ids = weights, tokenizer, eos_ids
         self.context_window, self.lock, self.kv_dtype = context_window, lock, kv_dtype
+        self.draft_policy = DraftPolicy()   # learns, over this engine's answers, how much drafting pays
 
     def start(self, pre, params: SamplingParams, *, draft_tokens: int) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
@@ -98,4 +99,5 @@ class Answers:
             lookup = PromptLookup(pre.token_ids)
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
+                        draft_policy=self.draft_policy,
                         stats=pre.stats, prefill=pre)

@@ -96,12 +96,14 @@ class EngineOptions:
     # float16 rounding).
     precompute_batch_tokens: int = option(
         1024, "Chunk tokens precompute() runs through the model in one pass (0: one chunk per pass).", type=int)
-    # Greedy decoding drafts this many tokens per pass by prompt lookup and keeps those the pass
-    # confirms (generate.PromptLookup): answers are unchanged. 3 because on this project's CPU a
-    # pass over 4 tokens costs ~1.25x one token's, and of 0-4 it decoded the benchmark prompts
-    # fastest (docs/benchmarks.md, "Decoding").
+    # Greedy decoding drafts up to this many tokens per pass by prompt lookup and keeps those the
+    # pass confirms (generate.PromptLookup): answers are unchanged. How many it drafts on each pass
+    # is learned from the passes (generate.DraftPolicy: how often drafts were kept, what a row
+    # costs on this host); drafting 3 on every pass made free-text answers slower than none
+    # (docs/benchmarks.md, "Decoding").
     prompt_lookup_num_tokens: int = option(
-        3, f"Tokens greedy decoding drafts per pass by prompt lookup (0: no drafting; at most {MAX_DRAFT_TOKENS}).",
+        3, f"Most tokens greedy decoding drafts per pass by prompt lookup (0: no drafting; at most "
+           f"{MAX_DRAFT_TOKENS}); how many it drafts is learned from the passes.",
         type=int)
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ import torch
 
 from ragblend import FullRecompute
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import Decoding, KVDecoder, PromptLookup, SamplingParams, pick_token
+from ragblend.core.generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams, pick_token
 
 from ..conftest import PASSAGES
 from .test_engine import forward_logits, segments
@@ -51,9 +51,11 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match():
     lookup = PromptLookup([1, 2, 3, 4, 9, 2, 3, 5, 6])
     lookup.append(2)
     lookup.append(3)   # the tail (2, 3) last stood at positions 5-6, followed by 5, 6, 2
-    assert lookup.draft(3) == [5, 6, 2] and lookup.draft(1) == [5]
+    assert lookup.draft(3) == (2, [5, 6, 2]) and lookup.draft(1) == (2, [5])
+    lookup.append(9)   # only the one-token tail (9) occurred before, followed by 2, 3, 5
+    assert lookup.draft(3) == (1, [2, 3, 5])
     lookup.append(7)   # never seen: nothing to draft
-    assert lookup.draft(3) == []
+    assert lookup.draft(3) == (0, [])
 
 
 class ScriptedDecoder:
@@ -116,6 +118,54 @@ def test_drafting_leaves_greedy_answers_unchanged(tiny_engine):
     assert tiny_engine.last_stats.decode_steps <= plain_steps
     sampled = tiny_engine.generate(segments(), max_new_tokens=8, temperature=0.7, seed=1)   # never drafts
     assert tiny_engine.last_stats.decode_steps in (len(sampled.token_ids) - 1, len(sampled.token_ids))
+
+
+def test_the_draft_policy_stops_drafting_what_is_never_kept_and_drafts_all_of_what_always_is():
+    policy = DraftPolicy()
+    assert policy.length(1, 3) >= 1 and policy.length(3, 3) >= 1   # untried: worth a try
+    for _ in range(40):
+        policy.record(1, 3, 0, rows=4, seconds=0.013)   # one-token matches: never kept
+        policy.record(3, 3, 3, rows=4, seconds=0.013)   # three-token matches: always kept
+    assert policy.length(1, 3) == 0 and policy.length(3, 3) == 3
+    assert policy.length(3, 1) == 1 and policy.length(3, 0) == 0
+    # A length it stopped drafting drifts back to a try as the other drafts of that match decay.
+    for _ in range(60):
+        policy.record(1, 3, 3, rows=4, seconds=0.013)
+    assert policy.length(1, 3) == 3
+
+
+def test_the_draft_policy_measures_what_a_row_costs_and_drafts_less_where_rows_are_dear():
+    cheap, dear = DraftPolicy(), DraftPolicy()
+    for _ in range(50):
+        cheap.record(0, 0, 0, rows=1, seconds=0.010)
+        cheap.record(2, 3, 0, rows=4, seconds=0.0115)   # a row: 5% of a pass
+        dear.record(0, 0, 0, rows=1, seconds=0.010)
+        dear.record(2, 3, 0, rows=4, seconds=0.019)     # a row: 30% of a pass
+    assert cheap.row_cost == pytest.approx(0.05, abs=0.01) and dear.row_cost == pytest.approx(0.30, abs=0.02)
+    for policy in (cheap, dear):   # the same record of kept tokens: 1 in 10 first drafted tokens kept
+        policy.tries, policy.kept = {(2, 1): 10.0, (2, 2): 1.0}, {(2, 1): 1.0, (2, 2): 1.0}
+    assert cheap.length(2, 3) >= 1 and dear.length(2, 3) == 0
+
+
+def test_drafting_stops_on_an_answer_that_never_follows_the_prompt(tokenizer):
+    """A 'model' whose answer never continues as the prompt did: after a few rejected drafts the
+    passes run the token alone (drafted rows cost time and keep nothing)."""
+    prompt = list(range(10, 60)) * 2
+    successor = {t: 10 + (t - 10 + 7) % 50 for t in range(10, 60)}   # the prompt goes t -> t+1; the model t -> t+7
+    rows = []
+
+    class Counting(ScriptedDecoder):
+        def extend(self, tokens):
+            rows.append(len(tokens))
+            return super().extend(tokens)
+
+    decoder = Counting(successor, len(prompt), len(prompt) + 60, len(tokenizer))
+    decoding = Decoding(decoder, tokenizer, decoder.logits_after(prompt[-1]), len(prompt),
+                        SamplingParams(max_new_tokens=60), frozenset(), context_window=10_000,
+                        lookup=PromptLookup(prompt), draft_tokens=3)
+    list(decoding)
+    assert len(decoding.token_ids) == 60 and max(rows[:3]) > 1   # it tried drafting at first ...
+    assert set(rows[-20:]) == {1}                                # ... and stopped
 
 
 # ---------------------------------------------------------------------------- picking a token
