@@ -16,7 +16,10 @@ same fused prefill:
   matmuls), ``"int4"`` (4-bit weights with bfloat16 activations; the LM head stays float32),
   ``"int8"`` (8-bit weights, one scale per row, bfloat16 activations; the LM head too), ``"auto"``
   (the default: 4-bit where the weights already are, 8-bit elsewhere, each kept where it
-  measures faster than float32 on the host).
+  measures faster than float32 on the host),
+* with ``--every-pass``: the engine's defaults, and the same drafting every token it finds on
+  every pass (what it did before :class:`~ragblend.core.generate.DraftPolicy` priced a drafted
+  row); ``--sets`` with no set times speed only.
 
 Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
 ``--tokens`` greedy tokens, stopping at the end token): answers identical to the reference
@@ -93,13 +96,14 @@ def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
         return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
 
 
-def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens: int, drafts: list[int]) -> list[str]:
+def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens: int, drafts: list[int],
+          every_pass: BlendEngine | None = None) -> list[str]:
     sample = load_sample()
     segments = [Chunk(c) for c in sample["chunks"]] + [sample["question"]]
     exact.precompute(sample["chunks"])
     pre = exact.prefill(segments)
     ends = exact.answers.eos_ids
-    for engine in (exact, *others.values()):
+    for engine in (exact, *others.values(), *([every_pass] if every_pass else [])):
         engine.answers.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
     variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens - 1),
                 "reference decoder (F.linear, one token a pass)":
@@ -110,13 +114,16 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
         for n in sorted({0, drafts[-1]}):
             variants[f"ragblend, {dtype}, prompt_lookup_num_tokens={n}"] = \
                 lambda other=other, n=n: ragblend_answer(other, segments, tokens, n)[1:]
+    if every_pass is not None:
+        variants[f"ragblend, defaults, prompt_lookup_num_tokens={drafts[-1]} drafting all it finds on every pass "
+                 "(before DraftPolicy)"] = lambda: ragblend_answer(every_pass, segments, tokens, drafts[-1])[1:]
     times = {name: [] for name in variants}
     passes = {}
     for _ in range(runs):
         for name, run in variants.items():
             seconds, passes[name] = run()
             times[name].append(seconds)
-    for engine in (exact, *others.values()):
+    for engine in (exact, *others.values(), *([every_pass] if every_pass else [])):
         engine.answers.eos_ids = ends
     base = statistics.median(times["transformers generate (decode only)"])
     lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} greedy tokens, "
@@ -219,7 +226,11 @@ def kv_agreement(model: str, kv_dtypes: list[str], sets: dict, tokens: int) -> l
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
-    parser.add_argument("--sets", nargs="+", default=["fidelity:3", "squad:32"])
+    parser.add_argument("--sets", nargs="*", default=["fidelity:3", "squad:32"],
+                        help="prompt sets for the agreement (none: speed only)")
+    parser.add_argument("--every-pass", action="store_true",
+                        help="also time the default engine, and the same drafting all it finds on every pass "
+                             "(as before DraftPolicy)")
     parser.add_argument("--runs", type=int, default=5, help="speed rounds (0: agreement only)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--drafts", nargs="+", type=int, default=[0, 3],
@@ -246,7 +257,13 @@ def main(argv=None) -> None:
         others.update({f"decode_dtype='auto', decode_kv_dtype={kv!r}": BlendEngine(
             exact.hf_model, exact.tokenizer, store=exact.store, decode_dtype="auto", decode_kv_dtype=kv)
             for kv in args.decode_kv_dtypes})
-        timed = speed(exact, others, args.runs, args.tokens, args.drafts) if args.runs else []
+        every_pass = None
+        if args.every_pass and args.runs:   # the defaults, and the defaults drafting whatever they find
+            others["defaults (decode_dtype='auto', decode_kv_dtype='auto')"] = BlendEngine(
+                exact.hf_model, exact.tokenizer, store=exact.store)
+            every_pass = BlendEngine(exact.hf_model, exact.tokenizer, store=exact.store)
+            every_pass.answers.draft_row_cost = 0.0   # a free row: DraftPolicy drafts all it finds, as before it
+        timed = speed(exact, others, args.runs, args.tokens, args.drafts, every_pass) if args.runs else []
         return [f"## {model}", "", f"Host: {cpu_summary()}", "", *timed,
                 *agreement(exact, others, prompt_sets(args.sets, MUSIQUE), args.tokens, args.drafts), ""]
 

@@ -1,8 +1,9 @@
 """Answers after a fused prefill: where the decoding part of :class:`~ragblend.core.engine.BlendEngine`
 starts. It moves the prompt's K/V into the decoder's buffers (in the dtype
 :func:`decode_kv_dtype` chose), on the weights :class:`~ragblend.core.decode_weights.DecodeWeights`
-chose, and sets the answer's limits (end tokens, the context window) and prompt lookup. The
-decoding loop itself is :class:`~ragblend.core.generate.Decoding`."""
+chose, and sets the answer's limits (end tokens, the context window) and prompt lookup, its
+drafts priced by what a row of a pass costs here (:func:`draft_row_cost`). The decoding loop
+itself is :class:`~ragblend.core.generate.Decoding`."""
 
 from __future__ import annotations
 
@@ -71,6 +72,44 @@ def _attention_step(adapter, dtype: torch.dtype):
                     for layer in range(shape.num_layers)]
 
 
+MAX_ROW_COST = 0.5   # half a pass: no host measured near it, so a timing past it was disturbed
+_ROW_COSTS: dict[tuple, float] = {}   # (shape, K/V dtype, threads, weight formats) -> draft_row_cost's
+
+
+def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=fastest_rounds) -> float:
+    """What one more row adds to a decoding pass, as a share of a one-token pass: a four-token
+    pass over ``MEASURED_KEYS`` keys against a one-token pass, timed by ``measure`` at engine
+    start (~0.3 s for SmolLM2; engines over models of one shape in one process share it). It
+    prices a drafted token for :class:`~ragblend.core.generate.DraftPolicy`. Measured once, not
+    from an answer's own passes, so that how an answer drafts does not depend on the clock
+    mid-answer: the same prompt drafts alike, and gets the same passes and the same answer."""
+    adapter = weights.decoding_adapter()
+    if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
+        return 0.0   # only float32 drafts (Answers.start); a GPU reads the weights once for a few rows alike
+    key = (adapter.shape, kv_dtype, torch.get_num_threads(), tuple(weights.layer_counts().items()))
+    if measure is fastest_rounds and key in _ROW_COSTS:
+        return _ROW_COSTS[key]
+    shape = adapter.shape
+    prompt = [torch.zeros(shape.num_kv_heads, MEASURED_KEYS, shape.head_dim, dtype=kv_dtype)
+              for _ in range(shape.num_layers)]
+    decoder = KVDecoder(adapter, prompt, prompt, MEASURED_KEYS + 4, dtype=kv_dtype)
+
+    def one_pass(rows: int):
+        def run():
+            decoder.extend([0] * rows)
+            decoder.truncate(MEASURED_KEYS)
+        return run
+
+    with torch.inference_mode():
+        seconds = measure({"1": one_pass(1), "4": one_pass(4)})
+    row_cost = min(MAX_ROW_COST, max(0.0, (seconds["4"] / seconds["1"] - 1) / 3))
+    log.info("ragblend: a decoding pass over %d keys: %.1f ms for one token, %.1f ms for four; a drafted "
+             "token costs %.0f%% of a pass", MEASURED_KEYS, seconds["1"] * 1e3, seconds["4"] * 1e3, row_cost * 100)
+    if measure is fastest_rounds:
+        _ROW_COSTS[key] = row_cost
+    return row_cost
+
+
 class Answers:
     """Starts the decoding of answers for one engine: on ``weights``' adapter, over K/V in
     ``kv_dtype`` (see :func:`decode_kv_dtype`), ending at ``eos_ids`` or the ``context_window``;
@@ -80,7 +119,7 @@ class Answers:
                  kv_dtype: torch.dtype = torch.float32):
         self.weights, self.tokenizer, self.eos_ids = weights, tokenizer, eos_ids
         self.context_window, self.lock, self.kv_dtype = context_window, lock, kv_dtype
-        self.draft_policy = DraftPolicy()   # learns, over this engine's answers, how much drafting pays
+        self.draft_row_cost = draft_row_cost(weights, kv_dtype)   # prices a drafted token (DraftPolicy)
 
     def start(self, pre, params: SamplingParams, *, draft_tokens: int) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
@@ -95,9 +134,11 @@ class Answers:
         lookup = None
         # Drafts are verified in a pass over several tokens, which in float32 gives each token's
         # logits to ~1e-5; in bfloat16 a trial saw 0.69 and a changed answer, so only float32 drafts.
+        policy = None
         if draft_tokens and params.temperature == 0 and self.weights.adapter.dtype == torch.float32:
             lookup = PromptLookup(pre.token_ids)
+            policy = DraftPolicy(self.draft_row_cost)
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
-                        draft_policy=self.draft_policy,
+                        draft_policy=policy,
                         stats=pre.stats, prefill=pre)

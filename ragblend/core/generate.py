@@ -176,34 +176,31 @@ class PromptLookup:
 
 
 class DraftPolicy:
-    """How many drafted tokens a pass should verify, learned from what drafting has earned.
+    """How many drafted tokens a pass verifies: as many as are likely to pay, learned over the answer.
 
-    A drafted token costs a row of the pass whether it is kept or not (on a 2-core CPU over a
-    3k-token prompt, ~15% of a one-token pass), and it is kept only where greedy decoding would
-    have chosen it. How often that happens depends on the answer and on the match: a sentence
-    copied from a passage keeps whole drafts, free text almost none, and a draft found by a
-    3-token match is kept far more often than one found by a single token. Always drafting 3
-    made a 256-token answer of free text slower than no drafting at all.
+    A drafted token costs a row of the pass whether it is kept or not (``row_cost``, as a share
+    of a one-token pass: ~15% on a 2-core CPU over a 3k-token prompt, measured per engine by
+    :func:`~ragblend.core.answers.draft_row_cost`), and it is kept only where greedy decoding
+    would have chosen it. How often that happens depends on the answer and on the match: a
+    sentence copied from a passage keeps whole drafts, free text almost none, and a draft found
+    by a 3-token match is kept far more often than one found by a single token. Drafting 3 on
+    every pass made a 256-token answer of free text slower than no drafting at all.
 
-    So the policy keeps, per match length and per draft position j, how often the j-th token
-    was kept when the ones before it were (counts that decay, so that it follows the answers
-    and, when it stopped drafting somewhere, drifts back to a prior that tries again), and the
-    cost of a row measured on the passes themselves (relative to a one-token pass). It drafts
-    the length k that maximises the expected tokens per unit of time,
-    ``(1 + P_1 + ... + P_k) / (1 + k * row_cost)``, where P_j is the chance the first j
-    drafted tokens are all kept. One policy per engine, so what it learns carries over between
-    answers; passes update it under the engine's lock."""
+    So the policy counts, per match length and draft position j, how often the j-th drafted
+    token was kept when the ones before it were, and drafts the length k with the most expected
+    tokens per unit of time, ``(1 + P_1 + ... + P_k) / (1 + k * row_cost)``, where P_j is the
+    chance the first j drafted tokens are all kept. The counts decay on every pass that found a
+    match, drafted or not, so a length it stopped drafting drifts back to the prior and is
+    tried again. One policy per answer, and no clock in it: the same prompt drafts the same
+    way, so it gets the same passes and the same answer."""
 
-    DECAY = 0.97                # each update shrinks a match length's counts: it follows the last ~30 drafts
+    DECAY = 0.97                # each pass with a match shrinks that match length's counts: ~the last 30 passes
     PRIOR_TRIES, PRIOR_KEPT = 2.0, 1.0   # an untried (or long unused) position counts as kept half the time
-    PRIOR_ROW_COST = 0.15       # a row's cost relative to a one-token pass, until a pass measured it
-    TIMING_WEIGHT = 0.1         # weight of the newest pass in the measured costs (a moving average)
 
-    def __init__(self):
+    def __init__(self, row_cost: float):
+        self.row_cost = row_cost
         self.tries: dict[tuple[int, int], float] = {}   # (match length, position) -> decayed count
         self.kept: dict[tuple[int, int], float] = {}
-        self.pass_s: dict[int, float] = {}               # rows -> a pass's seconds (moving average)
-        self.row_cost = self.PRIOR_ROW_COST
 
     def kept_chance(self, match: int, position: int) -> float:
         """The chance the ``position``-th drafted token (from 1) is kept, given the ones before it were."""
@@ -212,37 +209,28 @@ class DraftPolicy:
 
     def length(self, match: int, available: int) -> int:
         """How many of ``available`` drafted tokens (found by a ``match``-token tail) to verify."""
-        best, best_rate, all_kept, tokens = 0, 1.0, 1.0, 1.0
+        best, best_rate, all_kept, expected_tokens = 0, 1.0, 1.0, 1.0
         for position in range(1, available + 1):
             all_kept *= self.kept_chance(match, position)
-            tokens += all_kept
-            rate = tokens / (1 + position * self.row_cost)
+            expected_tokens += all_kept
+            rate = expected_tokens / (1 + position * self.row_cost)
             if rate > best_rate:
                 best, best_rate = position, rate
         return best
 
-    def record(self, match: int, drafted: int, kept: int, rows: int, seconds: float) -> None:
-        """What one pass of ``rows`` tokens, ``drafted`` of them from a ``match``-token tail, kept
-        (``kept`` drafted tokens) and took."""
-        if drafted:
-            for key in [key for key in self.tries if key[0] == match]:
-                self.tries[key] *= self.DECAY
-                self.kept[key] *= self.DECAY
-            # Position j was tried when the j-1 tokens before it were kept.
-            for position in range(1, min(drafted, kept + 1) + 1):
-                key = (match, position)
-                self.tries[key] = self.tries.get(key, 0.0) + 1
-                self.kept[key] = self.kept.get(key, 0.0) + (position <= kept)
-        previous = self.pass_s.get(rows)
-        self.pass_s[rows] = seconds if previous is None else \
-            (1 - self.TIMING_WEIGHT) * previous + self.TIMING_WEIGHT * seconds
-        if len(self.pass_s) >= 2:   # a line through the passes' seconds by rows: slope / its value at one row
-            xs, ys = list(self.pass_s), list(self.pass_s.values())
-            x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
-            one_row = y_mean + slope * (1 - x_mean)
-            if one_row > 0:
-                self.row_cost = max(0.0, slope / one_row)
+    def record(self, match: int, drafted: int, accepted: int) -> None:
+        """What a pass did with a ``match``-token tail's draft: ``drafted`` tokens verified,
+        the first ``accepted`` of them kept."""
+        if not match:
+            return
+        for key in [key for key in self.tries if key[0] == match]:
+            self.tries[key] *= self.DECAY
+            self.kept[key] *= self.DECAY
+        # Position j was tried when the j-1 tokens before it were kept.
+        for position in range(1, min(drafted, accepted + 1) + 1):
+            key = (match, position)
+            self.tries[key] = self.tries.get(key, 0.0) + 1.0
+            self.kept[key] = self.kept.get(key, 0.0) + (1.0 if position <= accepted else 0.0)
 
 
 def pick_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -286,7 +274,7 @@ class Decoding:
     lock: object = None   # held around each model step (never across a yield)
     lookup: PromptLookup | None = None   # drafts tokens to verify in each step (greedy only)
     draft_tokens: int = 0                # the most tokens drafted per step
-    draft_policy: DraftPolicy = field(default_factory=DraftPolicy)   # how many of them (the engine's)
+    draft_policy: DraftPolicy | None = None   # how many of them a pass verifies (None: all it finds)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -380,16 +368,16 @@ class Decoding:
         room = min(self.draft_tokens, decoder.capacity - decoder.length - 1,
                    self.params.max_new_tokens - len(self.token_ids) - 1)
         match, draft = self.lookup.draft(room) if self.lookup is not None and room > 0 else (0, [])
-        draft = draft[:self.draft_policy.length(match, len(draft))]
-        started = time.perf_counter()
+        if self.draft_policy is not None:
+            draft = draft[:self.draft_policy.length(match, len(draft))]
         logits = decoder.extend([token, *draft])
         self.steps += 1
         accepted = 0
         while accepted < len(draft) and int(torch.argmax(logits[accepted])) == draft[accepted]:
             accepted += 1
         decoder.truncate(decoder.length - len(draft) + accepted)
-        if self.lookup is not None:
-            self.draft_policy.record(match, len(draft), accepted, 1 + len(draft), time.perf_counter() - started)
+        if self.draft_policy is not None:
+            self.draft_policy.record(match, len(draft), accepted)
         return list(logits[:accepted + 1])
 
 
