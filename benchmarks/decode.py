@@ -103,7 +103,8 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
     exact.precompute(sample["chunks"])
     pre = exact.prefill(segments)
     ends = exact.answers.eos_ids
-    for engine in (exact, *others.values(), *([every_pass] if every_pass else [])):
+    engines = [exact, *others.values(), *([every_pass] if every_pass else [])]
+    for engine in engines:
         engine.answers.eos_ids = frozenset()   # exactly `tokens` tokens, like transformers with min_new_tokens
     variants = {"transformers generate (decode only)": lambda: (hf_decode_s(exact, pre.token_ids, tokens), tokens - 1),
                 "reference decoder (F.linear, one token a pass)":
@@ -123,7 +124,7 @@ def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens:
         for name, run in variants.items():
             seconds, passes[name] = run()
             times[name].append(seconds)
-    for engine in (exact, *others.values(), *([every_pass] if every_pass else [])):
+    for engine in engines:
         engine.answers.eos_ids = ends
     base = statistics.median(times["transformers generate (decode only)"])
     lines = [f"Decoding speed after the {len(pre.token_ids)}-token benchmark prompt, {tokens} greedy tokens, "

@@ -98,12 +98,12 @@ class EngineOptions:
         1024, "Chunk tokens precompute() runs through the model in one pass (0: one chunk per pass).", type=int)
     # Greedy decoding drafts up to this many tokens per pass by prompt lookup and keeps those the
     # pass confirms (generate.PromptLookup): answers are unchanged. How many it drafts on each pass
-    # is learned from the passes (generate.DraftPolicy: how often drafts were kept, what a row
-    # costs on this host); drafting 3 on every pass made free-text answers slower than none
-    # (docs/benchmarks.md, "Decoding").
+    # is learned over the answer (generate.DraftPolicy: how often drafts were kept), against what a
+    # row costs on this host (answers.draft_row_cost, timed at engine start); drafting 3 on every
+    # pass made free-text answers slower than none (docs/benchmarks.md, "Decoding").
     prompt_lookup_num_tokens: int = option(
         3, f"Most tokens greedy decoding drafts per pass by prompt lookup (0: no drafting; at most "
-           f"{MAX_DRAFT_TOKENS}); how many it drafts is learned from the passes.",
+           f"{MAX_DRAFT_TOKENS}); how many it drafts is learned over the answer.",
         type=int)
 
     def __post_init__(self):
