@@ -377,6 +377,8 @@ def _calibrate(args) -> int:
 
 
 def _info(args) -> int:
+    import torch
+
     from ragblend.core.kernels import cpu_summary
     from ragblend.core.model import int4_available, int8_available, kernel_plan_for
 
@@ -402,6 +404,15 @@ def _info(args) -> int:
     print(f"Decoding step (decode_dtype={engine.decode_dtype!r}, chosen on this host): linear layers {layers}")
     print(f"Decoding K/V (decode_kv_dtype={engine.options.decode_kv_dtype!r}, chosen on this host): "
           f"{str(engine.answers.kv_dtype).split('.')[-1]}")
+    drafts = engine.options.prompt_lookup_num_tokens
+    if drafts == 0:
+        print("Drafts (prompt lookup): off (prompt_lookup_num_tokens=0)")
+    elif engine.adapter.dtype != torch.float32:
+        print(f"Drafts (prompt lookup): off (drafts are verified in float32 only; this model runs in {engine.adapter.dtype})")
+    else:
+        print(f"Drafts (prompt lookup, up to {drafts} a pass, measured at engine start): a drafted token costs "
+              f"{engine.answers.draft_row_cost:.0%} of a one-token pass here, so a pass drafts only what it "
+              f"expects to keep at that price")
     return 0
 
 
@@ -564,7 +575,7 @@ def _calibrate_parser(sub) -> None:
 def _info_parser(sub) -> None:
     info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
                                        "(measured once per host, then cached)")
-    _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype")
+    _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype", "prompt_lookup_num_tokens")
     info.add_argument("--measure", action="store_true",
                       help="measure the kernels again and cache the new choice (e.g. if the first measurement "
                            "ran on a busy machine)")

@@ -104,7 +104,7 @@ class EngineOptions:
     prompt_lookup_num_tokens: int = option(
         3, f"Most tokens greedy decoding drafts per pass by prompt lookup (0: no drafting; at most "
            f"{MAX_DRAFT_TOKENS}); how many it drafts is learned over the answer.",
-        type=int)
+        flag="--prompt-lookup-num-tokens", type=int)
 
     def __post_init__(self):
         if not isinstance(self.chunk_context, str):

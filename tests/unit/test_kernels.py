@@ -6,6 +6,7 @@ timings, never how fast this machine is."""
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -242,6 +243,7 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
     for bucket in BUCKETS:
         assert f"{bucket.name} rows:" in out
     assert "GFLOPS" in out and "4-bit decoding" in out
+    assert re.search(r"a drafted token costs \d+% of a one-token pass", out)   # DraftPolicy's price, measured here
     assert main(["info", "--model", str(tmp_path), "--measure"]) == 0
     assert "measured just now" in capsys.readouterr().out
 
