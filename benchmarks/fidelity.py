@@ -23,8 +23,12 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
 from ragblend.core.calibration import answer_kl, answer_logits, first_token_kl
+from ragblend.core.selection import QuestionAttention
 
 from .common import (
     MUSIQUE,
@@ -38,6 +42,33 @@ from .common import (
     write_report,
 )
 from .models import MODELS, model_path
+
+
+class QuestionAttentionInRuns(QuestionAttention):
+    """QueryAware's selection with the question's relevance averaged over a window of ``run``
+    tokens along each chunk before the top ``ratio`` are chosen, so that the recomputed tokens
+    come in runs with their neighbours (a study of the outliers where recomputing single tokens
+    answered further from full prefill than recomputing none; docs/benchmarks.md)."""
+
+    def __init__(self, ratio: float, run: int, cached_attention_scale: float = 0.7):
+        super().__init__(ratio, cached_attention_scale=cached_attention_scale)
+        self.run = run
+
+    def first(self, prompt, probe):
+        budget = self._budget(prompt.num_reused)
+        if budget == 0:
+            return prompt.with_reused(prompt.reused_pos[:0])
+        relevance = probe().sum(dim=0).float()
+        smoothed, start = torch.empty_like(relevance), 0
+        for span in prompt.spans:   # a window stays inside its chunk
+            own = relevance[start:start + span.num_tokens]
+            smoothed[start:start + span.num_tokens] = F.avg_pool1d(
+                own[None, None], self.run, stride=1, padding=self.run // 2, count_include_pad=False)[0, 0, :span.num_tokens]
+            start += span.num_tokens
+        chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
+        chosen[torch.topk(smoothed, budget, sorted=False).indices] = True
+        return prompt.with_reused(prompt.reused_pos[chosen])
+
 
 VARIANTS = {
     "FullReuse": FullReuse(),
@@ -60,6 +91,8 @@ VARIANTS = {
     # ... and in the answer's decoding too (scaled), or in the fused prefill only (unscaled)
     **{f"QueryAware({r:.2f}, decoding {'scaled' if scaled else 'unscaled'})": QueryAware(r, scale_in_decoding=scaled)
        for r in (0.10, 0.20) for scaled in (True, False)},
+    # the recomputed tokens in runs of neighbours (QuestionAttentionInRuns)
+    **{f"QueryAware({r:.2f}, runs of {n})": QuestionAttentionInRuns(r, n) for r in (0.10, 0.20) for n in (9, 17, 33)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 PREFILL_ONLY = ", scale in the prefill only"

@@ -112,3 +112,26 @@ def test_peers_decode_the_same_number_of_tokens_and_skip_what_is_missing(tokeniz
     assert "ragblend, decode_dtype='int4'" in peers   # the default's decoding beside 4-bit decoding
     prefixed = peers["transformers, cached system prefix"]
     assert isinstance(prefixed, HFPeer) and prefixed.prefix_cache.get_seq_length() == layout.chunk_spans[0].start
+
+
+def test_runs_of_neighbours_recompute_a_window_around_what_the_question_attends_to(tokenizer):
+    from benchmarks.fidelity import QuestionAttentionInRuns
+    from ragblend.core.selection import FusionPrompt, ReusedSpan
+
+    # two chunks of 20 tokens at 2..22 and 22..42, the question after them
+    prompt = FusionPrompt.build(48, [ReusedSpan(2, 20), ReusedSpan(22, 20)], "cpu")
+    relevance = torch.full((3, 40), 0.001)
+    relevance[:, 5] = 1.0    # a peak inside the first chunk (position 7)
+    relevance[:, 20] = 0.9   # ... and one on the second chunk's first token (position 22)
+    chosen = QuestionAttentionInRuns(0.2, run=5).first(prompt, lambda: relevance)   # a budget of 8
+    reused_chosen = sorted(p for p in chosen.nonzero().squeeze(1).tolist() if prompt.reused[p])
+    # the run of 5 around position 7, and the 3 tokens of the second chunk whose window holds its
+    # first: a window stays inside its chunk, so the first chunk's last tokens (20, 21) are not taken
+    assert reused_chosen == [5, 6, 7, 8, 9, 22, 23, 24]
+    assert chosen[:2].all() and chosen[42:].all()   # the uncached tokens are always computed
+    # end to end on a tiny model: a fused prefill with the variant runs and computes its budget
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(PASSAGES[:2])
+    pre = engine.prefill([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), "What is it?"],
+                         strategy=QuestionAttentionInRuns(0.3, run=9))
+    assert 0 < pre.stats.compute_fraction < 1 and pre.logits.isfinite().all()
