@@ -98,6 +98,9 @@ def expected_key_bias(n, spans, fused, strategy):
     return left_out.float() * math.log(getattr(strategy, "cached_attention_scale", 1.0))
 
 
+REFERENCE_RTOL = 1e-4   # on the fused K/V against the dense reference, beside the absolute atol
+
+
 def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_token=None):
     layout = engine.find_chunks(prompt_text, system="Answer briefly.")
     assert any(s.offset > 0 or s.end - s.start < len(s.token_ids) for s in layout.chunk_spans), "no partial chunk"
@@ -124,8 +127,11 @@ def check_against_reference(engine, prompt_text, strategy, atol=1e-4, answer_tok
                                                cached_k, cached_v, key_bias)
     selected_somewhere = 0
     for layer, positions in enumerate(fused.layer_positions):
-        assert (fused.keys[layer][:, positions] - keys[layer][:, positions]).abs().max() <= atol
-        assert (fused.values[layer][:, positions] - values[layer][:, positions]).abs().max() <= atol
+        # float32 rounding grows with the value and differs by host and pass size (another matmul
+        # kernel per row bucket): ~1e-4 on K of magnitude ~10 on an AMD EPYC; a fusion bug is ~0.1-1.
+        for got, want in ((fused.keys[layer], keys[layer]), (fused.values[layer], values[layer])):
+            want = want[:, positions]
+            assert ((got[:, positions] - want).abs() <= atol + REFERENCE_RTOL * want.abs()).all()
         selected_somewhere += positions.numel()
     assert (fused.logits - logits.float()).abs().max() <= atol
     # The selection really is partial: neither every token nor only the uncached ones.
