@@ -103,7 +103,9 @@ def test_a_batch_of_decoders_with_different_kv_dtypes_gives_each_its_own_step(to
     for low in (torch.float16, torch.bfloat16):
         rows = batch_extend([decoder(low), decoder(torch.float32)], [7, 8])
         assert (rows[1] - decoder(torch.float32).step(8)).abs().max() < 1e-4
-        assert (rows[0] - decoder(low).step(7)).abs().max() < 1e-4
+        # the 16-bit row's own K/V round alike either way; batched or alone its attention sums
+        # in another order (1.0e-4 apart on logits ~1.6 once on an AMD EPYC)
+        assert (rows[0] - decoder(low).step(7)).abs().max() < 5e-4
 
 
 def test_sampling_and_stop_strings_stay_per_request(tokenizer):
