@@ -54,20 +54,15 @@ class QuestionAttentionInRuns(QuestionAttention):
         super().__init__(ratio, cached_attention_scale=cached_attention_scale)
         self.run = run
 
-    def first(self, prompt, probe):
-        budget = self._budget(prompt.num_reused)
-        if budget == 0:
-            return prompt.with_reused(prompt.reused_pos[:0])
-        relevance = probe().sum(dim=0).float()
-        smoothed, start = torch.empty_like(relevance), 0
+    def scores(self, prompt, relevance):
+        summed = super().scores(prompt, relevance).float()
+        smoothed, start = torch.empty_like(summed), 0
         for span in prompt.spans:   # a window stays inside its chunk
-            own = relevance[start:start + span.num_tokens]
+            own = summed[start:start + span.num_tokens]
             smoothed[start:start + span.num_tokens] = F.avg_pool1d(
                 own[None, None], self.run, stride=1, padding=self.run // 2, count_include_pad=False)[0, 0, :span.num_tokens]
             start += span.num_tokens
-        chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
-        chosen[torch.topk(smoothed, budget, sorted=False).indices] = True
-        return prompt.with_reused(prompt.reused_pos[chosen])
+        return smoothed
 
 
 VARIANTS = {

@@ -377,8 +377,6 @@ def _calibrate(args) -> int:
 
 
 def _info(args) -> int:
-    import torch
-
     from ragblend.core.kernels import cpu_summary
     from ragblend.core.model import int4_available, int8_available, kernel_plan_for
 
@@ -407,7 +405,7 @@ def _info(args) -> int:
     drafts = engine.options.prompt_lookup_num_tokens
     if drafts == 0:
         print("Drafts (prompt lookup): off (prompt_lookup_num_tokens=0)")
-    elif engine.adapter.dtype != torch.float32:
+    elif not engine.answers.can_draft:
         print(f"Drafts (prompt lookup): off (drafts are verified in float32 only; this model runs in {engine.adapter.dtype})")
     else:
         print(f"Drafts (prompt lookup, up to {drafts} a pass, measured at engine start): a drafted token costs "

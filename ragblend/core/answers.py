@@ -121,6 +121,13 @@ class Answers:
         self.context_window, self.lock, self.kv_dtype = context_window, lock, kv_dtype
         self.draft_row_cost = draft_row_cost(weights, kv_dtype)   # prices a drafted token (DraftPolicy)
 
+    @property
+    def can_draft(self) -> bool:
+        """Whether greedy answers draft by prompt lookup at all. Drafts are verified in a pass over
+        several tokens, which in float32 gives each token's logits to ~1e-5; in bfloat16 a trial saw
+        0.69 and a changed answer, so only a float32 model drafts."""
+        return self.weights.adapter.dtype == torch.float32
+
     def start(self, pre, params: SamplingParams, *, draft_tokens: int) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
         not yet stepped; ``pre.keys``/``values`` become views of the decoder's buffers. Greedy
@@ -132,10 +139,8 @@ class Answers:
         # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
         pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
         lookup = None
-        # Drafts are verified in a pass over several tokens, which in float32 gives each token's
-        # logits to ~1e-5; in bfloat16 a trial saw 0.69 and a changed answer, so only float32 drafts.
         policy = None
-        if draft_tokens and params.temperature == 0 and self.weights.adapter.dtype == torch.float32:
+        if draft_tokens and params.temperature == 0 and self.can_draft:
             lookup = PromptLookup(pre.token_ids)
             policy = DraftPolicy(self.draft_row_cost)
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,

@@ -213,11 +213,16 @@ class QuestionAttention(Selection):
     def _budget(self, num_reused: int) -> int:
         return math.ceil(self.ratio * num_reused - 1e-9)
 
+    def scores(self, prompt: FusionPrompt, relevance: torch.Tensor) -> torch.Tensor:
+        """Each reused token's claim to be recomputed, from its ``[layers, reused tokens]``
+        relevance: the question's attention summed over the layers (a study may score otherwise)."""
+        return relevance.sum(dim=0)
+
     def first(self, prompt, probe):
         budget = self._budget(prompt.num_reused)
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
-        relevance = probe().sum(dim=0)
+        relevance = self.scores(prompt, probe())
         chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
         if self.whole_chunks:
             per_chunk = torch.zeros(len(prompt.spans), device=relevance.device).index_add_(
