@@ -23,7 +23,6 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
@@ -45,24 +44,29 @@ from .models import MODELS, model_path
 
 
 class QuestionAttentionInRuns(QuestionAttention):
-    """QueryAware's selection with the question's relevance averaged over a window of ``run``
-    tokens along each chunk before the top ``ratio`` are chosen, so that the recomputed tokens
-    come in runs with their neighbours (a study of the outliers where recomputing single tokens
-    answered further from full prefill than recomputing none; docs/benchmarks.md)."""
+    """QueryAware's selection with the question's relevance pooled over a window along each
+    chunk before the top ``ratio`` are chosen (the library's ``neighbour_window``, here also
+    as a fixed number of tokens, and max-pooled), so that the recomputed tokens come in runs
+    with their neighbours: a study of the outliers where recomputing single tokens answered
+    further from full prefill than recomputing none (docs/benchmarks.md).
 
-    def __init__(self, ratio: float, run: int, cached_attention_scale: float = 0.7):
-        super().__init__(ratio, cached_attention_scale=cached_attention_scale)
-        self.run = run
+    ``run``: the window in tokens (an int) or as a fraction of each chunk (a float below 1).
+    ``pool``: ``"mean"`` ranks a token by its window's average (where relevance is dense);
+    ``"max"`` by the highest relevance in its window, so that the budget goes to the strongest
+    single tokens each with its neighbours (the peak first)."""
 
-    def scores(self, prompt, relevance):
-        summed = super().scores(prompt, relevance).float()
-        smoothed, start = torch.empty_like(summed), 0
-        for span in prompt.spans:   # a window stays inside its chunk
-            own = summed[start:start + span.num_tokens]
-            smoothed[start:start + span.num_tokens] = F.avg_pool1d(
-                own[None, None], self.run, stride=1, padding=self.run // 2, count_include_pad=False)[0, 0, :span.num_tokens]
-            start += span.num_tokens
-        return smoothed
+    def __init__(self, ratio: float, run: int | float, pool: str = "mean", cached_attention_scale: float = 0.7):
+        super().__init__(ratio, cached_attention_scale=cached_attention_scale,
+                         neighbour_window=run if isinstance(run, float) else 1.0)
+        self.run, self.pooling = run, pool
+
+    def window(self, num_tokens):
+        return super().window(num_tokens) if isinstance(self.run, float) else self.run | 1
+
+    def pool(self, claims, window):
+        if self.pooling == "max":   # a peak's whole window ties; its own claim breaks the tie, peak first
+            return F.max_pool1d(claims[None, None], window, stride=1, padding=window // 2)[0, 0, :claims.numel()] + 1e-3 * claims
+        return super().pool(claims, window)
 
 
 VARIANTS = {
@@ -88,6 +92,9 @@ VARIANTS = {
        for r in (0.10, 0.20) for scaled in (True, False)},
     # the recomputed tokens in runs of neighbours (QuestionAttentionInRuns)
     **{f"QueryAware({r:.2f}, runs of {n})": QuestionAttentionInRuns(r, n) for r in (0.10, 0.20) for n in (9, 17, 33)},
+    **{f"QueryAware({r:.2f}, runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d) for r in (0.10, 0.20) for d in (8, 16)},
+    # ... or around the strongest single tokens (max-pooled: each peak with its neighbours)
+    **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 PREFILL_ONLY = ", scale in the prefill only"

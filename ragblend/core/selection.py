@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .errors import InvalidInputError
 
@@ -194,15 +195,17 @@ class QuestionAttention(Selection):
     With ``whole_chunks``, chunks are taken whole in order of the question's total attention
     while they fit the budget; what remains of it goes to the most attended single tokens.
     ``query_tokens``: the last so many prompt tokens are the question whose attention counts
-    (None: every token after the last chunk).
+    (None: every token after the last chunk). ``neighbour_window``: a token's claim is the
+    question's attention averaged over a window this fraction of its chunk long, centred on
+    it, so the chosen tokens come in runs with their neighbours (0: each token alone).
     """
 
     name = "query_aware"
 
     def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None,
-                 cached_attention_scale: float = 1.0):
+                 cached_attention_scale: float = 1.0, neighbour_window: float = 0.0):
         self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
-        self.cached_attention_scale = cached_attention_scale
+        self.cached_attention_scale, self.neighbour_window = cached_attention_scale, neighbour_window
 
     def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
         # The uncached tokens run twice (the question pass, then the fused pass) when any
@@ -215,8 +218,32 @@ class QuestionAttention(Selection):
 
     def scores(self, prompt: FusionPrompt, relevance: torch.Tensor) -> torch.Tensor:
         """Each reused token's claim to be recomputed, from its ``[layers, reused tokens]``
-        relevance: the question's attention summed over the layers (a study may score otherwise)."""
-        return relevance.sum(dim=0)
+        relevance: the question's attention summed over the layers, pooled over each token's
+        window (:meth:`window`) inside its chunk."""
+        summed = relevance.sum(dim=0)
+        if not self.neighbour_window:
+            return summed
+        summed, start = summed.float(), 0
+        pooled = torch.empty_like(summed)
+        for span in prompt.spans:   # a window never reaches into the next chunk
+            end = start + span.num_tokens
+            pooled[start:end] = self.pool(summed[start:end], self.window(span.num_tokens))
+            start = end
+        return pooled
+
+    def window(self, num_tokens: int) -> int:
+        """How many tokens, centred on a token of a ``num_tokens``-long chunk, its claim is pooled
+        over: ``neighbour_window`` of the chunk, odd so that it is centred."""
+        return max(1, round(self.neighbour_window * num_tokens)) | 1
+
+    def pool(self, claims: torch.Tensor, window: int) -> torch.Tensor:
+        """One chunk's claims averaged over ``window`` tokens around each (fewer at its ends).
+        Why: a token recomputed alone among cached neighbours moved a few answers further from
+        full prefill's than recomputing none (docs/benchmarks.md, "Recomputing in runs")."""
+        if window == 1:
+            return claims
+        return F.avg_pool1d(claims[None, None], window, stride=1, padding=window // 2,
+                            count_include_pad=False)[0, 0, :claims.numel()]
 
     def first(self, prompt, probe):
         budget = self._budget(prompt.num_reused)
@@ -267,6 +294,7 @@ def selection_for(strategy, ratio: float | str | None = None) -> Selection:
         if ratio is None:
             raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
                                     "BlendEngine.prefill, or pass a number.")
-        return QuestionAttention(ratio, strategy.whole_chunks, strategy.query_tokens, strategy.cached_attention_scale)
+        return QuestionAttention(ratio, strategy.whole_chunks, strategy.query_tokens, strategy.cached_attention_scale,
+                                 strategy.neighbour_window)
     raise InvalidInputError(f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), "
                             "FullReuse() or FullRecompute().")

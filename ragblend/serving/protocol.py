@@ -224,7 +224,7 @@ def strategy_to_json(strategy) -> dict:
 def strategy_from_json(options: dict):
     """The strategy of a request's ``ragblend`` field: ``strategy`` (a name) and any of that
     strategy's settings (``ratio``, ``check_layer``, ``gradual``, ``deviation``, ``k`` or
-    ``legolink_k``, ``whole_chunks``, ``query_tokens``, ``cached_attention_scale``,
+    ``legolink_k``, ``whole_chunks``, ``query_tokens``, ``cached_attention_scale``, ``neighbour_window``,
     ``scale_in_decoding``). A setting the strategy does not have is a 400, never ignored."""
     name = options.get("strategy") or "default"
     if not isinstance(name, str):

@@ -129,6 +129,13 @@ def test_runs_of_neighbours_recompute_a_window_around_what_the_question_attends_
     # first: a window stays inside its chunk, so the first chunk's last tokens (20, 21) are not taken
     assert reused_chosen == [5, 6, 7, 8, 9, 22, 23, 24]
     assert chosen[:2].all() and chosen[42:].all()   # the uncached tokens are always computed
+    # max-pooled: each peak with its neighbours, the strongest first (7 +- 2, then 22 and the
+    # next two, the peak first within its window); the same budget of 8
+    peaks = QuestionAttentionInRuns(0.2, run=5, pool="max").first(prompt, lambda: relevance)
+    assert sorted(p for p in peaks.nonzero().squeeze(1).tolist() if prompt.reused[p]) == [5, 6, 7, 8, 9, 22, 23, 24]
+    # a window as a fraction of the chunk: 1/4 of 20 tokens is 5, the same selection
+    by_fraction = QuestionAttentionInRuns(0.2, run=1 / 4).first(prompt, lambda: relevance)
+    assert torch.equal(by_fraction, chosen)
     # end to end on a tiny model: a fused prefill with the variant runs and computes its budget
     engine = make_tiny_engine("llama", tokenizer)
     engine.precompute(PASSAGES[:2])

@@ -31,6 +31,32 @@ def test_whole_chunks_fill_the_budget_with_the_most_attended_chunk_first():
     assert selected[4:7].all() and int(selected[:4].sum()) == 2
 
 
+def test_a_neighbour_window_chooses_runs_inside_each_chunk():
+    spans = [ReusedSpan(0, 16), ReusedSpan(16, 16)]
+    prompt = FusionPrompt.build(34, spans, "cpu")
+    relevance = torch.full((32,), 0.01)
+    relevance[3] = 1.0                                   # an isolated peak in chunk 0
+    relevance[18:23] = 0.6                               # a dense stretch in chunk 1
+    alone = QuestionAttention(5 / 32).first(prompt, lambda: relevance[None])
+    assert alone[3] and int(alone[18:23].sum()) == 4     # single tokens: the peak first
+    # a window of 1/4 of a chunk (4 tokens, made odd: 5): the dense stretch outranks the peak
+    runs = QuestionAttention(5 / 32, neighbour_window=0.25).first(prompt, lambda: relevance[None])
+    assert runs[18:23].all() and not runs[:16].any()
+    assert QuestionAttention(0.5, neighbour_window=0.25).window(16) == 5
+    with pytest.raises(RagblendError, match="neighbour_window"):
+        QueryAware(0.2, neighbour_window=2)
+
+
+def test_runs_of_neighbours_spend_the_same_budget_end_to_end(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(CHUNKS)
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    alone = engine.prefill(segments, strategy=QueryAware(0.25))
+    runs = engine.prefill(segments, strategy=QueryAware(0.25, neighbour_window=0.25))
+    assert runs.stats.recomputed_tokens == alone.stats.recomputed_tokens
+    assert not torch.equal(runs.recomputed, alone.recomputed) and runs.logits.isfinite().all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_query_aware_counts_and_compute(arch, tokenizer):
     engine = make_tiny_engine(arch, tokenizer)
