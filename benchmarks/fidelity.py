@@ -92,7 +92,7 @@ VARIANTS = {
        for r in (0.10, 0.20) for scaled in (True, False)},
     # the recomputed tokens in runs of neighbours (QuestionAttentionInRuns)
     **{f"QueryAware({r:.2f}, runs of {n})": QuestionAttentionInRuns(r, n) for r in (0.10, 0.20) for n in (9, 17, 33)},
-    **{f"QueryAware({r:.2f}, runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d) for r in (0.10, 0.20) for d in (8, 16)},
+    **{f"QueryAware({r:.2f}, runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d) for r in (0.10, 0.20) for d in (8, 16, 32)},
     # ... or around the strongest single tokens (max-pooled: each peak with its neighbours)
     **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},
 }
