@@ -45,10 +45,17 @@ def test_a_thread_that_worked_hands_its_workers_back():
 
 @needs_gomp
 def test_an_engine_call_leaves_no_idle_workers_in_the_calling_thread(tiny_engine):
-    parallel_work()
-    before_call = os_threads()
-    tiny_engine.precompute(["A chunk about the lighthouse keepers of the northern coast and their logs."])
-    assert os_threads() < before_call   # precompute ended by releasing this thread's team
+    # The count is the whole process's: another test's thread starting or ending at the same
+    # moment can hide the drop once (232 threads alive in a full run), never three times.
+    dropped = []
+    for attempt in range(3):
+        parallel_work()
+        before_call = os_threads()
+        tiny_engine.precompute([f"A chunk about the lighthouse keepers of the northern coast, log {attempt}."])
+        dropped.append(os_threads() < before_call)   # precompute ended by releasing this thread's team
+        if dropped[-1]:
+            break
+    assert any(dropped)
 
 
 def test_releasing_is_harmless_anywhere():
