@@ -56,6 +56,8 @@ class QuestionAttentionInRuns(QuestionAttention):
     single tokens each with its neighbours (the peak first)."""
 
     def __init__(self, ratio: float, run: int | float, pool: str = "mean", cached_attention_scale: float = 0.7):
+        # a window in tokens still needs pooling switched on (any nonzero neighbour_window);
+        # window() below then sizes it from ``run`` instead of the chunk's length
         super().__init__(ratio, cached_attention_scale=cached_attention_scale,
                          neighbour_window=run if isinstance(run, float) else 1.0)
         self.run, self.pooling = run, pool
