@@ -142,3 +142,20 @@ def test_runs_of_neighbours_recompute_a_window_around_what_the_question_attends_
     pre = engine.prefill([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), "What is it?"],
                          strategy=QuestionAttentionInRuns(0.3, run=9))
     assert 0 < pre.stats.compute_fraction < 1 and pre.logits.isfinite().all()
+
+
+def test_answer_quality_scores_each_answerer_against_the_gold_answers(tokenizer):
+    """benchmarks.answer_quality: full prefill, the shipped strategy and the reversed order each
+    answer; a gold answer equal to full prefill's own reply scores it as having the answer."""
+    from benchmarks.answer_quality import ANSWERERS, score
+    from benchmarks.common import Prompt
+
+    engine = make_tiny_engine("llama", tokenizer)
+    prompt = Prompt(PASSAGES[:3], "Question: who ran the ferry?", ["a gold answer no tiny model writes"])
+    row = score(engine, prompt, greedy_tokens=6)
+    assert set(row) == set(ANSWERERS)
+    assert all(0 <= r["f1"] <= 1 and r["has_answer"] == 0.0 for r in row.values())
+    own = row["full prefill"]["text"]
+    if own.strip(" .,!?"):   # a reply of punctuation alone normalises to nothing
+        rescored = score(engine, Prompt(PASSAGES[:3], prompt.question, [own]), greedy_tokens=6)
+        assert rescored["full prefill"]["has_answer"] == 1.0
