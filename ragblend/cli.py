@@ -367,7 +367,8 @@ def _calibrate(args) -> int:
         print("ragblend: --answer-margin judges the answers, so it needs --answer-tokens > 0.", file=sys.stderr)
         return 2
     engine = _load_engine(args, kv_dir=False)
-    print(f"Calibrating {engine.name} on the built-in prompts (once per model; minutes on a CPU)...", flush=True)
+    print(f"Calibrating {engine.name} on the built-in prompts (once per model; 5-20 minutes on a 2-core CPU)...",
+          flush=True)
     result = engine.calibrate(progress=True, neighbour_window=args.neighbour_window, answer_tokens=args.answer_tokens,
                               answer_margin=args.answer_margin)
     answers = result.order_noise_answer_kl is not None
@@ -383,7 +384,8 @@ def _calibrate(args) -> int:
     print(f"Chosen: {result.reason}.")
     if result.source:
         print(f"Engines of this model use it from now on. Delete {result.source} to go back to the calibration "
-              "shipped with ragblend (the embedded model's) or, for other models, QueryAware(0.3).")
+              "shipped with ragblend (SmolLM2's, Qwen2.5-Coder-0.5B's, Gemma 3 270M's) or, for other models, "
+              "QueryAware(0.3).")
     return 0
 
 
