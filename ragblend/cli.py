@@ -363,9 +363,9 @@ def _clear(args) -> int:
 
 
 def _calibrate(args) -> int:
-    if args.answer_margin is not None and not args.answer_tokens:
-        print("ragblend: --answer-margin judges the answers, so it needs --answer-tokens > 0.", file=sys.stderr)
-        return 2
+    from ragblend.core.calibration import check_answer_options
+
+    check_answer_options(args.answer_tokens, args.answer_margin)   # before minutes of loading and measuring
     engine = _load_engine(args, kv_dir=False)
     print(f"Calibrating {engine.name} on the built-in prompts (once per model; 5-20 minutes on a 2-core CPU)...",
           flush=True)
@@ -376,7 +376,7 @@ def _calibrate(args) -> int:
           (" answer KL mean | answer KL median |" if answers else "") + "\n|---:|---:|---:|---:|---:|" +
           ("---:|---:|" if answers else ""))
     for row in result.tried:
-        print(f"| {row['ratio']:.2f} | {row.get('neighbour_window', 0):.4g} | {row['compute']:.1%} | "
+        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} | "
               f"{row['kl_mean']:.4f} | {row['kl_median']:.4f} |" +
               (f" {row['answer_kl_mean']:.4f} | {row['answer_kl_median']:.4f} |" if answers else ""))
     print(f"| order noise | | 100% | {result.order_noise_kl[0]:.4f} | {result.order_noise_kl[1]:.4f} |" +
@@ -499,26 +499,21 @@ def number_in(low: float, high: float, *, low_open: bool = False):
     return parse
 
 
-def whole_number(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+def whole_number_from(low: int):
+    """An argparse type: an integer >= ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+        return value
+    return parse
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
+positive_int = whole_number_from(1)
+whole_number = whole_number_from(0)
 
 
 # Engine options' flags come from ragblend.core.options (their type, default and choices declared

@@ -276,21 +276,18 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
     # Each judged measure's per-prompt order noise, and the share of it a ratio may reach.
     margins = {"kl": MARGIN} | ({"answer_kl": answer_margin} if answer_margin else {})
     bars = {measure: ([m["noise"][measure] for m in measured], margin) for measure, margin in margins.items()}
-    tried, passing = [], []
+    tried, cheapest_per_window = [], {}
     for (window, ratio) in strategies:
+        values = {measure: per_prompt((window, ratio), measure) for measure in measures}
         row = {"ratio": ratio, "neighbour_window": window, "compute": statistics.mean(per_prompt((window, ratio), "compute"))}
         for measure in measures:
-            values = per_prompt((window, ratio), measure)
-            row[f"{measure}_mean"], row[f"{measure}_median"] = statistics.mean(values), statistics.median(values)
+            row[f"{measure}_mean"], row[f"{measure}_median"] = mean_median(values[measure])
         tried.append(row)
-        if all(within_margin(per_prompt((window, ratio), measure), *bars[measure], lengths) for measure in bars):
-            passing.append(row)
+        if all(within_margin(values[measure], *bars[measure], lengths) for measure in bars):
+            cheapest_per_window.setdefault(window, row)   # LADDER runs cheapest first
     closer = "answer_kl_mean" if answer_tokens else "kl_mean"      # breaks a tie between windows
     faithfulness = "answer_kl_mean" if answer_margin else "kl_mean"   # what the choice judges
-    # Per window its cheapest passing ratio (LADDER runs cheapest first); then the cheapest of those.
-    cheapest_per_window = [next(row for row in passing if row["neighbour_window"] == w) for w in windows
-                           if any(row["neighbour_window"] == w for row in passing)]
-    chosen = min(cheapest_per_window, key=lambda row: (row["ratio"], row[closer]), default=None)
+    chosen = min(cheapest_per_window.values(), key=lambda row: (row["ratio"], row[closer]), default=None)
     within_noise = chosen is not None
     if not within_noise:
         chosen = min(tried, key=lambda row: row[faithfulness])

@@ -275,7 +275,7 @@ def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp
             main(["calibrate", "--model", str(folder), *bad])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert main(["calibrate", "--model", str(folder), "--answer-margin", "1", "--answer-tokens", "0"]) == 2
-    assert "needs --answer-tokens > 0" in capsys.readouterr().err
+    assert "needs answer_tokens > 0" in capsys.readouterr().err
     assert not (cache / "calibration").exists() or not any((cache / "calibration").iterdir())
 
 
