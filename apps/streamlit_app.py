@@ -7,8 +7,8 @@ questions, and see what fusion does: the streamed answer and its time to first t
 same for a full prefill of the same prompt, which chunks were reused, the prompt with the
 recomputed tokens highlighted, and TTFT over the session. ``RAGBLEND_INDEX_DIR`` and
 ``RAGBLEND_MODEL`` set the index folder and the model path, ``RAGBLEND_CHROMA_URL`` a Chroma
-server to use instead of the database in the index folder: the operator's settings, shown to
-the page's visitors but not changeable by them.
+server to use instead of the database in the index folder (``RAGBLEND_CHROMA_COLLECTION`` its
+collection): the operator's settings, shown to the page's visitors but not changeable by them.
 
 The app has no login: ``ragblend app`` listens on 127.0.0.1 unless given ``--host``. Visitors
 ingest what they upload; the "file or folder on this machine" box exists only when the operator
@@ -37,13 +37,13 @@ st.set_page_config(page_title="ragblend", layout="wide")
 
 
 @st.cache_resource(show_spinner="Loading the model and the index...")
-def open_index(index_dir: str, model_path: str, chroma_url: str):
+def open_index(index_dir: str, model_path: str, chroma_url: str, collection: str):
     from ragblend import BlendEngine
     from ragblend.integrations.local_index import LocalIndex, chroma_client
 
     chroma_client(Path(index_dir), chroma_url or None)  # an unreachable server fails before the model loads
     engine = BlendEngine.from_pretrained(model_path or None, kv_dir=Path(index_dir) / "kv")
-    return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None)
+    return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None, collection=collection)
 
 
 def md(text) -> str:
@@ -94,6 +94,7 @@ with st.sidebar:
     model_path = os.environ.get("RAGBLEND_MODEL", "")
     index_dir = os.environ.get("RAGBLEND_INDEX_DIR", str(cache_dir() / "app-index"))
     chroma_url = os.environ.get("RAGBLEND_CHROMA_URL", "")
+    collection = os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend"
     st.text_input("Model path", value=model_path or "embedded SmolLM2-135M-Instruct", disabled=True,
                   help="Set by the operator: RAGBLEND_MODEL.")
     st.text_input("Index folder", value=index_dir, disabled=True, help="Set by the operator: ragblend app --index.")
@@ -105,7 +106,7 @@ with st.sidebar:
     compare = st.checkbox("Also answer with a full prefill", value=True)
 
 try:
-    rag = open_index(index_dir, model_path, chroma_url.strip())
+    rag = open_index(index_dir, model_path, chroma_url.strip(), collection)
 except RagblendError as err:
     st.error(str(err))
     st.stop()
@@ -213,11 +214,15 @@ if last:
     with st.expander("Retrieved chunks", expanded=True):
         from ragblend.vectorstore_hooks.llamaindex import llm_text
 
-        in_prompt = {sp.token_ids: sp.end - sp.start for sp in fused["trace"].chunk_spans}
+        trace = fused["trace"]
+        recomputed = trace.recomputed.tolist()
+        # each chunk found in the prompt: its tokens, and how many of them the fusion recomputed
+        in_prompt = {sp.token_ids: (sp.end - sp.start, sum(recomputed[sp.start:sp.end])) for sp in trace.chunk_spans}
         for node in fused["sources"]:
             ids = tuple(rag.engine.prompts.tokenize(llm_text(node.node)))
-            found = in_prompt.get(ids, 0)
-            status = (f"KV reused for {found} of {len(ids)} tokens" if found else "computed as text")
+            found, fresh = in_prompt.get(ids, (0, 0))
+            status = (f"cached KV: {found - fresh} of {len(ids)} tokens reused, {fresh} recomputed" if found
+                      else "computed as text")
             st.markdown(f"- **{node.node.metadata.get('file_name', '?')}** (score {node.score:.2f}, {status}): "
                         f"{' '.join(node.node.get_content().split())[:160]}…")
     with st.expander("Prompt: recomputed tokens highlighted"):

@@ -53,7 +53,8 @@ class QuestionAttentionInRuns(QuestionAttention):
     ``run``: the window in tokens (an int) or as a fraction of each chunk (a float below 1).
     ``pool``: ``"mean"`` ranks a token by its window's average (where relevance is dense);
     ``"max"`` by the highest relevance in its window, so that the budget goes to the strongest
-    single tokens each with its neighbours (the peak first)."""
+    single tokens each with its neighbours (the peak first); ``"half"`` by half its own relevance
+    plus half its window's average, so that a strong token alone and a dense run both rank."""
 
     def __init__(self, ratio: float, run: int | float, pool: str = "mean", cached_attention_scale: float = 0.7):
         # a window in tokens still needs pooling switched on (any nonzero neighbour_window);
@@ -68,6 +69,8 @@ class QuestionAttentionInRuns(QuestionAttention):
     def pool(self, claims, window):
         if self.pooling == "max":   # a peak's whole window ties; its own claim breaks the tie, peak first
             return F.max_pool1d(claims[None, None], window, stride=1, padding=window // 2)[0, 0, :claims.numel()] + 1e-3 * claims
+        if self.pooling == "half":
+            return 0.5 * claims + 0.5 * super().pool(claims, window)
         return super().pool(claims, window)
 
 
@@ -95,6 +98,9 @@ VARIANTS = {
     # the recomputed tokens in runs of neighbours (QuestionAttentionInRuns)
     **{f"QueryAware({r:.2f}, runs of {n})": QuestionAttentionInRuns(r, n) for r in (0.10, 0.20) for n in (9, 17, 33)},
     **{f"QueryAware({r:.2f}, runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d) for r in (0.10, 0.20) for d in (8, 16, 32)},
+    # ... or half each token alone, half its run
+    **{f"QueryAware({r:.2f}, half runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d, pool="half")
+       for r in (0.10, 0.20) for d in (16, 32)},
     # ... or around the strongest single tokens (max-pooled: each peak with its neighbours)
     **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},
 }

@@ -19,7 +19,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 
 from ragblend.core import options as engine_options
 from ragblend.core.errors import InvalidInputError, RagblendError, StoreUnavailableError
@@ -32,7 +31,7 @@ def _open_index(args, options=None):
     from ragblend.integrations.local_index import LocalIndex
 
     print("Loading the model and the index...", file=sys.stderr, flush=True)
-    return LocalIndex(args.index, chroma_url=args.chroma_url, options=options)
+    return LocalIndex(args.index, chroma_url=args.chroma_url, collection=args.collection, options=options)
 
 
 def _ingest(args) -> int:
@@ -109,6 +108,7 @@ def _spawn_fill(args, rag) -> tuple[int, str]:
     command = [sys.executable, "-m", "ragblend.cli", "cache", "fill", "--index", str(rag.path)]
     if rag.chroma_url:
         command += ["--chroma-url", rag.chroma_url]
+    command += ["--collection", rag.collection_name]
     log_file = rag.path / "kv-fill.log"
     with open(log_file, "ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -143,7 +143,8 @@ def _print_answer(label: str, answer) -> None:
         return
     strategy = s.strategy if s.ratio is None else f"{s.strategy} {s.ratio:g}"   # what ran, not what was asked
     print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
-          f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunks from the KV store)")
+          f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunk{'' if s.chunks_reused == 1 else 's'} "
+          "from the KV store)")
     if s.fusion_skipped:   # say why nothing was reused
         print("  (a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save work; "
               "stats.strategy_reason says more)")
@@ -194,11 +195,13 @@ def _ask(args) -> int:
 
 
 def _demo(args) -> int:
+    from ragblend.core.model import cache_dir
     from ragblend.data import load_sample, sample_dir
     from ragblend.integrations.local_index import LocalIndex
 
     _check_options(args)
-    folder = args.index or os.path.join(tempfile.gettempdir(), "ragblend-demo-index")
+    # ragblend's own cache, not a fixed name in a shared /tmp that another user could create first
+    folder = args.index or str(cache_dir() / "demo-index")
     print(f"Loading the default model (the first run converts it once, ~20 s) and the index in {folder}...",
           flush=True)
     rag = LocalIndex(folder)
@@ -297,7 +300,8 @@ def _cache(args) -> int:
         print(f"  {key[:16]}...  {reason}")
         if args.fix:
             store.delete(key)
-    print(f"{len(store) if args.fix else len(store) - len(bad)} entries verified, {len(bad)} failing"
+    checked = len(store) + (len(bad) if args.fix else 0)
+    print(f"{checked} entries checked: {checked - len(bad)} sound, {len(bad)} failing"
           + (" (removed)" if args.fix and bad else ""))
     return 1 if bad and not args.fix else 0
 
@@ -314,7 +318,7 @@ def _index_coverage(args, store):
     if args.chroma_url is None and not (folder / "chroma").is_dir():
         return None
     try:
-        collection = chroma_client(folder, args.chroma_url).get_collection("ragblend")
+        collection = chroma_client(folder, args.chroma_url).get_collection(args.collection)
     except Exception:   # no such collection (chromadb raises its own NotFoundError or ValueError)
         return None
     return coverage_of(collection, store.keys())
@@ -442,6 +446,7 @@ def _app(args) -> int:
         env["RAGBLEND_INDEX_DIR"] = args.index
     if args.chroma_url:
         env["RAGBLEND_CHROMA_URL"] = args.chroma_url
+    env["RAGBLEND_CHROMA_COLLECTION"] = args.collection
     env.pop("RAGBLEND_FILES_ROOT", None)
     if args.files_root:
         root = Path(args.files_root).expanduser()
@@ -455,6 +460,10 @@ def _app(args) -> int:
               + ". Use --host 127.0.0.1 (the default) unless this network is trusted.", file=sys.stderr)
     command = [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
                "--server.port", str(args.port), "--browser.gatherUsageStats", "false"]
+    if os.name == "posix":   # become Streamlit: a SIGTERM (kill, a service manager) then stops the app itself
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
     return subprocess.call(command, env=env)
 
 
@@ -540,6 +549,13 @@ def _add_index(p, default="<user cache>/ragblend/index"):
     p.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
                    help="a Chroma server (e.g. http://127.0.0.1:8000 from `chroma run`) instead of the "
                         "Chroma database in the index folder; default: $RAGBLEND_CHROMA_URL")
+    _add_collection(p)
+
+
+def _add_collection(p):
+    p.add_argument("--collection", default=os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend",
+                   help="the index's Chroma collection: give each index on one Chroma server its own "
+                        "(default: $RAGBLEND_CHROMA_COLLECTION or ragblend)")
 
 
 def _add_answer_options(p):
@@ -591,7 +607,7 @@ def _demo_parser(sub) -> None:
                                        "with fusion and with a full prefill")
     demo.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
     _add_answer_options(demo)
-    demo.add_argument("--index", default=None, help="index folder (default: a folder in the temp dir)")
+    demo.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/demo-index)")
     demo.set_defaults(func=_demo)
 
 
@@ -662,6 +678,7 @@ def _cache_parser(sub) -> None:
     cache.add_argument("--index", default=None, help="index folder whose KV store to use (default: the default index)")
     cache.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
                        help="the index's Chroma server, if it uses one (default: $RAGBLEND_CHROMA_URL)")
+    _add_collection(cache)
     # Not the engine's kv_dir option: the store to inspect (verify loads its engine with no store).
     cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
     _add_engine_options(cache, "model")

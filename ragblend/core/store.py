@@ -694,8 +694,11 @@ class DiskStore(KVStore):
             return None
 
     def clear(self) -> int:
-        """Delete every entry; returns how many."""
-        return self.cache.clear()
+        """Delete every entry and reset the hit and miss counts (they describe what was
+        cleared); returns how many entries."""
+        removed = self.cache.clear()
+        self.cache.stats(enable=True, reset=True)
+        return removed
 
     def close(self) -> None:
         self.cache.close()

@@ -148,12 +148,12 @@ class QueryAware(_Settings):
     tokens alone among cached ones. 0 (the default) chooses single tokens.
     (``docs/benchmarks.md``, "Recomputing in runs of neighbours").
 
-    ``ratio=None`` takes the engine's own ratio (its calibration's, else the safe default)
-    when :meth:`BlendEngine.prefill` runs it: what ``strategy="query_aware"`` without a ratio
-    means in the integrations and the CLI.
+    ``ratio=None`` (the default) takes the engine's own ratio (its calibration's, else the safe
+    default) when :meth:`BlendEngine.prefill` runs it: ``QueryAware()`` is the engine's choice
+    made explicit, as ``strategy="query_aware"`` without a ratio is in the integrations and the CLI.
     """
 
-    ratio: float | None = 0.15
+    ratio: float | None = None
     whole_chunks: bool = False
     query_tokens: int | None = None
     cached_attention_scale: float = 0.7

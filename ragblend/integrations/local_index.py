@@ -378,6 +378,9 @@ def _query_engine_class():
     return KVFillingQueryEngine
 
 
+OWNER_KEY = "ragblend_index"   # a server collection's metadata: the index folder that uses it
+
+
 def index_folder(path: str | os.PathLike | None = None) -> Path:
     """The folder of the LocalIndex at ``path`` (``~`` expanded), or the default one in ragblend's cache."""
     return Path(path).expanduser() if path else cache_dir() / "index"
@@ -405,7 +408,10 @@ class LocalIndex:
         self.engine = engine or BlendEngine.from_pretrained(options=options, kv_dir=self.path / "kv")
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
         self.embed_model = default_embed_model()
+        self.collection_name = collection
         self.collection = client.get_or_create_collection(collection)
+        if chroma_url is not None:
+            self._claim_collection()
         self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
         self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)
         self.lock_wait_s = 10.0   # how long a writer waits for another one (ingest, delete)
@@ -416,6 +422,20 @@ class LocalIndex:
 
         self.kv = KVFiller(self)   # computes the KV of chunks that have none (see kv_fill)
         self._check_consistency()
+
+    def _claim_collection(self) -> None:
+        """Stamp a Chroma server's collection with this index's folder, and warn when another
+        folder stamped it first: two index folders on one server, each with the default
+        collection name, would answer from each other's files and reconcile each other's."""
+        metadata = dict(self.collection.metadata or {})
+        owner, mine = metadata.get(OWNER_KEY), str(self.path.resolve())
+        if owner is None:
+            self.collection.modify(metadata={**metadata, OWNER_KEY: mine})
+        elif owner != mine:
+            log.warning("ragblend: the collection %r on the Chroma server %s belongs to the index at %s, not to "
+                        "this one (%s): both answer from, and ingest into, the same chunks. Give this index its "
+                        "own collection (LocalIndex(..., collection='NAME') or --collection NAME) unless that "
+                        "is meant.", self.collection_name, self.chroma_url, owner, mine)
 
     def _check_consistency(self) -> None:
         """Warn when Chroma holds no chunk but the docstore lists files (e.g. the Chroma folder
@@ -429,9 +449,9 @@ class LocalIndex:
             log.warning("ragblend: %s", err)
             return
         if listed:
-            log.warning("ragblend: the index at %s holds no chunk, but its docstore lists %d file(s) (was its Chroma "
-                        "database deleted?). Ingest them again: they are re-added, not skipped as unchanged.",
-                        self.path, listed)
+            log.warning("ragblend: the index at %s holds no chunk, but its docstore lists %d file(s): its Chroma "
+                        "database was deleted, or the index now points at another Chroma server or collection. "
+                        "Ingest them again: they are re-added, not skipped as unchanged.", self.path, listed)
 
     def __len__(self) -> int:
         """Number of nodes (chunks) in the index."""

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import codecs
 import io
+import logging
 from typing import Callable
 
 from ragblend.core.errors import RagblendError
+
+# pypdf reports a damaged file through logging too; with no handler configured, Python would
+# print its bare message ("EOF marker not found") before the skip reason ragblend gives.
+logging.getLogger("pypdf").addHandler(logging.NullHandler())
 
 
 class UnreadableFileError(RagblendError, ValueError):

@@ -233,7 +233,11 @@ def strategy_from_json(options: dict):
     if "legolink_k" in settings:   # the integrations' and the CLI's name for LegoLink's k
         settings["k"] = settings.pop("legolink_k")
     if set(settings) <= {"ratio"}:   # the common case, with strategy_from_name's defaults and checks
-        return strategy_from_name(name, settings.get("ratio"))
+        try:
+            return strategy_from_name(name, settings.get("ratio"))
+        except InvalidInputError as err:   # an unknown name, or a ratio the strategy does not take
+            known = name == "default" or any(c.name == name for c in STRATEGIES)
+            raise ApiError(400, str(err), param="ragblend.ratio" if known else "ragblend.strategy") from None
     cls = next((c for c in STRATEGIES if c.name == name), None)
     if cls is None:
         raise ApiError(400, f"ragblend.strategy {name!r} takes no settings but a ratio; choose one of "

@@ -1,14 +1,18 @@
 """The Streamlit demo app: its flows through Streamlit's AppTest, and one real run in
 headless Chromium."""
 
+import contextlib
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("streamlit")
@@ -73,7 +77,10 @@ def test_ingest_ask_and_compare(app, tmp_path):
     assert metrics["TTFT with fusion"].endswith(" s") and metrics["TTFT full prefill"].endswith(" s")
     reused, total = metrics["Prompt tokens reused"].split(" / ")
     assert int(reused) > 0.5 * int(total)
-    assert "KV reused for" in shown and "background:#ffd166" in shown  # reuse listed, recomputed tokens marked
+    assert "background:#ffd166" in shown   # recomputed tokens marked in the prompt
+    per_chunk = [tuple(map(int, m)) for m in re.findall(r"cached KV: (\d+) of (\d+) tokens reused, (\d+) recomputed", shown)]
+    assert per_chunk and all(reused + fresh == total for reused, total, fresh in per_chunk)
+    assert sum(fresh for _, _, fresh in per_chunk) > 0 and sum(reused for reused, _, _ in per_chunk) > 0
     assert app.session_state["history"][0]["TTFT full prefill (s)"] > 0
 
     app.selectbox[0].set_value("full_reuse")
@@ -121,6 +128,34 @@ def test_ragblend_app_listens_on_this_machine_only(tmp_path):
             socket.create_connection((address, port), timeout=3).close()
     finally:
         server.stop()
+
+
+def test_sigterm_to_ragblend_app_stops_the_app(tmp_path):
+    """A service manager or `kill` signals the process it started, not its group: the app must go."""
+    port = free_port()
+    env = {**os.environ, "STREAMLIT_SERVER_HEADLESS": "true"}
+    server = ServerProcess([sys.executable, "-m", "ragblend.cli", "app", "--port", str(port),
+                            "--index", str(tmp_path / "index")], http_ok(f"http://127.0.0.1:{port}/_stcore/health"),
+                           "the app", timeout_s=60, own_session=True,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    health = http_ok(f"http://127.0.0.1:{port}/_stcore/health")
+
+    def answers() -> bool:
+        try:
+            return health()
+        except (OSError, httpx.HTTPError):   # nothing listens
+            return False
+
+    try:
+        server.process.terminate()   # the CLI's own pid only
+        server.process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while answers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not answers(), "the app outlived ragblend app's SIGTERM"
+    finally:
+        with contextlib.suppress(ProcessLookupError):   # whatever is left of its group
+            os.killpg(server.process.pid, signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------- real browser

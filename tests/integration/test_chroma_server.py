@@ -49,9 +49,12 @@ def test_local_index_over_a_chroma_server(chroma_url, smol_engine, tmp_path):
 
 @pytest.mark.slow
 def test_cli_ingest_and_ask_over_a_chroma_server(chroma_url, tmp_path, capsys, monkeypatch):
+    import chromadb
+
     from ragblend.data import sample_dir
 
     monkeypatch.setenv("RAGBLEND_CHROMA_URL", chroma_url)   # the environment variable, as a deployment sets it
+    monkeypatch.setenv("RAGBLEND_CHROMA_COLLECTION", "cli-test")   # this index's own collection on the server
     index = str(tmp_path / "index")
     assert main(["ingest", str(Path(sample_dir()) / "06-water-plan.md"), "--index", index]) == 0
     assert main(["ask", "On what date did the municipal council adopt the Lowenmark Water Management Plan?",
@@ -59,3 +62,20 @@ def test_cli_ingest_and_ask_over_a_chroma_server(chroma_url, tmp_path, capsys, m
     out = capsys.readouterr().out
     assert "11 June 2024" in out
     assert not (tmp_path / "index" / "chroma").exists()
+    server_side = chromadb.HttpClient(host="127.0.0.1", port=int(chroma_url.rsplit(":", 1)[1]))
+    assert server_side.get_collection("cli-test").count() > 0
+    assert main(["cache", "stats", "--index", index]) == 0   # finds the index's chunks in its collection
+    assert "index:       KV for" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_two_index_folders_on_one_collection_are_warned_about(chroma_url, smol_engine, tmp_path, caplog):
+    from ragblend.integrations.local_index import LocalIndex
+
+    LocalIndex(tmp_path / "first", engine=smol_engine, chroma_url=chroma_url, collection="shared")
+    LocalIndex(tmp_path / "first", engine=smol_engine, chroma_url=chroma_url, collection="shared")   # its own
+    assert "belongs to the index at" not in caplog.text
+    LocalIndex(tmp_path / "second", engine=smol_engine, chroma_url=chroma_url, collection="own")
+    assert "belongs to the index at" not in caplog.text
+    LocalIndex(tmp_path / "second", engine=smol_engine, chroma_url=chroma_url, collection="shared")
+    assert f"belongs to the index at {(tmp_path / 'first').resolve()}" in caplog.text and "--collection" in caplog.text

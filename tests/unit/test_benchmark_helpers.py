@@ -159,3 +159,17 @@ def test_answer_quality_scores_each_answerer_against_the_gold_answers(tokenizer)
     if own.strip(" .,!?"):   # a reply of punctuation alone normalises to nothing
         rescored = score(engine, Prompt(PASSAGES[:3], prompt.question, [own]), greedy_tokens=6)
         assert rescored["full prefill"]["has_answer"] == 1.0
+
+
+def test_sample_questions_reverse_the_chunks_and_keep_the_rest_in_place():
+    from benchmarks.sample_questions import questions, reversed_chunks
+    from ragblend.core.prompt import ChunkSpan, PromptLayout
+
+    a, b = (10, 11, 12), (20, 21)
+    layout = PromptLayout([1, 2, 10, 11, 12, 3, 20, 21, 4], [ChunkSpan(2, 5, a), ChunkSpan(6, 8, b)])
+    flipped = reversed_chunks(layout)
+    assert flipped.token_ids == [1, 2, 20, 21, 3, 10, 11, 12, 4]
+    assert [(s.start, s.end, s.token_ids) for s in flipped.chunk_spans] == [(2, 4, b), (5, 8, a)]
+    partial = PromptLayout([1, 11, 12, 3, 20, 4], [ChunkSpan(1, 3, a, offset=1), ChunkSpan(4, 5, b)])
+    assert reversed_chunks(partial).token_ids == [1, 20, 3, 11, 12, 4]   # a span's own part of its chunk
+    assert len(questions()) >= 8 and all(q and gold for q, gold in questions())

@@ -18,6 +18,10 @@ def test_the_plan_fills_the_ratio_says_why_and_makes_the_selection_once():
     caller = resolve_strategy(QueryAware(None), engine_strategy=QueryAware(0.2), engine_chose=False,
                               calibration=None, num_layers=4)
     assert (caller.ratio, caller.reason) == (0.2, CALLER_REASON)
+    # ... and so does QueryAware() with settings of its own: the ratio is the engine's, not a constant
+    windowed = resolve_strategy(QueryAware(neighbour_window=1 / 16), engine_strategy=QueryAware(0.1), engine_chose=True,
+                                calibration=None, num_layers=4)
+    assert windowed.ratio == 0.1 and windowed.selection.neighbour_window == 1 / 16
     with pytest.raises(InvalidInputError, match="must be below the model's 4 layers"):
         resolve_strategy(CacheBlend(check_layer=4), engine_strategy=UNCALIBRATED, engine_chose=True,
                          calibration=None, num_layers=4)

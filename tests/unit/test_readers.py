@@ -4,6 +4,7 @@ with its reason and never stops the ingest. The sample files are made here: a PD
 hand (one page, Helvetica text), a DOCX as the zip of XML files Word writes."""
 
 import io
+import subprocess
 import sys
 import zipfile
 
@@ -99,6 +100,15 @@ def test_pdf_encrypted_with_an_empty_password_opens_and_with_a_password_is_skipp
 def test_a_broken_or_textless_pdf_is_skipped_with_its_reason(data, reason):
     with pytest.raises(UnreadableFileError, match=reason):
         extract_text(".pdf", data)
+
+
+def test_a_broken_pdf_prints_nothing_but_its_reason():
+    """pypdf's own log lines stay out of a user's terminal (no logging configured, as in the CLI)."""
+    code = ("from ragblend.integrations.readers import extract_text, UnreadableFileError\n"
+            "try:\n    extract_text('.pdf', b'%PDF-1.4\\n1 0 obj\\n<< /Type /Catalog')\n"
+            "except UnreadableFileError as err:\n    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "not a readable PDF" in done.stdout and done.stderr == "", done.stderr
 
 
 def test_html_text_without_scripts_and_styles():

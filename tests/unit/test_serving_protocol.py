@@ -52,6 +52,14 @@ def test_strategy_settings_are_checked():
         with pytest.raises(ApiError, match=words) as caught:
             strategy_from_json(bad)
         assert caught.value.status == 400
+    # the common case (a name and a ratio) names the field at fault too
+    for bad, param in [({"strategy": "legolink", "ratio": 0.3}, "ragblend.ratio"),
+                       ({"strategy": "query_aware", "ratio": 1.5}, "ragblend.ratio"),
+                       ({"strategy": "no_such", "ratio": 0.3}, "ragblend.strategy"),
+                       ({"strategy": "no_such"}, "ragblend.strategy")]:
+        with pytest.raises(ApiError) as caught:
+            strategy_from_json(bad)
+        assert caught.value.status == 400 and caught.value.param == param, bad
 
 
 def test_blocks_segments_and_passages():
