@@ -97,7 +97,16 @@ def _ingest_kv(args, rag) -> int:
 
 
 def _index_option(args) -> str:
-    return f" --index {args.index}" if args.index else ""
+    """The options that name this command's index in a command it suggests: those the
+    environment would not give the suggested command too."""
+    import shlex
+
+    options = ["--index", args.index] if args.index else []
+    if args.chroma_url and args.chroma_url != os.environ.get("RAGBLEND_CHROMA_URL"):
+        options += ["--chroma-url", args.chroma_url]
+    if args.collection != (os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend"):
+        options += ["--collection", args.collection]
+    return "".join(f" {shlex.quote(str(option))}" for option in options)
 
 
 def _spawn_fill(args, rag) -> tuple[int, str]:
@@ -291,8 +300,9 @@ def _cache(args) -> int:
     # verify: needs the model to know which fingerprint and shape entries must have
     engine = _load_engine(args, kv_dir=False)   # (args.kv_dir is the store verified, not the engine's)
     store = _disk_store(args, engine.entry_spec)
-    bad = {}
+    bad, checked = {}, 0
     for key in store.keys():
+        checked += 1
         reason = store.verify(key)
         if reason is not None:
             bad[key] = reason
@@ -300,7 +310,6 @@ def _cache(args) -> int:
         print(f"  {key[:16]}...  {reason}")
         if args.fix:
             store.delete(key)
-    checked = len(store) + (len(bad) if args.fix else 0)
     print(f"{checked} entries checked: {checked - len(bad)} sound, {len(bad)} failing"
           + (" (removed)" if args.fix and bad else ""))
     return 1 if bad and not args.fix else 0

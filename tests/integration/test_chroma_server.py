@@ -79,3 +79,23 @@ def test_two_index_folders_on_one_collection_are_warned_about(chroma_url, smol_e
     assert "belongs to the index at" not in caplog.text
     LocalIndex(tmp_path / "second", engine=smol_engine, chroma_url=chroma_url, collection="shared")
     assert f"belongs to the index at {(tmp_path / 'first').resolve()}" in caplog.text and "--collection" in caplog.text
+    # a moved folder takes its collection along, without a warning
+    caplog.clear()
+    (tmp_path / "first").rename(tmp_path / "moved")
+    LocalIndex(tmp_path / "moved", engine=smol_engine, chroma_url=chroma_url, collection="shared")
+    LocalIndex(tmp_path / "moved", engine=smol_engine, chroma_url=chroma_url, collection="shared")
+    assert "belongs to the index at" not in caplog.text
+
+
+@pytest.mark.slow
+def test_a_cosine_collection_made_elsewhere_opens_and_keeps_its_distance(chroma_url, smol_engine, tmp_path):
+    import chromadb
+
+    from ragblend.integrations.local_index import OWNER_KEY, LocalIndex
+
+    server_side = chromadb.HttpClient(host="127.0.0.1", port=int(chroma_url.rsplit(":", 1)[1]))
+    server_side.create_collection("cosine-docs", metadata={"hnsw:space": "cosine"})
+    rag = LocalIndex(tmp_path / "index", engine=smol_engine, chroma_url=chroma_url, collection="cosine-docs")
+    collection = server_side.get_collection("cosine-docs")
+    assert collection.metadata[OWNER_KEY] == str((tmp_path / "index").resolve()) and len(rag) == 0
+    assert collection.configuration_json["hnsw"]["space"] == "cosine"

@@ -297,3 +297,20 @@ def test_odd_storage_settings_get_clear_errors(tokenizer):
         engine.precompute(["A real chunk of text about ferries.", "  \n\t "])
     assert len(engine.store) == 0                                  # a bad item stores nothing
     assert engine.precompute(["  \n "], skip_unusable=True) == [None]
+
+
+def test_suggested_commands_name_the_same_index(monkeypatch):
+    """`ragblend cache fill ...` hints carry the index's options the environment would not give."""
+    from argparse import Namespace
+
+    from ragblend.cli import _index_option
+
+    monkeypatch.delenv("RAGBLEND_CHROMA_URL", raising=False)
+    monkeypatch.delenv("RAGBLEND_CHROMA_COLLECTION", raising=False)
+    plain = Namespace(index=None, chroma_url=None, collection="ragblend")
+    assert _index_option(plain) == ""
+    given = Namespace(index="my index", chroma_url="http://127.0.0.1:8001", collection="mine")
+    assert _index_option(given) == " --index 'my index' --chroma-url http://127.0.0.1:8001 --collection mine"
+    monkeypatch.setenv("RAGBLEND_CHROMA_URL", "http://127.0.0.1:8001")
+    monkeypatch.setenv("RAGBLEND_CHROMA_COLLECTION", "mine")
+    assert _index_option(given) == " --index 'my index'"   # the environment gives the rest
