@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_kl, answer_logits, first_token_kl
+from ragblend.core.calibration import answer_kl_steps, answer_logits, first_token_kl
 from ragblend.core.selection import QuestionAttention
 
 from .common import (
@@ -164,27 +164,38 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
                 pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
             if prefills is not None and name in prefills:
                 prefills[name] = pre
-            rows[name].update(answer_kl=answer_kl(ref_steps, answer_logits(engine, pre, answer_ids)),
+            rows[name].update(answer_kls(ref_steps, answer_logits(engine, pre, answer_ids)),
                               same_answer=float(text == ref_text) if text is not None else float("nan"))
             if pre.key_bias is not None and answers:   # the attention scale kept out of the answer's steps
                 unanswered = {**rows[name], "rouge": float("nan"), "same_answer": float("nan")}
-                rows[name + PREFILL_ONLY] = {**unanswered, "answer_kl": answer_kl(
+                rows[name + PREFILL_ONLY] = {**unanswered, **answer_kls(
                     ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=False))}
-                rows[name + FADING] = {**unanswered, "answer_kl": answer_kl(
+                rows[name + FADING] = {**unanswered, **answer_kls(
                     ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=fading))}
     return rows
+
+
+def answer_kls(reference, logits) -> dict:
+    """The answer's mean KL and its largest one-step KL ("answer_kl_peak": a short factual answer
+    turns on a token or two, which the mean dilutes)."""
+    steps = answer_kl_steps(reference, logits)
+    return {"answer_kl": steps.mean().item(), "answer_kl_peak": steps.max().item()}
 
 
 def table(results: list[dict], greedy_tokens: int) -> list[str]:
     """One row per strategy: means and medians over the prompts; with answer-level rows, also how
     many prompts' answer-level KL exceeds 3x the order noise's median (issue 29's outlier bound)."""
     answer_level = "answer_kl" in results[0][NOISE]
+    peaks = "answer_kl_peak" in results[0][NOISE]   # runs before it was measured lack it
     head = "| strategy | compute | KL mean | KL median | first token same | ROUGE-L vs full |"
     rule = "|---|---:|---:|---:|---:|---:|"
     if answer_level:
         head += " answer KL mean | answer KL median | answer same | answer KL > 3x noise median |"
         rule += "---:|---:|---:|---:|"
         bound = 3 * statistics.median(r[NOISE]["answer_kl"] for r in results)
+    if peaks:
+        head += " largest step KL mean | largest step KL median |"
+        rule += "---:|---:|"
     lines = [head, rule]
     for name in results[0]:
         col = {k: [r[name][k] for r in results] for k in results[0][name]}
@@ -196,6 +207,8 @@ def table(results: list[dict], greedy_tokens: int) -> list[str]:
             line += (f" {statistics.mean(col['answer_kl']):.4f} | {statistics.median(col['answer_kl']):.4f} | "
                      f"{f'{statistics.mean(same):.0%}' if same[0] == same[0] else '-'} | "
                      f"{sum(k > bound for k in col['answer_kl'])} |")
+        if peaks:
+            line += f" {statistics.mean(col['answer_kl_peak']):.3f} | {statistics.median(col['answer_kl_peak']):.3f} |"
         lines.append(line)
     return lines + full_prefill_notes(results)
 

@@ -385,15 +385,23 @@ def _calibrate(args) -> int:
     result = engine.calibrate(progress=True, neighbour_window=args.neighbour_window, answer_tokens=args.answer_tokens,
                               answer_margin=args.answer_margin)
     answers = result.order_noise_answer_kl is not None
+    # the largest one-step KL over the answer: in files written before it was measured, absent
+    peaks = answers and result.order_noise_answer_kl_peak is not None
+
+    def pairs(row, *names) -> str:
+        return "".join(f" {row[f'{name}_mean']:.4f} | {row[f'{name}_median']:.4f} |" for name in names)
+
+    extra = ("answer_kl",) * answers + ("answer_kl_peak",) * peaks
     print("| QueryAware ratio | neighbour window | compute | KL mean | KL median |" +
-          (" answer KL mean | answer KL median |" if answers else "") + "\n|---:|---:|---:|---:|---:|" +
-          ("---:|---:|" if answers else ""))
+          (" answer KL mean | answer KL median |" if answers else "") +
+          (" largest step KL mean | largest step KL median |" if peaks else "") +
+          "\n|---:|---:|---:|---:|---:|" + "---:|---:|" * len(extra))
     for row in result.tried:
-        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} | "
-              f"{row['kl_mean']:.4f} | {row['kl_median']:.4f} |" +
-              (f" {row['answer_kl_mean']:.4f} | {row['answer_kl_median']:.4f} |" if answers else ""))
-    print(f"| order noise | | 100% | {result.order_noise_kl[0]:.4f} | {result.order_noise_kl[1]:.4f} |" +
-          (f" {result.order_noise_answer_kl[0]:.4f} | {result.order_noise_answer_kl[1]:.4f} |" if answers else ""))
+        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} |" + pairs(row, "kl", *extra))
+    noise = {"kl": result.order_noise_kl, "answer_kl": result.order_noise_answer_kl,
+             "answer_kl_peak": result.order_noise_answer_kl_peak}
+    print("| order noise | | 100% |" + pairs({f"{name}_{stat}": noise[name][i] for name in ("kl", *extra)
+                                             for i, stat in enumerate(("mean", "median"))}, "kl", *extra))
     print(f"Chosen: {result.reason}.")
     if result.source:
         print(f"Engines of this model use it from now on. Delete {result.source} to go back to the calibration "

@@ -9,7 +9,8 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
 1. the order noise: between the full prefills of each prompt's chunks in order and
    reversed, the first-token KL and the *answer-level* KL (:func:`answer_kl`: the mean KL over
    full prefill's own greedy answer, teacher-forced, :data:`ANSWER_TOKENS` tokens; an answer
-   can drift after a faithful first token);
+   can drift after a faithful first token), and the answer's largest one-step KL (a year's
+   digit can turn a short answer while the mean over the answer barely moves);
 2. the same for :class:`~ragblend.core.strategies.QueryAware` at each ratio of
    :data:`LADDER`, cheapest first, with each ``neighbour_window`` of :data:`WINDOWS` (single
    tokens, and runs of neighbours a sixteenth of the chunk long);
@@ -84,7 +85,8 @@ class Calibration:
     order_noise_kl: tuple[float, float]           # (mean, median) over the prompts
     chosen_kl: tuple[float, float]
     # {"ratio", "kl_mean", "kl_median", "compute"}, and "neighbour_window", "answer_kl_mean",
-    # "answer_kl_median" where the calibration tried windows and measured the answer level
+    # "answer_kl_median" (and "answer_kl_peak_mean", "answer_kl_peak_median") where the calibration
+    # tried windows and measured the answer level
     tried: list[dict] = field(default_factory=list)
     prompts: int = 0
     seconds: float = 0.0
@@ -92,6 +94,8 @@ class Calibration:
     neighbour_window: float = 0.0     # QueryAware's, with the chosen ratio
     order_noise_answer_kl: tuple[float, float] | None = None   # (mean, median); None: not measured
     answer_margin: float | None = None   # the answer-level bar the choice also met; None: not judged
+    # (mean, median) over the prompts of the answer's largest one-step KL; reported, not judged
+    order_noise_answer_kl_peak: tuple[float, float] | None = None
     source: str = field(default="", compare=False)   # the file it came from (not stored in it)
 
     @property
@@ -169,6 +173,7 @@ def _from_json(data) -> Calibration:
     if not isinstance(tried, list) or len(tried) > 64:
         raise ValueError("bad tried list")
     answer_noise, answer_margin = data.get("order_noise_answer_kl"), data.get("answer_margin")
+    peak_noise = data.get("order_noise_answer_kl_peak")
     if answer_margin is not None and answer_noise is None:
         raise ValueError("answer_margin without order_noise_answer_kl")
     return Calibration(data["fingerprint"], ratio, data["within_noise"], _pair(data["order_noise_kl"]),
@@ -176,7 +181,8 @@ def _from_json(data) -> Calibration:
                        int(_number(data.get("prompts", 0), 0, 1e6)), _number(data.get("seconds", 0.0)),
                        neighbour_window=_number(data.get("neighbour_window", 0.0), 0.0, 1.0),
                        order_noise_answer_kl=None if answer_noise is None else _pair(answer_noise),
-                       answer_margin=None if answer_margin is None else _number(answer_margin, 1e-9, MAX_ANSWER_MARGIN))
+                       answer_margin=None if answer_margin is None else _number(answer_margin, 1e-9, MAX_ANSWER_MARGIN),
+                       order_noise_answer_kl_peak=None if peak_noise is None else _pair(peak_noise))
 
 
 def _number(value, low=0.0, high=math.inf) -> float:
@@ -204,7 +210,8 @@ def _tried_row(row) -> dict:
                 for k in ("ratio", "kl_mean", "kl_median", "compute")}
     if "neighbour_window" in row:
         measured["neighbour_window"] = _number(row["neighbour_window"], 0.0, 1.0)
-    return measured | {k: _number(row[k]) for k in ("answer_kl_mean", "answer_kl_median") if k in row}
+    return measured | {k: _number(row[k]) for k in ("answer_kl_mean", "answer_kl_median", "answer_kl_peak_mean",
+                                                    "answer_kl_peak_median") if k in row}
 
 
 def save_calibration(calibration: Calibration) -> Path:
@@ -272,7 +279,7 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
         return [m["fused"][key][measure] for m in measured]
 
     lengths = [m["tokens"] for m in measured]
-    measures = ("kl", "answer_kl") if answer_tokens else ("kl",)
+    measures = ("kl", "answer_kl", "answer_kl_peak") if answer_tokens else ("kl",)
     # Each judged measure's per-prompt order noise, and the share of it a ratio may reach.
     margins = {"kl": MARGIN} | ({"answer_kl": answer_margin} if answer_margin else {})
     bars = {measure: ([m["noise"][measure] for m in measured], margin) for measure, margin in margins.items()}
@@ -292,11 +299,13 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
     if not within_noise:
         chosen = min(tried, key=lambda row: row[faithfulness])
     answer_noise = [m["noise"]["answer_kl"] for m in measured] if answer_tokens else None
+    peak_noise = [m["noise"]["answer_kl_peak"] for m in measured] if answer_tokens else None
     return Calibration(engine.calibration_id, chosen["ratio"], within_noise, mean_median(bars["kl"][0]),
                        (chosen["kl_mean"], chosen["kl_median"]), tried, len(prompts), time.perf_counter() - t0,
                        neighbour_window=chosen["neighbour_window"],
                        order_noise_answer_kl=mean_median(answer_noise) if answer_noise else None,
-                       answer_margin=answer_margin)
+                       answer_margin=answer_margin,
+                       order_noise_answer_kl_peak=mean_median(peak_noise) if peak_noise else None)
 
 
 def check_answer_options(answer_tokens, answer_margin) -> None:
@@ -321,7 +330,8 @@ def measure_prompt(engine, chunks: list[str], question: str, strategies: dict, a
     """One calibration prompt: its length in ``"tokens"``, and for the order noise (``"noise"``)
     and each strategy (``"fused"``, by the key of ``strategies``) the first-token ``"kl"``
     against full prefill and, with ``answer_tokens``, the ``"answer_kl"`` over full prefill's
-    own greedy answer."""
+    own greedy answer, and its ``"answer_kl_peak"``, the largest KL at any one step of it (a short
+    factual answer turns on a token or two, which the mean over the answer dilutes)."""
     from .prompt import Chunk
 
     engine.precompute(chunks)
@@ -335,7 +345,8 @@ def measure_prompt(engine, chunks: list[str], question: str, strategies: dict, a
     def against_full(prefill) -> dict:
         row = {"kl": first_token_kl(full.logits, prefill.logits)}
         if answer_tokens:
-            row["answer_kl"] = answer_kl(reference_steps, answer_logits(engine, prefill, answer))
+            steps = answer_kl_steps(reference_steps, answer_logits(engine, prefill, answer))
+            row["answer_kl"], row["answer_kl_peak"] = steps.mean().item(), steps.max().item()
         return row
 
     reordered = engine.prefill([Chunk(c) for c in reversed(chunks)] + [question], strategy=FullRecompute())
@@ -417,5 +428,10 @@ def answer_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     """Answer-level KL: the mean over the answer's steps of KL(reference || other), both from
     :func:`answer_logits` on the same answer (the reference's own greedy answer). First-token KL
     sees only the first step; this sees the answer drift that follows."""
+    return answer_kl_steps(reference, logits).mean().item()
+
+
+def answer_kl_steps(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) at each step of the answer ``[steps]``; see :func:`answer_kl`."""
     log_ref, log_other = torch.log_softmax(reference.float(), -1), torch.log_softmax(logits.float(), -1)
-    return (log_ref.exp() * (log_ref - log_other)).sum(-1).mean().item()
+    return (log_ref.exp() * (log_ref - log_other)).sum(-1)

@@ -105,3 +105,17 @@ def test_a_prompt_run_as_a_full_prefill_is_counted_not_passed_off_as_a_perfect_f
     notes = [line for line in table(results, 2) if "ran as a full prefill" in line]
     assert notes == ["QueryAware(0.10): 1 of 2 prompts ran as a full prefill (fusing would have computed more); "
                      "their KL of 0 judges no fusion."]
+
+
+def test_the_fidelity_table_reports_the_answers_largest_step(tokenizer):
+    from benchmarks.common import Prompt
+    from benchmarks.fidelity import NOISE, measure, table
+
+    engine = make_tiny_engine("llama", tokenizer)
+    prompt = Prompt(CHUNKS * 2, "Question: who ran the ferry?")
+    rows = measure(engine, prompt, {"QueryAware(0.10)": QueryAware(0.10)}, greedy_tokens=6, answer_level=True)
+    for name in ("QueryAware(0.10)", NOISE):
+        assert rows[name]["answer_kl_peak"] >= rows[name]["answer_kl"] > 0, name
+    lines = table([rows], 6)
+    assert lines[0].endswith("| largest step KL mean | largest step KL median |")
+    assert all(line.count("|") == lines[0].count("|") for line in lines[2:] if line.startswith("| "))

@@ -88,12 +88,14 @@ def test_calibrate_measures_the_answer_level_and_keeps_its_neighbour_window(cach
     assert noise_mean > 0 and noise_median >= 0
     assert all(row["answer_kl_mean"] >= 0 and row["answer_kl_median"] >= 0 for row in result.tried)
     assert result.tried[0]["answer_kl_mean"] != result.tried[-1]["answer_kl_mean"]   # measured per ratio
+    assert result.order_noise_answer_kl_peak[0] >= noise_mean                       # the largest step, per prompt
+    assert all(row["answer_kl_peak_mean"] >= row["answer_kl_mean"] for row in result.tried)
     later = make_tiny_engine("qwen2", tokenizer)
     assert later.calibration == result and later.strategy.neighbour_window == 0.0625
     reason = later.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.strategy_reason
     assert f"QueryAware({result.ratio}, neighbour_window=0.0625)" in reason
     again = later.calibrate(prompts()[:2], neighbour_window=0.0, answer_tokens=0, progress=False)
-    assert again.neighbour_window == 0.0 and again.order_noise_answer_kl is None
+    assert again.neighbour_window == 0.0 and again.order_noise_answer_kl is None and again.order_noise_answer_kl_peak is None
     assert all("answer_kl_mean" not in row for row in again.tried)
     assert load_calibration(engine.calibration_id) == again and later.strategy == QueryAware(again.ratio)
 
@@ -130,13 +132,15 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
 
     def fake_measure(engine, chunks, question, strategies, answer_tokens):   # KL falls with the ratio, faster with runs
         fused = {(w, r): {"kl": 0.03 / (r * 100) / (1 + w * 16), "answer_kl": 0.1 / (r * 100) / (1 + w),
-                          "compute": r, "fusion_skipped": False} for w, r in strategies}
-        return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": 0.01}, "fused": fused}
+                          "answer_kl_peak": 9.0, "compute": r, "fusion_skipped": False} for w, r in strategies}
+        return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, "fused": fused}
 
     monkeypatch.setattr(module, "measure_prompt", fake_measure)
     result = engine.calibrate(prompts(), progress=False, save=False)   # first token within 0.005: 0.05 in runs
     assert (result.ratio, result.neighbour_window, result.within_noise) == (0.05, 1 / 16, True)
     assert len(result.tried) == 2 * len(LADDER) and {row["neighbour_window"] for row in result.tried} == {0, 1 / 16}
+    # the largest step is reported (noise and every row), not judged: a peak of 90x the noise's chose all the same
+    assert result.order_noise_answer_kl_peak == (0.1, 0.1) and all(row["answer_kl_peak_mean"] == 9.0 for row in result.tried)
     assert engine.calibrate(prompts(), progress=False, save=False, neighbour_window=0.0).ratio == 0.1
     # answers within 0.01 too: 0.10 either way, and a tie goes to the window whose answers are closer
     judged = engine.calibrate(prompts(), progress=False, save=False, answer_margin=1.0)
@@ -367,3 +371,20 @@ def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_en
     assert not torch.allclose(answer_logits(tiny_engine, scaled, answer), dropped, atol=1e-5)
     with pytest.raises(InvalidInputError, match="scale_in_decoding"):
         QueryAware(0.1, scale_in_decoding="no")
+
+
+def test_cli_calibrate_prints_every_measure_of_every_row(cache, tokenizer, tmp_path, capsys, monkeypatch):
+    from ragblend.cli import main
+    from ragblend.core import calibration as module
+
+    engine = make_tiny_engine("llama", tokenizer)
+    folder = tmp_path / "tiny-llama"
+    engine.hf_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    monkeypatch.setattr(module, "builtin_prompts", prompts)   # short enough for the tiny model's window
+    assert main(["calibrate", "--model", str(folder), "--neighbour-window", "0", "--answer-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| answer KL mean | answer KL median | largest step KL mean | largest step KL median |" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 0.") or line.startswith("| order noise")]
+    assert len(rows) == len(LADDER) + 1 and all(line.count("|") == 10 for line in rows), rows
+    assert "Chosen: calibrated" in out
