@@ -9,6 +9,7 @@ steps whose top token is full prefill's. A short factual answer turns on one or 
 year's digits): the mean over 32 steps dilutes them, the largest step does not.
 
     python -m benchmarks.sample_questions --ratios 0.1 0.2 0.3
+    python -m benchmarks.sample_questions --model qwen2.5-0.5b --ratios 0.2 0.3 0.5
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
 
 from .common import GREEDY_TOKENS, RUNS_DIR, command_line, write_report
+from .models import MODELS, model_path
 
 # The docs' own example questions (README, docs/quickstart.md, docs/serving.md), with the answer
 # the sample documents give.
@@ -101,15 +103,18 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
+    from ragblend import BlendEngine
     from ragblend.integrations.local_index import LocalIndex
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=MODELS, help="with its shipped calibration")
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.2, 0.3])
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        rag = LocalIndex(folder)   # the embedded SmolLM2 and its shipped calibration
+        engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=f"{folder}/kv")
+        rag = LocalIndex(folder, engine=engine)
         rag.ingest([sample_dir()], show_progress=False)
         rows, lines = [], []
         for question, gold in questions():
@@ -121,7 +126,7 @@ def main(argv=None) -> None:
             print("\n".join(lines[-len(row) - 1:]), flush=True)
     summary = table(rows)
     print("\n".join(summary))
-    write_report(args.out, "sample-questions.md", "Sample questions through LocalIndex",
+    write_report(args.out, f"sample-questions-{args.model}.md", f"Sample questions through LocalIndex, {args.model}",
                  command_line("benchmarks.sample_questions", argv), time.perf_counter() - started,
                  [*summary, "", *lines])
 
