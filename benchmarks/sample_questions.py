@@ -109,11 +109,14 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", choices=MODELS, help="with its shipped calibration")
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.2, 0.3])
+    parser.add_argument("--no-chunk-context", action="store_true",
+                        help="precompute chunks right after the template's opening (chunk_context='')")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=f"{folder}/kv")
+        context = {"chunk_context": ""} if args.no_chunk_context else {}
+        engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=f"{folder}/kv", **context)
         rag = LocalIndex(folder, engine=engine)
         rag.ingest([sample_dir()], show_progress=False)
         rows, lines = [], []
@@ -126,7 +129,8 @@ def main(argv=None) -> None:
             print("\n".join(lines[-len(row) - 1:]), flush=True)
     summary = table(rows)
     print("\n".join(summary))
-    write_report(args.out, f"sample-questions-{args.model}.md", f"Sample questions through LocalIndex, {args.model}",
+    suffix = "-no-chunk-context" if args.no_chunk_context else ""
+    write_report(args.out, f"sample-questions-{args.model}{suffix}.md", f"Sample questions through LocalIndex, {args.model}",
                  command_line("benchmarks.sample_questions", argv), time.perf_counter() - started,
                  [*summary, "", *lines])
 
