@@ -26,7 +26,7 @@ from pathlib import Path
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_kl_steps, answer_logits, first_token_kl
+from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
 from ragblend.core.selection import QuestionAttention
 
 from .common import (
@@ -173,13 +173,6 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
                 rows[name + FADING] = {**unanswered, **answer_kls(
                     ref_steps, answer_logits(engine, pre, answer_ids, decoding_bias=fading))}
     return rows
-
-
-def answer_kls(reference, logits) -> dict:
-    """The answer's mean KL and its largest one-step KL ("answer_kl_peak": a short factual answer
-    turns on a token or two, which the mean dilutes)."""
-    steps = answer_kl_steps(reference, logits)
-    return {"answer_kl": steps.mean().item(), "answer_kl_peak": steps.max().item()}
 
 
 def table(results: list[dict], greedy_tokens: int) -> list[str]:

@@ -22,7 +22,7 @@ import time
 import torch
 
 from ragblend import FullRecompute, QueryAware
-from ragblend.core.calibration import answer_logits
+from ragblend.core.calibration import answer_kl_steps, answer_logits
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
 
@@ -76,14 +76,14 @@ def measure(rag, question: str, gold: str, ratios: list[float]) -> dict:
     prompt = user_prompt(rag, question)
     full = engine.prefill(prompt, strategy=FullRecompute())
     answer = engine.generate(prompt, strategy=FullRecompute(), max_new_tokens=GREEDY_TOKENS).token_ids
-    reference = torch.log_softmax(answer_logits(engine, full, answer).float(), -1)
+    reference = answer_logits(engine, full, answer)
     answerers = [("full prefill", prompt, FullRecompute()), (NOISE, reversed_chunks(prompt), FullRecompute()),
                  *((f"QueryAware({r:.2f})", prompt, QueryAware(r)) for r in ratios)]
     row = {}
     for name, layout, strategy in answerers:
         text = engine.generate(layout, strategy=strategy, max_new_tokens=GREEDY_TOKENS).text
-        logits = torch.log_softmax(answer_logits(engine, engine.prefill(layout, strategy=strategy), answer).float(), -1)
-        kl = (reference.exp() * (reference - logits)).sum(-1)
+        logits = answer_logits(engine, engine.prefill(layout, strategy=strategy), answer)
+        kl = answer_kl_steps(reference, logits)
         row[name] = {"has_answer": gold.lower() in text.lower(), "kl_mean": kl.mean().item(),
                      "kl_max": kl.max().item(), "agree": (logits.argmax(-1) == torch.tensor(answer)).float().mean().item(),
                      "text": text}

@@ -104,7 +104,7 @@ def _index_option(args) -> str:
     options = ["--index", args.index] if args.index else []
     if args.chroma_url and args.chroma_url != os.environ.get("RAGBLEND_CHROMA_URL"):
         options += ["--chroma-url", args.chroma_url]
-    if args.collection != (os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend"):
+    if args.collection != _env_collection():
         options += ["--collection", args.collection]
     return "".join(f" {shlex.quote(str(option))}" for option in options)
 
@@ -388,20 +388,21 @@ def _calibrate(args) -> int:
     # the largest one-step KL over the answer: in files written before it was measured, absent
     peaks = answers and result.order_noise_answer_kl_peak is not None
 
-    def pairs(row, *names) -> str:
-        return "".join(f" {row[f'{name}_mean']:.4f} | {row[f'{name}_median']:.4f} |" for name in names)
+    def cells(pairs) -> str:   # (mean, median) pairs
+        return "".join(f" {mean:.4f} | {median:.4f} |" for mean, median in pairs)
 
     extra = ("answer_kl",) * answers + ("answer_kl_peak",) * peaks
+    measures = ("kl", *extra)
     print("| QueryAware ratio | neighbour window | compute | KL mean | KL median |" +
           (" answer KL mean | answer KL median |" if answers else "") +
           (" largest step KL mean | largest step KL median |" if peaks else "") +
           "\n|---:|---:|---:|---:|---:|" + "---:|---:|" * len(extra))
     for row in result.tried:
-        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} |" + pairs(row, "kl", *extra))
+        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} |" +
+              cells((row[f"{name}_mean"], row[f"{name}_median"]) for name in measures))
     noise = {"kl": result.order_noise_kl, "answer_kl": result.order_noise_answer_kl,
              "answer_kl_peak": result.order_noise_answer_kl_peak}
-    print("| order noise | | 100% |" + pairs({f"{name}_{stat}": noise[name][i] for name in ("kl", *extra)
-                                             for i, stat in enumerate(("mean", "median"))}, "kl", *extra))
+    print("| order noise | | 100% |" + cells(noise[name] for name in measures))
     print(f"Chosen: {result.reason}.")
     if result.source:
         print(f"Engines of this model use it from now on. Delete {result.source} to go back to the calibration "
@@ -569,8 +570,12 @@ def _add_index(p, default="<user cache>/ragblend/index"):
     _add_collection(p)
 
 
+def _env_collection() -> str:
+    return os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend"
+
+
 def _add_collection(p):
-    p.add_argument("--collection", default=os.environ.get("RAGBLEND_CHROMA_COLLECTION") or "ragblend",
+    p.add_argument("--collection", default=_env_collection(),
                    help="the index's Chroma collection: give each index on one Chroma server its own "
                         "(default: $RAGBLEND_CHROMA_COLLECTION or ragblend)")
 

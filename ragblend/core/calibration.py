@@ -280,9 +280,10 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
 
     lengths = [m["tokens"] for m in measured]
     measures = ("kl", "answer_kl", "answer_kl_peak") if answer_tokens else ("kl",)
+    noise = {measure: [m["noise"][measure] for m in measured] for measure in measures}   # per prompt
     # Each judged measure's per-prompt order noise, and the share of it a ratio may reach.
     margins = {"kl": MARGIN} | ({"answer_kl": answer_margin} if answer_margin else {})
-    bars = {measure: ([m["noise"][measure] for m in measured], margin) for measure, margin in margins.items()}
+    bars = {measure: (noise[measure], margin) for measure, margin in margins.items()}
     tried, cheapest_per_window = [], {}
     for (window, ratio) in strategies:
         values = {measure: per_prompt((window, ratio), measure) for measure in measures}
@@ -298,14 +299,12 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
     within_noise = chosen is not None
     if not within_noise:
         chosen = min(tried, key=lambda row: row[faithfulness])
-    answer_noise = [m["noise"]["answer_kl"] for m in measured] if answer_tokens else None
-    peak_noise = [m["noise"]["answer_kl_peak"] for m in measured] if answer_tokens else None
-    return Calibration(engine.calibration_id, chosen["ratio"], within_noise, mean_median(bars["kl"][0]),
+    noise_summary = {measure: mean_median(values) for measure, values in noise.items()}
+    return Calibration(engine.calibration_id, chosen["ratio"], within_noise, noise_summary["kl"],
                        (chosen["kl_mean"], chosen["kl_median"]), tried, len(prompts), time.perf_counter() - t0,
                        neighbour_window=chosen["neighbour_window"],
-                       order_noise_answer_kl=mean_median(answer_noise) if answer_noise else None,
-                       answer_margin=answer_margin,
-                       order_noise_answer_kl_peak=mean_median(peak_noise) if peak_noise else None)
+                       order_noise_answer_kl=noise_summary.get("answer_kl"), answer_margin=answer_margin,
+                       order_noise_answer_kl_peak=noise_summary.get("answer_kl_peak"))
 
 
 def check_answer_options(answer_tokens, answer_margin) -> None:
@@ -345,8 +344,7 @@ def measure_prompt(engine, chunks: list[str], question: str, strategies: dict, a
     def against_full(prefill) -> dict:
         row = {"kl": first_token_kl(full.logits, prefill.logits)}
         if answer_tokens:
-            steps = answer_kl_steps(reference_steps, answer_logits(engine, prefill, answer))
-            row["answer_kl"], row["answer_kl_peak"] = steps.mean().item(), steps.max().item()
+            row |= answer_kls(reference_steps, answer_logits(engine, prefill, answer))
         return row
 
     reordered = engine.prefill([Chunk(c) for c in reversed(chunks)] + [question], strategy=FullRecompute())
@@ -429,6 +427,13 @@ def answer_kl(reference: torch.Tensor, logits: torch.Tensor) -> float:
     :func:`answer_logits` on the same answer (the reference's own greedy answer). First-token KL
     sees only the first step; this sees the answer drift that follows."""
     return answer_kl_steps(reference, logits).mean().item()
+
+
+def answer_kls(reference: torch.Tensor, logits: torch.Tensor) -> dict:
+    """``{"answer_kl", "answer_kl_peak"}``: :func:`answer_kl` and the largest KL at any one step
+    of the answer (a short factual answer turns on a token or two, which the mean dilutes)."""
+    steps = answer_kl_steps(reference, logits)
+    return {"answer_kl": steps.mean().item(), "answer_kl_peak": steps.max().item()}
 
 
 def answer_kl_steps(reference: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -429,7 +429,9 @@ class LocalIndex:
         collection name, would answer from each other's files and reconcile each other's."""
         metadata = dict(self.collection.metadata or {})
         owner, mine = metadata.get(OWNER_KEY), str(self.path.resolve())
-        if owner is None or (owner != mine and not Path(owner).is_dir()):   # unclaimed, or its folder moved
+        if owner == mine:
+            return
+        if owner is None or not Path(owner).is_dir():   # unclaimed, or its folder moved: claim it
             # chromadb refuses any modify() naming the distance function, even unchanged; the
             # server keeps it in the collection's configuration all the same.
             metadata.pop("hnsw:space", None)
@@ -438,7 +440,7 @@ class LocalIndex:
             except Exception as err:   # the stamp only serves the warning below: a server that refuses it is fine
                 log.info("ragblend: could not stamp the Chroma collection %r with this index (%s: %s).",
                          self.collection_name, type(err).__name__, err)
-        elif owner != mine:
+        else:
             log.warning("ragblend: the collection %r on the Chroma server %s belongs to the index at %s, not to "
                         "this one (%s): both answer from, and ingest into, the same chunks. Give this index its "
                         "own collection (LocalIndex(..., collection='NAME') or --collection NAME) unless that "
