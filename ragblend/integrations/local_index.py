@@ -429,6 +429,8 @@ class LocalIndex:
         collection name, would answer from each other's files and reconcile each other's."""
         metadata = dict(self.collection.metadata or {})
         owner, mine = metadata.get(OWNER_KEY), str(self.path.resolve())
+        if not isinstance(owner, str):   # the server's metadata is not ours to trust: anything else is no claim
+            owner = None
         if owner == mine:
             return
         if owner is None or not Path(owner).is_dir():   # unclaimed, or its folder moved: claim it

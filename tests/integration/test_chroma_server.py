@@ -99,3 +99,6 @@ def test_a_cosine_collection_made_elsewhere_opens_and_keeps_its_distance(chroma_
     collection = server_side.get_collection("cosine-docs")
     assert collection.metadata[OWNER_KEY] == str((tmp_path / "index").resolve()) and len(rag) == 0
     assert collection.configuration_json["hnsw"]["space"] == "cosine"
+    server_side.create_collection("odd-stamp", metadata={OWNER_KEY: 7})   # a stamp that is not a folder's path
+    LocalIndex(tmp_path / "index", engine=smol_engine, chroma_url=chroma_url, collection="odd-stamp")
+    assert server_side.get_collection("odd-stamp").metadata[OWNER_KEY] == str((tmp_path / "index").resolve())
