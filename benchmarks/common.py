@@ -142,6 +142,13 @@ def rouge_l(candidate: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def prefix_options(args) -> dict:
+    """Engine options of the ``--no-chunk-context`` / ``--no-lead-entries`` flags: what chunks are
+    precomputed after, as before each of those changes (docs/benchmarks.md)."""
+    return {**({"chunk_context": ""} if args.no_chunk_context else {}),
+            **({"lead_chunk_kv": False} if args.no_lead_entries else {})}
+
+
 def first_token_and_answer(engine: BlendEngine, segments, strategy, greedy_tokens: int):
     """(first-token logits, stats, greedy answer) of one prompt; the answer is "" and only a
     prefill runs when ``greedy_tokens`` is 0."""

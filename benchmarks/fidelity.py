@@ -36,6 +36,7 @@ from .common import (
     Prompt,
     command_line,
     first_token_and_answer,
+    prefix_options,
     prompt_sets,
     rouge_l,
     write_report,
@@ -237,13 +238,15 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
     parser.add_argument("--no-chunk-context", action="store_true",
                         help="precompute chunks right after the template's opening (chunk_context=''), as before")
+    parser.add_argument("--no-lead-entries", action="store_true",
+                        help="the first chunk fused from its own entry too (lead_chunk_kv=False), as before")
     args = parser.parse_args(argv)
     variants = {name: VARIANTS[name] for name in args.variants}
     t0 = time.perf_counter()
     lines, raw = [], {}
     for model in args.models:
         engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device,
-                                             **({"chunk_context": ""} if args.no_chunk_context else {}))
+                                             **prefix_options(args))
         for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
             if not prompts:
                 continue

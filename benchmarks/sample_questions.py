@@ -26,7 +26,7 @@ from ragblend.core.calibration import answer_kl_steps, answer_logits
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
 
-from .common import GREEDY_TOKENS, RUNS_DIR, command_line, write_report
+from .common import GREEDY_TOKENS, RUNS_DIR, command_line, prefix_options, write_report
 from .models import MODELS, model_path
 
 # The docs' own example questions (README, docs/quickstart.md, docs/serving.md), with the answer
@@ -111,12 +111,13 @@ def main(argv=None) -> None:
     parser.add_argument("--ratios", nargs="+", type=float, default=[0.1, 0.2, 0.3])
     parser.add_argument("--no-chunk-context", action="store_true",
                         help="precompute chunks right after the template's opening (chunk_context='')")
+    parser.add_argument("--no-lead-entries", action="store_true",
+                        help="the first chunk fused from its own entry too (lead_chunk_kv=False), as before")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        context = {"chunk_context": ""} if args.no_chunk_context else {}
-        engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=f"{folder}/kv", **context)
+        engine = BlendEngine.from_pretrained(model_path(args.model), kv_dir=f"{folder}/kv", **prefix_options(args))
         rag = LocalIndex(folder, engine=engine)
         rag.ingest([sample_dir()], show_progress=False)
         rows, lines = [], []
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
             print("\n".join(lines[-len(row) - 1:]), flush=True)
     summary = table(rows)
     print("\n".join(summary))
-    suffix = "-no-chunk-context" if args.no_chunk_context else ""
+    suffix = "-no-chunk-context" * args.no_chunk_context + "-no-lead-entries" * args.no_lead_entries
     write_report(args.out, f"sample-questions-{args.model}{suffix}.md", f"Sample questions through LocalIndex, {args.model}",
                  command_line("benchmarks.sample_questions", argv), time.perf_counter() - started,
                  [*summary, "", *lines])

@@ -73,13 +73,17 @@ class BlendEngine:
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
         self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
+        # A prompt's first chunk follows the template's opening, not a passage: its own entry (see .ingest).
+        lead_sink = self.prompts.sink_ids() if options.lead_chunk_kv and options.sink_prefix is None else None
+        self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
         self.fingerprint = self.adapter.fingerprint(tokenizer)
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
-                                   self.lock, self.index)
+                                   self.lock, self.index, self.lead_sink_ids)
         self.context_window: int = self.adapter.shape.context_window
         self.entry_spec: EntrySpec = self.ingestion.entry_spec   # what a stored entry must match to be this model's
-        self.calibration_id = calibration_key(self.fingerprint, self.sink_ids)   # the model, what chunks follow
+        # the model, what chunks follow
+        self.calibration_id = calibration_key(self.fingerprint, self.sink_ids, self.lead_sink_ids)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
         self._engine_chose = strategy is None   # the calibration's (or the safe default), not the caller's
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
@@ -155,8 +159,15 @@ class BlendEngine:
                                          progress=progress, skip_unusable=skip_unusable)
 
     def forget(self, keys: Iterable[str]) -> int:
-        """Drop the stored KV of these chunk keys (e.g. when their document is deleted)."""
-        return sum(bool(self.store.delete(key)) for key in keys)
+        """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each
+        chunk's lead entry with it; returns how many chunk keys had an entry."""
+        removed = 0
+        for key in keys:
+            lead = self.ingestion.lead_key_of(key, self.store)
+            if lead is not None:
+                self.store.delete(lead)
+            removed += bool(self.store.delete(key))
+        return removed
 
     def remember_chunk(self, text: str) -> str:
         """Declare ``text`` a chunk, stored or not: see :meth:`.ingest.Ingestion.remember`."""

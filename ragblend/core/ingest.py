@@ -5,6 +5,12 @@ chunks packed into one pass (:func:`packed_isolated_kv`, the sink's own K/V comp
 :func:`sink_kv`), and turned into a storage entry in the engine's KV dtype
 (:meth:`Ingestion.storage_entry`). :meth:`Ingestion.precompute` is what
 :meth:`BlendEngine.precompute <ragblend.BlendEngine.precompute>` runs.
+
+A chunk has two entries when the engine keeps *lead* KV (``lead_chunk_kv``, the default): one
+computed after the sink (the template's opening and a neutral passage: the chunk as a passage in
+the middle of a prompt), and one computed right after the template's opening (the chunk as the
+first passage of a prompt, where it is used so). A prompt's first chunk reads the second, every
+other chunk the first (docs/benchmarks.md, "The first chunk").
 """
 
 from __future__ import annotations
@@ -33,17 +39,29 @@ class Ingestion:
 
     ``lock`` serialises model passes with the engine's other users (prefill, decoding).
     ``index`` (a :class:`~ragblend.core.chunk_index.ChunkIndex`, optional) learns every
-    chunk precomputed, so it is found in flat prompts.
+    chunk precomputed, so it is found in flat prompts. ``lead_sink_ids``: what a chunk's lead
+    entry is computed after (the template's opening), None for no lead entries.
     """
 
     def __init__(self, adapter: ModelAdapter, prompts: PromptBuilder, sink_ids: list[int], fingerprint: str,
-                 kv_dtype: torch.dtype, lock: threading.RLock | None = None, index=None):
+                 kv_dtype: torch.dtype, lock: threading.RLock | None = None, index=None,
+                 lead_sink_ids: list[int] | None = None):
         self.adapter, self.prompts, self.sink_ids = adapter, prompts, sink_ids
+        self.lead_sink_ids = lead_sink_ids
         self.fingerprint, self.kv_dtype = fingerprint, kv_dtype
         self.lock = lock or threading.RLock()
         self.index = index
-        self._sink_kv: list | None = None   # the sink's K/V, computed once (see compute_entries)
+        self._sink_kv: dict[bool, list] = {}   # the sinks' K/V, computed once each (see compute_entries)
         self._warned_unstored = False
+
+    @property
+    def variants(self) -> tuple[bool, ...]:
+        """The entries each chunk gets, by ``lead``: (False,), or (False, True) with lead entries."""
+        return (False, True) if self.lead_sink_ids is not None else (False,)
+
+    def sink_for(self, lead: bool) -> list[int]:
+        """What a chunk's entry is computed after: the sink, or (``lead``) the lead sink."""
+        return self.lead_sink_ids if lead and self.lead_sink_ids is not None else self.sink_ids
 
     @property
     def entry_spec(self) -> EntrySpec:
@@ -51,9 +69,23 @@ class Ingestion:
         shape, vocab_size = self.adapter.shape, self.adapter.hf_model.get_input_embeddings().num_embeddings
         return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
 
-    def key_for(self, token_ids: Sequence[int]) -> str:
-        """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
-        return chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
+    def key_for(self, token_ids: Sequence[int], lead: bool = False) -> str:
+        """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`);
+        ``lead``: its lead entry's (the chunk's own key where the engine keeps no lead entries)."""
+        return chunk_key(self.fingerprint, self.sink_for(lead), list(token_ids), str(self.kv_dtype))
+
+    def lead_key_of(self, key: str, store: KVStore) -> str | None:
+        """The key of the lead entry of the chunk stored under ``key``; None without lead entries or
+        when that chunk is not in ``store`` (its token ids, which the lead key is made of, are unknown)."""
+        if self.lead_sink_ids is None:
+            return None
+        reader = store.open(key, drop_unusable=False)
+        if reader is None:
+            return None
+        try:
+            return self.key_for(reader.token_ids, lead=True)
+        finally:
+            reader.close()
 
     def remember(self, text: str) -> str:
         """Declare ``text`` a chunk in the index (returns its key), so flat prompts have it marked
@@ -65,21 +97,22 @@ class Ingestion:
 
     def precompute(self, texts, store: KVStore, *, batch_tokens: int, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
-        """Compute and store in ``store`` each chunk text's KV, up to ``batch_tokens`` chunk tokens a
-        pass, skipping chunks already stored; every text is checked before anything is stored. With
-        ``skip_unusable`` (for ingestion hooks) a chunk empty, longer than the window or shorter than
-        ``ChunkFinder.MIN_RUN`` gets None, not an error. A :class:`~.kv.ChunkRef` says whether its
-        entry is ``stored`` (a failing store is a warning; queries then compute that chunk)."""
+        """Compute and store in ``store`` each chunk text's KV (each of its :attr:`variants`), up to
+        ``batch_tokens`` chunk tokens a pass, skipping entries already stored; every text is checked
+        before anything is stored. With ``skip_unusable`` (for ingestion hooks) a chunk empty, longer
+        than the window or shorter than ``ChunkFinder.MIN_RUN`` gets None, not an error. A
+        :class:`~.kv.ChunkRef` names the chunk's own entry and says whether it is ``stored`` (a failing
+        store is a warning; queries then compute that chunk)."""
         texts, tokenized = self.tokenize_chunks(texts, skip_unusable)
         refs: list[ChunkRef | None] = [None] * len(tokenized)
-        todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), not stored yet
+        todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), an entry not stored yet
         keys = [None if ids is None else self.key_for(ids) for ids in tokenized]
         for i, (ids, key) in enumerate(zip(tokenized, keys)):
             if ids is None:
                 continue
             if self.index is not None:
                 self.index.add(key, ids)
-            if key in todo or key not in store:
+            if key in todo or any(self.key_for(ids, lead) not in store for lead in self.variants):
                 todo.setdefault(key, (i, ids))
             else:
                 refs[i] = ChunkRef(key, len(ids), True)
@@ -88,9 +121,9 @@ class Ingestion:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(texts), initial=len(texts) - len(todo), desc="Precomputing KV", unit="chunk")
         for batch in packs(list(todo.items()), batch_tokens):
-            entries = self.compute_entries([ids for _, (_, ids) in batch])
-            for (key, (i, ids)), entry in zip(batch, entries):
-                refs[i] = ChunkRef(key, len(ids), store.put(entry))
+            stored = self._store_missing([ids for _, (_, ids) in batch], store)
+            for (key, (i, ids)), ok in zip(batch, stored):
+                refs[i] = ChunkRef(key, len(ids), ok)
             if bar is not None:
                 bar.update(len(batch))
         if bar is not None:
@@ -101,6 +134,19 @@ class Ingestion:
         self._warn_unstored(refs)
         release_thread_pool()   # see .omp
         return refs
+
+    def _store_missing(self, chunks: list[list[int]], store: KVStore) -> list[bool]:
+        """Compute and store each chunk's entries (each of :attr:`variants`) that ``store`` lacks, one
+        pass per variant; per chunk, whether its own entry is stored."""
+        stored = [True] * len(chunks)
+        for lead in self.variants:
+            missing = [i for i, ids in enumerate(chunks) if self.key_for(ids, lead) not in store]
+            entries = self.compute_entries([chunks[i] for i in missing], lead=lead) if missing else []
+            for i, entry in zip(missing, entries):
+                ok = store.put(entry)
+                if not lead:
+                    stored[i] = ok
+        return stored
 
     def tokenize_chunks(self, texts: str | Iterable[str], skip_unusable: bool):
         """``(texts, token ids)``, every text checked before anything is stored; with
@@ -137,32 +183,34 @@ class Ingestion:
             log.warning("ragblend: %d of %d chunk(s) could not be stored in the KV store (cause logged above); "
                         "queries compute them instead. ChunkRef.stored says which.", unstored, len(refs))
 
-    def compute_entry(self, token_ids: list[int]) -> ChunkKV:
-        """A chunk's KV computed in isolation after the sink prefix, in the storage dtype."""
-        return self.compute_entries([token_ids])[0]
+    def compute_entry(self, token_ids: list[int], lead: bool = False) -> ChunkKV:
+        """A chunk's KV computed in isolation after the sink prefix (``lead``: after the lead sink),
+        in the storage dtype."""
+        return self.compute_entries([token_ids], lead=lead)[0]
 
-    def compute_entries(self, chunks: list[list[int]]) -> list[ChunkKV]:
-        """Several chunks' entries, computed in one pass after the sink, whose K/V are computed
-        once per engine (a sliding window shorter than sink + chunk needs the one-at-a-time
-        path, which computes the sink each time)."""
-        adapter = self.adapter
+    def compute_entries(self, chunks: list[list[int]], lead: bool = False) -> list[ChunkKV]:
+        """Several chunks' entries, computed in one pass after the sink (``lead``: the lead sink),
+        whose K/V are computed once per engine (a sliding window shorter than sink + chunk needs
+        the one-at-a-time path, which computes the sink each time)."""
+        adapter, sink = self.adapter, self.sink_for(lead)
         windows = [w for i in range(adapter.shape.num_layers) if (w := adapter.window(i)) is not None]
-        if windows and len(self.sink_ids) + max(map(len, chunks)) > min(windows):
+        if windows and len(sink) + max(map(len, chunks)) > min(windows):
             entries = []
             for ids in chunks:
                 with self.lock:
-                    keys, values = isolated_kv(adapter, self.sink_ids, ids)
-                entries.append(self.storage_entry(ids, keys, values))
+                    keys, values = isolated_kv(adapter, sink, ids)
+                entries.append(self.storage_entry(ids, keys, values, lead))
             return entries
         with self.lock:
-            if self._sink_kv is None:
-                self._sink_kv = sink_kv(adapter, self.sink_ids)
-            kvs = packed_isolated_kv(adapter, self.sink_ids, chunks, sink=self._sink_kv)
-        return [self.storage_entry(ids, keys, values) for ids, (keys, values) in zip(chunks, kvs)]
+            if lead not in self._sink_kv:
+                self._sink_kv[lead] = sink_kv(adapter, sink)
+            kvs = packed_isolated_kv(adapter, sink, chunks, sink=self._sink_kv[lead])
+        return [self.storage_entry(ids, keys, values, lead) for ids, (keys, values) in zip(chunks, kvs)]
 
-    def storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor) -> ChunkKV:
+    def storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor,
+                      lead: bool = False) -> ChunkKV:
         """The entry of a chunk's float K/V, in the storage dtype where its values fit."""
-        entry = ChunkKV(self.key_for(token_ids), list(token_ids), keys, values)
+        entry = ChunkKV(self.key_for(token_ids, lead), list(token_ids), keys, values)
         stored = to_storage(entry, self.kv_dtype)
         if self.kv_dtype == torch.int8:
             # int8 entries are read back in float16: they need float16's range too.

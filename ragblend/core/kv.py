@@ -30,14 +30,18 @@ def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], stora
     return _key(KV_FORMAT_VERSION, fingerprint, storage_dtype, sink_ids, token_ids)
 
 
-def calibration_key(fingerprint: str, sink_ids: list[int]) -> str:
-    """What a calibration is stored under: the model fingerprint and sink prefix.
+def calibration_key(fingerprint: str, sink_ids: list[int], lead_sink_ids: list[int] | None = None) -> str:
+    """What a calibration is stored under: the model fingerprint and sink prefix, and the lead
+    sink where the engine keeps lead entries (a prompt's first chunk is then fused from another
+    entry: see :mod:`.ingest`).
 
     A calibration measures the model with the sink, not the KV format, so its key keeps the
     format version it was first made with (2): bumping :data:`KV_FORMAT_VERSION` must not
     orphan the calibrations shipped in ``ragblend/data/calibration``.
     """
-    return _key(2, fingerprint, "calibration", sink_ids, [])
+    if lead_sink_ids is None:
+        return _key(2, fingerprint, "calibration", sink_ids, [])
+    return _key(2, fingerprint, "calibration with lead entries", sink_ids, lead_sink_ids)
 
 
 def _key(version: int, fingerprint: str, kind: str, sink_ids: list[int], token_ids: list[int]) -> str:

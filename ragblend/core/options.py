@@ -70,6 +70,10 @@ class EngineOptions:
     chunk_context: str = option(
         CHUNK_CONTEXT, "A neutral passage every chunk is precomputed after, so that a chunk's cached KV is that of "
                        "a passage in the middle of a prompt (\"\" for none; docs/benchmarks.md, 'Chunk context').")
+    lead_chunk_kv: bool = option(
+        True, "Also store each chunk's KV as computed right after the template's opening, for where the chunk is a "
+              "prompt's first passage (its cached KV is then nearly exact there): about twice the ingestion time and "
+              "KV storage (docs/benchmarks.md, 'The first chunk'). Off when chunk_context is \"\" or sink_prefix is set.")
     use_chat_template: bool | None = option(None, "Wrap prompts in the tokenizer's chat template; None: when it has one.")
     kv_dtype: str | torch.dtype = option(
         "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost "
@@ -112,6 +116,8 @@ class EngineOptions:
                 f"chunk_context must be a str (\"\" for none), got {type(self.chunk_context).__name__}.")
         if self.sink_prefix is not None:
             check_text(self.sink_prefix, "sink_prefix")
+        if not isinstance(self.lead_chunk_kv, bool):
+            raise InvalidInputError(f"lead_chunk_kv must be True or False, got {self.lead_chunk_kv!r}.")
         storage_dtype(self.kv_dtype)
         if self.decode_dtype not in DECODE_DTYPES:
             raise InvalidInputError(

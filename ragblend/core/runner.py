@@ -171,26 +171,31 @@ class PrefillRunner:
         # A chunk can appear in several spans (repeated, or split where the prompt's tokens
         # differ from its own); the chunk counts in Stats are of distinct chunks.
         found = _Found(from_store=torch.zeros(len(layout.token_ids), dtype=torch.bool))
+        lead_span = self.lead_span(layout)
         try:
-            for span in layout.chunk_spans:
+            for j, span in enumerate(layout.chunk_spans):
                 if not span.token_ids or not plan.reuses:
                     continue
-                key = self.ingestion.key_for(span.token_ids)
-                reader = MemoryReader(computed[key], "computed") if key in computed else \
-                    _open(store, key, span.token_ids)
+                own_key = self.ingestion.key_for(span.token_ids)
+                lead = j == lead_span
+                key = self.ingestion.key_for(span.token_ids, lead=lead)
+                reader = _read(computed, store, key, span.token_ids)
+                if reader is None and lead:   # a store filled without lead entries: the chunk's own, as before
+                    reader = _read(computed, store, own_key, span.token_ids)
                 if reader is None:
                     if not write_back:
-                        found.missing.add(key)
+                        found.missing.add(own_key)
                         continue  # computed as plain text inside the prompt
+                    # What a hit would have read, so that a miss (or a failing store) answers the same.
                     t = time.perf_counter()
-                    computed[key] = self.ingestion.compute_entry(list(span.token_ids))
-                    self.index.add(key, span.token_ids)
+                    computed[key] = entry = self.ingestion.compute_entry(list(span.token_ids), lead=lead)
+                    self.index.add(own_key, span.token_ids)
                     stats.isolate_s += time.perf_counter() - t
-                    self.background.submit(store.put, computed[key])
-                    reader = MemoryReader(computed[key], "computed")
+                    self.background.submit(store.put, entry)
+                    reader = MemoryReader(entry, "computed")
                 found.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
                 found.readers.append(reader)
-                found.tier_of.setdefault(key, reader.tier)
+                found.tier_of.setdefault(own_key, reader.tier)
                 if reader.tier != "computed":
                     found.from_store[span.start:span.end] = True
         except BaseException:
@@ -198,6 +203,16 @@ class PrefillRunner:
                 reader.close()
             raise
         return found
+
+    def lead_span(self, layout: PromptLayout) -> int | None:
+        """Which chunk span is fused from its chunk's lead entry: the prompt's first chunk, where
+        what comes before it is shorter than the sink, i.e. little more than the template's
+        opening, which the lead entry was computed after. None without lead entries."""
+        spans = layout.chunk_spans
+        if self.ingestion.lead_sink_ids is None or not spans:
+            return None
+        first = min(range(len(spans)), key=lambda j: spans[j].start)
+        return first if spans[first].start < len(self.ingestion.sink_ids) else None
 
     def _promote(self, store, keys: list[str]) -> None:
         """Chunks served from disk also go to the memory tier, in the background."""
@@ -215,6 +230,11 @@ def _count_tiers(found: _Found, stats: Stats) -> dict:
     stats.chunks_missing = len(found.missing) + tiers.get("computed", 0)
     stats.tiers = tiers
     return tiers
+
+
+def _read(computed: dict, store, key: str, token_ids) -> ChunkReader | None:
+    """A reader for the entry under ``key``: computed during this call, or stored, or None."""
+    return MemoryReader(computed[key], "computed") if key in computed else _open(store, key, token_ids)
 
 
 def _open(store, key: str, token_ids) -> ChunkReader | None:

@@ -132,16 +132,21 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
 
     def fake_measure(engine, chunks, question, strategies, answer_tokens):   # KL falls with the ratio, faster with runs
         fused = {(w, r): {"kl": 0.03 / (r * 100) / (1 + w * 16), "answer_kl": 0.1 / (r * 100) / (1 + w),
-                          "answer_kl_peak": 9.0, "compute": r, "fusion_skipped": False} for w, r in strategies}
+                          "answer_kl_peak": 0.6 / (r * 100), "compute": r, "fusion_skipped": False} for w, r in strategies}
         return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, "fused": fused}
 
     monkeypatch.setattr(module, "measure_prompt", fake_measure)
-    result = engine.calibrate(prompts(), progress=False, save=False)   # first token within 0.005: 0.05 in runs
-    assert (result.ratio, result.neighbour_window, result.within_noise) == (0.05, 1 / 16, True)
+    # first token within 0.005 from 0.05 in runs, but the answer's largest step within the noise's (0.1)
+    # only from 0.10: 0.10, both windows, and the tie to runs, whose answers are closer
+    result = engine.calibrate(prompts(), progress=False, save=False)
+    assert (result.ratio, result.neighbour_window, result.within_noise) == (0.1, 1 / 16, True)
     assert len(result.tried) == 2 * len(LADDER) and {row["neighbour_window"] for row in result.tried} == {0, 1 / 16}
-    # the largest step is reported (noise and every row), not judged: a peak of 90x the noise's chose all the same
-    assert result.order_noise_answer_kl_peak == (0.1, 0.1) and all(row["answer_kl_peak_mean"] == 9.0 for row in result.tried)
+    assert result.order_noise_answer_kl_peak == (0.1, 0.1) and result.answer_peak_margin == 1.0
+    assert "answer's largest step within 100%" in result.reason
     assert engine.calibrate(prompts(), progress=False, save=False, neighbour_window=0.0).ratio == 0.1
+    # no answers measured: the first token alone judges (0.05 in runs)
+    first_only = engine.calibrate(prompts(), progress=False, save=False, answer_tokens=0)
+    assert (first_only.ratio, first_only.answer_peak_margin) == (0.05, None)
     # answers within 0.01 too: 0.10 either way, and a tie goes to the window whose answers are closer
     judged = engine.calibrate(prompts(), progress=False, save=False, answer_margin=1.0)
     assert (judged.ratio, judged.neighbour_window, judged.answer_margin) == (0.1, 1 / 16, 1.0)
@@ -149,6 +154,24 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
     assert load_calibration(engine.calibration_id) is None   # save=False
     none = engine.calibrate(prompts(), progress=False, save=False, answer_margin=0.1)   # no answers that close
     assert not none.within_noise and none.ratio == 0.5 and "no ratio tried" in none.reason
+
+
+def test_the_largest_step_is_judged_over_all_prompts_not_the_long_ones_alone(cache, tokenizer, monkeypatch):
+    """Two long prompts of eight: their largest steps over the noise's, the eight's within it."""
+    from ragblend.core import calibration as module
+
+    calls = iter(range(8))
+
+    def fake_measure(engine, chunks, question, strategies, answer_tokens):
+        long = next(calls) < 2
+        fused = {key: {"kl": 0.001, "answer_kl": 0.001, "answer_kl_peak": 0.3 if long else 0.01, "compute": key[1],
+                       "fusion_skipped": False} for key in strategies}
+        return {"tokens": 3000 if long else 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1},
+                "fused": fused}
+
+    monkeypatch.setattr(module, "measure_prompt", fake_measure)
+    result = make_tiny_engine("qwen2", tokenizer).calibrate(prompts()[:2] * 4, progress=False, save=False)
+    assert result.within_noise and result.ratio == LADDER[0]   # mean 0.0825 and median 0.01 against 0.1
 
 
 @pytest.mark.parametrize("content", [
@@ -162,6 +185,8 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
                 "chosen_kl": [0.01, 0.01]}).encode(),
     json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
                 "chosen_kl": [0.01, 0.01], "answer_margin": 1.0}).encode(),
+    json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "answer_peak_margin": 1.0}).encode(),
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
     engine = make_tiny_engine("llama", tokenizer)
@@ -190,7 +215,7 @@ def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, 
 
     engine = make_tiny_engine("qwen2", tokenizer)
     shipped = engine.calibrate(prompts()[:2], progress=False, save=False)
-    shipped.ratio = 0.2
+    shipped.ratio, shipped.neighbour_window = 0.2, 0.0
     monkeypatch.setattr(module, "SHIPPED_DIR", tmp_path / "shipped")
     module.SHIPPED_DIR.mkdir()
     (module.SHIPPED_DIR / calibration_file(engine.calibration_id).name).write_text(json.dumps(dataclasses.asdict(shipped)))
@@ -299,6 +324,9 @@ def test_every_shipped_calibration_is_of_the_current_format():
         chosen = next(row for row in calibration.tried if (row["ratio"], row["neighbour_window"]) ==
                       (calibration.ratio, calibration.neighbour_window))
         assert chosen["answer_kl_mean"] <= calibration.order_noise_answer_kl[0], path.name
+        if calibration.answer_peak_margin:   # judged since lead entries; the files of lead_chunk_kv=False not
+            assert chosen["answer_kl_peak_mean"] <= calibration.order_noise_answer_kl_peak[0], path.name
+            assert chosen["answer_kl_peak_median"] <= calibration.order_noise_answer_kl_peak[1], path.name
 
 
 def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):

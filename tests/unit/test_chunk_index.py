@@ -53,6 +53,7 @@ def test_scanning_a_shared_directory_never_deletes_other_models_entries(tokenize
     llama.store = DiskStore(tmp_path, llama.entry_spec)
     qwen.store = DiskStore(tmp_path, qwen.entry_spec)
     llama.precompute(PASSAGES[:2])
+    stored = len(llama.store)
     layout = qwen.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?")  # scans every entry's header
-    assert layout.chunk_spans == [] and len(llama.store) == 2
+    assert layout.chunk_spans == [] and len(llama.store) == stored == 4   # each chunk's own and lead entries
     assert llama.find_chunks(f"Context: {PASSAGES[0]}\n\nQuestion?").chunk_spans

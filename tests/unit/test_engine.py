@@ -119,7 +119,9 @@ def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     with torch.inference_mode():
         fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
     reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
-    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans])
+    lead = engine.runner.lead_span(layout)   # the first chunk is read from its lead entry
+    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids, lead=j == lead))
+                               for j, s in enumerate(layout.chunk_spans)])
     source.prepare([1])
     cached = source.layer(1)
     scores = {k: kv_deviation(k, fresh_k[:, reused_pos], fresh_v[:, reused_pos], cached,
@@ -166,7 +168,7 @@ def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer
     engine = BlendEngine.from_pretrained(tmp_path / "model", store=empty, kv_dir=tmp_path / "unused")
     assert engine.store is empty and not (tmp_path / "unused").exists()
     engine.precompute([PASSAGES[0]])
-    assert len(empty) == 1
+    assert len(empty) == 2    # the chunk's own entry and its lead entry
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 300])

@@ -215,7 +215,7 @@ def hostile_headers(real: dict) -> dict[str, bytes]:
 def test_a_hostile_header_is_dropped_and_recomputed(engine, clean, case):
 
     store = engine.store.disk
-    key = engine.key_of(CHUNKS[0])
+    key = engine.key_of(CHUNKS[1])   # the prompt's second chunk (the first is read from its lead entry)
     path = entry_path(store, key)
     blob = path.read_bytes()
     (header_len,) = struct.unpack("<I", blob[4:8])
@@ -257,7 +257,8 @@ def test_the_storage_dtype_is_part_of_an_entrys_identity(tokenizer, tmp_path):
     assert full.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.chunks_reused == 0   # not the fp16 entry
     full.flush()
     assert half.store.get(half.ingestion.key_for(ids)).keys.dtype == torch.float16
-    assert full.store.get(full.ingestion.key_for(ids)).keys.dtype == torch.float32
+    # computed as the prompt's first chunk: its lead entry
+    assert full.store.get(full.ingestion.key_for(ids, lead=True)).keys.dtype == torch.float32
 
 
 def test_opening_a_store_reclaims_files_no_row_names(tmp_path):

@@ -79,9 +79,10 @@ def test_chunks_are_searchable_before_their_kv_and_a_query_computes_what_it_uses
     answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
     assert answer.stats.chunks_computed == 2 and answer.stats.chunks_reused == 0   # answered at once
     rag.engine.flush()
-    retrieved = {n.node.metadata[KV_KEY] for n in answer.sources}
-    assert all(key in rag.engine.store for key in retrieved)                       # and written back
-    assert rag.kv_coverage().stored == 2
+    first, second = (n.node.metadata[KV_KEY] for n in answer.sources)
+    # and written back: the second chunk's own entry, the first's as the prompt's first passage (its lead entry)
+    assert second in rag.engine.store and first not in rag.engine.store and len(rag.engine.store) == 2
+    assert rag.kv_coverage().stored == 1
 
 
 
@@ -90,13 +91,15 @@ def test_chunks_a_query_stored_during_a_fill_count_as_covered_not_computed(rag, 
     listed = rag.kv._pending(set())   # the filler lists what is missing; then a query stores two of them
     answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
     rag.engine.flush()
-    retrieved = {n.node.metadata[KV_KEY] for n in answer.sources}
+    # the second chunk's own entry (the first's is its lead entry: the filler still computes its own)
+    stored = {key for n in answer.sources if (key := n.node.metadata[KV_KEY]) in rag.engine.store}
+    assert len(stored) == 1
     rounds = iter([listed])
     monkeypatch.setattr(rag.kv, "_pending", lambda tried: next(rounds, []))
-    assert rag.kv.run() == 24 and rag.kv.computed == 22   # covered, but computed by the query, not here
-    # ... so neither are their tokens in the filler's rate (they took it no computing)
+    assert rag.kv.run() == 24 and rag.kv.computed == 23   # covered, but computed by the query, not here
+    # ... so neither are its tokens in the filler's rate (it took it no computing)
     assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) for n in rag.vector_store.get_nodes()
-                                if n.metadata[KV_KEY] not in retrieved)
+                                if n.metadata[KV_KEY] not in stored)
 
 
 def test_background_fill_reaches_full_coverage_and_a_repeated_query_reuses_every_chunk(rag, docs):
@@ -225,11 +228,12 @@ def test_cache_stats_splits_entries_by_dtype_and_shows_the_index_coverage(rag, d
     rag.engine.store.disk.put(synthetic_entry(2, dtype=torch.float32, spec=rag.engine.entry_spec))
     rag.engine.store.disk.cache._sql("UPDATE Cache SET tag = NULL WHERE key = ?", (f"{2:064x}",))
     by_dtype = rag.engine.store.disk.entries_by_dtype()
-    assert {dtype: row["entries"] for dtype, row in by_dtype.items()} == {"float16": 24, "float32": 2}
+    # 24 chunks, each with its own entry and its lead entry
+    assert {dtype: row["entries"] for dtype, row in by_dtype.items()} == {"float16": 48, "float32": 2}
     rag.engine.forget([next(iter(keys_in_index(rag)))])
     assert main(["cache", "stats", "--index", str(rag.path)]) == 0
     out = capsys.readouterr().out
-    assert "by dtype:    float16: 24 entries" not in out and "float16: 23 entries" in out and "float32: 2 entries" in out
+    assert "by dtype:    float16: 48 entries" not in out and "float16: 46 entries" in out and "float32: 2 entries" in out
     assert "index:       KV for 23 of 24 chunk(s) (95.8%), 1 to compute" in out and "ragblend cache fill --index" in out
     # --kv-dir alone names no index: no coverage line
     assert main(["cache", "stats", "--kv-dir", str(rag.path / "kv")]) == 0

@@ -85,6 +85,6 @@ def test_metrics_show_the_background_kv_fill_and_the_store_entries(tokenizer):
             assert after["ragblend_kv_fill_pending"] == 0
             assert after["ragblend_kv_fill_stored_total"] == stored
             assert after["ragblend_kv_fill_failed_total"] == failed
-            assert after['ragblend_store_entries{tier="memory"}'] == stored
+            assert after['ragblend_store_entries{tier="memory"}'] == 2 * stored   # each chunk's own and lead entries
         finally:
             running.stop()

@@ -286,7 +286,8 @@ def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):
     assert second.stats.tiers == {"memory": 3}
     assert torch.equal(first.logits, second.logits)
     stats = engine.store.stats()
-    assert stats["memory"]["entries"] == 3 and stats["disk"]["entries"] == 3
+    # the 3 entries read (the first chunk's lead entry, the others' own) of the 6 stored
+    assert stats["memory"]["entries"] == 3 and stats["disk"]["entries"] == 6
     # Three chunks read from disk are three hits: neither promotion nor verification counts.
     assert all(engine.store.disk.verify(key) is None for key in engine.store.disk.keys())
     assert stats["disk"]["hits"] == engine.store.stats()["disk"]["hits"] == hits + 3

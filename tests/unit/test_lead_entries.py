@@ -1,0 +1,78 @@
+"""Lead entries: each chunk's KV also computed right after the template's opening, and read
+where the chunk is a prompt's first passage (core.ingest, core.runner; docs/benchmarks.md,
+"The first chunk")."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ragblend import Chunk, FullReuse, InvalidInputError
+from ragblend.core.ingest import isolated_kv
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+QUESTION = "Which of these passages came first?"
+
+
+def lead_key(engine, text):
+    return engine.ingestion.key_for(engine.tokenize(text), lead=True)
+
+
+def test_precompute_stores_each_chunk_as_a_later_and_as_the_first_passage(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32", precompute_batch_tokens=0)
+    ids = engine.tokenize(PASSAGES[0])
+    ref = engine.precompute(PASSAGES[:1])[0]
+    assert ref.key == engine.key_of(PASSAGES[0]) and len(engine.store) == 2
+    lead = engine.store.get(lead_key(engine, PASSAGES[0]))
+    after_opening, _ = isolated_kv(engine.adapter, engine.prompts.sink_ids(), ids)
+    assert (lead.keys - after_opening).abs().max() < 1e-5
+    assert (lead.keys - engine.store.get(ref.key).keys).abs().max() > 1e-3   # another prefix, other KV
+    # A store holding the chunk's own entry only (filled before lead entries) gets just the lead one.
+    engine.store.delete(lead_key(engine, PASSAGES[0]))
+    assert engine.precompute(PASSAGES[:1]) == [ref] and len(engine.store) == 2
+    assert engine.forget([ref.key]) == 1 and len(engine.store) == 0          # both go
+    # Off, or nothing for it to differ from (no chunk context): one entry a chunk, as before.
+    for options in ({"lead_chunk_kv": False}, {"chunk_context": ""}):
+        other = make_tiny_engine("llama", tokenizer, **options)
+        other.precompute(PASSAGES[:1])
+        assert other.lead_sink_ids is None and len(other.store) == 1
+        assert other.calibration_id != engine.calibration_id
+    with pytest.raises(InvalidInputError, match="lead_chunk_kv must be True or False"):
+        make_tiny_engine("llama", tokenizer, lead_chunk_kv="yes")
+
+
+def test_the_first_chunk_is_fused_from_its_lead_entry_the_others_from_their_own(tokenizer):
+    segments = [Chunk(p) for p in PASSAGES[:3]] + [QUESTION]
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    engine.precompute(PASSAGES[:3])
+    fused = engine.prefill(segments, strategy=FullReuse())
+    assert fused.stats.chunks_reused == 3 and fused.stats.chunks_computed == 0
+    # An engine without lead entries, its first chunk's entry swapped for the lead one, fuses the same.
+    plain = make_tiny_engine("llama", tokenizer, kv_dtype="float32", lead_chunk_kv=False)
+    plain.precompute(PASSAGES[:3])
+    before = plain.prefill(segments, strategy=FullReuse())
+    assert (before.logits - fused.logits).abs().max() > 1e-4
+    lead = engine.store.get(lead_key(engine, PASSAGES[0]))
+    plain.store.put(dataclasses.replace(lead, key=plain.key_of(PASSAGES[0])))
+    assert torch.allclose(plain.prefill(segments, strategy=FullReuse()).logits, fused.logits, atol=1e-5)
+    # A store without the lead entry: the chunk's own is read, as before lead entries.
+    engine.store.delete(lead_key(engine, PASSAGES[0]))
+    fallback = engine.prefill(segments, strategy=FullReuse())
+    assert fallback.stats.chunks_computed == 0 and torch.allclose(fallback.logits, before.logits, atol=1e-5)
+
+
+def test_a_query_reads_the_lead_entry_only_where_the_first_chunk_follows_little_more_than_the_opening(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    engine.precompute(PASSAGES[:2])
+    long_text = " ".join([PASSAGES[3]] * 12)   # more text than the chunk context
+    assert len(engine.tokenize(long_text)) > len(engine.sink_ids)
+    for segments, lead in (([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], 0),
+                           (["A short note.", Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], 0),
+                           ([long_text, Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], None)):
+        assert engine.runner.lead_span(engine.build_prompt(segments)) == lead
+    # A query computes a missing chunk's entry as a hit would have read it: lead where it comes first.
+    engine.prefill([Chunk(PASSAGES[2]), Chunk(PASSAGES[3]), QUESTION], strategy=FullReuse())
+    engine.flush()
+    assert lead_key(engine, PASSAGES[2]) in engine.store and engine.key_of(PASSAGES[2]) not in engine.store
+    assert engine.key_of(PASSAGES[3]) in engine.store and lead_key(engine, PASSAGES[3]) not in engine.store
