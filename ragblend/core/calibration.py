@@ -102,7 +102,7 @@ class Calibration:
     order_noise_answer_kl: tuple[float, float] | None = None   # (mean, median); None: not measured
     answer_margin: float | None = None   # the answer-level bar the choice also met; None: not judged
     # (mean, median) over the prompts of the answer's largest one-step KL, and the bar on it the
-    # choice also met (None: not judged, as before format 4's second release)
+    # choice also met (None: not judged, as in files made before lead entries)
     order_noise_answer_kl_peak: tuple[float, float] | None = None
     answer_peak_margin: float | None = None
     source: str = field(default="", compare=False)   # the file it came from (not stored in it)
@@ -122,12 +122,12 @@ class Calibration:
                   f"from {self.source}" if self.source else "measured by this engine, not saved")
         noise = f"order noise KL {self.order_noise_kl[0]:.4f}/{self.order_noise_kl[1]:.4f} (mean/median)"
         if self.within_noise:
-            answers = "".join(f" (and its {what} within {margin:.0%} of the noise's)" for what, margin in
+            answers = "".join(f", and its {what} within {margin:.0%} of the noise's" for what, margin in
                               (("answer's largest step", self.answer_peak_margin),
                                ("answer-level KL", self.answer_margin)) if margin)
             return (f"calibrated ({origin}): {self.strategy_name} is the cheapest ratio whose KL "
                     f"{self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f} stays within {MARGIN:.0%} of the model's "
-                    f"{noise}{answers} on {self.prompts} prompts (the long ones too)")
+                    f"{noise} on {self.prompts} prompts (the long ones too){answers}")
         return (f"calibrated ({origin}): no ratio tried stayed within {MARGIN:.0%} of the model's {noise}; "
                 f"using the most faithful{' over the answer' if self.answer_margin else ''}, {self.strategy_name}, "
                 f"KL {self.chosen_kl[0]:.4f}/{self.chosen_kl[1]:.4f}")

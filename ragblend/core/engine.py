@@ -73,7 +73,8 @@ class BlendEngine:
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
         self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
-        # A prompt's first chunk follows the template's opening, not a passage: its own entry (see .ingest).
+        # A prompt's first chunk follows the template's opening, not a passage: it is fused from a
+        # second entry of each chunk, its lead entry, computed after the opening alone (see .ingest).
         lead_sink = self.prompts.sink_ids() if options.lead_chunk_kv and options.sink_prefix is None else None
         self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
         self.fingerprint = self.adapter.fingerprint(tokenizer)
@@ -163,7 +164,7 @@ class BlendEngine:
         chunk's lead entry with it; returns how many chunk keys had an entry."""
         removed = 0
         for key in keys:
-            lead = self.ingestion.lead_key_of(key, self.store)
+            lead = self.ingestion.lead_key(key)
             if lead is not None:
                 self.store.delete(lead)
             removed += bool(self.store.delete(key))

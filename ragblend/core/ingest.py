@@ -24,7 +24,7 @@ import torch
 
 from .cancel import check_cancelled
 from .errors import InvalidInputError, PromptTooLongError
-from .kv import ChunkKV, ChunkRef, chunk_key, to_storage
+from .kv import ChunkKV, ChunkRef, chunk_key, lead_key, to_storage
 from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
 from .omp import release_thread_pool
@@ -56,8 +56,9 @@ class Ingestion:
 
     @property
     def variants(self) -> tuple[bool, ...]:
-        """The entries each chunk gets, by ``lead``: (False,), or (False, True) with lead entries."""
-        return (False, True) if self.lead_sink_ids is not None else (False,)
+        """Which entries each chunk gets, as values of ``lead``: the lead entry (where the engine
+        keeps them) and the chunk's own, in the order precompute stores them."""
+        return (True, False) if self.lead_sink_ids is not None else (False,)
 
     def sink_for(self, lead: bool) -> list[int]:
         """What a chunk's entry is computed after: the sink, or (``lead``) the lead sink."""
@@ -72,20 +73,12 @@ class Ingestion:
     def key_for(self, token_ids: Sequence[int], lead: bool = False) -> str:
         """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`);
         ``lead``: its lead entry's (the chunk's own key where the engine keeps no lead entries)."""
-        return chunk_key(self.fingerprint, self.sink_for(lead), list(token_ids), str(self.kv_dtype))
+        own = chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
+        return self.lead_key(own) if lead and self.lead_sink_ids is not None else own
 
-    def lead_key_of(self, key: str, store: KVStore) -> str | None:
-        """The key of the lead entry of the chunk stored under ``key``; None without lead entries or
-        when that chunk is not in ``store`` (its token ids, which the lead key is made of, are unknown)."""
-        if self.lead_sink_ids is None:
-            return None
-        reader = store.open(key, drop_unusable=False)
-        if reader is None:
-            return None
-        try:
-            return self.key_for(reader.token_ids, lead=True)
-        finally:
-            reader.close()
+    def lead_key(self, own_key: str) -> str | None:
+        """The key of the lead entry of the chunk whose own key is ``own_key``; None without lead entries."""
+        return None if self.lead_sink_ids is None else lead_key(own_key, self.lead_sink_ids)
 
     def remember(self, text: str) -> str:
         """Declare ``text`` a chunk in the index (returns its key), so flat prompts have it marked
@@ -137,9 +130,9 @@ class Ingestion:
 
     def _store_missing(self, chunks: list[list[int]], store: KVStore) -> list[bool]:
         """Compute and store each chunk's entries (each of :attr:`variants`) that ``store`` lacks, one
-        pass per variant; per chunk, whether its own entry is stored."""
+        pass per variant; per chunk, whether its own entry was stored."""
         stored = [True] * len(chunks)
-        for lead in self.variants:
+        for lead in self.variants:   # lead entries first: an LRU store full of them evicts them, not the own ones
             missing = [i for i, ids in enumerate(chunks) if self.key_for(ids, lead) not in store]
             entries = self.compute_entries([chunks[i] for i in missing], lead=lead) if missing else []
             for i, entry in zip(missing, entries):

@@ -30,6 +30,13 @@ def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], stora
     return _key(KV_FORMAT_VERSION, fingerprint, storage_dtype, sink_ids, token_ids)
 
 
+def lead_key(own_key: str, lead_sink_ids: list[int]) -> str:
+    """The key of a chunk's lead entry (its KV computed right after ``lead_sink_ids``, see
+    :mod:`.ingest`), made from the chunk's own key, so that it is found (and deleted) from that
+    key alone, without the chunk's token ids."""
+    return _key(KV_FORMAT_VERSION, own_key, "lead", lead_sink_ids, [])
+
+
 def calibration_key(fingerprint: str, sink_ids: list[int], lead_sink_ids: list[int] | None = None) -> str:
     """What a calibration is stored under: the model fingerprint and sink prefix, and the lead
     sink where the engine keeps lead entries (a prompt's first chunk is then fused from another

@@ -82,8 +82,8 @@ class PrefillRunner:
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
-        # prefill restarts, at most once per chunk.
-        attempts = len(layout.chunk_spans) + 1
+        # prefill restarts, at most once per entry (the first chunk may read two: see _find).
+        attempts = len(layout.chunk_spans) + 1 + bool(self.lead_spans(layout))
         for attempt in range(attempts):
             try:
                 fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back)
@@ -97,7 +97,7 @@ class PrefillRunner:
         stats.compute_fraction = fused.token_layers / (n * self.adapter.shape.num_layers)
         stats.reused_tokens = int((from_store & ~fused.recomputed).sum())
         stats.cache_hit_tokens = int(from_store.sum())
-        stats.chunks_computed = len(computed)
+        stats.chunks_computed = len({tuple(entry.token_ids) for entry in computed.values()})   # chunks, not entries
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
         # A skipped fusion computed every chunk token as plain text: none counts as a chunk's.
@@ -171,13 +171,13 @@ class PrefillRunner:
         # A chunk can appear in several spans (repeated, or split where the prompt's tokens
         # differ from its own); the chunk counts in Stats are of distinct chunks.
         found = _Found(from_store=torch.zeros(len(layout.token_ids), dtype=torch.bool))
-        lead_span = self.lead_span(layout)
+        lead_spans = self.lead_spans(layout)
         try:
             for j, span in enumerate(layout.chunk_spans):
                 if not span.token_ids or not plan.reuses:
                     continue
                 own_key = self.ingestion.key_for(span.token_ids)
-                lead = j == lead_span
+                lead = j in lead_spans
                 key = self.ingestion.key_for(span.token_ids, lead=lead)
                 reader = _read(computed, store, key, span.token_ids)
                 if reader is None and lead:   # a store filled without lead entries: the chunk's own, as before
@@ -204,15 +204,23 @@ class PrefillRunner:
             raise
         return found
 
-    def lead_span(self, layout: PromptLayout) -> int | None:
-        """Which chunk span is fused from its chunk's lead entry: the prompt's first chunk, where
-        what comes before it is shorter than the sink, i.e. little more than the template's
-        opening, which the lead entry was computed after. None without lead entries."""
-        spans = layout.chunk_spans
-        if self.ingestion.lead_sink_ids is None or not spans:
-            return None
-        first = min(range(len(spans)), key=lambda j: spans[j].start)
-        return first if spans[first].start < len(self.ingestion.sink_ids) else None
+    def lead_spans(self, layout: PromptLayout) -> set[int]:
+        """The chunk spans fused from their chunk's lead entry: those of the prompt's first chunk
+        (more than one where the prompt's tokens split it) up to the next chunk, where what comes
+        before the chunk is shorter than the sink, i.e. little more than the template's opening,
+        which the lead entry was computed after. Empty without lead entries."""
+        order = sorted(range(len(layout.chunk_spans)), key=lambda j: layout.chunk_spans[j].start)
+        if self.ingestion.lead_sink_ids is None or not order:
+            return set()
+        first = layout.chunk_spans[order[0]]
+        if first.start >= len(self.ingestion.sink_ids):
+            return set()
+        spans = set()
+        for j in order:
+            if layout.chunk_spans[j].token_ids != first.token_ids:
+                break
+            spans.add(j)
+        return spans
 
     def _promote(self, store, keys: list[str]) -> None:
         """Chunks served from disk also go to the memory tier, in the background."""

@@ -119,8 +119,8 @@ def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     with torch.inference_mode():
         fresh_k, fresh_v = engine.adapter.kv(1, engine.adapter.attn_input(1, hidden))
     reused_pos = torch.cat([torch.arange(s.start, s.end) for s in layout.chunk_spans])
-    lead = engine.runner.lead_span(layout)   # the first chunk is read from its lead entry
-    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids, lead=j == lead))
+    lead = engine.runner.lead_spans(layout)   # the first chunk is read from its lead entry
+    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids, lead=j in lead))
                                for j, s in enumerate(layout.chunk_spans)])
     source.prepare([1])
     cached = source.layer(1)

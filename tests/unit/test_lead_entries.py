@@ -67,12 +67,49 @@ def test_a_query_reads_the_lead_entry_only_where_the_first_chunk_follows_little_
     engine.precompute(PASSAGES[:2])
     long_text = " ".join([PASSAGES[3]] * 12)   # more text than the chunk context
     assert len(engine.tokenize(long_text)) > len(engine.sink_ids)
-    for segments, lead in (([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], 0),
-                           (["A short note.", Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], 0),
-                           ([long_text, Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], None)):
-        assert engine.runner.lead_span(engine.build_prompt(segments)) == lead
+    for segments, lead in (([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], {0}),
+                           (["A short note.", Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], {0}),
+                           ([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], {0}),
+                           ([long_text, Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], set())):
+        assert engine.runner.lead_spans(engine.build_prompt(segments)) == lead
     # A query computes a missing chunk's entry as a hit would have read it: lead where it comes first.
     engine.prefill([Chunk(PASSAGES[2]), Chunk(PASSAGES[3]), QUESTION], strategy=FullReuse())
     engine.flush()
     assert lead_key(engine, PASSAGES[2]) in engine.store and engine.key_of(PASSAGES[2]) not in engine.store
     assert engine.key_of(PASSAGES[3]) in engine.store and lead_key(engine, PASSAGES[3]) not in engine.store
+
+
+def test_forget_drops_a_lead_entry_a_query_stored_alone_and_stats_count_chunks(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    # A first and again third: its lead entry and its own entry computed, one chunk all the same.
+    pre = engine.prefill([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], strategy=FullReuse())
+    assert pre.stats.chunks_computed == pre.stats.chunks_missing == 2
+    engine.flush()
+    assert len(engine.store) == 3
+    engine.store.delete(engine.key_of(PASSAGES[0]))           # only A's lead entry left
+    assert engine.forget([engine.key_of(PASSAGES[0]), engine.key_of(PASSAGES[1])]) == 1
+    assert len(engine.store) == 0
+
+
+def test_a_small_lru_store_keeps_the_own_entries_precompute_reports(tokenizer):
+    from ragblend.core.store import MemoryStore
+
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    engine.precompute(PASSAGES[:1])
+    one_entry = engine.store.get(engine.key_of(PASSAGES[0])).nbytes
+    engine.store = MemoryStore(max_bytes=one_entry * 3 // 2)   # room for one entry of a chunk
+    ref = engine.precompute(PASSAGES[1:2])[0]
+    assert ref.stored and ref.key in engine.store
+
+
+def test_a_first_chunk_split_by_an_edit_reads_its_lead_entry_in_every_span(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    long_chunk = " ".join(PASSAGES[:3])
+    engine.precompute([long_chunk, PASSAGES[3]])
+    words = long_chunk.split()
+    edited = " ".join(words[:20] + ["EDITED"] + words[21:])   # a word changed mid-chunk: two spans
+    layout = engine.find_chunks(f"{edited}\n\n{PASSAGES[3]}\n\n{QUESTION}")
+    firsts = [j for j, s in enumerate(layout.chunk_spans) if list(s.token_ids) == engine.tokenize(long_chunk)]
+    assert len(firsts) == 2 and engine.runner.lead_spans(layout) == set(firsts)
+    pre = engine.prefill(layout, strategy=FullReuse())
+    assert pre.stats.chunks_computed == 0 and pre.stats.chunks_reused == 2
