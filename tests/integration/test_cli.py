@@ -51,22 +51,22 @@ def test_cache_stats_verify_and_clear(tmp_path, capsys):
 
     assert main(["cache", "stats", "--kv-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "2 entries" in out and "hit rate" in out
+    assert "4 entries" in out and "hit rate" in out   # each chunk's own entry and its lead entry
 
     assert main(["cache", "verify", "--kv-dir", str(tmp_path)]) == 0
-    assert "2 entries checked: 2 sound, 0 failing" in capsys.readouterr().out
+    assert "4 entries checked: 4 sound, 0 failing" in capsys.readouterr().out
     path = entry_path(engine.store.disk, refs[1].key)
     flip_byte(path, path.stat().st_size - 10)
     hostile = entry_path(engine.store.disk, refs[0].key)   # a valid CRC over a crafted header
     hostile.write_bytes(with_header(hostile.read_bytes(), b'{"token_ids": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"))
     assert main(["cache", "verify", "--kv-dir", str(tmp_path)]) == 1
     out = capsys.readouterr().out
-    assert "2 entries checked: 0 sound, 2 failing" in out and "checksum" in out and "not shaped like" in out
+    assert "4 entries checked: 2 sound, 2 failing" in out and "checksum" in out and "not shaped like" in out
     assert main(["cache", "verify", "--fix", "--kv-dir", str(tmp_path)]) == 0
-    assert "2 entries checked: 0 sound, 2 failing (removed)" in capsys.readouterr().out
+    assert "4 entries checked: 2 sound, 2 failing (removed)" in capsys.readouterr().out
     engine.precompute(["A third chunk for the cache command."])
     assert main(["cache", "clear", "--kv-dir", str(tmp_path)]) == 0
-    assert "Removed 1 entries" in capsys.readouterr().out.splitlines()[-1]
+    assert "Removed 4 entries" in capsys.readouterr().out.splitlines()[-1]
     assert main(["cache", "stats", "--kv-dir", str(tmp_path)]) == 0   # the counts went with the entries
     assert "0 entries" in (out := capsys.readouterr().out) and "hit rate n/a (0 hits, 0 misses)" in out, out
 
