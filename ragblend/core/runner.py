@@ -213,7 +213,8 @@ class PrefillRunner:
         if self.ingestion.lead_sink_ids is None or not order:
             return set()
         first = layout.chunk_spans[order[0]]
-        if first.start >= len(self.ingestion.sink_ids):
+        # A chunk at the very start (no template before it: LMCache's warm-up of one chunk) keeps its own.
+        if not 0 < first.start < len(self.ingestion.sink_ids):
             return set()
         spans = set()
         for j in order:

@@ -9,6 +9,7 @@ import torch
 
 from ragblend import Chunk, FullReuse, InvalidInputError
 from ragblend.core.ingest import isolated_kv
+from ragblend.core.prompt import ChunkSpan, PromptLayout
 
 from ..conftest import PASSAGES, make_tiny_engine
 
@@ -72,6 +73,8 @@ def test_a_query_reads_the_lead_entry_only_where_the_first_chunk_follows_little_
                            ([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], {0}),
                            ([long_text, Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], set())):
         assert engine.runner.lead_spans(engine.build_prompt(segments)) == lead
+    ids = engine.tokenize(PASSAGES[0])   # a chunk alone, no template (LMCache's warm-up): its own entry
+    assert engine.runner.lead_spans(PromptLayout(ids, [ChunkSpan(0, len(ids), tuple(ids))])) == set()
     # A query computes a missing chunk's entry as a hit would have read it: lead where it comes first.
     engine.prefill([Chunk(PASSAGES[2]), Chunk(PASSAGES[3]), QUESTION], strategy=FullReuse())
     engine.flush()
