@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
-from ragblend.core.calibration import answer_kl_steps, answer_logits, first_token_kl
+from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
 from ragblend.core.prompt import CHUNK_CONTEXT
 from ragblend.data import sample_dir
 
@@ -91,8 +91,8 @@ def reference(engine, prompt, noise_prompt, system: dict, gold: str | None = Non
 
 def score(engine, prompt, strategy, ref, system, gold: str | None = None) -> dict:
     pre = engine.prefill(prompt, strategy=strategy, **system)
-    steps = answer_kl_steps(ref["steps"], answer_logits(engine, pre, ref["answer"]))
-    row = {"first": first_token_kl(ref["logits"], pre.logits), "answer": steps.mean().item(), "peak": steps.max().item()}
+    kls = answer_kls(ref["steps"], answer_logits(engine, pre, ref["answer"]))
+    row = {"first": first_token_kl(ref["logits"], pre.logits), "answer": kls["answer_kl"], "peak": kls["answer_kl_peak"]}
     if gold is not None:
         text = engine.generate(prompt, strategy=strategy, max_new_tokens=GREEDY_TOKENS, **system).text
         row["has"] = gold.lower() in text.lower()

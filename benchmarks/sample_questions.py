@@ -22,7 +22,7 @@ import time
 import torch
 
 from ragblend import FullRecompute, QueryAware
-from ragblend.core.calibration import answer_kl_steps, answer_logits
+from ragblend.core.calibration import answer_kls, answer_logits
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
 
@@ -83,10 +83,10 @@ def measure(rag, question: str, gold: str, ratios: list[float]) -> dict:
     for name, layout, strategy in answerers:
         text = engine.generate(layout, strategy=strategy, max_new_tokens=GREEDY_TOKENS).text
         logits = answer_logits(engine, engine.prefill(layout, strategy=strategy), answer)
-        kl = answer_kl_steps(reference, logits)
-        row[name] = {"has_answer": gold.lower() in text.lower(), "kl_mean": kl.mean().item(),
-                     "kl_max": kl.max().item(), "agree": (logits.argmax(-1) == torch.tensor(answer)).float().mean().item(),
-                     "text": text}
+        kls = answer_kls(reference, logits)
+        row[name] = {"has_answer": gold.lower() in text.lower(), "kl_mean": kls["answer_kl"],
+                     "kl_max": kls["answer_kl_peak"],
+                     "agree": (logits.argmax(-1) == torch.tensor(answer)).float().mean().item(), "text": text}
     return row
 
 

@@ -73,8 +73,12 @@ class Ingestion:
     def key_for(self, token_ids: Sequence[int], lead: bool = False) -> str:
         """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`);
         ``lead``: its lead entry's (the chunk's own key where the engine keeps no lead entries)."""
-        own = chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype))
-        return self.lead_key(own) if lead and self.lead_sink_ids is not None else own
+        return self.entry_key(chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype)), lead)
+
+    def entry_key(self, own_key: str, lead: bool) -> str:
+        """The key of one of a chunk's entries (``lead``: its lead entry, where the engine keeps them),
+        from the chunk's own key."""
+        return self.lead_key(own_key) if lead and self.lead_sink_ids is not None else own_key
 
     def lead_key(self, own_key: str) -> str | None:
         """The key of the lead entry of the chunk whose own key is ``own_key``; None without lead entries."""
@@ -105,7 +109,7 @@ class Ingestion:
                 continue
             if self.index is not None:
                 self.index.add(key, ids)
-            if key in todo or any(self.key_for(ids, lead) not in store for lead in self.variants):
+            if key in todo or any(self.entry_key(key, lead) not in store for lead in self.variants):
                 todo.setdefault(key, (i, ids))
             else:
                 refs[i] = ChunkRef(key, len(ids), True)

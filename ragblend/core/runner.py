@@ -178,7 +178,7 @@ class PrefillRunner:
                     continue
                 own_key = self.ingestion.key_for(span.token_ids)
                 lead = j in lead_spans
-                key = self.ingestion.key_for(span.token_ids, lead=lead)
+                key = self.ingestion.entry_key(own_key, lead)
                 reader = _read(computed, store, key, span.token_ids)
                 if reader is None and lead:   # a store filled without lead entries: the chunk's own, as before
                     reader = _read(computed, store, own_key, span.token_ids)
