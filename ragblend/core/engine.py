@@ -42,7 +42,7 @@ from .errors import InvalidInputError
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
-from .kv import ChunkRef, calibration_key
+from .kv import ChunkRef, calibration_key, lead_key
 from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, with_linears
 from .omp import release_thread_pool
 from .options import EngineOptions
@@ -161,13 +161,14 @@ class BlendEngine:
 
     def forget(self, keys: Iterable[str]) -> int:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each
-        chunk's lead entry with it; returns how many chunk keys had an entry."""
+        chunk's lead entry with it, also where this engine keeps none (another engine on the store
+        may); returns how many chunk keys had an entry."""
+        template_opening = self.prompts.sink_ids()   # what a lead entry is computed after
         removed = 0
         for key in keys:
-            lead = self.ingestion.lead_key(key)
-            if lead is not None:
-                self.store.delete(lead)
-            removed += bool(self.store.delete(key))
+            lead = lead_key(key, template_opening) if template_opening != self.sink_ids else None
+            had_lead = lead is not None and bool(self.store.delete(lead))
+            removed += bool(self.store.delete(key)) or had_lead
         return removed
 
     def remember_chunk(self, text: str) -> str:

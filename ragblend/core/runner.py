@@ -82,8 +82,8 @@ class PrefillRunner:
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
-        # prefill restarts, at most once per entry (the first chunk may read two: see _find).
-        attempts = len(layout.chunk_spans) + 1 + bool(self.lead_spans(layout))
+        # prefill restarts, at most once per entry.
+        attempts = len(layout.chunk_spans) + 1
         for attempt in range(attempts):
             try:
                 fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back)
@@ -179,9 +179,10 @@ class PrefillRunner:
                 own_key = self.ingestion.key_for(span.token_ids)
                 lead = j in lead_spans
                 key = self.ingestion.entry_key(own_key, lead)
+                # A missing lead entry is a miss even where the chunk's own entry is stored (a store
+                # filled before lead entries, a query that stored the own one): reading the own one
+                # would answer this prompt differently from a store that has both.
                 reader = _read(computed, store, key, span.token_ids)
-                if reader is None and lead:   # a store filled without lead entries: the chunk's own, as before
-                    reader = _read(computed, store, own_key, span.token_ids)
                 if reader is None:
                     if not write_back:
                         found.missing.add(own_key)
@@ -206,9 +207,9 @@ class PrefillRunner:
 
     def lead_spans(self, layout: PromptLayout) -> set[int]:
         """The chunk spans fused from their chunk's lead entry: those of the prompt's first chunk
-        (more than one where the prompt's tokens split it) up to the next chunk, where what comes
-        before the chunk is shorter than the sink, i.e. little more than the template's opening,
-        which the lead entry was computed after. Empty without lead entries."""
+        (more than one where the prompt's tokens split it, not a repeat of it later), where what
+        comes before the chunk is shorter than the sink, i.e. little more than the template's
+        opening, which the lead entry was computed after. Empty without lead entries."""
         order = sorted(range(len(layout.chunk_spans)), key=lambda j: layout.chunk_spans[j].start)
         if self.ingestion.lead_sink_ids is None or not order:
             return set()
@@ -216,11 +217,13 @@ class PrefillRunner:
         # A chunk at the very start (no template before it: LMCache's warm-up of one chunk) keeps its own.
         if not 0 < first.start < len(self.ingestion.sink_ids):
             return set()
-        spans = set()
-        for j in order:
-            if layout.chunk_spans[j].token_ids != first.token_ids:
+        spans, offset = set(), -1
+        for j in order:   # the pieces of one occurrence go on through the chunk; a repeat starts over
+            span = layout.chunk_spans[j]
+            if span.token_ids != first.token_ids or span.offset <= offset:
                 break
             spans.add(j)
+            offset = span.offset
         return spans
 
     def _promote(self, store, keys: list[str]) -> None:

@@ -57,10 +57,32 @@ def test_the_first_chunk_is_fused_from_its_lead_entry_the_others_from_their_own(
     lead = engine.store.get(lead_key(engine, PASSAGES[0]))
     plain.store.put(dataclasses.replace(lead, key=plain.key_of(PASSAGES[0])))
     assert torch.allclose(plain.prefill(segments, strategy=FullReuse()).logits, fused.logits, atol=1e-5)
-    # A store without the lead entry: the chunk's own is read, as before lead entries.
+    # A store without the lead entry (filled before lead entries, or by a query where the chunk came
+    # later) misses it, though the chunk's own is there: computed, stored, and the same answer.
     engine.store.delete(lead_key(engine, PASSAGES[0]))
-    fallback = engine.prefill(segments, strategy=FullReuse())
-    assert fallback.stats.chunks_computed == 0 and torch.allclose(fallback.logits, before.logits, atol=1e-5)
+    missed = engine.prefill(segments, strategy=FullReuse())
+    assert missed.stats.chunks_computed == 1 and torch.equal(missed.logits, fused.logits)
+    engine.flush()
+    assert lead_key(engine, PASSAGES[0]) in engine.store
+
+
+def test_a_corrupt_lead_entry_is_a_miss_recomputed_not_the_own_entry(tokenizer, tmp_path):
+    from ragblend.core.store import DiskStore
+
+    segments = [Chunk(p) for p in PASSAGES[:2]] + [QUESTION]
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
+    engine.store = store = DiskStore(tmp_path / "kv", engine.entry_spec)
+    engine.precompute(PASSAGES[:2])
+    intact = engine.prefill(segments, strategy=FullReuse())
+    lead = lead_key(engine, PASSAGES[0])   # the first chunk's lead entry file, cut short
+    disk_key, raw = store.cache.disk.put(lead)
+    name = store.cache._sql("SELECT filename FROM Cache WHERE key=? AND raw=?", (disk_key, raw)).fetchone()[0]
+    path = tmp_path / "kv" / name
+    path.write_bytes(path.read_bytes()[:-100])
+    out = engine.prefill(segments, strategy=FullReuse())
+    assert out.stats.chunks_computed == 1 and torch.equal(out.logits, intact.logits)
+    engine.flush()
+    assert lead in store and engine.prefill(segments, strategy=FullReuse()).stats.chunks_computed == 0
 
 
 def test_a_query_reads_the_lead_entry_only_where_the_first_chunk_follows_little_more_than_the_opening(tokenizer):
@@ -71,6 +93,8 @@ def test_a_query_reads_the_lead_entry_only_where_the_first_chunk_follows_little_
     for segments, lead in (([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], {0}),
                            (["A short note.", Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], {0}),
                            ([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], {0}),
+                           ([Chunk(PASSAGES[0]), Chunk(PASSAGES[0]), QUESTION], {0}),   # a repeat: its own
+                           ([Chunk(PASSAGES[0]), "Another source:", Chunk(PASSAGES[0]), QUESTION], {0}),
                            ([long_text, Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTION], set())):
         assert engine.runner.lead_spans(engine.build_prompt(segments)) == lead
     ids = engine.tokenize(PASSAGES[0])   # a chunk alone, no template (LMCache's warm-up): its own entry
@@ -90,8 +114,12 @@ def test_forget_drops_a_lead_entry_a_query_stored_alone_and_stats_count_chunks(t
     engine.flush()
     assert len(engine.store) == 3
     engine.store.delete(engine.key_of(PASSAGES[0]))           # only A's lead entry left
-    assert engine.forget([engine.key_of(PASSAGES[0]), engine.key_of(PASSAGES[1])]) == 1
+    assert engine.forget([engine.key_of(PASSAGES[0]), engine.key_of(PASSAGES[1])]) == 2
     assert len(engine.store) == 0
+    # An engine without lead entries on the same store forgets a chunk's lead entry too.
+    engine.precompute(PASSAGES[:1])
+    plain = make_tiny_engine("llama", tokenizer, kv_dtype="float32", lead_chunk_kv=False, store=engine.store)
+    assert plain.forget([engine.key_of(PASSAGES[0])]) == 1 and len(engine.store) == 0
 
 
 def test_a_small_lru_store_keeps_the_own_entries_precompute_reports(tokenizer):
