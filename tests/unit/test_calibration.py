@@ -134,7 +134,7 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
     engine = make_tiny_engine("qwen2", tokenizer)
 
     def fake_measure(engine, chunks, question, strategies, answer_tokens):   # KL falls with the ratio, faster with runs
-        fused = {(w, r): {"kl": 0.03 / (r * 100) / (1 + w * 16), "answer_kl": 0.1 / (r * 100) / (1 + w),
+        fused = {(w, r): {"kl": 0.03 / (r * 100) / (1 + w * 16), "answer_kl": 0.04 / (r * 100) / (1 + w),
                           "answer_kl_peak": 0.6 / (r * 100), "compute": r, "fusion_skipped": False} for w, r in strategies}
         return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, "fused": fused}
 
@@ -150,12 +150,12 @@ def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, 
     # no answers measured: the first token alone judges (0.05 in runs)
     first_only = engine.calibrate(prompts(), progress=False, save=False, answer_tokens=0)
     assert (first_only.ratio, first_only.answer_peak_margin) == (0.05, None)
-    # answers within 0.01 too: 0.10 either way, and a tie goes to the window whose answers are closer
+    # answers within 0.01 in median too: 0.10 either way, and a tie goes to the window whose answers are closer
     judged = engine.calibrate(prompts(), progress=False, save=False, answer_margin=1.0)
     assert (judged.ratio, judged.neighbour_window, judged.answer_margin) == (0.1, 1 / 16, 1.0)
     assert "answer-level KL within 100%" in judged.reason
     assert load_calibration(engine.calibration_id) is None   # save=False
-    none = engine.calibrate(prompts(), progress=False, save=False, answer_margin=0.1)   # no answers that close
+    none = engine.calibrate(prompts(), progress=False, save=False, answer_margin=0.05)   # no answers that close
     assert not none.within_noise and none.ratio == 0.5 and "no ratio tried" in none.reason
 
 
@@ -177,6 +177,29 @@ def test_the_largest_step_is_judged_over_all_prompts_not_the_long_ones_alone(cac
     assert result.within_noise and result.ratio == LADDER[0]   # mean 0.0825 and median 0.01 against 0.1
 
 
+def test_the_answer_level_mean_is_judged_at_the_first_tokens_margin_not_its_median(cache, tokenizer, monkeypatch):
+    """First token and largest step pass from 0.05; the answers' mean only from 0.10 (0.03, then
+    0.005, against half the noise's mean, 0.025). Their median (0.005) stays over the noise's
+    (0.001, one prompt of four moves): judged only with answer_margin."""
+    from ragblend.core import calibration as module
+
+    noise_answers = iter([0.001, 0.001, 0.001, 0.197] * 2)
+
+    def fake_measure(engine, chunks, question, strategies, answer_tokens):
+        fused = {key: {"kl": 0.001, "answer_kl": 0.03 if key[1] < 0.1 else 0.005, "answer_kl_peak": 0.01,
+                       "compute": key[1], "fusion_skipped": False} for key in strategies}
+        return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": next(noise_answers), "answer_kl_peak": 0.1},
+                "fused": fused}
+
+    monkeypatch.setattr(module, "measure_prompt", fake_measure)
+    engine = make_tiny_engine("qwen2", tokenizer)
+    result = engine.calibrate(prompts()[:2] * 2, progress=False, save=False)
+    assert (result.ratio, result.within_noise, result.answer_mean_margin) == (0.1, True, 0.5)
+    assert "answer-level mean within 50%" in result.reason
+    judged = engine.calibrate(prompts()[:2] * 2, progress=False, save=False, answer_margin=1.0)
+    assert not judged.within_noise
+
+
 @pytest.mark.parametrize("content", [
     b"not json at all", b"[1, 2, 3]", b'{"format": 99}', b"{" * 100_000, b"[" * 200_000,
     json.dumps({"format": 1, "fingerprint": "x", "ratio": "0.3"}).encode(),
@@ -190,6 +213,10 @@ def test_the_largest_step_is_judged_over_all_prompts_not_the_long_ones_alone(cac
                 "chosen_kl": [0.01, 0.01], "answer_margin": 1.0}).encode(),
     json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
                 "chosen_kl": [0.01, 0.01], "answer_peak_margin": 1.0}).encode(),
+    json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "answer_mean_margin": 0.5}).encode(),
+    json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "order_noise_answer_kl": [0.1, 0.1], "answer_mean_margin": -1}).encode(),
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
     engine = make_tiny_engine("llama", tokenizer)
@@ -330,6 +357,9 @@ def test_every_shipped_calibration_is_of_the_current_format():
         if calibration.answer_peak_margin:   # judged since lead entries; the files of lead_chunk_kv=False not
             assert chosen["answer_kl_peak_mean"] <= calibration.order_noise_answer_kl_peak[0], path.name
             assert chosen["answer_kl_peak_median"] <= calibration.order_noise_answer_kl_peak[1], path.name
+            # and the answer-level mean within half the noise's (since 2026-11-27)
+            assert calibration.answer_mean_margin == 0.5, path.name
+            assert chosen["answer_kl_mean"] <= 0.5 * calibration.order_noise_answer_kl[0], path.name
 
 
 def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
