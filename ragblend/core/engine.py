@@ -38,7 +38,7 @@ from .calibration import Calibration, calibrate_and_save, load_calibration
 from .chunk_index import ChunkIndex
 from .controller import LoadingController
 from .decode_weights import DecodeWeights
-from .errors import InvalidInputError
+from .errors import InvalidInputError, PromptTooLongError
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
@@ -158,6 +158,20 @@ class BlendEngine:
         """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`."""
         return self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
                                          progress=progress, skip_unusable=skip_unusable)
+
+    def precompute_ids(self, chunks: Iterable[Sequence[int]]) -> list[ChunkRef]:
+        """:meth:`precompute` of chunks given as token ids (a server's client may send ids: LMCache
+        warms a chunk by sending it alone), each of this model's vocabulary and short enough to
+        follow the sink in the context window."""
+        chunks = [list(ids) for ids in chunks]
+        limit, vocab = self.context_window - len(self.sink_ids), self.entry_spec.vocab_size
+        for i, ids in enumerate(chunks):
+            if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
+                raise InvalidInputError(f"chunk {i} must be a non-empty list of token ids in [0, {vocab}).")
+            if len(ids) > limit:
+                raise PromptTooLongError(f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context "
+                                         f"window ({self.context_window}) after the sink prefix. Split it.")
+        return self.ingestion.precompute_ids(chunks, self.store, batch_tokens=self.precompute_batch_tokens)
 
     def forget(self, keys: Iterable[str]) -> int:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each

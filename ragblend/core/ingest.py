@@ -101,6 +101,11 @@ class Ingestion:
         :class:`~.kv.ChunkRef` names the chunk's own entry and says whether it is ``stored`` (a failing
         store is a warning; queries then compute that chunk)."""
         texts, tokenized = self.tokenize_chunks(texts, skip_unusable)
+        return self.precompute_ids(tokenized, store, batch_tokens=batch_tokens, progress=progress)
+
+    def precompute_ids(self, tokenized: list[list[int] | None], store: KVStore, *, batch_tokens: int,
+                       progress: bool = False) -> list[ChunkRef | None]:
+        """:meth:`precompute` of chunks given as token ids, checked by the caller (None: skipped)."""
         refs: list[ChunkRef | None] = [None] * len(tokenized)
         todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), an entry not stored yet
         keys = [None if ids is None else self.key_for(ids) for ids in tokenized]
@@ -116,7 +121,7 @@ class Ingestion:
         bar = None
         if progress:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(texts), initial=len(texts) - len(todo), desc="Precomputing KV", unit="chunk")
+            bar = tqdm(total=len(tokenized), initial=len(tokenized) - len(todo), desc="Precomputing KV", unit="chunk")
         for batch in packs(list(todo.items()), batch_tokens):
             stored = self._store_missing([ids for _, (_, ids) in batch], store)
             for (key, (i, ids)), ok in zip(batch, stored):

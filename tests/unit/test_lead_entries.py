@@ -144,3 +144,15 @@ def test_a_first_chunk_split_by_an_edit_reads_its_lead_entry_in_every_span(token
     assert len(firsts) == 2 and engine.runner.lead_spans(layout) == set(firsts)
     pre = engine.prefill(layout, strategy=FullReuse())
     assert pre.stats.chunks_computed == 0 and pre.stats.chunks_reused == 2
+
+
+def test_precompute_ids_stores_a_chunk_given_as_token_ids_as_precompute_does(tokenizer):
+    """LMCache's warm-up sends a chunk's ids alone; the server stores both its entries from them."""
+    engine = make_tiny_engine("llama", tokenizer)
+    ref = engine.precompute_ids([engine.tokenize(PASSAGES[0])])[0]
+    assert ref.key == engine.key_of(PASSAGES[0]) and ref.stored and len(engine.store) == 2
+    assert lead_key(engine, PASSAGES[0]) in engine.store
+    for bad in ([], [-1], ["7"], [engine.entry_spec.vocab_size], [1] * engine.context_window):
+        with pytest.raises(InvalidInputError, match="chunk 0"):
+            engine.precompute_ids([bad])
+    assert len(engine.store) == 2
