@@ -11,7 +11,8 @@ import weakref
 
 import torch
 
-from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds
+from .host_cache import remembered
+from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds, host_key
 from .model import (
     EXACT_INT4,
     CpuLinear,
@@ -172,19 +173,28 @@ class DecodeWeights:
                 group = {key: layer for key, layer in layers.items() if type(layer) is kind}
                 if not group:
                     continue
-                inputs = {n: torch.randn(1, n) for n in {layer.weight.shape[1] for layer in group.values()}}
-                seconds = fastest_rounds({
-                    "float32": lambda g=group: [layer.plan.run(inputs[layer.weight.shape[1]], layer.weight, layer.bias)
-                                                for layer in g.values()],
-                    "low-bit": lambda g=group: [layer.rows(inputs[layer.weight.shape[1]]) for layer in g.values()],
-                })
-                faster = seconds["low-bit"] * MIN_GAIN < seconds["float32"]
-                log.info("ragblend: %s decoding step over %d layers: %.2f ms against %.2f ms in float32: %s",
-                         kind.__name__, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
-                         "used" if faster else "not faster here, float32 kept")
-                if faster:
+                # Later processes on this host read the verdict (.host_cache), so that they decode alike.
+                shapes = [list(layer.weight.shape) for layer in group.values()]
+                if remembered("low-bit-faster", host_key([]) | {"kind": kind.__name__, "layers": shapes},
+                              lambda g=group, k=kind: (_low_bit_faster(k, g), True),
+                              lambda value: isinstance(value, bool)):
                     kept.update(group)
         return kept
+
+
+def _low_bit_faster(kind: type[CpuLinear], group: dict[int, CpuLinear]) -> bool:
+    """Whether one row through ``group``'s layers is faster in their low-bit form than in float32."""
+    inputs = {n: torch.randn(1, n) for n in {layer.weight.shape[1] for layer in group.values()}}
+    seconds = fastest_rounds({
+        "float32": lambda: [layer.plan.run(inputs[layer.weight.shape[1]], layer.weight, layer.bias)
+                            for layer in group.values()],
+        "low-bit": lambda: [layer.rows(inputs[layer.weight.shape[1]]) for layer in group.values()],
+    })
+    faster = seconds["low-bit"] * MIN_GAIN < seconds["float32"]
+    log.info("ragblend: %s decoding step over %d layers: %.2f ms against %.2f ms in float32: %s",
+             kind.__name__, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
+             "used" if faster else "not faster here, float32 kept")
+    return faster
 
 
 class FusedRows(torch.nn.Module):

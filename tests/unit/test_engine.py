@@ -60,9 +60,11 @@ def test_full_reuse_of_kv_computed_in_context_equals_full_prefill(tiny_engine):
     """
     engine = tiny_engine   # a fresh engine: its store holds only what this test puts there
     layout = engine.prompts.build(segments(), system=None)
-    for span in layout.chunk_spans:
+    lead_spans = engine.runner.lead_spans(layout)   # the first chunk reads its lead entry
+    for j, span in enumerate(layout.chunk_spans):
         keys, values = isolated_kv(engine.adapter, layout.token_ids[:span.start], list(span.token_ids))
-        engine.store.put(ChunkKV(engine.ingestion.key_for(span.token_ids), list(span.token_ids), keys, values))
+        engine.store.put(ChunkKV(engine.ingestion.key_for(span.token_ids, lead=j in lead_spans), list(span.token_ids),
+                                 keys, values))
     pre = engine.prefill(segments(), strategy=FullReuse())
     assert pre.token_ids == layout.token_ids
     assert pre.stats.reused_tokens == sum(s.end - s.start for s in layout.chunk_spans)

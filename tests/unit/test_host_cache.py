@@ -1,0 +1,77 @@
+"""Host measurements kept in the cache dir (core.host_cache), so that processes on one host
+choose alike: what a drafted token costs, the decoding K/V dtype, low-bit or float32 weights."""
+
+import json
+import logging
+
+import pytest
+
+from ragblend.core.host_cache import remembered
+
+from ..conftest import make_tiny_engine
+
+KEY = {"cpu": "test CPU", "threads": 2}
+
+
+def valid(value):
+    return isinstance(value, float) and 0 <= value <= 1
+
+
+def test_a_measurement_is_stored_once_and_read_by_later_calls(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return 0.25, True
+
+    assert remembered("row-cost", KEY, measure, valid, directory=tmp_path) == 0.25
+    assert remembered("row-cost", KEY, measure, valid, directory=tmp_path) == 0.25 and len(calls) == 1
+    # another key (host, threads, model) or another measurement: measured on its own
+    assert remembered("row-cost", KEY | {"threads": 1}, measure, valid, directory=tmp_path) == 0.25
+    assert remembered("other", KEY, measure, valid, directory=tmp_path) == 0.25 and len(calls) == 3
+    # a disturbed measurement serves its caller and is not kept
+    assert remembered("busy", KEY, lambda: (0.5, False), valid, directory=tmp_path) == 0.5
+    assert remembered("busy", KEY, lambda: (0.1, True), valid, directory=tmp_path) == 0.1
+
+
+@pytest.mark.parametrize("damage", ["garbage", "foreign", "out of range", "symlink", "other format"])
+def test_a_bad_file_is_ignored_and_measured_again(tmp_path, damage, caplog):
+    remembered("row-cost", KEY, lambda: (0.25, True), valid, directory=tmp_path)
+    [path] = tmp_path.glob("row-cost-*.json")
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_text("[" * 100_000)
+    elif damage == "foreign":
+        path.write_text(json.dumps(data | {"key": KEY | {"cpu": "another CPU"}}))
+    elif damage == "out of range":
+        path.write_text(json.dumps(data | {"value": 7.0}))
+    elif damage == "other format":
+        path.write_text(json.dumps(data | {"version": 99}))
+    else:
+        target = tmp_path / "elsewhere.json"
+        target.write_text(json.dumps(data | {"value": 0.9}))
+        path.unlink()
+        path.symlink_to(target)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert remembered("row-cost", KEY, lambda: (0.75, True), valid, directory=tmp_path) == 0.75
+    assert "ignoring the host measurement" in caplog.text
+
+
+def test_an_unwritable_cache_dir_leaves_the_choice_to_the_process(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert remembered("row-cost", KEY, lambda: (0.25, True), valid, directory=blocker / "host") == 0.25
+
+
+def test_a_later_process_drafts_as_the_first_one_measured(tokenizer, tmp_path, monkeypatch):
+    """An engine's draft row cost is read from the host cache where an earlier process stored it."""
+    import ragblend.core.answers as answers
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(answers, "_ROW_COSTS", {})
+    first = make_tiny_engine("llama", tokenizer)
+    [path] = (tmp_path / "host").glob("draft-row-cost-*.json")
+    assert json.loads(path.read_text())["value"] == first.answers.draft_row_cost
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"value": 0.123}))   # a marker no timing gives
+    monkeypatch.setattr(answers, "_ROW_COSTS", {})   # a new process: nothing measured in it yet
+    assert make_tiny_engine("llama", tokenizer).answers.draft_row_cost == 0.123
