@@ -196,7 +196,10 @@ class PrefillRunner:
                     reader = MemoryReader(entry, "computed")
                 found.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
                 found.readers.append(reader)
-                found.tier_of.setdefault(own_key, reader.tier)
+                # a chunk read from two entries (its lead one first, its own at a repeat) of which one
+                # had to be computed counts as missing, as chunks_computed counts it
+                if reader.tier == "computed" or own_key not in found.tier_of:
+                    found.tier_of[own_key] = reader.tier
                 if reader.tier != "computed":
                     found.from_store[span.start:span.end] = True
         except BaseException:

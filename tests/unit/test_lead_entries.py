@@ -114,6 +114,10 @@ def test_forget_drops_a_lead_entry_a_query_stored_alone_and_stats_count_chunks(t
     engine.flush()
     assert len(engine.store) == 3
     engine.store.delete(engine.key_of(PASSAGES[0]))           # only A's lead entry left
+    again = engine.prefill([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], strategy=FullReuse())
+    assert (again.stats.chunks_reused, again.stats.chunks_missing, again.stats.chunks_computed) == (1, 1, 1)
+    engine.flush()
+    engine.store.delete(engine.key_of(PASSAGES[0]))
     assert engine.forget([engine.key_of(PASSAGES[0]), engine.key_of(PASSAGES[1])]) == 2
     assert len(engine.store) == 0
     # An engine without lead entries on the same store forgets a chunk's lead entry too.
