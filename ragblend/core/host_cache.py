@@ -41,49 +41,52 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
         directory = cache_dir() / "host"
     key = {"measure": name} | key
     path = directory / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
-    cached = _read(path, key, valid)
-    if cached is not None:
-        return cached
+    record, why = read_record(path, FORMAT, VERSION, key)
+    if record is not None:
+        if valid(record.get("value")):
+            return record["value"]
+        why = f"a value out of range ({str(record.get('value'))[:40]})"
+    if why:
+        log.warning("ragblend: ignoring the host measurement %s (%s); measuring again.", path, why)
     value, trustworthy = measure()
     if trustworthy:
-        _write(path, key, value)
+        write_record(path, {"format": FORMAT, "version": VERSION, "key": key, "value": value})
     return value
 
 
-def _read(path: Path, key: dict, valid: Callable[[object], bool]):
+def read_record(path: Path, fmt: str, version: int, key: dict,
+                max_bytes: int = MAX_FILE_BYTES) -> tuple[dict | None, str | None]:
+    """The JSON record at ``path`` if it is a regular file of format ``fmt`` and ``version`` made
+    for ``key``: ``(record, None)``; else ``(None, why not)``, where ``why`` is None if there is
+    no file. Never follows a link; reads at most ``max_bytes``."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as err:
-        log.info("ragblend: cannot read %s (%s); measuring again.", path, err)
-        return None
-    why = None
-    if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
-        why = "not a regular file of at most 64 KiB"
-    else:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-                why = "another format"
-            elif data.get("key") != key:
-                why = "measured on another host, thread count, torch or model"
-            elif not valid(data.get("value")):
-                why = f"a value out of range ({str(data.get('value'))[:40]})"
-            else:
-                return data["value"]
-        except (OSError, ValueError, RecursionError) as err:
-            why = f"unreadable ({type(err).__name__})"
-    log.warning("ragblend: ignoring the host measurement %s (%s); measuring again.", path, why)
-    return None
+        return None, f"cannot be read: {err}"
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+        return None, f"not a regular file of at most {max_bytes // 1024} KiB"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as err:
+        # (RecursionError: JSON nested deeper than the decoder goes, e.g. a file of "[[[[...")
+        return None, f"unreadable ({type(err).__name__})"
+    if not isinstance(record, dict) or record.get("format") != fmt or record.get("version") != version:
+        return None, "another format"
+    if record.get("key") != key:
+        return None, "measured on another host, thread count, torch or model"
+    return record, None
 
 
-def _write(path: Path, key: dict, value) -> None:
+def write_record(path: Path, record: dict) -> None:
+    """Write ``record`` to ``path`` as JSON, whole or not at all; a folder that cannot be written
+    is logged (the caller's choice then holds for this process only)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "version": VERSION, "key": key, "value": value}, f, indent=1)
+            json.dump(record, f, indent=1)
         os.replace(tmp, path)
-    except OSError as err:   # a read-only cache dir: the choice holds for this process only
-        log.info("ragblend: could not save the host measurement to %s (%s).", path, err)
+    except OSError as err:
+        log.info("ragblend: could not save %s (%s).", path, err)

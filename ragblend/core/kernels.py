@@ -30,8 +30,6 @@ import logging
 import math
 import os
 import platform
-import stat
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,8 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .host_cache import read_record, write_record
 
 log = logging.getLogger("ragblend")
 
@@ -291,53 +291,30 @@ def _cache_path(key: dict, directory: Path) -> Path:
 
 def _read_cached(path: Path, key: dict) -> dict[str, BucketChoice] | None:
     """The cached choices at ``path`` if the file is a valid choice for ``key``; else None (logged)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as err:
-        log.info("ragblend: cannot read the kernel cache %s (%s); measuring again", path, err)
-        return None
-    why = None
-    if not stat.S_ISREG(info.st_mode) or info.st_size > 1 << 20:
-        why = "not a regular file of at most 1 MiB"
-    else:
+    data, why = read_record(path, CACHE_FORMAT, CACHE_VERSION, key, max_bytes=1 << 20)
+    if data is not None:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or data.get("version") != CACHE_VERSION:
-                why = "another format"
-            elif data.get("key") != key:
-                why = "measured on another host, thread count, torch or model"
-            else:
-                choices = {}
-                for bucket in BUCKETS:
-                    raw = data["choices"][bucket.name]
-                    kernel = raw["kernel"]
-                    seconds = {str(k): float(v) for k, v in raw.get("seconds", {}).items()}
-                    if kernel not in KERNELS or not all(math.isfinite(v) and v >= 0 for v in seconds.values()):
-                        raise ValueError(f"bad entry for bucket {bucket.name}")
-                    choices[bucket.name] = BucketChoice(kernel, seconds, float(raw.get("flops", 0)),
-                                                        float(raw.get("weight_bytes", 0)))
-                return choices
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-            # (RecursionError: JSON nested deeper than the decoder goes, e.g. a file of "[[[[...")
+            choices = {}
+            for bucket in BUCKETS:
+                raw = data["choices"][bucket.name]
+                kernel = raw["kernel"]
+                seconds = {str(k): float(v) for k, v in raw.get("seconds", {}).items()}
+                if kernel not in KERNELS or not all(math.isfinite(v) and v >= 0 for v in seconds.values()):
+                    raise ValueError(f"bad entry for bucket {bucket.name}")
+                choices[bucket.name] = BucketChoice(kernel, seconds, float(raw.get("flops", 0)),
+                                                    float(raw.get("weight_bytes", 0)))
+            return choices
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             why = f"unreadable ({type(err).__name__}: {err})"
-    log.warning("ragblend: ignoring the kernel cache %s (%s); measuring the kernels again.", path, why)
+    if why:
+        log.warning("ragblend: ignoring the kernel cache %s (%s); measuring the kernels again.", path, why)
     return None
 
 
 def _write_cache(path: Path, key: dict, choices: dict[str, BucketChoice]) -> None:
-    data = {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": key,
-            "choices": {name: {"kernel": c.kernel, "seconds": c.seconds, "flops": c.flops,
-                               "weight_bytes": c.weight_bytes} for name, c in choices.items()}}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as err:   # a read-only cache dir: the choice holds for this process only
-        log.info("ragblend: could not save the kernel choice to %s (%s)", path, err)
+    write_record(path, {"format": CACHE_FORMAT, "version": CACHE_VERSION, "key": key,
+                        "choices": {name: {"kernel": c.kernel, "seconds": c.seconds, "flops": c.flops,
+                                           "weight_bytes": c.weight_bytes} for name, c in choices.items()}})
 
 
 _PLANS: dict[str, KernelPlan] = {}   # per process, by key: engines over one model share a plan
