@@ -151,9 +151,12 @@ def _print_answer(label: str, answer) -> None:
         print(f"[{label}] {answer.text}\n  (no chunk was retrieved, so the model was not called)")
         return
     strategy = s.strategy if s.ratio is None else f"{s.strategy} {s.ratio:g}"   # what ran, not what was asked
+    # chunks missing from the store are computed alone now (and stored): their tokens are neither
+    # reused from the store nor recomputed in the prompt, so the line names them
+    computed = f", {s.chunks_computed} computed now and stored" if s.chunks_computed else ""
     print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
           f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunk{'' if s.chunks_reused == 1 else 's'} "
-          "from the KV store)")
+          f"from the KV store{computed})")
     if s.fusion_skipped:   # say why nothing was reused
         print("  (a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save work; "
               "stats.strategy_reason says more)")
