@@ -204,7 +204,9 @@ class KVFiller:
         :class:`KVFillBusyError` when another process is filling this index. Ctrl-C stops it
         between two passes of the model: what was stored stays, the rest is done next time."""
         with fill_lock(self.index.path):
-            return self._fill(progress)
+            before = self.computed
+            self._fill(progress)
+            return self.computed - before   # chunks, not nodes: identical documents share one chunk's KV
 
     # ------------------------------------------------------------------ background
 
@@ -332,7 +334,8 @@ class KVFiller:
             for (_, key, _), ref in zip(group, refs):
                 tried.add(key)
                 if ref is not None and ref.key == key and ref.stored:
-                    if key not in stored_before:
+                    if key not in stored_before:   # once per chunk: identical documents share its entries
+                        stored_before.add(key)
                         self.computed += 1
                         self.tokens += ref.num_tokens
                     done += 1

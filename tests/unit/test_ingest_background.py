@@ -96,7 +96,7 @@ def test_chunks_a_query_stored_during_a_fill_count_as_covered_not_computed(rag, 
     assert len(stored) == 1
     rounds = iter([listed])
     monkeypatch.setattr(rag.kv, "_pending", lambda tried: next(rounds, []))
-    assert rag.kv.run() == 24 and rag.kv.computed == 23   # covered, but computed by the query, not here
+    assert rag.kv.run() == 23 == rag.kv.computed   # 24 covered, one computed by the query, not here
     # ... so neither are its tokens in the filler's rate (it took it no computing)
     assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) for n in rag.vector_store.get_nodes()
                                 if n.metadata[KV_KEY] not in stored)
@@ -119,6 +119,13 @@ def test_ingest_now_computes_the_kv_before_returning(rag, docs):
     assert report.kv_computed == 24 and rag.kv_coverage().pending == 0
     again = rag.ingest([docs], show_progress=False)
     assert again.unchanged == 24 and again.kv_computed == 0
+
+
+def test_identical_documents_count_their_shared_chunk_once(rag, docs):
+    (docs / "copy").mkdir()
+    (docs / "copy" / "00.md").write_text((docs / "00.md").read_text())   # same text, another file
+    report = rag.ingest([docs], show_progress=False)
+    assert report.nodes == len(rag) == 25 and report.kv_computed == 24 == len(keys_in_index(rag))
 
 
 def test_an_interrupted_fill_resumes_without_computing_a_chunk_twice(rag, docs, monkeypatch):
