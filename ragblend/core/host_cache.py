@@ -50,7 +50,13 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
         log.warning("ragblend: ignoring the host measurement %s (%s); measuring again.", path, why)
     value, trustworthy = measure()
     if trustworthy:
-        write_record(path, {"format": FORMAT, "version": VERSION, "key": key, "value": value})
+        record = {"format": FORMAT, "version": VERSION, "key": key, "value": value}
+        # No sound file: the first process to write wins, and the others take its value (they may
+        # have measured at the same moment); a bad file is replaced.
+        if not write_record(path, record, replace=why is not None):
+            record, _ = read_record(path, FORMAT, VERSION, key)
+            if record is not None and valid(record.get("value")):
+                return record["value"]
     return value
 
 
@@ -59,16 +65,21 @@ def read_record(path: Path, fmt: str, version: int, key: dict,
     """The JSON record at ``path`` if it is a regular file of format ``fmt`` and ``version`` made
     for ``key``: ``(record, None)``; else ``(None, why not)``, where ``why`` is None if there is
     no file. Never follows a link; reads at most ``max_bytes``."""
-    try:
-        info = os.lstat(path)
+    try:   # opened without following a link or waiting on a pipe, then checked, then read bounded
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None, None
     except OSError as err:
         return None, f"cannot be read: {err}"
-    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
-        return None, f"not a regular file of at most {max_bytes // 1024} KiB"
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+                return None, f"not a regular file of at most {max_bytes // 1024} KiB"
+            raw = f.read(max_bytes + 1)
+        if len(raw) > max_bytes:
+            return None, f"not a regular file of at most {max_bytes // 1024} KiB"
+        record = json.loads(raw.decode("utf-8"))
     except (OSError, ValueError, RecursionError) as err:
         # (RecursionError: JSON nested deeper than the decoder goes, e.g. a file of "[[[[...")
         return None, f"unreadable ({type(err).__name__})"
@@ -79,14 +90,27 @@ def read_record(path: Path, fmt: str, version: int, key: dict,
     return record, None
 
 
-def write_record(path: Path, record: dict) -> None:
-    """Write ``record`` to ``path`` as JSON, whole or not at all; a folder that cannot be written
-    is logged (the caller's choice then holds for this process only)."""
+def write_record(path: Path, record: dict, *, replace: bool = True) -> bool:
+    """Write ``record`` to ``path`` as JSON, whole or not at all; whether it was written. Without
+    ``replace`` a file already there stays (another process wrote first). A folder that cannot be
+    written is logged (the caller's choice then holds for this process only)."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(record, f, indent=1)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        return True
     except OSError as err:
         log.info("ragblend: could not save %s (%s).", path, err)
+        return False
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -304,7 +304,7 @@ def _read_cached(path: Path, key: dict) -> dict[str, BucketChoice] | None:
                 choices[bucket.name] = BucketChoice(kernel, seconds, float(raw.get("flops", 0)),
                                                     float(raw.get("weight_bytes", 0)))
             return choices
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as err:
             why = f"unreadable ({type(err).__name__}: {err})"
     if why:
         log.warning("ragblend: ignoring the kernel cache %s (%s); measuring the kernels again.", path, why)

@@ -547,7 +547,9 @@ async def completions(server: Server, request: Request):
     body = await server.read_json(request)
     engine = server.engine
     prompt = check_prompt(body.get("prompt"), server.limit, engine.entry_spec.vocab_size, engine.context_window)
-    if is_lmcache_warmup(prompt, server.separator_ids) and len(prompt) + len(engine.sink_ids) <= engine.context_window:
+    check_options(body)   # a bad request does no work
+    if is_lmcache_warmup(prompt, server.separator_ids) and engine.write_back and \
+            len(prompt) + len(engine.sink_ids) <= engine.context_window:
         # LMCache warms a chunk by sending it alone: store every entry /v1/chunks would (its lead one too,
         # which the prompt alone, with no template before it, would not).
         await server.run_job(request, lambda job: engine.precompute_ids([prompt]))

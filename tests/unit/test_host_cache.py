@@ -75,3 +75,14 @@ def test_a_later_process_drafts_as_the_first_one_measured(tokenizer, tmp_path, m
     path.write_text(json.dumps(json.loads(path.read_text()) | {"value": 0.123}))   # a marker no timing gives
     monkeypatch.setattr(answers, "_ROW_COSTS", {})   # a new process: nothing measured in it yet
     assert make_tiny_engine("llama", tokenizer).answers.draft_row_cost == 0.123
+
+
+def test_processes_measuring_at_once_take_the_first_ones_value(tmp_path):
+    """Another process stores its value while this one measures: this one takes that value."""
+    def measure_while_another_writes():
+        remembered("row-cost", KEY, lambda: (0.125, True), valid, directory=tmp_path)   # the other process
+        return 0.375, True
+
+    assert remembered("row-cost", KEY, measure_while_another_writes, valid, directory=tmp_path) == 0.125
+    assert remembered("row-cost", KEY, lambda: (0.5, True), valid, directory=tmp_path) == 0.125
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
