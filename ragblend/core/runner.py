@@ -239,9 +239,12 @@ class PrefillRunner:
 def _count_tiers(found: _Found, stats: Stats) -> dict:
     """Chunks served per tier, into ``stats``."""
     tiers = {}
-    for tier in found.tier_of.values():
+    # a chunk read at one span and missing at another (its lead entry stored, its own not, without
+    # write-back) counts as missing only
+    served = {key: tier for key, tier in found.tier_of.items() if key not in found.missing}
+    for tier in served.values():
         tiers[tier] = tiers.get(tier, 0) + 1
-    stats.chunks_reused = len(found.tier_of) - tiers.get("computed", 0)
+    stats.chunks_reused = len(served) - tiers.get("computed", 0)
     stats.chunks_missing = len(found.missing) + tiers.get("computed", 0)
     stats.tiers = tiers
     return tiers

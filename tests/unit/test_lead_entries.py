@@ -118,6 +118,10 @@ def test_forget_drops_a_lead_entry_a_query_stored_alone_and_stats_count_chunks(t
     assert (again.stats.chunks_reused, again.stats.chunks_missing, again.stats.chunks_computed) == (1, 1, 1)
     engine.flush()
     engine.store.delete(engine.key_of(PASSAGES[0]))
+    engine.write_back = False   # the repeat's own entry is then computed inside the prompt: still one chunk missing
+    plain = engine.prefill([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), Chunk(PASSAGES[0]), QUESTION], strategy=FullReuse())
+    assert (plain.stats.chunks_reused, plain.stats.chunks_missing, plain.stats.chunks_computed) == (1, 1, 0)
+    engine.write_back = True
     assert engine.forget([engine.key_of(PASSAGES[0]), engine.key_of(PASSAGES[1])]) == 2
     assert len(engine.store) == 0
     # An engine without lead entries on the same store forgets a chunk's lead entry too.
