@@ -75,7 +75,8 @@ class BlendEngine:
         self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
         # A prompt's first chunk follows the template's opening, not a passage: it is fused from a
         # second entry of each chunk, its lead entry, computed after the opening alone (see .ingest).
-        lead_sink = self.prompts.sink_ids() if options.lead_chunk_kv and options.sink_prefix is None else None
+        self.template_opening = self.prompts.sink_ids()   # what a lead entry is computed after
+        lead_sink = self.template_opening if options.lead_chunk_kv and options.sink_prefix is None else None
         self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
         self.fingerprint = self.adapter.fingerprint(tokenizer)
         self.index = ChunkIndex()
@@ -177,10 +178,9 @@ class BlendEngine:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each
         chunk's lead entry with it, also where this engine keeps none (another engine on the store
         may); returns how many chunk keys had an entry."""
-        template_opening = self.prompts.sink_ids()   # what a lead entry is computed after
         removed = 0
         for key in keys:
-            lead = lead_key(key, template_opening) if template_opening != self.sink_ids else None
+            lead = lead_key(key, self.template_opening) if self.template_opening != self.sink_ids else None
             had_lead = lead is not None and bool(self.store.delete(lead))
             removed += bool(self.store.delete(key)) or had_lead
         return removed

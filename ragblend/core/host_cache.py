@@ -40,7 +40,7 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
 
         directory = cache_dir() / "host"
     key = {"measure": name} | key
-    path = directory / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
+    path = record_path(directory, key, f"{name}-")
     record, why = read_record(path, FORMAT, VERSION, key)
     if record is not None:
         if valid(record.get("value")):
@@ -58,6 +58,11 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
             if record is not None and valid(record.get("value")):
                 return record["value"]
     return value
+
+
+def record_path(directory: Path, key: dict, prefix: str = "") -> Path:
+    """Where the record for ``key`` lives in ``directory``: named by a digest of the key."""
+    return directory / f"{prefix}{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"
 
 
 def read_record(path: Path, fmt: str, version: int, key: dict,

@@ -25,7 +25,6 @@ everywhere), e.g. to compare against transformers' own kernels.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -38,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .host_cache import read_record, write_record
+from .host_cache import read_record, record_path, write_record
 
 log = logging.getLogger("ragblend")
 
@@ -284,11 +283,6 @@ def fastest_rounds(workloads: dict[str, Callable[[], object]], rounds: int = 5) 
 # ------------------------------------------------------------------------------- the cache
 
 
-def _cache_path(key: dict, directory: Path) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return directory / f"{digest}.json"
-
-
 def _read_cached(path: Path, key: dict) -> dict[str, BucketChoice] | None:
     """The cached choices at ``path`` if the file is a valid choice for ``key``; else None (logged)."""
     data, why = read_record(path, CACHE_FORMAT, CACHE_VERSION, key, max_bytes=1 << 20)
@@ -331,7 +325,7 @@ def plan_for(decoder_layers: Sequence[Sequence[torch.nn.Linear]], head: Sequence
 
         directory = cache_dir() / "kernels"
     key = host_key(layer_shapes([m for layer in decoder_layers for m in layer] + list(head)))
-    path = _cache_path(key, directory)
+    path = record_path(directory, key)
     memo = str(path)
     if memo in _PLANS and timer is time_workload and not remeasure:
         return _PLANS[memo]
