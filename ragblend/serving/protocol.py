@@ -458,9 +458,9 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> 
         ids = engine.tokenize(prompt)
         check_window(engine, len(ids))
         return engine.find_chunks_in_ids(ids)
-    if is_lmcache_warmup(prompt, separator_ids):
-        return PromptLayout(list(prompt), [ChunkSpan(0, len(prompt), tuple(prompt))])
     segments = split_lmcache(prompt, separator_ids)
+    if len(segments) == 1:   # a chunk on its own: LMCache's way of warming its KV (is_lmcache_warmup)
+        return PromptLayout(list(prompt), [ChunkSpan(0, len(prompt), tuple(prompt))])
     if any(not s for s in segments):
         raise ApiError(400, "The token-id prompt has an empty segment: two separators in a row, or one at "
                             "the start or end.", param="prompt")
