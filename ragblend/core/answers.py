@@ -30,14 +30,15 @@ def eos_ids_of(hf_model, tokenizer) -> frozenset[int]:
     return frozenset(eos)
 
 
-def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=fastest_rounds) -> torch.dtype:
+def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=None) -> torch.dtype:
     """The dtype of an answer's K/V buffers for ``wanted`` (an ``EngineOptions.decode_kv_dtype``).
 
     Over a long prompt a decoding step spends about half its time in attention, reading every
     prompt token's K and V (~46 KB a token for SmolLM2 in float32); 16-bit halves the bytes.
     ``"auto"`` takes float16 only where the decoding matmuls already round activations to
     bfloat16 (4-bit or 8-bit weights), so that float32 decoding stays exact, and only if a
-    decoding step's attention (all layers, ``MEASURED_KEYS`` keys, timed by ``measure``) is
+    decoding step's attention (all layers, ``MEASURED_KEYS`` keys, timed by ``measure``, by
+    default :func:`~ragblend.core.kernels.fastest_rounds`; a test's timer is not kept) is
     faster so than in float32 on this host beyond the noise. Not bfloat16, though often a
     little faster: its 8-bit mantissa changed greedy answers that float16's 11 bits kept
     (docs/benchmarks.md, "Decoding")."""
@@ -51,18 +52,19 @@ def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=fastest_rounds)
     # Engines over models of one shape, in one process, share the measurement (~0.5 s); later
     # processes on this host read it (.host_cache), so that they decode alike.
     key = (adapter.shape, torch.get_num_threads())
-    if measure is fastest_rounds and key in _MEASURED:
+    if measure is None and key in _MEASURED:
         return _MEASURED[key]
 
     def measured() -> tuple[str, bool]:
         with torch.inference_mode():
-            seconds = measure({str(dtype): _attention_step(adapter, dtype) for dtype in (torch.float32, torch.float16)})
+            seconds = (measure or fastest_rounds)({str(dtype): _attention_step(adapter, dtype)
+                                                   for dtype in (torch.float32, torch.float16)})
         chosen = "float16" if seconds["torch.float16"] * MIN_GAIN < seconds["torch.float32"] else "float32"
         log.info("ragblend: a decoding step's attention over %d keys: %s; decoding K/V in %s", MEASURED_KEYS,
                  ", ".join(f"{name.split('.')[-1]} {s * 1e3:.2f} ms" for name, s in seconds.items()), chosen)
         return chosen, True
 
-    if measure is not fastest_rounds:   # a test's timer: nothing kept
+    if measure is not None:   # a test's timer: nothing kept
         return getattr(torch, measured()[0])
     chosen = getattr(torch, remembered("decode-kv-dtype", host_key([]) | {"model": repr(adapter.shape)}, measured,
                                        lambda value: value in ("float16", "float32")))
@@ -85,9 +87,10 @@ MAX_ROW_COST = 0.5   # half a pass: no host measured near it, so a timing past i
 _ROW_COSTS: dict[tuple, float] = {}   # (shape, K/V dtype, threads, weight formats) -> draft_row_cost's
 
 
-def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=fastest_rounds) -> float:
+def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=None) -> float:
     """What one more row adds to a decoding pass, as a share of a one-token pass: a four-token
-    pass over ``MEASURED_KEYS`` keys against a one-token pass, timed by ``measure`` at engine
+    pass over ``MEASURED_KEYS`` keys against a one-token pass, timed by ``measure`` (by default
+    :func:`~ragblend.core.kernels.fastest_rounds`; a test's timer is not kept) at engine
     start (~0.3 s for SmolLM2; engines over models of one shape in one process share it). It
     prices a drafted token for :class:`~ragblend.core.generate.DraftPolicy`. Measured once, not
     from an answer's own passes, so that how an answer drafts does not depend on the clock
@@ -96,7 +99,7 @@ def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=fastes
     if adapter.device.type != "cpu" or adapter.dtype != torch.float32:
         return 0.0   # only float32 drafts (Answers.start); a GPU reads the weights once for a few rows alike
     key = (adapter.shape, kv_dtype, torch.get_num_threads(), tuple(weights.layer_counts().items()))
-    if measure is fastest_rounds and key in _ROW_COSTS:
+    if measure is None and key in _ROW_COSTS:
         return _ROW_COSTS[key]
 
     def measured() -> tuple[float, bool]:
@@ -112,14 +115,14 @@ def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=fastes
             return run
 
         with torch.inference_mode():
-            seconds = measure({"1": one_pass(1), "4": one_pass(4)})
+            seconds = (measure or fastest_rounds)({"1": one_pass(1), "4": one_pass(4)})
         row_cost = (seconds["4"] / seconds["1"] - 1) / 3
         log.info("ragblend: a decoding pass over %d keys: %.1f ms for one token, %.1f ms for four; a drafted "
                  "token costs %.0f%% of a pass", MEASURED_KEYS, seconds["1"] * 1e3, seconds["4"] * 1e3, row_cost * 100)
         # past MAX_ROW_COST, or below 0, the timing was disturbed: it serves this process, not later ones
         return min(MAX_ROW_COST, max(0.0, row_cost)), 0.0 <= row_cost < MAX_ROW_COST
 
-    if measure is not fastest_rounds:   # a test's timer: nothing kept
+    if measure is not None:   # a test's timer: nothing kept
         return measured()[0]
     # Later processes on this host read it (.host_cache): a price that differs drafts differently,
     # which rounds an answer differently, and at a near-tie changes its words.
