@@ -295,7 +295,10 @@ def _cache(args) -> int:
         print("  memory tier: lives inside each process (see engine.store.stats())")
         coverage = _index_coverage(args, store)
         if coverage is not None:
-            hint = f" (`ragblend cache fill{_index_option(args)}` computes them)" if coverage.pending else ""
+            # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
+            fill = f"`ragblend cache fill{_index_option(args)}`"
+            hint = (f" ({fill} computes them)" if coverage.pending else
+                    f" (each chunk's own entry; {fill} also adds any lead entries missing)")
             print(f"  index:       {coverage.describe()}{hint}")
         return 0
     if args.action == "clear":

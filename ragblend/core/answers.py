@@ -13,7 +13,7 @@ import torch
 
 from .decode_weights import DecodeWeights
 from .generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams
-from .host_cache import remembered
+from .host_cache import measured_twice, remembered
 from .kernels import MIN_GAIN, fastest_rounds, host_key
 
 log = logging.getLogger("ragblend")
@@ -55,19 +55,19 @@ def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=None) -> torch.
     if measure is None and key in _MEASURED:
         return _MEASURED[key]
 
-    def measured() -> tuple[str, bool]:
+    def measured() -> str:
         with torch.inference_mode():
             seconds = (measure or fastest_rounds)({str(dtype): _attention_step(adapter, dtype)
                                                    for dtype in (torch.float32, torch.float16)})
         chosen = "float16" if seconds["torch.float16"] * MIN_GAIN < seconds["torch.float32"] else "float32"
         log.info("ragblend: a decoding step's attention over %d keys: %s; decoding K/V in %s", MEASURED_KEYS,
                  ", ".join(f"{name.split('.')[-1]} {s * 1e3:.2f} ms" for name, s in seconds.items()), chosen)
-        return chosen, True
+        return chosen
 
     if measure is not None:   # a test's timer: nothing kept
-        return getattr(torch, measured()[0])
-    chosen = getattr(torch, remembered("decode-kv-dtype", host_key([]) | {"model": repr(adapter.shape)}, measured,
-                                       lambda value: value in ("float16", "float32")))
+        return getattr(torch, measured())
+    chosen = getattr(torch, remembered("decode-kv-dtype", host_key([]) | {"model": repr(adapter.shape)},
+                                       lambda: measured_twice(measured), lambda value: value in ("float16", "float32")))
     _MEASURED[key] = chosen
     return chosen
 

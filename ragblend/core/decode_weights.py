@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .host_cache import remembered
+from .host_cache import measured_twice, remembered
 from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds, host_key
 from .model import (
     EXACT_INT4,
@@ -176,7 +176,7 @@ class DecodeWeights:
                 # Later processes on this host read the verdict (.host_cache), so that they decode alike.
                 shapes = [list(layer.weight.shape) for layer in group.values()]
                 if remembered("low-bit-faster", host_key([]) | {"kind": kind.__name__, "layers": shapes},
-                              lambda g=group, k=kind: (_low_bit_faster(k, g), True),
+                              lambda g=group, k=kind: measured_twice(lambda: _low_bit_faster(k, g)),
                               lambda value: isinstance(value, bool)):
                     kept.update(group)
         return kept

@@ -25,6 +25,7 @@ rooms"): :class:`~.ingest.Ingestion` (chunk texts -> stored entries), :class:`~.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 import time
@@ -154,6 +155,12 @@ class BlendEngine:
         """The key a chunk text's KV is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
         return self.ingestion.key_for(self.tokenize(text))
 
+    def entry_keys(self, key: str) -> tuple[str, ...]:
+        """The keys of the entries this engine keeps for the chunk keyed ``key``: its own, and its
+        lead entry's where the engine keeps lead entries. A chunk is covered when all are stored."""
+        lead = self.ingestion.lead_key(key)
+        return (key,) if lead is None else (key, lead)
+
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
         """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`."""
@@ -164,11 +171,9 @@ class BlendEngine:
         """:meth:`precompute` of chunks given as token ids (a server's client may send ids: LMCache
         warms a chunk by sending it alone), each of this model's vocabulary and short enough to
         follow the sink in the context window."""
-        chunks = [list(ids) for ids in chunks]
         limit, vocab = self.context_window - len(self.sink_ids), self.entry_spec.vocab_size
+        chunks = [_token_ids(ids, f"chunk {i}", vocab) for i, ids in enumerate(chunks)]
         for i, ids in enumerate(chunks):
-            if not ids or not all(type(t) is int and 0 <= t < vocab for t in ids):
-                raise InvalidInputError(f"chunk {i} must be a non-empty list of token ids in [0, {vocab}).")
             if len(ids) > limit:
                 raise PromptTooLongError(f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context "
                                          f"window ({self.context_window}) after the sink prefix. Split it.")
@@ -314,3 +319,18 @@ def _load(options: EngineOptions | None, keywords: dict):
         options = replace(options, name="SmolLM2-135M-Instruct" if options.model is None
                           else os.path.basename(str(options.model).rstrip("/")))
     return hf_model, tokenizer, options
+
+
+def _token_ids(ids, what: str, vocab: int) -> list[int]:
+    """``ids`` as a list of Python ints (numpy's and torch's integers too, not bools), each in
+    ``[0, vocab)``; else an :class:`InvalidInputError` naming ``what``."""
+    try:
+        ids = list(ids)
+        if any(isinstance(t, bool) for t in ids):
+            raise TypeError
+        ids = [operator.index(t) for t in ids]
+    except TypeError:
+        ids = None
+    if not ids or not all(0 <= t < vocab for t in ids):
+        raise InvalidInputError(f"{what} must be a non-empty list of integer token ids in [0, {vocab}).")
+    return ids

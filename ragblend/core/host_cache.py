@@ -60,6 +60,14 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
     return value
 
 
+def measured_twice(verdict: Callable[[], T]) -> tuple[T, bool]:
+    """A choice made from a timing, made twice: ``(the second, whether the two agree)``, as
+    :func:`remembered`'s ``measure`` wants it. Two that disagree were near a tie or disturbed
+    (the machine was busy): the choice serves this process and is not kept for the host."""
+    first, second = verdict(), verdict()
+    return second, first == second
+
+
 def record_path(directory: Path, key: dict, prefix: str = "") -> Path:
     """Where the record for ``key`` lives in ``directory``: named by a digest of the key."""
     return directory / f"{prefix}{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]}.json"

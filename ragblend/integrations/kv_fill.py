@@ -7,7 +7,8 @@ store, in the foreground (:meth:`KVFiller.run`, what ``ragblend ingest --kv now`
 ``ragblend cache fill`` do) or in a background thread (:meth:`KVFiller.start`).
 
 * **Resumable**: what is left to do is derived each time from the index (the keys in Chroma's
-  metadata) and the store (the keys it holds), so a filler stopped by Ctrl-C, a crash or a
+  metadata) and the store (the keys it holds: a chunk is done when the store holds each entry the
+  engine keeps for it, its own and its lead entry), so a filler stopped by Ctrl-C, a crash or a
   kill resumes where it stopped, computing nothing twice.
 * **Recently retrieved first**: chunks of documents that queries retrieved from go first.
 * **Yields to queries**: between passes (one pass is at most ``engine.precompute_batch_tokens``
@@ -90,16 +91,18 @@ def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, 
         offset += page
 
 
-def coverage_of(collection, stored_keys: Iterable[str]) -> KVCoverage:
-    """The coverage of a Chroma collection's chunks by a set of stored KV keys (works
-    without the model: ``ragblend cache stats`` uses it)."""
+def coverage_of(collection, stored_keys: Iterable[str], entry_keys=lambda key: (key,)) -> KVCoverage:
+    """The coverage of a Chroma collection's chunks by a set of stored KV keys: a chunk is
+    covered when every key ``entry_keys(its key)`` gives is stored (an engine's
+    :meth:`~ragblend.core.engine.BlendEngine.entry_keys`: its own entry and its lead entry). The default,
+    the chunk's own entry alone, works without the model (``ragblend cache stats``)."""
     stored_keys = stored_keys if isinstance(stored_keys, (set, frozenset)) else set(stored_keys)
     chunks = keyed = stored = 0
     for _, key, _ in scan_index(collection):
         chunks += 1
         if key:
             keyed += 1
-            stored += key in stored_keys
+            stored += all(entry in stored_keys for entry in entry_keys(key))
     return KVCoverage(chunks, keyed, stored)
 
 
@@ -187,7 +190,8 @@ class KVFiller:
     # ------------------------------------------------------------------ state
 
     def coverage(self) -> KVCoverage:
-        return coverage_of(self.index.collection, self.engine.store.keys())
+        """Chunks covered: with every entry this engine keeps for them (its own and its lead one)."""
+        return coverage_of(self.index.collection, self.engine.store.keys(), self.engine.entry_keys)
 
     @property
     def running(self) -> bool:
@@ -265,9 +269,14 @@ class KVFiller:
     # ------------------------------------------------------------------ the work
 
     def _pending(self, tried: set[str]) -> list[tuple[str, str, str | None]]:
+        """Chunks missing one of their entries (a store filled before lead entries has only the
+        own ones: its lead entries are computed here, ``precompute`` skipping what is stored)."""
         stored = set(self.engine.store.keys())
         return [(node_id, key, doc) for node_id, key, doc in scan_index(self.index.collection)
-                if key and key not in stored and key not in tried]
+                if key and key not in tried and not self._covered(key, stored)]
+
+    def _covered(self, key: str, stored) -> bool:
+        return all(entry in stored for entry in self.engine.entry_keys(key))
 
     def _order(self, pending: list) -> list:
         """Chunks of recently retrieved documents first (the most recent first), then index order."""
@@ -327,7 +336,7 @@ class KVFiller:
                 alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
                 passed, group = len(group), [item for item in group if item[0] in alive]
                 # Stored meanwhile by a query's write-back: covered, but not computed here (nor timed).
-                stored_before = {key for _, key, _ in group if key in self.engine.store}
+                stored_before = {key for _, key, _ in group if self._covered(key, self.engine.store)}
                 t0 = time.perf_counter()
                 refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0

@@ -381,6 +381,13 @@ def _query_engine_class():
 OWNER_KEY = "ragblend_index"   # a server collection's metadata: the index folder that uses it
 
 
+def _owner(metadata: dict) -> str | None:
+    """The index folder a server collection's metadata names as its owner; None if none (the
+    server's metadata is not ours to trust: anything but a string is no claim)."""
+    owner = metadata.get(OWNER_KEY)
+    return owner if isinstance(owner, str) else None
+
+
 def index_folder(path: str | os.PathLike | None = None) -> Path:
     """The folder of the LocalIndex at ``path`` (``~`` expanded), or the default one in ragblend's cache."""
     return Path(path).expanduser() if path else cache_dir() / "index"
@@ -428,9 +435,7 @@ class LocalIndex:
         folder stamped it first: two index folders on one server, each with the default
         collection name, would answer from each other's files and reconcile each other's."""
         metadata = dict(self.collection.metadata or {})
-        owner, mine = metadata.get(OWNER_KEY), str(self.path.resolve())
-        if not isinstance(owner, str):   # the server's metadata is not ours to trust: anything else is no claim
-            owner = None
+        owner, mine = _owner(metadata), str(self.path.resolve())
         if owner == mine:
             return
         if owner is None or not Path(owner).is_dir():   # unclaimed, or its folder moved: claim it
@@ -439,10 +444,14 @@ class LocalIndex:
             metadata.pop("hnsw:space", None)
             try:
                 self.collection.modify(metadata={**metadata, OWNER_KEY: mine})
+                # Another folder opening it at the same moment may have stamped it after us: the
+                # stamp read back names the one that wrote last, and the other one is warned.
+                owner = _owner(self.client.get_collection(self.collection_name).metadata or {})
             except Exception as err:   # the stamp only serves the warning below: a server that refuses it is fine
                 log.info("ragblend: could not stamp the Chroma collection %r with this index (%s: %s).",
                          self.collection_name, type(err).__name__, err)
-        else:
+                return
+        if owner not in (None, mine):
             log.warning("ragblend: the collection %r on the Chroma server %s belongs to the index at %s, not to "
                         "this one (%s): both answer from, and ingest into, the same chunks. Give this index its "
                         "own collection (LocalIndex(..., collection='NAME') or --collection NAME) unless that "

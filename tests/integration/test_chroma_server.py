@@ -88,6 +88,28 @@ def test_two_index_folders_on_one_collection_are_warned_about(chroma_url, smol_e
 
 
 @pytest.mark.slow
+def test_two_folders_stamping_one_collection_at_once_warn_the_one_whose_stamp_was_overwritten(
+        chroma_url, smol_engine, tmp_path, caplog, monkeypatch):
+    import chromadb
+    from chromadb.api.models.Collection import Collection
+
+    from ragblend.integrations.local_index import OWNER_KEY, LocalIndex
+
+    server_side = chromadb.HttpClient(host="127.0.0.1", port=int(chroma_url.rsplit(":", 1)[1]))
+    other = tmp_path / "other"
+    other.mkdir()
+    modify = Collection.modify
+
+    def raced(collection, *args, **kwargs):   # both saw it unclaimed; the other folder's stamp lands last
+        modify(collection, *args, **kwargs)
+        modify(server_side.get_collection("raced"), metadata={OWNER_KEY: str(other.resolve())})
+
+    monkeypatch.setattr(Collection, "modify", raced)
+    LocalIndex(tmp_path / "index", engine=smol_engine, chroma_url=chroma_url, collection="raced")
+    assert f"belongs to the index at {other.resolve()}" in caplog.text
+
+
+@pytest.mark.slow
 def test_a_cosine_collection_made_elsewhere_opens_and_keeps_its_distance(chroma_url, smol_engine, tmp_path):
     import chromadb
 

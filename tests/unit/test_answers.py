@@ -4,6 +4,7 @@ or the window; greedy float32 answers draft from the prompt, others do not. The 
 dtype (decode_kv_dtype): float16 only on low-bit weights and where it measures faster (a fake
 timer drives the choice), close to float32's in every step."""
 
+import json
 import threading
 
 import pytest
@@ -107,6 +108,22 @@ def test_auto_kv_dtype_is_float16_only_on_low_bit_weights_and_when_it_measures_f
     assert decode_kv_dtype(exact.decode_weights, "bfloat16") == torch.bfloat16
     with pytest.raises(InvalidInputError, match="decode_kv_dtype must be one of"):
         make_tiny_engine("llama", tokenizer, decode_kv_dtype="int8")
+
+
+def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_not_kept(tokenizer, tmp_path, monkeypatch):
+    import ragblend.core.answers as answers
+
+    weights = make_tiny_engine("llama", tokenizer, decode_dtype="int4", decode_kv_dtype="float32").decode_weights
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(answers, "_MEASURED", {})
+    timings = iter([_fake_times(10.0, 7.0), _fake_times(10.0, 12.0)] + [_fake_times(10.0, 7.0)] * 2)
+    monkeypatch.setattr(answers, "fastest_rounds", lambda work: next(timings)(work))
+    assert decode_kv_dtype(weights, "auto") == torch.float32   # the second timing's; a near tie or a busy machine
+    assert not list((tmp_path / "host").glob("decode-kv-dtype-*.json"))
+    monkeypatch.setattr(answers, "_MEASURED", {})   # a later process: measures again, both agree, kept
+    assert decode_kv_dtype(weights, "auto") == torch.float16
+    [path] = (tmp_path / "host").glob("decode-kv-dtype-*.json")
+    assert json.loads(path.read_text())["value"] == "float16"
 
 
 def test_auto_kv_dtype_is_measured_once_per_model_shape_and_threads(tokenizer, monkeypatch):

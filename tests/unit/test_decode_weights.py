@@ -217,7 +217,7 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     assert engine.decode_weights.layer_counts() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
                                         "8-bit": 1}
     assert isinstance(engine.decoding_adapter().hf_model.lm_head, Int8Linear)
-    assert seen == [["float32", "low-bit"], ["float32", "low-bit"]]   # 4-bit and 8-bit layers, each measured
+    assert seen == [["float32", "low-bit"]] * 4   # 4-bit and 8-bit layers, each measured twice
 
     low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
     slower = copy.deepcopy(gguf)

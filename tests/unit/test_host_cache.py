@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from ragblend.core.host_cache import remembered
+from ragblend.core.host_cache import measured_twice, remembered
 
 from ..conftest import make_tiny_engine
 
@@ -89,3 +89,19 @@ def test_processes_measuring_at_once_take_the_first_ones_value(tmp_path):
     assert remembered("row-cost", KEY, measure_while_another_writes, valid, directory=tmp_path) == 0.125
     assert remembered("row-cost", KEY, lambda: (0.5, True), valid, directory=tmp_path) == 0.125
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".tmp"] == []
+
+
+def test_a_choice_two_timings_disagree_on_is_not_kept(tmp_path):
+    """A verdict from a timing is taken twice; two that disagree (a near tie, a busy machine) are not kept."""
+    verdicts = iter([True, False, True, True])
+
+    def faster():
+        return measured_twice(lambda: next(verdicts))
+
+    def boolean(value):
+        return isinstance(value, bool)
+
+    assert remembered("faster", KEY, faster, boolean, directory=tmp_path) is False   # the second one's
+    assert not list(tmp_path.glob("faster-*.json"))
+    assert remembered("faster", KEY, faster, boolean, directory=tmp_path) is True
+    assert remembered("faster", KEY, lambda: (False, True), boolean, directory=tmp_path) is True   # read, kept

@@ -82,24 +82,31 @@ def test_chunks_are_searchable_before_their_kv_and_a_query_computes_what_it_uses
     first, second = (n.node.metadata[KV_KEY] for n in answer.sources)
     # and written back: the second chunk's own entry, the first's as the prompt's first passage (its lead entry)
     assert second in rag.engine.store and first not in rag.engine.store and len(rag.engine.store) == 2
-    assert rag.kv_coverage().stored == 1
+    assert rag.kv_coverage().stored == 0   # each has one of its two entries: a fill computes the other
 
 
 
-def test_chunks_a_query_stored_during_a_fill_count_as_covered_not_computed(rag, docs, monkeypatch):
+def test_chunks_stored_during_a_fill_count_as_covered_not_computed(rag, docs, monkeypatch):
     rag.ingest([docs], show_progress=False, kv="skip")
-    listed = rag.kv._pending(set())   # the filler lists what is missing; then a query stores two of them
-    answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
-    rag.engine.flush()
-    # the second chunk's own entry (the first's is its lead entry: the filler still computes its own)
-    stored = {key for n in answer.sources if (key := n.node.metadata[KV_KEY]) in rag.engine.store}
-    assert len(stored) == 1
+    listed = rag.kv._pending(set())   # the filler lists what is missing; then another writer stores one chunk
+    node = rag.vector_store.get_nodes()[0]
+    rag.engine.precompute([llm_text(node)])   # both its entries, as queries' write-backs or another process would
+    stored = {node.metadata[KV_KEY]}
     rounds = iter([listed])
     monkeypatch.setattr(rag.kv, "_pending", lambda tried: next(rounds, []))
-    assert rag.kv.run() == 23 == rag.kv.computed   # 24 covered, one computed by the query, not here
+    assert rag.kv.run() == 23 == rag.kv.computed   # 24 covered, one stored meanwhile, not computed here
     # ... so neither are its tokens in the filler's rate (it took it no computing)
     assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) for n in rag.vector_store.get_nodes()
                                 if n.metadata[KV_KEY] not in stored)
+
+
+def test_a_chunk_a_query_stored_one_entry_of_is_completed_by_the_fill(rag, docs):
+    rag.ingest([docs], show_progress=False, kv="skip")
+    answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
+    rag.engine.flush()   # the first chunk's lead entry and the second's own entry
+    first, second = (n.node.metadata[KV_KEY] for n in answer.sources)
+    assert rag.kv.run() == 24   # each of the two gets its other entry
+    assert all(entry in rag.engine.store for key in (first, second) for entry in rag.engine.entry_keys(key))
 
 
 def test_background_fill_reaches_full_coverage_and_a_repeated_query_reuses_every_chunk(rag, docs):
@@ -150,6 +157,27 @@ def test_an_interrupted_fill_resumes_without_computing_a_chunk_twice(rag, docs, 
     assert rag.kv_coverage().stored == 24
     computed = [t for call in first_pass + calls for t in call]
     assert len(computed) == len(set(computed)) == 24   # every chunk exactly once
+
+
+def test_a_store_filled_before_lead_entries_gets_them_from_a_fill(rag, docs, tokenizer, capsys):
+    """Own entries alone (an engine without lead entries filled the store): the chunks are not
+    covered for an engine that keeps lead entries, and a fill computes only those."""
+    rag.ingest([docs], show_progress=False, kv="skip")
+    without_lead = make_tiny_engine("llama", tokenizer, lead_chunk_kv=False)
+    without_lead.store = rag.engine.store
+    without_lead.precompute([llm_text(node) for node in rag.vector_store.get_nodes()])
+    keys, store = keys_in_index(rag), rag.engine.store
+    leads = {rag.engine.entry_keys(key)[1] for key in keys}
+    assert all(key in store for key in keys) and not any(lead in store for lead in leads)
+    assert rag.kv_coverage().stored == 0   # each chunk lacks its lead entry
+    # `cache stats` (no model) counts own entries and says that a fill adds the lead ones
+    assert main(["cache", "stats", "--index", str(rag.path)]) == 0
+    assert "KV for 24 of 24 chunk(s)" in capsys.readouterr().out.replace("also adds any lead entries missing", "")
+
+    assert rag.kv.run() == 24 and all(lead in store for lead in leads)
+    assert rag.kv_coverage().fraction == 1.0 and rag.kv.run() == 0
+    answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
+    assert answer.stats.chunks_computed == 0 and answer.stats.chunks_reused == 2
 
 
 def test_chunks_of_recently_retrieved_documents_go_first(rag, docs, monkeypatch):

@@ -4,6 +4,7 @@ where the chunk is a prompt's first passage (core.ingest, core.runner; docs/benc
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -160,7 +161,11 @@ def test_precompute_ids_stores_a_chunk_given_as_token_ids_as_precompute_does(tok
     ref = engine.precompute_ids([engine.tokenize(PASSAGES[0])])[0]
     assert ref.key == engine.key_of(PASSAGES[0]) and ref.stored and len(engine.store) == 2
     assert lead_key(engine, PASSAGES[0]) in engine.store
-    for bad in ([], [-1], ["7"], [engine.entry_spec.vocab_size], [1] * engine.context_window):
+    for bad in ([], [-1], ["7"], [2.0], [True], 7, [engine.entry_spec.vocab_size], [1] * engine.context_window):
         with pytest.raises(InvalidInputError, match="chunk 0"):
             engine.precompute_ids([bad])
     assert len(engine.store) == 2
+    # numpy's and torch's integers are token ids too (a tokenizer's return_tensors output)
+    ids = engine.tokenize(PASSAGES[1])
+    assert engine.precompute_ids([np.array(ids)])[0].key == engine.precompute_ids([torch.tensor(ids)])[0].key \
+        == engine.key_of(PASSAGES[1])

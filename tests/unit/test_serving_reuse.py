@@ -88,3 +88,18 @@ def test_metrics_show_the_background_kv_fill_and_the_store_entries(tokenizer):
             assert after['ragblend_store_entries{tier="memory"}'] == 2 * stored   # each chunk's own and lead entries
         finally:
             running.stop()
+
+
+def test_a_passage_with_only_its_own_entry_stored_is_still_taken_for_its_lead_entry(tokenizer):
+    from ragblend.serving.reuse import PassageKeeper
+
+    engine = make_tiny_engine("llama", tokenizer)
+    without_lead = make_tiny_engine("llama", tokenizer, lead_chunk_kv=False, store=engine.store)
+    text = " ".join(f"gamma{i}" for i in range(40))
+    keeper = PassageKeeper(engine, submit=lambda job: None, load=lambda: 1)   # busy: nothing runs by itself
+    without_lead.precompute([text])   # a store filled before lead entries: the own entry only
+    keeper.add([text])
+    assert keeper._take() == [text]
+    engine.precompute([text])
+    keeper.add([text])
+    assert keeper._take() == []   # both entries stored: nothing to do
