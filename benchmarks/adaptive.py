@@ -195,6 +195,31 @@ def pooled_auroc(raw: dict, shipped_of: dict) -> list[str]:
     return lines
 
 
+LENGTH_SCALED = ("left_mass", "selected_deviation", "probe_kl")   # signals also tried scaled by log(prompt length)
+
+
+def length_scaled_auroc(raw: dict, shipped_of: dict) -> list[str]:
+    """Pooled AUROC per model ("answer" label) of signals times and over log(reused tokens):
+    a signal whose scale shifts with prompt length might rank across sets once scaled."""
+    def log_n(r):
+        return math.log(max(2.0, r["signals"]["reused_tokens"] or 2.0))
+
+    variants = {}
+    for s in LENGTH_SCALED:
+        variants[s] = lambda r, s=s: r["signals"][s]
+        variants[f"{s} x log n"] = lambda r, s=s: None if r["signals"][s] is None else r["signals"][s] * log_n(r)
+        variants[f"{s} / log n"] = lambda r, s=s: None if r["signals"][s] is None else r["signals"][s] / log_n(r)
+    lines = ["| model (prompts, positives) | " + " | ".join(variants) + " |", "|---|" + "---:|" * len(variants)]
+    for model in dict.fromkeys(key.split("/")[0] for key in raw):
+        rows, ys = [], []
+        for key in (k for k in raw if k.split("/")[0] == model):
+            rows += raw[key]
+            ys += labels(raw[key], shipped_of[model], "answer")
+        cells = [f"{auroc([f(r) for r in rows], ys):.2f}" for f in variants.values()]
+        lines.append(f"| {model} ({len(rows)}, {sum(ys)}) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def escalate(rows: list[dict], shipped: str, target: str, signal: str, threshold: float) -> list[tuple[float, dict]]:
     """Per prompt (compute, row) when the shipped strategy escalates to ``target`` (a row name,
     or "full" for a full prefill) where ``signal`` > ``threshold``. A signal known before the
@@ -292,6 +317,24 @@ def shipped_table(raw: dict, shipped_of: dict) -> list[str]:
     return lines
 
 
+def load_runs(paths: list[Path]) -> tuple[dict, dict]:
+    """``(raw, shipped_of)`` of earlier ``--json`` files, pooled: a set's prompts from several
+    runs (e.g. musique:2-5) go together; a strategy keeps its column only where every prompt of
+    the set has it (runs of other ladders); a signal added after a run is None (left out of its AUROC)."""
+    raw, shipped_of = {}, {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for key, rows in data["raw"].items():
+            raw.setdefault(key, []).extend(rows)
+        shipped_of.update(data["shipped"])
+    for rows in raw.values():
+        common = set.intersection(*(set(r["rows"]) for r in rows))
+        for r in rows:
+            r["signals"] = {s: r["signals"].get(s) for s in SIGNALS}
+            r["rows"] = {name: row for name, row in r["rows"].items() if name in common}
+    return raw, shipped_of
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
@@ -310,14 +353,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     raw, shipped_of = {}, {}
     if args.from_json:
-        for path in args.from_json:
-            data = json.loads(path.read_text())
-            for key, rows in data["raw"].items():   # a set's prompts from several runs (e.g. musique:2-5) pool
-                raw.setdefault(key, []).extend(rows)
-            shipped_of.update(data["shipped"])
-        for rows in raw.values():   # a signal added after a run: None (left out of its AUROC)
-            for r in rows:
-                r["signals"] = {s: r["signals"].get(s) for s in SIGNALS}
+        raw, shipped_of = load_runs(args.from_json)
     else:
         for model in args.models:
             engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device)
@@ -355,7 +391,9 @@ def main(argv=None) -> None:
     lines += ["## Answer level at the shipped defaults", "", *shipped_table(raw, shipped_of), "",
               "## AUROC of each signal, per set", "", "Labels: " + "; ".join(
         f"*{k}*: {v}" for k, v in LABELS.items()) + ".", "", *auroc_table(raw, shipped_of), "",
-              "## AUROC pooled over the sets", "", *pooled_auroc(raw, shipped_of), "", "## Escalation", ""]
+              "## AUROC pooled over the sets", "", *pooled_auroc(raw, shipped_of), "",
+              "## Scaled by prompt length (pooled, label *answer*)", "", *length_scaled_auroc(raw, shipped_of), "",
+              "## Escalation", ""]
     fixed_of = {m: ("QueryAware(0.20)" if "0.10" in s else "QueryAware(0.30)") for m, s in shipped_of.items()}
     targets_of = {m: ("QueryAware(0.30)", "QueryAware(0.50)", "full") for m in shipped_of}
     lines += policy_tables(raw, shipped_of, args.tune, fixed_of, targets_of)

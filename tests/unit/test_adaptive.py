@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from benchmarks.adaptive import (
+    NOISE,
     PROBE,
     SIGNALS,
     RecordingQuestionAttention,
     auroc,
     escalate,
+    length_scaled_auroc,
+    main,
     signals,
     spearman,
     tuned_threshold,
@@ -55,6 +58,34 @@ def test_escalation_spends_the_target_where_the_signal_passes_the_threshold():
     skipped = {**prompt(None, 0.0), "signals": {"left_mass": None, "probe_kl": None}}
     assert escalate([skipped], "shipped", "full", "left_mass", 0.0) == [(0.2, skipped["rows"]["shipped"])]
     assert tuned_threshold(rows + [skipped], "shipped", "QueryAware(0.30)", "left_mass", 0.1) == math.inf
+
+
+def test_runs_of_other_ladders_pool_and_signals_scaled_by_length_are_ranked(tmp_path, capsys):
+    import json
+
+    def prompt(kl, signal, extra):
+        rows = {"shipped": {"kl": kl, "answer_kl": kl, "compute": 0.1, "rouge": 1.0, "same_first": 1.0,
+                            "same_answer": 1.0},
+                NOISE: {"kl": 0.05, "answer_kl": 0.05, "compute": 1.0, "rouge": 1.0, "same_first": 1.0,
+                        "same_answer": 1.0}}
+        if extra:
+            rows["QueryAware(0.15)"] = dict(rows["shipped"], compute=0.15)
+        signals = dict.fromkeys(SIGNALS, signal) | {"reused_tokens": 100.0 + 1000 * signal}
+        return {"rows": rows, "signals": signals}
+
+    # a bad fusion (answer KL over the noise's median) wherever the signal is high
+    first = [prompt(0.1, 0.9, True), prompt(0.01, 0.1, True)]
+    second = [prompt(0.2, 0.8, False), prompt(0.02, 0.2, False)]
+    raw = {"m/squad": first + second}
+    lines = length_scaled_auroc(raw, {"m": "shipped"})
+    assert lines[2].startswith("| m (4, 2) |") and set(lines[2].split(" | ")[1:-1]) == {"1.00"}
+    paths = []
+    for i, rows in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps({"raw": {"m/squad": rows}, "shipped": {"m": "shipped"}}))
+    main(["--from-json", *map(str, paths), "--out", str(tmp_path / "report")])   # one run measured 0.15, one not
+    out = capsys.readouterr().out
+    assert "## Scaled by prompt length" in out and "QueryAware(0.15)" not in out.split("## Answer level")[0]
 
 
 def test_the_recording_selection_selects_as_query_aware_and_gives_every_signal(tokenizer):
