@@ -236,6 +236,9 @@ def main(argv=None) -> None:
     parser.add_argument("--musique-file", type=Path, default=MUSIQUE)
     parser.add_argument("--out", default=RUNS_DIR)
     parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
+    parser.add_argument("--from-json", type=Path, nargs="+",
+                        help="tables of earlier --json files instead of a run, a set's prompts from several "
+                             "runs pooled (e.g. musique:8 and musique:8-16)")
     parser.add_argument("--no-chunk-context", action="store_true",
                         help="precompute chunks right after the template's opening (chunk_context=''), as before")
     parser.add_argument("--no-lead-entries", action="store_true",
@@ -244,6 +247,18 @@ def main(argv=None) -> None:
     variants = {name: VARIANTS[name] for name in args.variants}
     t0 = time.perf_counter()
     lines, raw = [], {}
+    if args.from_json:
+        for path in args.from_json:
+            for key, results in json.loads(path.read_text()).items():
+                raw.setdefault(key, []).extend(results)
+        for key, results in raw.items():
+            common = [name for name in results[0] if all(name in r for r in results)]   # in every run
+            results = [{name: r[name] for name in common} for r in results]
+            lines += [f"## {key} ({len(results)} prompts, pooled)", "", *table(results, args.greedy_tokens), ""]
+        print("\n".join(lines))
+        write_report(args.out, "fidelity-run.md", "Fidelity against order noise",
+                     command_line("benchmarks.fidelity", argv), time.perf_counter() - t0, lines)
+        return
     for model in args.models:
         engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, device=args.device,
                                              **prefix_options(args))

@@ -173,3 +173,22 @@ def test_sample_questions_reverse_the_chunks_and_keep_the_rest_in_place():
     partial = PromptLayout([1, 11, 12, 3, 20, 4], [ChunkSpan(1, 3, a, offset=1), ChunkSpan(4, 5, b)])
     assert reversed_chunks(partial).token_ids == [1, 20, 3, 11, 12, 4]   # a span's own part of its chunk
     assert len(questions()) >= 8 and all(q and gold for q, gold in questions())
+
+
+def test_fidelity_tables_pool_earlier_runs_without_a_model(tmp_path, capsys):
+    """`benchmarks.fidelity --from-json a.json b.json`: a set's prompts from two runs in one table."""
+    import json
+
+    from benchmarks.fidelity import NOISE, main
+
+    def prompt(kl):
+        row = {"compute": 0.1, "kl": kl, "same_first": 1.0, "rouge": 1.0, "answer_kl": kl, "same_answer": 1.0}
+        return {"QueryAware(0.10)": row, NOISE: dict(row, compute=1.0, kl=0.1, answer_kl=0.1)}
+
+    for name, kls in (("a", [0.01, 0.02]), ("b", [0.5])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"m/musique": [prompt(kl) for kl in kls]}))
+    main(["--from-json", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert "## m/musique (3 prompts, pooled)" in out
+    assert "| QueryAware(0.10) | 10.0% | 0.1767 | 0.0200 |" in out   # mean and median over all three
+    assert "| 1 |" in out   # 0.5 is over 3x the noise's median answer KL
