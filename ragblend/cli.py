@@ -68,7 +68,7 @@ def _ingest_kv(args, rag) -> int:
 
     coverage = rag.kv_coverage()
     fill = f"`ragblend cache fill{_index_option(args)}`"
-    if not coverage.pending:
+    if not coverage.to_compute:
         print(f"Searchable now, {coverage.describe()}.")
         return 0
     if args.kv == "skip":
@@ -77,12 +77,12 @@ def _ingest_kv(args, rag) -> int:
         return 0
     if args.kv == "background":
         pid, log_file = _spawn_fill(args, rag)
-        print(f"Searchable now: `ragblend ask` answers already. The KV of {coverage.pending:,} chunk(s) is computed "
+        print(f"Searchable now: `ragblend ask` answers already. The KV of {coverage.to_compute:,} chunk(s) is computed "
               f"in the background by process {pid} (log: {log_file}); `ragblend cache stats{_index_option(args)}` "
               "shows the coverage.")
         return 0
     print(f"Searchable now: `ragblend ask` answers already (e.g. from another terminal). Computing the KV of "
-          f"{coverage.pending:,} chunk(s) for faster answers; Ctrl-C stops safely, {fill} resumes.", flush=True)
+          f"{coverage.to_compute:,} chunk(s) for faster answers; Ctrl-C stops safely, {fill} resumes.", flush=True)
     try:
         rag.kv.run(progress=True)
     except KVFillBusyError as err:
@@ -340,7 +340,8 @@ def _index_coverage(args, store):
 
 
 def _fill(args) -> int:
-    """`ragblend cache fill`: compute the KV of the index's chunks that have none."""
+    """`ragblend cache fill`: compute the KV of the index's chunks that have none, and the lead
+    entries of those that have only their own (as far as the store has room)."""
     from ragblend.integrations.kv_fill import KVFillBusyError
 
     if args.kv_dir is not None:
@@ -349,7 +350,7 @@ def _fill(args) -> int:
     rag = _open_index(args)
     before = rag.kv_coverage()
     print(f"Index at {rag.path}: {before.describe()}.", flush=True)
-    if not before.pending:
+    if not before.to_compute:
         return 0
     try:
         rag.kv.run(progress=sys.stderr.isatty())

@@ -67,7 +67,7 @@ def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=None) -> torch.
     if measure is not None:   # a test's timer: nothing kept
         return getattr(torch, measured())
     chosen = getattr(torch, remembered("decode-kv-dtype", host_key([]) | {"model": repr(adapter.shape)},
-                                       lambda: measured_twice(measured), lambda value: value in ("float16", "float32")))
+                                       lambda: measured_twice(measured, "float32"), lambda value: value in ("float16", "float32")))
     _MEASURED[key] = chosen
     return chosen
 

@@ -176,7 +176,7 @@ class DecodeWeights:
                 # Later processes on this host read the verdict (.host_cache), so that they decode alike.
                 shapes = [list(layer.weight.shape) for layer in group.values()]
                 if remembered("low-bit-faster", host_key([]) | {"kind": kind.__name__, "layers": shapes},
-                              lambda g=group, k=kind: measured_twice(lambda: _low_bit_faster(k, g)),
+                              lambda g=group, k=kind: measured_twice(lambda: _low_bit_faster(k, g), False),
                               lambda value: isinstance(value, bool)):
                     kept.update(group)
         return kept

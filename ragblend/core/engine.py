@@ -155,10 +155,14 @@ class BlendEngine:
         """The key a chunk text's KV is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
         return self.ingestion.key_for(self.tokenize(text))
 
+    def lead_key(self, key: str) -> str | None:
+        """The key of the lead entry of the chunk keyed ``key``; None where the engine keeps none."""
+        return self.ingestion.lead_key(key)
+
     def entry_keys(self, key: str) -> tuple[str, ...]:
         """The keys of the entries this engine keeps for the chunk keyed ``key``: its own, and its
-        lead entry's where the engine keeps lead entries. A chunk is covered when all are stored."""
-        lead = self.ingestion.lead_key(key)
+        lead entry's where the engine keeps lead entries."""
+        lead = self.lead_key(key)
         return (key,) if lead is None else (key, lead)
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
@@ -325,8 +329,10 @@ def _token_ids(ids, what: str, vocab: int) -> list[int]:
     """``ids`` as a list of Python ints (numpy's and torch's integers too, not bools), each in
     ``[0, vocab)``; else an :class:`InvalidInputError` naming ``what``."""
     try:
+        if isinstance(ids, (str, bytes, set, frozenset, dict)):   # no ids, or in no order
+            raise TypeError
         ids = list(ids)
-        if any(isinstance(t, bool) for t in ids):
+        if any(isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool for t in ids):
             raise TypeError
         ids = [operator.index(t) for t in ids]
     except TypeError:

@@ -60,12 +60,13 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
     return value
 
 
-def measured_twice(verdict: Callable[[], T]) -> tuple[T, bool]:
-    """A choice made from a timing, made twice: ``(the second, whether the two agree)``, as
+def measured_twice(verdict: Callable[[], T], fallback: T) -> tuple[T, bool]:
+    """A choice made from a timing, made twice: ``(the choice, whether the two agree)``, as
     :func:`remembered`'s ``measure`` wants it. Two that disagree were near a tie or disturbed
-    (the machine was busy): the choice serves this process and is not kept for the host."""
+    (the machine was busy): ``fallback`` (the conservative choice) is taken, so that processes
+    still choose alike, and nothing is kept for the host."""
     first, second = verdict(), verdict()
-    return second, first == second
+    return (first, True) if first == second else (fallback, False)
 
 
 def record_path(directory: Path, key: dict, prefix: str = "") -> Path:

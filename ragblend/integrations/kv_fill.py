@@ -56,11 +56,17 @@ class KVCoverage:
 
     chunks: int   # chunks in the index
     keyed: int    # chunks that get KV (the others are too short to find in a prompt, or too long)
-    stored: int   # keyed chunks whose KV is in the store
+    stored: int   # keyed chunks whose own KV entry is in the store
+    lead_missing: int = 0   # of those, chunks without their lead entry (None: unknown, no model loaded)
 
     @property
     def pending(self) -> int:
         return self.keyed - self.stored
+
+    @property
+    def to_compute(self) -> int:
+        """Chunks a fill computes something for: their own entry, or only their lead entry."""
+        return self.pending + (self.lead_missing or 0)
 
     @property
     def fraction(self) -> float:
@@ -68,11 +74,13 @@ class KVCoverage:
 
     def as_dict(self) -> dict:
         return {"chunks": self.chunks, "keyed": self.keyed, "stored": self.stored, "pending": self.pending,
-                "fraction": self.fraction}
+                "fraction": self.fraction, "lead_missing": self.lead_missing}
 
     def describe(self) -> str:
         no_kv = self.chunks - self.keyed
         extra = f"; {no_kv} chunk(s) too short or too long to need KV" if no_kv else ""
+        if self.lead_missing:
+            extra += f"; {self.lead_missing:,} without their lead entry (the KV for a prompt's first passage)"
         return f"KV for {self.stored:,} of {self.keyed:,} chunk(s) ({self.fraction:.1%}), {self.pending:,} to compute{extra}"
 
 
@@ -91,19 +99,22 @@ def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, 
         offset += page
 
 
-def coverage_of(collection, stored_keys: Iterable[str], entry_keys=lambda key: (key,)) -> KVCoverage:
-    """The coverage of a Chroma collection's chunks by a set of stored KV keys: a chunk is
-    covered when every key ``entry_keys(its key)`` gives is stored (an engine's
-    :meth:`~ragblend.core.engine.BlendEngine.entry_keys`: its own entry and its lead entry). The default,
-    the chunk's own entry alone, works without the model (``ragblend cache stats``)."""
+def coverage_of(collection, stored_keys: Iterable[str], lead_key=None) -> KVCoverage:
+    """The coverage of a Chroma collection's chunks by a set of stored KV keys: a chunk counts
+    as stored by its own entry; with ``lead_key`` (an engine's
+    :meth:`~ragblend.core.engine.BlendEngine.lead_key`) the stored ones without their lead entry
+    are counted too. Without it this needs no model (``ragblend cache stats``)."""
     stored_keys = stored_keys if isinstance(stored_keys, (set, frozenset)) else set(stored_keys)
-    chunks = keyed = stored = 0
+    chunks = keyed = stored = lead_missing = 0
     for _, key, _ in scan_index(collection):
         chunks += 1
         if key:
             keyed += 1
-            stored += all(entry in stored_keys for entry in entry_keys(key))
-    return KVCoverage(chunks, keyed, stored)
+            if key in stored_keys:
+                stored += 1
+                lead = lead_key(key) if lead_key else None
+                lead_missing += lead is not None and lead not in stored_keys
+    return KVCoverage(chunks, keyed, stored, lead_missing if lead_key else None)
 
 
 @contextlib.contextmanager
@@ -155,6 +166,7 @@ class KVFiller:
         self._again = threading.Event()   # new chunks arrived while the thread was filling
         self._exiting = False             # the thread found nothing more to do and is ending
         self._warned_unstorable = False
+        self._warned_full = False
         self.state = "idle"               # idle | filling | paused for a query | stopped | another process...
         self.error: BaseException | None = None   # what stopped the background thread, if it failed
         self.computed = 0                 # chunks this filler computed
@@ -190,8 +202,8 @@ class KVFiller:
     # ------------------------------------------------------------------ state
 
     def coverage(self) -> KVCoverage:
-        """Chunks covered: with every entry this engine keeps for them (its own and its lead one)."""
-        return coverage_of(self.index.collection, self.engine.store.keys(), self.engine.entry_keys)
+        """Chunks stored (by their own entry), and how many of those lack their lead entry."""
+        return coverage_of(self.index.collection, self.engine.store.keys(), self.engine.lead_key)
 
     @property
     def running(self) -> bool:
@@ -269,14 +281,44 @@ class KVFiller:
     # ------------------------------------------------------------------ the work
 
     def _pending(self, tried: set[str]) -> list[tuple[str, str, str | None]]:
-        """Chunks missing one of their entries (a store filled before lead entries has only the
-        own ones: its lead entries are computed here, ``precompute`` skipping what is stored)."""
+        """Chunks without their own entry, then chunks with it but without their lead entry (a
+        store filled before lead entries) as far as the store has room for them: lead entries
+        are the expendable ones (stored first, so evicted first), and a store too small for
+        both would otherwise evict and recompute them on every fill."""
         stored = set(self.engine.store.keys())
-        return [(node_id, key, doc) for node_id, key, doc in scan_index(self.index.collection)
-                if key and key not in tried and not self._covered(key, stored)]
+        own, lead_only = [], []
+        for node_id, key, doc in scan_index(self.index.collection):
+            if not key or key in tried:
+                continue
+            if key not in stored:
+                own.append((node_id, key, doc))
+            elif not self._covered(key, stored):
+                lead_only.append((node_id, key, doc))
+        room = self._room(len(own))
+        if len(lead_only) > room:
+            if not self._warned_full:
+                self._warned_full = True
+                log.warning("ragblend: the KV store has no room for the lead entries of %d chunk(s) (the KV used "
+                            "where a chunk is a prompt's first passage; such a prompt computes it). A larger KV "
+                            "store keeps them (EngineOptions.disk_bytes).", len(lead_only) - room)
+            lead_only = lead_only[:room]
+        return own + lead_only
 
     def _covered(self, key: str, stored) -> bool:
         return all(entry in stored for entry in self.engine.entry_keys(key))
+
+    def _room(self, own_pending: int) -> int:
+        """How many more entries the store holds below 90% of its size, after ``own_pending``
+        own entries (an entry's size: the store's mean); unbounded where the store cannot tell."""
+        try:
+            tiers = self.engine.store.stats()
+        except Exception:   # a store that cannot say (a broken disk tier): no bound from it
+            return 1 << 62
+        tier = tiers.get("disk") or tiers.get("memory")
+        if not tier or not tier.get("entries") or not tier.get("max_bytes"):
+            return 1 << 62
+        mean = tier["bytes"] / tier["entries"]
+        return max(0, int((0.9 * tier["max_bytes"] - tier["bytes"]) / mean) - own_pending)
 
     def _order(self, pending: list) -> list:
         """Chunks of recently retrieved documents first (the most recent first), then index order."""

@@ -118,7 +118,7 @@ def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_not_kept(t
     monkeypatch.setattr(answers, "_MEASURED", {})
     timings = iter([_fake_times(10.0, 7.0), _fake_times(10.0, 12.0)] + [_fake_times(10.0, 7.0)] * 2)
     monkeypatch.setattr(answers, "fastest_rounds", lambda work: next(timings)(work))
-    assert decode_kv_dtype(weights, "auto") == torch.float32   # the second timing's; a near tie or a busy machine
+    assert decode_kv_dtype(weights, "auto") == torch.float32   # a near tie or a busy machine: float32
     assert not list((tmp_path / "host").glob("decode-kv-dtype-*.json"))
     monkeypatch.setattr(answers, "_MEASURED", {})   # a later process: measures again, both agree, kept
     assert decode_kv_dtype(weights, "auto") == torch.float16

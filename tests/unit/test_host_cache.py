@@ -92,16 +92,17 @@ def test_processes_measuring_at_once_take_the_first_ones_value(tmp_path):
 
 
 def test_a_choice_two_timings_disagree_on_is_not_kept(tmp_path):
-    """A verdict from a timing is taken twice; two that disagree (a near tie, a busy machine) are not kept."""
+    """A verdict from a timing is taken twice; two that disagree (a near tie, a busy machine) give
+    the conservative choice, the same in every process, and are not kept."""
     verdicts = iter([True, False, True, True])
 
     def faster():
-        return measured_twice(lambda: next(verdicts))
+        return measured_twice(lambda: next(verdicts), False)
 
     def boolean(value):
         return isinstance(value, bool)
 
-    assert remembered("faster", KEY, faster, boolean, directory=tmp_path) is False   # the second one's
+    assert remembered("faster", KEY, faster, boolean, directory=tmp_path) is False   # the fallback
     assert not list(tmp_path.glob("faster-*.json"))
     assert remembered("faster", KEY, faster, boolean, directory=tmp_path) is True
     assert remembered("faster", KEY, lambda: (False, True), boolean, directory=tmp_path) is True   # read, kept

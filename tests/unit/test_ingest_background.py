@@ -82,7 +82,8 @@ def test_chunks_are_searchable_before_their_kv_and_a_query_computes_what_it_uses
     first, second = (n.node.metadata[KV_KEY] for n in answer.sources)
     # and written back: the second chunk's own entry, the first's as the prompt's first passage (its lead entry)
     assert second in rag.engine.store and first not in rag.engine.store and len(rag.engine.store) == 2
-    assert rag.kv_coverage().stored == 0   # each has one of its two entries: a fill computes the other
+    coverage = rag.kv_coverage()   # the second chunk's own entry; the first's lead entry only
+    assert (coverage.stored, coverage.lead_missing) == (1, 1)
 
 
 
@@ -98,6 +99,25 @@ def test_chunks_stored_during_a_fill_count_as_covered_not_computed(rag, docs, mo
     # ... so neither are its tokens in the filler's rate (it took it no computing)
     assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) for n in rag.vector_store.get_nodes()
                                 if n.metadata[KV_KEY] not in stored)
+
+
+def test_a_store_without_room_for_every_lead_entry_fills_what_fits_once(rag, docs, tokenizer, caplog):
+    """Lead entries are the expendable ones: a fill adds those the store has room for, evicts no
+    own entry, and does not compute them again on the next fill (it would evict and recompute)."""
+    import logging
+
+    rag.ingest([docs], show_progress=False, kv="skip")
+    without_lead = make_tiny_engine("llama", tokenizer, lead_chunk_kv=False)
+    without_lead.store = rag.engine.store
+    without_lead.precompute([llm_text(node) for node in rag.vector_store.get_nodes()])
+    disk = rag.engine.store.disk
+    stats = disk.stats()["disk"]
+    disk.max_bytes = int((stats["bytes"] + 5.5 * stats["bytes"] / stats["entries"]) / 0.9)   # room for 5 more
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert rag.kv.run() == 5
+    assert "no room for the lead entries of 19 chunk(s)" in caplog.text
+    assert all(key in rag.engine.store for key in keys_in_index(rag))   # no own entry evicted
+    assert rag.kv.run() == 0 and rag.kv_coverage().lead_missing == 19
 
 
 def test_a_chunk_a_query_stored_one_entry_of_is_completed_by_the_fill(rag, docs):
@@ -169,13 +189,15 @@ def test_a_store_filled_before_lead_entries_gets_them_from_a_fill(rag, docs, tok
     keys, store = keys_in_index(rag), rag.engine.store
     leads = {rag.engine.entry_keys(key)[1] for key in keys}
     assert all(key in store for key in keys) and not any(lead in store for lead in leads)
-    assert rag.kv_coverage().stored == 0   # each chunk lacks its lead entry
+    coverage = rag.kv_coverage()
+    assert (coverage.stored, coverage.lead_missing, coverage.to_compute) == (24, 24, 24)
+    assert "24 without their lead entry" in coverage.describe()
     # `cache stats` (no model) counts own entries and says that a fill adds the lead ones
     assert main(["cache", "stats", "--index", str(rag.path)]) == 0
     assert "KV for 24 of 24 chunk(s)" in capsys.readouterr().out.replace("also adds any lead entries missing", "")
 
     assert rag.kv.run() == 24 and all(lead in store for lead in leads)
-    assert rag.kv_coverage().fraction == 1.0 and rag.kv.run() == 0
+    assert rag.kv_coverage().lead_missing == 0 and rag.kv.run() == 0
     answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
     assert answer.stats.chunks_computed == 0 and answer.stats.chunks_reused == 2
 

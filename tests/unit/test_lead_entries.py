@@ -161,7 +161,8 @@ def test_precompute_ids_stores_a_chunk_given_as_token_ids_as_precompute_does(tok
     ref = engine.precompute_ids([engine.tokenize(PASSAGES[0])])[0]
     assert ref.key == engine.key_of(PASSAGES[0]) and ref.stored and len(engine.store) == 2
     assert lead_key(engine, PASSAGES[0]) in engine.store
-    for bad in ([], [-1], ["7"], [2.0], [True], 7, [engine.entry_spec.vocab_size], [1] * engine.context_window):
+    for bad in ([], [-1], ["7"], [2.0], [True], torch.tensor([True, False]), {1, 2}, b"ab", 7,
+                [engine.entry_spec.vocab_size], [1] * engine.context_window):
         with pytest.raises(InvalidInputError, match="chunk 0"):
             engine.precompute_ids([bad])
     assert len(engine.store) == 2
