@@ -165,6 +165,12 @@ class BlendEngine:
         lead = self.lead_key(key)
         return (key,) if lead is None else (key, lead)
 
+    def entries_stored(self, key: str, stored=None) -> bool:
+        """Whether every entry this engine keeps for the chunk keyed ``key`` is in ``stored``
+        (a set of keys, or by default this engine's store)."""
+        stored = self.store if stored is None else stored
+        return all(entry in stored for entry in self.entry_keys(key))
+
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:
         """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`."""

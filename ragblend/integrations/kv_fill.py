@@ -8,7 +8,7 @@ store, in the foreground (:meth:`KVFiller.run`, what ``ragblend ingest --kv now`
 
 * **Resumable**: what is left to do is derived each time from the index (the keys in Chroma's
   metadata) and the store (the keys it holds: a chunk is done when the store holds each entry the
-  engine keeps for it, its own and its lead entry), so a filler stopped by Ctrl-C, a crash or a
+  engine keeps for it, its own and its lead entry, lead entries as far as the store has room), so a filler stopped by Ctrl-C, a crash or a
   kill resumes where it stopped, computing nothing twice.
 * **Recently retrieved first**: chunks of documents that queries retrieved from go first.
 * **Yields to queries**: between passes (one pass is at most ``engine.precompute_batch_tokens``
@@ -292,7 +292,7 @@ class KVFiller:
                 continue
             if key not in stored:
                 own.append((node_id, key, doc))
-            elif not self._covered(key, stored):
+            elif not self.engine.entries_stored(key, stored):
                 lead_only.append((node_id, key, doc))
         room = self._room(len(own))
         if len(lead_only) > room:
@@ -303,9 +303,6 @@ class KVFiller:
                             "store keeps them (EngineOptions.disk_bytes).", len(lead_only) - room)
             lead_only = lead_only[:room]
         return own + lead_only
-
-    def _covered(self, key: str, stored) -> bool:
-        return all(entry in stored for entry in self.engine.entry_keys(key))
 
     def _room(self, own_pending: int) -> int:
         """How many more entries the store holds below 90% of its size, after ``own_pending``
@@ -378,7 +375,7 @@ class KVFiller:
                 alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
                 passed, group = len(group), [item for item in group if item[0] in alive]
                 # Stored meanwhile by a query's write-back: covered, but not computed here (nor timed).
-                stored_before = {key for _, key, _ in group if self._covered(key, self.engine.store)}
+                stored_before = {key for _, key, _ in group if self.engine.entries_stored(key)}
                 t0 = time.perf_counter()
                 refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0

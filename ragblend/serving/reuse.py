@@ -87,8 +87,7 @@ class PassageKeeper:
                     break
                 text, _ = self.pending.popitem(last=False)
             ids = engine.tokenize(text)
-            if not engine.min_chunk_tokens <= len(ids) <= limit or all(
-                    entry in engine.store for entry in engine.entry_keys(engine.key_of(text))):
+            if not engine.min_chunk_tokens <= len(ids) <= limit or engine.entries_stored(engine.ingestion.key_for(ids)):
                 continue   # too short or long, or each entry stored (a query's write-back may have stored one)
             taken.append(text)
             tokens += len(ids)
