@@ -10,6 +10,16 @@ that fits the model's window:
   from a disk store with the OS page cache dropped.
 
     python -m benchmarks.scaling --models smollm2 qwen2.5-0.5b --sizes 2048 4096 8192 16384
+
+``--shape llama-8b --device cuda`` times a model of Llama 3 8B's shape instead, built with
+random weights on the device (bfloat16): what a GPU's TTFT would be with such a model, where no
+8B weights can be downloaded. Only timings mean anything there (its answers are noise); the
+chunks are the project's Lowenmark passages, numbered so that each is its own. Beside the
+model's forward and the fused prefill with the chunks' KV in host memory, it times the fused
+prefill reading them from a disk store (read ahead layer by layer, pinned buffers, the page
+cache dropped before each run).
+
+    python -m benchmarks.scaling --shape llama-8b --device cuda --sizes 4096 16384 --ratio 0.15
 """
 
 from __future__ import annotations
@@ -22,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from ragblend import BlendEngine, Chunk
+from ragblend import BlendEngine, Chunk, QueryAware
 from ragblend.core.controller import drop_page_cache
 from ragblend.core.model import cache_dir
-from ragblend.core.store import DiskStore
+from ragblend.core.store import DiskStore, MemoryStore
+from ragblend.data import load_sample
 
 from .common import RUNS_DIR, command_line, hf_forward_s, paragraphs, write_report
 from .models import MODELS, model_path
@@ -101,15 +112,109 @@ def measure(model: str, sizes: list[int], runs: int) -> list[str]:
     return lines + [""]
 
 
+# Model shapes timed with random weights (``--shape``): Llama 3 8B's, with the tokenizer the
+# tests use (its vocabulary only shrinks the last layer, which runs for one token).
+SHAPES = {"llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                           num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=32768)}
+TEST_TOKENIZER = Path(__file__).parent.parent / "tests" / "data" / "tokenizer"
+
+
+def synced(device: torch.device):
+    """A clock that waits for the device's queued work first (a GPU returns before it is done)."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
+def random_engine(shape: str, device: str, ratio: float) -> BlendEngine:
+    """An engine over a model of ``shape`` with random weights, built on ``device`` in bfloat16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(TEST_TOKENIZER)
+    config = LlamaConfig(vocab_size=len(tokenizer), **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    # KV of a 16K-token prompt is ~2 GB here (twice, with lead entries): a memory store that holds it
+    return BlendEngine(model, tokenizer, strategy=QueryAware(ratio), kv_dtype="float16", store=MemoryStore(32 << 30))
+
+
+def measure_shape(shape: str, device: str, sizes: list[int], runs: int, ratio: float) -> list[str]:
+    engine = random_engine(shape, device, ratio)
+    now = synced(engine.adapter.device)
+    passages = load_sample()["chunks"]
+    lines = [f"## {shape}, random weights, bfloat16 on {torch.cuda.get_device_name() if device == 'cuda' else device} "
+             f"(QueryAware({ratio}), KV stored float16)", "",
+             "| prompt tokens | chunks | full prefill s | ragblend, KV in host memory s | speed-up | "
+             "ragblend, KV on disk (cold) s | speed-up | KV MB | prompt tokens from the store (memory / disk) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    memory_store = engine.store
+    for size in sizes:
+        chunks, tokens = [], 0
+        while tokens < size - 256:   # the passages in turn, numbered, as many as the size needs
+            chunks.append(f"Part {len(chunks) + 1}.\n{passages[len(chunks) % len(passages)]}")
+            tokens += len(engine.prompts.tokenize(chunks[-1]))
+        segments = [Chunk(c) for c in chunks] + [QUESTION]
+        engine.store = memory_store
+        engine.precompute(chunks)
+        token_ids = engine.build_prompt(segments).token_ids
+        ids = torch.tensor([token_ids], device=engine.adapter.device)
+
+        def forward() -> float:
+            t0 = now()
+            with torch.inference_mode():
+                engine.hf_model(ids, logits_to_keep=1)
+            return now() - t0
+
+        def fused() -> float:
+            t0 = now()
+            engine.prefill(segments)
+            return now() - t0
+
+        forward(), fused()   # warm-up, both
+        full, from_memory, from_disk = [], [], []
+        for _ in range(runs):
+            full.append(forward())
+            from_memory.append(fused())
+            hits = engine.last_stats.cache_hit_tokens   # every chunk's KV from the store, not recomputed
+        with tempfile.TemporaryDirectory(prefix="scaling-", dir=cache_dir()) as tmp:
+            disk = DiskStore(Path(tmp), engine.entry_spec, max_bytes=1 << 40)
+            for ref in engine.precompute(chunks):
+                disk.put(memory_store.get(ref.key))
+            files = list(Path(tmp).rglob("*.val"))
+            nbytes = sum(p.stat().st_size for p in files)
+            engine.store = disk
+            fused()   # warm-up
+            for _ in range(runs):
+                for path in files:
+                    drop_page_cache(path)
+                from_disk.append(fused())
+                disk_hits = engine.last_stats.cache_hit_tokens
+            engine.store = memory_store
+            disk.close()
+        f, m, d = (statistics.median(x) for x in (full, from_memory, from_disk))
+        lines.append(f"| {len(token_ids):,} | {len(chunks)} | {f:.3f} | {m:.3f} | {f / m:.2f}x | {d:.3f} | "
+                     f"{f / d:.2f}x | {nbytes / 1e6:,.0f} | {hits:,} / {disk_hits:,} |")
+        print(lines[-1], flush=True)
+    return lines + [""]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--shape", choices=SHAPES, help="time a model of this shape with random weights instead")
+    parser.add_argument("--device", default="cpu", help="with --shape: where the model runs (cuda on a GPU)")
+    parser.add_argument("--ratio", type=float, default=0.15, help="with --shape: QueryAware's ratio")
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     started, lines = time.perf_counter(), []
-    for model in args.models:
+    if args.shape:
+        lines += measure_shape(args.shape, args.device, args.sizes, args.runs, args.ratio)
+    for model in [] if args.shape else args.models:
         lines += measure(model, args.sizes, args.runs)
     print("\n".join(lines), flush=True)
     write_report(args.out, "scaling-run.md", "Scaling with the prompt", command_line("benchmarks.scaling", argv),

@@ -192,3 +192,19 @@ def test_fidelity_tables_pool_earlier_runs_without_a_model(tmp_path, capsys):
     assert "## m/musique (3 prompts, pooled)" in out
     assert "| QueryAware(0.10) | 10.0% | 0.1767 | 0.0200 |" in out   # mean and median over all three
     assert "| 1 |" in out   # 0.5 is over 3x the noise's median answer KL
+
+
+def test_the_scaling_benchmark_times_a_shape_with_random_weights(monkeypatch, tmp_path):
+    """``benchmarks.scaling --shape``: a random-weight model of a named shape, its chunks read
+    from the memory store and from a disk store (every chunk token from the store both times)."""
+    import benchmarks.scaling as scaling
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(scaling.SHAPES, "tiny", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2,
+                                                     max_position_embeddings=8192))
+    lines = scaling.measure_shape("tiny", "cpu", [1024], runs=1, ratio=0.15)
+    row = lines[-2].strip("|").split("|")
+    assert int(row[0].replace(",", "")) > 900 and float(row[2]) > 0 and float(row[3]) > 0
+    memory_hits, disk_hits = (int(x.replace(",", "")) for x in row[-1].split("/"))
+    assert memory_hits == disk_hits > 900

@@ -5,7 +5,14 @@ only the keys it can see; the offset mask of a decoding pass is the dense causal
 import pytest
 import torch
 
-from ragblend.core.masks import attend, attention_plan, attention_weights, causal_mask, offset_causal_mask
+from ragblend.core.masks import (
+    ROWS_PER_GROUP,
+    attend,
+    attention_plan,
+    attention_weights,
+    causal_mask,
+    offset_causal_mask,
+)
 from ragblend.core.model import ModelAdapter
 
 from ..conftest import tiny_model
@@ -60,6 +67,14 @@ def test_grouped_attention_equals_one_dense_masked_attention(window, with_bias):
         out = attend(adapter, q, k, v, plan)
     reference = dense_attention(adapter, q, k, v, query_pos, window, 0 if key_bias is None else key_bias)
     assert (out - reference).abs().max() < 1e-5
+
+
+def test_a_selection_is_grouped_by_its_devices_rows_per_group():
+    query_pos = torch.arange(0, 600, 2)   # 300 selected queries over 600 keys
+    assert len(attention_plan(query_pos, 600, None, torch.float32)) == -(-300 // ROWS_PER_GROUP["cpu"])
+    assert len(attention_plan(query_pos, 600, None, torch.float32, rows_per_group=100)) == 3
+    # a GPU's groups are larger (large calls fill it), so its plan has fewer
+    assert ROWS_PER_GROUP["cuda"] > ROWS_PER_GROUP["cpu"]
 
 
 def test_every_query_of_a_plain_prefill_is_one_unmasked_causal_group():

@@ -1,0 +1,63 @@
+"""On a CUDA device the engine computes what it computes on the CPU: the chunks' stored K/V,
+the fused prefill of every strategy, and the answer's decoding steps after it (the CPU's own
+kernels and low-bit decoding weights are not used there). Skipped without CUDA."""
+
+import copy
+
+import pytest
+import torch
+
+from ragblend import BlendEngine, CacheBlend, FullRecompute, FullReuse, QueryAware
+from ragblend.core.calibration import answer_logits
+
+from ..conftest import PASSAGES, SEGMENTS, tiny_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+ATOL = 2e-3   # float32 on two devices: matmuls accumulate in another order (TF32 off)
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def engines(arch, tokenizer):
+    """The same tiny model on the CPU and on the GPU (a copy: the shared one stays on the CPU)."""
+    cpu = BlendEngine(tiny_model(arch), tokenizer, kv_dtype="float32")
+    gpu = BlendEngine(copy.deepcopy(tiny_model(arch)).to("cuda"), tokenizer, kv_dtype="float32")
+    for engine in (cpu, gpu):
+        engine.precompute(PASSAGES[:3])
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_stored_chunks_match_the_cpus(arch, tokenizer):
+    cpu, gpu = engines(arch, tokenizer)
+    for text in PASSAGES[:3]:
+        key = cpu.key_of(text)
+        assert gpu.key_of(text) == key   # the same model, the same entry key
+        a, b = cpu.store.get(key), gpu.store.get(key)
+        for layer in range(len(a.keys)):
+            torch.testing.assert_close(b.keys[layer].float().cpu(), a.keys[layer].float(), atol=ATOL, rtol=1e-3)
+            torch.testing.assert_close(b.values[layer].float().cpu(), a.values[layer].float(), atol=ATOL, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("strategy", [QueryAware(0.3), CacheBlend(0.3), FullReuse(), FullRecompute()], ids=repr)
+def test_fused_prefill_and_answer_match_the_cpus(arch, strategy, tokenizer):
+    cpu, gpu = engines(arch, tokenizer)
+    on_cpu = cpu.prefill(SEGMENTS, strategy=strategy)
+    on_gpu = gpu.prefill(SEGMENTS, strategy=strategy)
+    assert on_gpu.keys[0].device.type == "cuda"
+    assert on_gpu.stats.recomputed_tokens == on_cpu.stats.recomputed_tokens   # the same selection
+    torch.testing.assert_close(on_gpu.logits.float().cpu(), on_cpu.logits.float(), atol=ATOL, rtol=1e-3)
+    # The answer's steps after the prefill, teacher-forced on the CPU's greedy answer.
+    answer = cpu.generate(SEGMENTS, strategy=strategy, max_new_tokens=6).token_ids
+    torch.testing.assert_close(answer_logits(gpu, on_gpu, answer).cpu(), answer_logits(cpu, on_cpu, answer),
+                               atol=ATOL, rtol=1e-3)
+    assert len(gpu.generate(SEGMENTS, strategy=strategy, max_new_tokens=6).token_ids) == len(answer)
