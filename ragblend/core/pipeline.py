@@ -7,8 +7,9 @@ The fusion asks for layers in increasing order and says up front which ones it w
 * :class:`PrefetchSource` reads ahead in a background thread, so layer i+1 comes off its
   tier while layer i is being fused (CacheBlend §5, CachedAttention §3.2). The thread does
   only the I/O, which waits on the device and leaves the cores to the compute; checking
-  and converting a layer (cheap) happens when the fusion takes it. On CUDA the copy to the
-  device runs on a side stream from pinned host buffers.
+  and converting a layer (cheap) happens when the fusion takes it. On CUDA the thread also
+  checks the layer and copies it into pinned host buffers (the CPU is idle while the GPU
+  computes), and the copy to the device runs on a side stream from them.
 
 Both return one ``(K, V)`` per chunk, ``[kv_heads, tokens, head_dim]`` on the compute device
 in the storage dtype (the fusion converts while placing them), K before RoPE, and both keep
@@ -93,14 +94,31 @@ class PrefetchSource(SequentialSource):
         with self._lock:
             while self._pending and len(self._futures) < self.depth:
                 index = self._pending.pop(0)
-                self._futures[index] = self._pool.submit(self._fetch, index)
+                self._futures[index] = self._pool.submit(self._fetch if self._stream is None else self._staged, index)
+
+    def _staged(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``index`` read, checked and in pinned host buffers (CUDA only, in the thread):
+        a ~2 GB prompt's KV copied from pageable memory in the fusion's own thread cost an
+        H100 0.38 s of waiting (docs/benchmarks.md, "An 8B-shaped model on an H100")."""
+        raw = self._fetch(index)
+        t0 = time.perf_counter()
+        parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
+        pinned = [(k[:, w].pin_memory(), v[:, w].pin_memory()) for (k, v), w in zip(parts, self.windows)]
+        self.load_s += time.perf_counter() - t0
+        return pinned
+
+    def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self._stream is None:
+            return super()._decode(index, raw)
+        return [self._to_device(k, v) for k, v in raw]   # staged already: only the copy is left
 
     def _to_device(self, k, v):
         if self._stream is None:
             return super()._to_device(k, v)
         # Pinned host buffers let the copy run asynchronously on the side stream; the
         # compute stream then waits for exactly this copy, nothing more.
-        k, v = k.pin_memory(), v.pin_memory()
+        k = k if k.is_pinned() else k.pin_memory()
+        v = v if v.is_pinned() else v.pin_memory()
         with torch.cuda.stream(self._stream):
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
         compute = torch.cuda.current_stream(self.device)
@@ -115,7 +133,10 @@ class PrefetchSource(SequentialSource):
         t0 = time.perf_counter()
         with self._lock:
             future = self._futures.pop(index, None)
-        raw = self._fetch(index) if future is None else future.result()
+        if future is None:
+            raw = self._fetch(index) if self._stream is None else self._staged(index)
+        else:
+            raw = future.result()
         self._schedule()
         out = self._decode(index, raw)  # raises CorruptEntryError for a bad layer
         self.wait_s += time.perf_counter() - t0

@@ -130,8 +130,10 @@ class PrefillRunner:
                 return self._full_prefill(layout, plan, stats, reused)
             stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in found.spans]
-            # Reading ahead pays off for slow tiers; from memory it would only take CPU from the compute.
-            if prefetch and "disk" in tiers:
+            # Reading ahead pays off for slow tiers, and on a GPU (the thread stages each layer in
+            # pinned memory while the GPU computes); from memory to a CPU it would only take CPU
+            # from the compute.
+            if prefetch and ("disk" in tiers or self.adapter.device.type == "cuda"):
                 source = PrefetchSource(found.readers, self.adapter.device, windows=windows, pool=self._reader)
             else:
                 source = SequentialSource(found.readers, self.adapter.device, windows=windows)
