@@ -44,7 +44,7 @@ from ragblend import BlendEngine, FullReuse, QueryAware
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.selection import QuestionAttention
 
-from .common import MUSIQUE, RUNS_DIR, command_line, prompt_sets, write_report
+from .common import MUSIQUE, RUNS_DIR, command_line, in_every, pool_by_set, prompt_sets, write_report
 from .fidelity import NOISE, measure, table
 from .models import MODELS, model_path
 
@@ -321,14 +321,12 @@ def load_runs(paths: list[Path]) -> tuple[dict, dict]:
     """``(raw, shipped_of)`` of earlier ``--json`` files, pooled: a set's prompts from several
     runs (e.g. musique:2-5) go together; a strategy keeps its column only where every prompt of
     the set has it (runs of other ladders); a signal added after a run is None (left out of its AUROC)."""
-    raw, shipped_of = {}, {}
-    for path in paths:
-        data = json.loads(path.read_text())
-        for key, rows in data["raw"].items():
-            raw.setdefault(key, []).extend(rows)
-        shipped_of.update(data["shipped"])
+    runs = [json.loads(path.read_text()) for path in paths]
+    raw, shipped_of = pool_by_set(run["raw"] for run in runs), {}
+    for run in runs:
+        shipped_of.update(run["shipped"])
     for rows in raw.values():
-        common = set.intersection(*(set(r["rows"]) for r in rows))
+        common = in_every([r["rows"] for r in rows])
         for r in rows:
             r["signals"] = {s: r["signals"].get(s) for s in SIGNALS}
             r["rows"] = {name: row for name, row in r["rows"].items() if name in common}

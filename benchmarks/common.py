@@ -121,6 +121,21 @@ def paragraphs() -> list[str]:
     return json.loads(path.read_text())
 
 
+def pool_by_set(runs) -> dict[str, list]:
+    """The per-prompt rows of several runs (their ``--json`` files, read), by set: a set's
+    prompts from every run together (e.g. ``musique:8`` and ``musique:8-16``)."""
+    pooled: dict[str, list] = {}
+    for run in runs:
+        for key, rows in run.items():
+            pooled.setdefault(key, []).extend(rows)
+    return pooled
+
+
+def in_every(rows: list[dict]) -> set[str]:
+    """The names every one of ``rows`` has: the columns every prompt of a pooled set measured."""
+    return set.intersection(*(set(r) for r in rows))
+
+
 # ---------------------------------------------------------------------------- measures
 
 

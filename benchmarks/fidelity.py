@@ -36,6 +36,8 @@ from .common import (
     Prompt,
     command_line,
     first_token_and_answer,
+    in_every,
+    pool_by_set,
     prefix_options,
     prompt_sets,
     rouge_l,
@@ -248,12 +250,10 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     lines, raw = [], {}
     if args.from_json:
-        for path in args.from_json:
-            for key, results in json.loads(path.read_text()).items():
-                raw.setdefault(key, []).extend(results)
+        raw = pool_by_set(json.loads(path.read_text()) for path in args.from_json)
         for key, results in raw.items():
-            common = [name for name in results[0] if all(name in r for r in results)]   # in every run
-            results = [{name: r[name] for name in common} for r in results]
+            common = in_every(results)   # the variants every run measured
+            results = [{name: r[name] for name in results[0] if name in common} for r in results]
             lines += [f"## {key} ({len(results)} prompts, pooled)", "", *table(results, args.greedy_tokens), ""]
         print("\n".join(lines))
         write_report(args.out, "fidelity-run.md", "Fidelity against order noise",

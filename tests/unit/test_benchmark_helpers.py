@@ -208,3 +208,22 @@ def test_the_scaling_benchmark_times_a_shape_with_random_weights(monkeypatch, tm
     assert int(row[0].replace(",", "")) > 900 and float(row[2]) > 0 and float(row[3]) > 0
     memory_hits, disk_hits = (int(x.replace(",", "")) for x in row[-1].split("/"))
     assert memory_hits == disk_hits > 900
+
+
+def test_answer_preview_selects_as_queryaware_on_the_relevance_it_is_given(tokenizer):
+    """``benchmarks.answer_preview``: a selection on a relevance given in advance fuses exactly as
+    QueryAware does when given the relevance QueryAware's own first pass measured; with answer
+    tokens after the prompt, that first pass sees them and the relevance changes."""
+    from benchmarks.answer_preview import GivenRelevance, relevance_with_answer
+    from ragblend import QueryAware
+
+    engine = make_tiny_engine("qwen2", tokenizer, kv_dtype="float32")
+    engine.precompute(PASSAGES[:3])
+    layout = engine.prompts.build([Chunk(p) for p in PASSAGES[:3]] + ["Question: who ran the ferry?"], None)
+    recorder = GivenRelevance(0.2)
+    measured = engine.prefill(layout, strategy=recorder)
+    again = engine.prefill(layout, strategy=GivenRelevance(0.2, recorder.relevance))
+    assert torch.equal(again.recomputed, measured.recomputed) and torch.equal(again.logits, measured.logits)
+    assert torch.equal(engine.prefill(layout, strategy=QueryAware(0.2)).recomputed, measured.recomputed)
+    with_answer = relevance_with_answer(engine, layout, tokenizer.encode(" the ferry was run by"), 0.2)
+    assert with_answer.shape == recorder.relevance.shape and not torch.equal(with_answer, recorder.relevance)
