@@ -32,11 +32,12 @@ from .models import MODELS, model_path
 
 
 class GivenRelevance(QuestionAttention):
-    """QueryAware's selection on a relevance given in advance instead of its first pass's.
-    With ``relevance=None`` it runs as QueryAware and keeps the relevance its pass measured."""
+    """QueryAware's selection (at QueryAware's default attention scale) on a relevance given in
+    advance instead of its first pass's. With ``relevance=None`` it runs as QueryAware and keeps
+    the relevance its pass measured: one prompt per instance."""
 
-    def __init__(self, ratio: float, relevance=None, cached_attention_scale: float = 0.7):
-        super().__init__(ratio, cached_attention_scale=cached_attention_scale)
+    def __init__(self, ratio: float, relevance=None):
+        super().__init__(ratio, cached_attention_scale=QueryAware(ratio).cached_attention_scale)
         self.relevance = relevance
 
     def first(self, prompt, probe):
@@ -47,7 +48,8 @@ class GivenRelevance(QuestionAttention):
 
 def relevance_with_answer(engine: BlendEngine, layout, answer_ids: list[int], ratio: float):
     """The first pass's relevance over the prompt followed by ``answer_ids``: the attention of
-    the question and of those answer tokens (every token after the last chunk counts)."""
+    the question and of those answer tokens (every token after the last chunk counts). A whole
+    fused prefill runs to get it (its result is not used: a study, not a selection to ship)."""
     recorder = GivenRelevance(ratio)
     engine.prefill(dataclasses.replace(layout, token_ids=list(layout.token_ids) + list(answer_ids)), strategy=recorder)
     return recorder.relevance

@@ -13,7 +13,8 @@ that fits the model's window:
 
 ``--shape llama-8b --device cuda`` times a model of Llama 3 8B's shape instead, built with
 random weights on the device (bfloat16): what a GPU's TTFT would be with such a model, where no
-8B weights can be downloaded. Only timings mean anything there (its answers are noise); the
+8B weights can be downloaded. Only timings mean anything there (its answers are noise; the
+values change the timings only through which tokens QueryAware selects); the
 chunks are the project's Lowenmark passages, numbered so that each is its own. Beside the
 model's forward and the fused prefill with the chunks' KV in host memory, it times the fused
 prefill reading them from a disk store (read ahead layer by layer, pinned buffers, the page
@@ -205,7 +206,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
     parser.add_argument("--sizes", nargs="+", type=int, default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, choices=range(1, 101), metavar="N", help="timed rounds (1-100)")
     parser.add_argument("--shape", choices=SHAPES, help="time a model of this shape with random weights instead")
     parser.add_argument("--device", default="cpu", help="with --shape: where the model runs (cuda on a GPU)")
     parser.add_argument("--ratio", type=float, default=0.15, help="with --shape: QueryAware's ratio")

@@ -116,7 +116,7 @@ class KVDecoder:
                     seen, bias = visible_keys(start, window, self.key_bias, self.dtype)
                     plans[window] = seen, (bias,)
                 else:
-                    plan = attention_plan(positions, end, window, self.dtype, n, key_bias)[0]
+                    plan = attention_plan(positions, end, window, self.dtype, rows_per_group=n, key_bias=key_bias)[0]
                     plans[window] = plan.keys, (plan.mask, adapter.fold_mask(plan.mask))
             seen, masks = plans[window]
             keys, values = self.keys[layer][:, seen], self.values[layer][:, seen]

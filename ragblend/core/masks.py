@@ -36,9 +36,10 @@ class QueryGroup:
 
 
 # Query rows per masked attention call, by device. A CPU gains from small groups (each skips the
-# keys after its last row); a GPU needs large calls to fill it: on an H100, with an 8B-shaped
-# model and a 16K-token prompt, groups of 64 rows took 0.60 s per fused prefill, 1,024 0.27 s
-# (docs/benchmarks.md, "An 8B-shaped model on an H100").
+# keys after its last row); a GPU needs large calls to fill it: on an H100, an 8B-shaped model's
+# fused prefill of 16K tokens with its KV already on the GPU took 0.60 s in groups of 64 rows,
+# 0.27 s in groups of 1,024 (at 4K 256 rows was fastest, 1,024 as fast as 64; docs/benchmarks.md,
+# "An 8B-shaped model on an H100").
 ROWS_PER_GROUP = {"cpu": 64, "cuda": 1024}
 
 
@@ -55,7 +56,10 @@ def attention_plan(query_pos: torch.Tensor, num_keys: int, window: int | None,
     ``rows_per_group``: None takes the device's (:data:`ROWS_PER_GROUP`).
     """
     n = query_pos.numel()
-    rows_per_group = rows_per_group or ROWS_PER_GROUP.get(query_pos.device.type, 64)
+    if rows_per_group is None:
+        rows_per_group = ROWS_PER_GROUP.get(query_pos.device.type, ROWS_PER_GROUP["cpu"])
+    if rows_per_group < 1:
+        raise ValueError(f"rows_per_group must be at least 1, got {rows_per_group}")
     if n == num_keys and (window is None or n <= window) and key_bias is None:
         return [QueryGroup(slice(0, n), slice(0, n), None)]
     groups = []

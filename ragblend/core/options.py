@@ -78,7 +78,8 @@ class EngineOptions:
     kv_dtype: str | torch.dtype = option(
         "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost "
                    "(see docs/benchmarks.md).", flag="--kv-dtype", choices=KV_DTYPES, type=str)
-    prefetch: bool = option(True, "Read cached KV from disk ahead of the layer that needs it, in a background thread.")
+    prefetch: bool = option(True, "Read cached KV from disk (on a GPU, from any tier) ahead of the layer that needs "
+                                    "it, in a background thread.")
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(

@@ -9,11 +9,11 @@ The fusion asks for layers in increasing order and says up front which ones it w
   only the I/O, which waits on the device and leaves the cores to the compute; checking
   and converting a layer (cheap) happens when the fusion takes it. On CUDA the thread also
   checks the layer and copies it into pinned host buffers (the CPU is idle while the GPU
-  computes), and the copy to the device runs on a side stream from them.
+  computes), from any tier, and the copy to the device runs on a side stream from them.
 
 Both return one ``(K, V)`` per chunk, ``[kv_heads, tokens, head_dim]`` on the compute device
 in the storage dtype (the fusion converts while placing them), K before RoPE, and both keep
-``load_s`` (time spent reading and checking) and ``wait_s`` (time the fusion waited).
+``load_s`` (time spent reading and checking; on CUDA pinning too) and ``wait_s`` (time the fusion waited).
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ class PrefetchSource(SequentialSource):
         self._pending: list[int] = []
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # What the thread does with a layer: read it; on CUDA also check it and pin it (below).
+        self._read_ahead = self._fetch if self._stream is None else self._fetch_pinned
 
     def prepare(self, layers: list[int]) -> None:
         self._pending = list(layers)
@@ -94,31 +96,30 @@ class PrefetchSource(SequentialSource):
         with self._lock:
             while self._pending and len(self._futures) < self.depth:
                 index = self._pending.pop(0)
-                self._futures[index] = self._pool.submit(self._fetch if self._stream is None else self._staged, index)
+                self._futures[index] = self._pool.submit(self._read_ahead, index)
 
-    def _staged(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Layer ``index`` read, checked and in pinned host buffers (CUDA only, in the thread):
-        a ~2 GB prompt's KV copied from pageable memory in the fusion's own thread cost an
-        H100 0.38 s of waiting (docs/benchmarks.md, "An 8B-shaped model on an H100")."""
+    def _fetch_pinned(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``index`` of every chunk read, checked, cut to its window and copied into pinned
+        host memory (CUDA only, in the thread: the CPU is idle while the GPU computes). Copied
+        from pageable memory in the fusion's own thread, a ~2 GB prompt's KV cost an H100
+        0.38 s of waiting (docs/benchmarks.md, "An 8B-shaped model on an H100")."""
         raw = self._fetch(index)
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
-        pinned = [(k[:, w].pin_memory(), v[:, w].pin_memory()) for (k, v), w in zip(parts, self.windows)]
+        pinned = [(_pinned_copy(k[:, w]), _pinned_copy(v[:, w])) for (k, v), w in zip(parts, self.windows)]
         self.load_s += time.perf_counter() - t0
         return pinned
 
     def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self._stream is None:
             return super()._decode(index, raw)
-        return [self._to_device(k, v) for k, v in raw]   # staged already: only the copy is left
+        return [self._to_device(k, v) for k, v in raw]   # checked and pinned in the thread: only the copy is left
 
     def _to_device(self, k, v):
         if self._stream is None:
             return super()._to_device(k, v)
-        # Pinned host buffers let the copy run asynchronously on the side stream; the
-        # compute stream then waits for exactly this copy, nothing more.
-        k = k if k.is_pinned() else k.pin_memory()
-        v = v if v.is_pinned() else v.pin_memory()
+        # From pinned host buffers (_fetch_pinned) the copy runs asynchronously on the side
+        # stream; the compute stream then waits for exactly this copy, nothing more.
         with torch.cuda.stream(self._stream):
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
         compute = torch.cuda.current_stream(self.device)
@@ -133,10 +134,7 @@ class PrefetchSource(SequentialSource):
         t0 = time.perf_counter()
         with self._lock:
             future = self._futures.pop(index, None)
-        if future is None:
-            raw = self._fetch(index) if self._stream is None else self._staged(index)
-        else:
-            raw = future.result()
+        raw = self._read_ahead(index) if future is None else future.result()
         self._schedule()
         out = self._decode(index, raw)  # raises CorruptEntryError for a bad layer
         self.wait_s += time.perf_counter() - t0
@@ -154,3 +152,9 @@ class PrefetchSource(SequentialSource):
         if self._own_pool:
             self._pool.shutdown(wait=True)
         super().close()
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` copied, contiguous, into pinned host memory (a chunk's window is a strided
+    view: pinned as it is, its copy to the device would go through a pageable buffer)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)

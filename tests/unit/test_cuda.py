@@ -10,7 +10,7 @@ import torch
 from ragblend import BlendEngine, CacheBlend, FullRecompute, FullReuse, QueryAware
 from ragblend.core.calibration import answer_logits
 
-from ..conftest import PASSAGES, SEGMENTS, tiny_model
+from ..conftest import PASSAGES, SEGMENTS, entry_path, flip_byte, tiny_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -60,4 +60,46 @@ def test_fused_prefill_and_answer_match_the_cpus(arch, strategy, tokenizer):
     answer = cpu.generate(SEGMENTS, strategy=strategy, max_new_tokens=6).token_ids
     torch.testing.assert_close(answer_logits(gpu, on_gpu, answer).cpu(), answer_logits(cpu, on_cpu, answer),
                                atol=ATOL, rtol=1e-3)
-    assert len(gpu.generate(SEGMENTS, strategy=strategy, max_new_tokens=6).token_ids) == len(answer)
+
+
+def test_a_partly_used_chunk_is_read_ahead_to_the_gpu_as_on_the_cpu(tokenizer, tmp_path):
+    """Windows (a chunk's tokens a prompt uses) go through the pinned read-ahead contiguous, from
+    the memory tier and from a disk store, and give the CPU's layers."""
+    from ragblend.core.pipeline import PrefetchSource, SequentialSource, _pinned_copy
+    from ragblend.core.store import DiskStore, MemoryReader
+
+    cpu, gpu = engines("qwen2", tokenizer)
+    entries = [cpu.store.get(cpu.key_of(text)) for text in PASSAGES[:3]]
+    windows = [slice(2, 9), slice(None), slice(0, 5)]
+    disk = DiskStore(tmp_path / "kv", cpu.entry_spec)
+    for entry in entries:
+        disk.put(entry)
+    for readers in ([MemoryReader(e) for e in entries], [disk.open(e.key) for e in entries]):
+        want = SequentialSource([MemoryReader(e) for e in entries], "cpu", windows)
+        got = PrefetchSource(readers, "cuda", windows)
+        got.prepare(list(range(len(entries[0].keys))))
+        for layer in range(len(entries[0].keys)):
+            for (k, v), (ek, ev) in zip(got.layer(layer), want.layer(layer)):
+                assert k.device.type == "cuda"
+                assert torch.equal(k.cpu(), ek) and torch.equal(v.cpu(), ev)
+        got.close()
+    window = torch.arange(24.0).view(2, 3, 4)[:, 1:]   # a strided view, as a chunk's window is
+    pinned = _pinned_copy(window)
+    assert pinned.is_pinned() and pinned.is_contiguous() and torch.equal(pinned, window)
+
+
+def test_a_corrupt_entry_on_disk_is_recomputed_on_the_gpu(tokenizer, tmp_path):
+    """A layer that fails its check in the read-ahead thread: the entry is dropped and the
+    chunk recomputed, as on the CPU (the answer is the clean store's)."""
+    from ragblend.core.store import DiskStore
+
+    _, gpu = engines("qwen2", tokenizer)
+    gpu.store = DiskStore(tmp_path / "kv", gpu.entry_spec)
+    gpu.precompute_batch_tokens = 0   # one chunk a pass, as a query's recompute does
+    refs = gpu.precompute(PASSAGES[:3])
+    clean = gpu.prefill(SEGMENTS, strategy=QueryAware(0.3))
+    assert clean.stats.chunks_reused == 3 and clean.stats.tiers == {"disk": 3}
+    flip_byte(entry_path(gpu.store, refs[1].key), entry_path(gpu.store, refs[1].key).stat().st_size - 3)
+    again = gpu.prefill(SEGMENTS, strategy=QueryAware(0.3))
+    assert again.stats.chunks_computed == 1 and again.stats.chunks_reused == 2
+    torch.testing.assert_close(again.logits.float().cpu(), clean.logits.float().cpu(), atol=ATOL, rtol=1e-3)

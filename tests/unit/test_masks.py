@@ -69,12 +69,14 @@ def test_grouped_attention_equals_one_dense_masked_attention(window, with_bias):
     assert (out - reference).abs().max() < 1e-5
 
 
-def test_a_selection_is_grouped_by_its_devices_rows_per_group():
+def test_a_selection_is_grouped_by_its_devices_rows_per_group(monkeypatch):
     query_pos = torch.arange(0, 600, 2)   # 300 selected queries over 600 keys
-    assert len(attention_plan(query_pos, 600, None, torch.float32)) == -(-300 // ROWS_PER_GROUP["cpu"])
-    assert len(attention_plan(query_pos, 600, None, torch.float32, rows_per_group=100)) == 3
-    # a GPU's groups are larger (large calls fill it), so its plan has fewer
-    assert ROWS_PER_GROUP["cuda"] > ROWS_PER_GROUP["cpu"]
+    monkeypatch.setitem(ROWS_PER_GROUP, "cpu", 100)   # the device's count is the one used
+    assert [g.rows for g in attention_plan(query_pos, 600, None, torch.float32)] == [
+        slice(0, 100), slice(100, 200), slice(200, 300)]
+    assert len(attention_plan(query_pos, 600, None, torch.float32, rows_per_group=64)) == 5
+    with pytest.raises(ValueError):
+        attention_plan(query_pos, 600, None, torch.float32, rows_per_group=0)
 
 
 def test_every_query_of_a_plain_prefill_is_one_unmasked_causal_group():
