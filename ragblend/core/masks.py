@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidInputError
 from .model import ModelAdapter
 
 
@@ -59,7 +60,7 @@ def attention_plan(query_pos: torch.Tensor, num_keys: int, window: int | None,
     if rows_per_group is None:
         rows_per_group = ROWS_PER_GROUP.get(query_pos.device.type, ROWS_PER_GROUP["cpu"])
     if rows_per_group < 1:
-        raise ValueError(f"rows_per_group must be at least 1, got {rows_per_group}")
+        raise InvalidInputError(f"rows_per_group must be at least 1, got {rows_per_group}.")
     if n == num_keys and (window is None or n <= window) and key_bias is None:
         return [QueryGroup(slice(0, n), slice(0, n), None)]
     groups = []
