@@ -142,10 +142,19 @@ def random_engine(shape: str, device: str, ratio: float) -> BlendEngine:
     return BlendEngine(model, tokenizer, strategy=QueryAware(ratio), kv_dtype="float16", store=MemoryStore(32 << 30))
 
 
+def numbered_passages(engine: BlendEngine, size: int) -> list[str]:
+    """The sample passages in turn, each numbered (so each is its own chunk), as many as a
+    prompt of ~``size`` tokens needs."""
+    passages, chunks, tokens = load_sample()["chunks"], [], 0
+    while tokens < size - 256:
+        chunks.append(f"Part {len(chunks) + 1}.\n{passages[len(chunks) % len(passages)]}")
+        tokens += len(engine.prompts.tokenize(chunks[-1]))
+    return chunks
+
+
 def measure_shape(shape: str, device: str, sizes: list[int], runs: int, ratio: float) -> list[str]:
     engine = random_engine(shape, device, ratio)
     now = synced(engine.adapter.device)
-    passages = load_sample()["chunks"]
     lines = [f"## {shape}, random weights, bfloat16 on {torch.cuda.get_device_name() if device == 'cuda' else device} "
              f"(QueryAware({ratio}), KV stored float16)", "",
              "| prompt tokens | chunks | full prefill s | ragblend, KV in host memory s | speed-up | "
@@ -153,10 +162,7 @@ def measure_shape(shape: str, device: str, sizes: list[int], runs: int, ratio: f
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     memory_store = engine.store
     for size in sizes:
-        chunks, tokens = [], 0
-        while tokens < size - 256:   # the passages in turn, numbered, as many as the size needs
-            chunks.append(f"Part {len(chunks) + 1}.\n{passages[len(chunks) % len(passages)]}")
-            tokens += len(engine.prompts.tokenize(chunks[-1]))
+        chunks = numbered_passages(engine, size)
         segments = [Chunk(c) for c in chunks] + [QUESTION]
         engine.store = memory_store
         engine.precompute(chunks)
