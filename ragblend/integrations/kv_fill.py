@@ -170,7 +170,7 @@ class KVFiller:
         self.state = "idle"               # idle | filling | paused for a query | stopped | another process...
         self.error: BaseException | None = None   # what stopped the background thread, if it failed
         self.computed = 0                 # chunks this filler computed
-        self.tokens = 0                   # their tokens
+        self.tokens = 0                   # their tokens, each chunk's for the share of its entries computed
         self.compute_s = 0.0              # seconds spent computing them (not waiting for queries)
 
     # ------------------------------------------------------------------ what queries tell it
@@ -210,7 +210,8 @@ class KVFiller:
         return self._thread is not None and self._thread.is_alive()
 
     def rate(self) -> float | None:
-        """Chunk tokens computed per second of computing (waits for queries excluded)."""
+        """Chunk tokens computed per second of computing (waits for queries excluded); a chunk
+        whose lead entry alone was computed counts half its tokens, as it cost half the work."""
         return self.tokens / self.compute_s if self.compute_s else None
 
     # ------------------------------------------------------------------ foreground
@@ -375,7 +376,9 @@ class KVFiller:
                 alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
                 passed, group = len(group), [item for item in group if item[0] in alive]
                 # Stored meanwhile by a query's write-back: covered, but not computed here (nor timed).
-                stored_before = {key for _, key, _ in group if self.engine.entries_stored(key)}
+                missing = {key: [e for e in self.engine.entry_keys(key) if e not in self.engine.store]
+                           for _, key, _ in group}
+                stored_before = {key for key, entries in missing.items() if not entries}
                 t0 = time.perf_counter()
                 refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0
@@ -385,7 +388,8 @@ class KVFiller:
                     if key not in stored_before:   # once per chunk: identical documents share its entries
                         stored_before.add(key)
                         self.computed += 1
-                        self.tokens += ref.num_tokens
+                        # a chunk counts for the share of its entries computed (its lead entry alone: half)
+                        self.tokens += ref.num_tokens * len(missing[key]) // len(self.engine.entry_keys(key))
                     done += 1
                 else:
                     self._warn_unstorable(key, ref)

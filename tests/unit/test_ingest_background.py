@@ -197,6 +197,8 @@ def test_a_store_filled_before_lead_entries_gets_them_from_a_fill(rag, docs, tok
     assert "KV for 24 of 24 chunk(s)" in capsys.readouterr().out.replace("also adds any lead entries missing", "")
 
     assert rag.kv.run() == 24 and all(lead in store for lead in leads)
+    # one entry of two computed per chunk: half their tokens count towards the fill's rate
+    assert rag.kv.tokens == sum(rag.engine.count_tokens(llm_text(n)) // 2 for n in rag.vector_store.get_nodes())
     assert rag.kv_coverage().lead_missing == 0 and rag.kv.run() == 0
     answer = rag.ask("When did the lighthouse open?", top_k=2, max_new_tokens=4)
     assert answer.stats.chunks_computed == 0 and answer.stats.chunks_reused == 2
