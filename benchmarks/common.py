@@ -174,12 +174,23 @@ def first_token_and_answer(engine: BlendEngine, segments, strategy, greedy_token
     return pre.logits, pre.stats, ""
 
 
+def synced(device: torch.device):
+    """A clock that waits for the device's queued work first (a GPU returns before it is done)."""
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return now
+
+
 def hf_forward_s(engine: BlendEngine, token_ids: list[int]) -> float:
-    ids = torch.tensor([token_ids])
-    t0 = time.perf_counter()
+    """Seconds of transformers' own forward over ``token_ids`` (the full prefill), on the model's device."""
+    ids = torch.tensor([token_ids], device=engine.adapter.device)
+    now = synced(engine.adapter.device)
+    t0 = now()
     with torch.inference_mode():
         engine.hf_model(ids, logits_to_keep=1)
-    return time.perf_counter() - t0
+    return now() - t0
 
 
 class TokenClock:

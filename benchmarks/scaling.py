@@ -39,7 +39,7 @@ from ragblend.core.model import cache_dir
 from ragblend.core.store import DiskStore, MemoryStore
 from ragblend.data import load_sample
 
-from .common import RUNS_DIR, command_line, hf_forward_s, paragraphs, write_report
+from .common import RUNS_DIR, command_line, hf_forward_s, paragraphs, synced, write_report
 from .models import MODELS, model_path
 
 QUESTION = "Question: which of these passages mentions a date, and what happened then? Answer briefly."
@@ -120,15 +120,6 @@ SHAPES = {"llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden
 TEST_TOKENIZER = Path(__file__).parent.parent / "tests" / "data" / "tokenizer"
 
 
-def synced(device: torch.device):
-    """A clock that waits for the device's queued work first (a GPU returns before it is done)."""
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return now
-
-
 def random_engine(shape: str, device: str, ratio: float) -> BlendEngine:
     """An engine over a model of ``shape`` with random weights, built on ``device`` in bfloat16."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
@@ -167,23 +158,16 @@ def measure_shape(shape: str, device: str, sizes: list[int], runs: int, ratio: f
         engine.store = memory_store
         engine.precompute(chunks)
         token_ids = engine.build_prompt(segments).token_ids
-        ids = torch.tensor([token_ids], device=engine.adapter.device)
-
-        def forward() -> float:
-            t0 = now()
-            with torch.inference_mode():
-                engine.hf_model(ids, logits_to_keep=1)
-            return now() - t0
 
         def fused() -> float:
             t0 = now()
             engine.prefill(segments)
             return now() - t0
 
-        forward(), fused()   # warm-up, both
+        hf_forward_s(engine, token_ids), fused()   # warm-up, both
         full, from_memory, from_disk = [], [], []
         for _ in range(runs):
-            full.append(forward())
+            full.append(hf_forward_s(engine, token_ids))
             from_memory.append(fused())
             hits = engine.last_stats.cache_hit_tokens   # every chunk's KV from the store, not recomputed
         with tempfile.TemporaryDirectory(prefix="scaling-", dir=cache_dir()) as tmp:
@@ -221,8 +205,9 @@ def main(argv=None) -> None:
     started, lines = time.perf_counter(), []
     if args.shape:
         lines += measure_shape(args.shape, args.device, args.sizes, args.runs, args.ratio)
-    for model in [] if args.shape else args.models:
-        lines += measure(model, args.sizes, args.runs)
+    else:
+        for model in args.models:
+            lines += measure(model, args.sizes, args.runs)
     print("\n".join(lines), flush=True)
     write_report(args.out, "scaling-run.md", "Scaling with the prompt", command_line("benchmarks.scaling", argv),
                  time.perf_counter() - started, lines)

@@ -165,11 +165,15 @@ class BlendEngine:
         lead = self.lead_key(key)
         return (key,) if lead is None else (key, lead)
 
-    def entries_stored(self, key: str, stored=None) -> bool:
-        """Whether every entry this engine keeps for the chunk keyed ``key`` is in ``stored``
+    def missing_entries(self, key: str, stored=None) -> list[str]:
+        """The entries this engine keeps for the chunk keyed ``key`` that are not in ``stored``
         (a set of keys, or by default this engine's store)."""
         stored = self.store if stored is None else stored
-        return all(entry in stored for entry in self.entry_keys(key))
+        return [entry for entry in self.entry_keys(key) if entry not in stored]
+
+    def entries_stored(self, key: str, stored=None) -> bool:
+        """Whether every entry this engine keeps for the chunk keyed ``key`` is in ``stored``."""
+        return not self.missing_entries(key, stored)
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False) -> list[ChunkRef | None]:

@@ -376,8 +376,7 @@ class KVFiller:
                 alive = set(self.index.collection.get(ids=[node_id for node_id, _, _ in group], include=[])["ids"])
                 passed, group = len(group), [item for item in group if item[0] in alive]
                 # Stored meanwhile by a query's write-back: covered, but not computed here (nor timed).
-                missing = {key: [e for e in self.engine.entry_keys(key) if e not in self.engine.store]
-                           for _, key, _ in group}
+                missing = {key: self.engine.missing_entries(key) for _, key, _ in group}
                 stored_before = {key for key, entries in missing.items() if not entries}
                 t0 = time.perf_counter()
                 refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
