@@ -2,10 +2,12 @@
 
 For every linear layer of a benchmark model (projections, MLP, LM head), run in order as a
 forward pass does, the time of ``F.linear`` (what transformers calls; MKL's sgemm on x86)
-and of :class:`~ragblend.core.model.CpuLinear` (a column product up to 8 rows, oneDNN's
-matmul above) at several row counts: 1-4 rows as a decoding pass has, ~140 as a chunk, ~660
-as a fused prefill's selected tokens, ~3k as a full prefill. Best of ``--runs``; GFLOPS and
-GB/s of weights read, and the largest difference between the two outputs.
+and of :class:`~ragblend.core.model.CpuLinear` with the kernel plan the engine runs on this
+host (``engine.kernel_plan``: measured on the first engine, then cached; ``ragblend info``
+shows it) at several row counts: 1-4 rows as a decoding pass has, ~140 as a chunk, ~660 as a
+fused prefill's selected tokens, ~3k as a full prefill. The fastest of ``--runs`` interleaved
+rounds; the kernel the plan picks, GFLOPS and GB/s of weights read, and the largest
+difference between the two outputs (0 where the plan keeps ``F.linear``).
 
 ``--batch-rows``: instead, the linear layers of one decoding pass on the weights decoding runs on
 (the engine's default ``decode_dtype``: 4-bit on SmolLM2) at 1-8 rows, as a batched step over
@@ -20,13 +22,13 @@ pass is bound by arithmetic, not by reading the weights.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine
 from ragblend.core.decode_weights import FusedRows
+from ragblend.core.kernels import fastest_rounds
 from ragblend.core.model import CpuLinear
 
 from .common import RUNS_DIR, report_per_model
@@ -35,36 +37,35 @@ from .models import MODELS, model_path
 ROWS = (1, 2, 3, 4, 140, 660, 3116)
 
 
-def best_of(runs: int, fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(model: str, runs: int) -> list[str]:
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    return [f"## {model}", "", *compare_kernels(engine, runs)]
+
+
+def compare_kernels(engine: BlendEngine, runs: int, rows_to_time=ROWS) -> list[str]:
+    """Table lines: ``F.linear`` against ``CpuLinear`` with ``engine``'s kernel plan, over the
+    model's linear layers, at each of ``rows_to_time``."""
     layers = [m for m in engine.hf_model.modules() if type(m) is torch.nn.Linear]
-    fast = [CpuLinear(m) for m in layers]
+    plan = engine.kernel_plan   # what the engine's passes run on this host
+    fast = [CpuLinear(m, plan) for m in layers]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
-    lines = [f"## {model}", "", f"{len(layers)} linear layers, {weight_bytes / 1e6:.0f} MB of float32 weights, "
-             f"best of {runs}:", "",
-             "| rows | F.linear ms | GFLOPS | GB/s | CpuLinear ms | GFLOPS | GB/s | speed-up | max abs diff |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"{len(layers)} linear layers, {weight_bytes / 1e6:.0f} MB of float32 weights; "
+             f"CpuLinear runs the engine's kernel plan ({plan.source}); fastest of {runs} interleaved rounds:", "",
+             "| rows | F.linear ms | GFLOPS | GB/s | CpuLinear kernel | ms | GFLOPS | GB/s | speed-up | max abs diff |",
+             "|---:|---:|---:|---:|:---|---:|---:|---:|---:|---:|"]
     torch.manual_seed(0)
     with torch.inference_mode():
-        for rows in ROWS:
+        for rows in rows_to_time:
             inputs = {n: torch.randn(rows, n) for n in {m.in_features for m in layers}}
             flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
-            plain = best_of(runs, lambda: [F.linear(inputs[m.in_features], m.weight, m.bias) for m in layers])
-            ours = best_of(runs, lambda: [f(inputs[m.in_features]) for m, f in zip(layers, fast)])
+            seconds = fastest_rounds({
+                "plain": lambda: [F.linear(inputs[m.in_features], m.weight, m.bias) for m in layers],
+                "ours": lambda: [f(inputs[m.in_features]) for m, f in zip(layers, fast)]}, rounds=runs)
+            plain, ours = seconds["plain"], seconds["ours"]
             diff = max((f(inputs[m.in_features]) - F.linear(inputs[m.in_features], m.weight, m.bias)).abs().max().item()
                        for m, f in zip(layers, fast))
             lines.append(f"| {rows:,} | {plain * 1e3:.1f} | {flops / plain / 1e9:.0f} | {weight_bytes / plain / 1e9:.0f} | "
-                         f"{ours * 1e3:.1f} | {flops / ours / 1e9:.0f} | {weight_bytes / ours / 1e9:.0f} | "
+                         f"{plan.kernel_for(rows)} | {ours * 1e3:.1f} | {flops / ours / 1e9:.0f} | {weight_bytes / ours / 1e9:.0f} | "
                          f"{plain / ours:.2f}x | {diff:.1e} |")
             print(lines[-1], flush=True)
     return [*lines, ""]
@@ -90,7 +91,7 @@ def batch_rows(model: str, runs: int) -> list[str]:
         for rows in (1, 2, 4, 8):
             inputs = {n: torch.randn(rows, n) for n in {width for _, width, _ in calls}}
             flops = sum(2 * rows * weights for _, _, weights in calls)
-            seconds = best_of(runs, lambda: [m(inputs[width]) for m, width, _ in calls])
+            seconds = fastest_rounds({"step": lambda: [m(inputs[width]) for m, width, _ in calls]}, rounds=runs)["step"]
             one = one or seconds
             lines.append(f"| {rows} | {seconds * 1e3:.1f} | {seconds / one:.2f}x | {seconds / rows * 1e3:.1f} | "
                          f"{flops / seconds / 1e9:.0f} |")

@@ -39,6 +39,12 @@ class SequentialSource(LayerSource):
         self.device = torch.device(device)
         self.load_s = 0.0
         self.wait_s = 0.0
+        # PrefetchSource adds to load_s from its read-ahead thread and the fusion's thread.
+        self._load_lock = threading.Lock()
+
+    def _count_load(self, since: float) -> None:
+        with self._load_lock:
+            self.load_s += time.perf_counter() - since
 
     def prepare(self, layers: list[int]) -> None:
         pass
@@ -46,14 +52,14 @@ class SequentialSource(LayerSource):
     def _fetch(self, index: int) -> list:
         t0 = time.perf_counter()
         raw = [reader.fetch(index) for reader in self.readers]
-        self.load_s += time.perf_counter() - t0
+        self._count_load(t0)
         return raw
 
     def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
         parts = [self._to_device(k[:, w], v[:, w]) for (k, v), w in zip(parts, self.windows)]
-        self.load_s += time.perf_counter() - t0
+        self._count_load(t0)
         return parts
 
     def _to_device(self, k, v):
@@ -107,7 +113,7 @@ class PrefetchSource(SequentialSource):
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
         pinned = [(_pinned_copy(k[:, w]), _pinned_copy(v[:, w])) for (k, v), w in zip(parts, self.windows)]
-        self.load_s += time.perf_counter() - t0
+        self._count_load(t0)
         return pinned
 
     def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -279,3 +279,21 @@ def test_int8_head_gives_float32_logits_to_the_tokens_that_can_be_picked():
         assert torch.allclose(logits.gather(1, best), exact.gather(1, best), atol=1e-5)   # rescored in float32
         assert torch.equal(logits.argmax(-1), exact.argmax(-1))
         assert (logits - exact).abs().max() > 1e-4   # the rest read 8-bit weights
+
+
+def test_the_kernels_benchmark_times_the_plan_the_engine_runs(tokenizer, monkeypatch):
+    """benchmarks.kernels once built CpuLinear without the engine's plan, so it timed F.linear
+    against itself; its CpuLinear column must run the kernel the engine's plan picks."""
+    from benchmarks.kernels import compare_kernels
+
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.kernel_plan = KernelPlan.fixed("column")
+    calls = []
+    column = KERNELS["column"]
+    monkeypatch.setitem(kernels.KERNELS, "column", lambda *a: calls.append(1) or column(*a))
+    table = compare_kernels(engine, runs=1, rows_to_time=(1, 4))
+    rows = [line for line in table if re.match(r"\| [14] \|", line)]
+    assert [row.split(" | ")[4] for row in rows] == ["column", "column"]
+    assert calls, "CpuLinear did not run the plan's kernel"
