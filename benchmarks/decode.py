@@ -23,9 +23,11 @@ same fused prefill:
 
 Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
 ``--tokens`` greedy tokens, stopping at the end token): answers identical to the reference
-decoder's, ROUGE-L to them, the decoding time of the set and its passes per token; for the
-engine's float32 kernels and each other decode dtype, the KL between its next-token
-distributions and the reference's at every step (both fed the reference answer).
+decoder's, ROUGE-L to them, the decoding time of the set, its passes per token and how many
+passes a low-bit decoding ran again in float32 at a near tie; for the engine's float32 kernels
+and each other decode dtype, the KL between its next-token distributions and the reference's at
+every step (both fed the reference answer), and how far low-bit rounding moves the margin
+between a step's top two tokens (the near-tie table, which ``NEAR_TIE`` is set from).
 
     python -m benchmarks.decode --models smollm2 --sets fidelity:6 squad:32
     python -m benchmarks.decode --models smollm2 qwen2.5-0.5b --kv-agreement --decode-kv-dtypes bfloat16 float16
@@ -41,7 +43,7 @@ import torch
 
 from ragblend import BlendEngine, Chunk
 from ragblend.core.calibration import first_token_kl
-from ragblend.core.generate import KVDecoder
+from ragblend.core.generate import NEAR_TIE, KVDecoder
 from ragblend.core.kernels import cpu_summary
 from ragblend.core.model import ModelAdapter
 from ragblend.data import load_sample
@@ -86,14 +88,35 @@ def ragblend_answer(engine: BlendEngine, segments, tokens: int, drafts: int):
     return result.token_ids, engine.last_stats.decode_s, engine.last_stats.decode_steps
 
 
-def step_kls(engine: BlendEngine, pre, answer: list[int]) -> list[float]:
-    """Per step, KL between the reference layers' and ``engine``'s decoding next-token distributions."""
+def teacher_forced_steps(engine: BlendEngine, pre, answer: list[int]) -> list[dict]:
+    """Per step of ``answer`` fed to both, ``engine``'s decoding against the reference layers':
+    the KL between their next-token distributions; ``gap``, the decoding's margin between its top
+    two tokens, and ``gap_error``, how far that is from the reference's margin between the same
+    two; ``differs``, whether their greedy picks differ (what :data:`~ragblend.core.generate.NEAR_TIE`
+    is set from)."""
     capacity = len(pre.token_ids) + len(answer)
     ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)
     twin = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, capacity, pre.key_bias,
                      dtype=engine.answers.kv_dtype)
+    steps = []
     with engine.lock:
-        return [first_token_kl(ref.step(t), twin.step(t)) for t in answer[:-1]]
+        for token in answer[:-1]:
+            want, got = ref.step(token), twin.step(token)
+            (first, second), (a, b) = got.topk(2).values.tolist(), got.topk(2).indices.tolist()
+            steps.append({"kl": first_token_kl(want, got), "gap": first - second,
+                          "gap_error": abs((first - second) - float(want[a] - want[b])),
+                          "differs": int(torch.argmax(want)) != a})
+    return steps
+
+
+def near_tie_line(set_name: str, dtype: str, steps: list[dict]) -> str:
+    """A row of the near-tie table: the gap errors' spread, the picks that differ and their largest gap."""
+    errors = sorted(s["gap_error"] for s in steps) or [0.0]
+    differ = [s["gap"] for s in steps if s["differs"]]
+    under = sum(s["gap"] < NEAR_TIE for s in steps)
+    return (f"| {set_name} | {dtype} | {len(steps)} | {errors[len(errors) // 2]:.4f} | "
+            f"{errors[min(len(errors) - 1, int(len(errors) * 0.99))]:.4f} | {errors[-1]:.4f} | {len(differ)} | "
+            f"{max(differ, default=0):.4f} | {under} ({100 * under / max(len(steps), 1):.1f}%) |")
 
 
 def speed(exact: BlendEngine, others: dict[str, BlendEngine], runs: int, tokens: int, drafts: list[int],
@@ -146,9 +169,10 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
     dtypes = {"float32 (the engine's kernels)": exact, **others}
     lines = ["", f"Against the reference decoder (up to {tokens} greedy tokens after the same fused prefill; "
              "decode s and passes per token summed over the set):", "",
-             "| set | prompts | decoding | identical answers | ROUGE-L mean | decode s | passes per token |",
-             "|---|---:|---|---:|---:|---:|---:|"]
-    kl_lines = []
+             "| set | prompts | decoding | identical answers | ROUGE-L mean | decode s | passes per token | "
+             "passes made again in float32 (near ties) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    kl_lines, tie_lines = [], []
     for set_name, prompts in sets.items():
         if not prompts:
             continue
@@ -156,7 +180,8 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
         rouges = {name: [] for name, _, _ in variants}
         names = ["reference", *same]
         seconds, passes = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-        produced, kls = 0, {dtype: [] for dtype in dtypes}
+        rechecks = dict.fromkeys(names, 0)
+        produced, kls, ties = 0, {dtype: [] for dtype in dtypes}, {dtype: [] for dtype in dtypes}
         for prompt in prompts:
             exact.precompute(prompt.chunks)
             segments = [Chunk(c) for c in prompt.chunks] + [prompt.question]
@@ -167,24 +192,36 @@ def agreement(exact: BlendEngine, others: dict[str, BlendEngine], sets: dict, to
             passes["reference"] += ref_passes
             produced += len(ref)
             for dtype, engine in dtypes.items():
-                kls[dtype] += step_kls(engine, pre, ref)
+                steps = teacher_forced_steps(engine, pre, ref)
+                kls[dtype] += [step["kl"] for step in steps]
+                ties[dtype] += steps
             for name, engine, n in variants:
                 ids, decode_s, steps = ragblend_answer(engine, segments, tokens, n)
                 same[name] += ids == ref
                 rouges[name].append(rouge_l(engine.tokenizer.decode(ids, skip_special_tokens=True), ref_text))
                 seconds[name] += decode_s
                 passes[name] += steps
+                rechecks[name] += engine.last_stats.decode_rechecks
         per_token = max(produced, 1)
         lines.append(f"| {set_name} | {len(prompts)} | reference | - | - | {seconds['reference']:.2f} | "
-                     f"{passes['reference'] / per_token:.2f} |")
+                     f"{passes['reference'] / per_token:.2f} | - |")
         for name, _, _ in variants:
             lines.append(f"| {set_name} | {len(prompts)} | {name} | {same[name]}/{len(prompts)} | "
-                         f"{statistics.mean(rouges[name]):.3f} | {seconds[name]:.2f} | {passes[name] / per_token:.2f} |")
+                         f"{statistics.mean(rouges[name]):.3f} | {seconds[name]:.2f} | {passes[name] / per_token:.2f} | "
+                         f"{rechecks[name]} of {passes[name]} |")
         for dtype, values in kls.items():
             kl_lines.append(f"| {set_name} | {dtype} | {len(values)} | {statistics.mean(values) if values else 0:.2e} | "
                             f"{statistics.median(values) if values else 0:.2e} | {max(values, default=0):.2e} |")
+        tie_lines += [near_tie_line(set_name, dtype, steps) for dtype, steps in ties.items()]
     return [*lines, "", "Step KL against the reference layers (float32 F.linear, fed the reference answer):", "",
-            "| set | decoding | steps | KL mean | KL median | KL max |", "|---|---|---:|---:|---:|---:|", *kl_lines]
+            "| set | decoding | steps | KL mean | KL median | KL max |", "|---|---|---:|---:|---:|---:|", *kl_lines,
+            "", "Near ties, fed the reference answer: how far each step's margin between the decoding's top two "
+            "tokens is from the reference layers' margin between the same two (gap error), the steps whose "
+            f"greedy picks differ and the largest margin among them, and the steps with a margin under NEAR_TIE "
+            f"({NEAR_TIE}), which a low-bit decoding runs again in float32:", "",
+            "| set | decoding | steps | gap error median | 99th percentile | max | picks that differ | "
+            "their largest margin | margins under NEAR_TIE |", "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+            *tie_lines]
 
 
 def kv_agreement(model: str, kv_dtypes: list[str], sets: dict, tokens: int) -> list[str]:

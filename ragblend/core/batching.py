@@ -181,7 +181,7 @@ class BatchDecoder:
                 else:
                     logits = batch_extend([d.decoder for d in stepping], [d.token_ids[-1] for d in stepping])
                     for d, row in zip(stepping, logits):
-                        d.pending.append(row)
+                        d.pending.append(d.rechecked(row))
                         d.steps += 1
             self.passes += 1
             self.batched_rows += len(stepping)

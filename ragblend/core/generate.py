@@ -25,6 +25,15 @@ from .errors import InvalidInputError
 from .masks import attention_plan, visible_keys
 from .omp import release_thread_pool
 
+# A greedy pick on low-bit weights (4-bit or 8-bit, bfloat16 activations) whose top two logits
+# lie closer than this is made again on the float32 weights. Fed the same answers (SmolLM2, 54
+# prompts, 1,147 steps on an AVX2-only EPYC), the low-bit margin between a step's top two tokens
+# was off the float32 one by 0.02 (median), 0.12-0.15 (99th percentile); of the 9 picks that
+# differed, 8 had a margin under 0.03 (1.9% of steps do) and one 0.055. Wider costs more than it
+# saves: a pick made again runs a float32 pass (on that host ~110 ms, plus ~5 ms a row, where a
+# low-bit pass takes ~50). docs/benchmarks.md, "Near ties made again in float32".
+NEAR_TIE = 0.03
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -89,11 +98,13 @@ class KVDecoder:
         return self.extend([token])[0]
 
     @torch.inference_mode()
-    def extend(self, tokens: list[int]) -> torch.Tensor:
+    def extend(self, tokens: list[int], adapter=None) -> torch.Tensor:
         """Append ``tokens`` at the next positions in one pass; return the logits after each
         ``[len(tokens), vocab]``. One pass reads every weight once, whatever the number of
-        tokens, which is what makes verifying drafted tokens (:class:`PromptLookup`) cheap."""
-        adapter, start, n = self.adapter, self.length, len(tokens)
+        tokens, which is what makes verifying drafted tokens (:class:`PromptLookup`) cheap.
+        ``adapter``: another adapter of the same model to run this pass on (the float32 one
+        that re-runs a low-bit pass, see :attr:`Decoding.exact_adapter`)."""
+        adapter, start, n = adapter or self.adapter, self.length, len(tokens)
         end = start + n
         if n == 0 or end > self.capacity:
             raise InvalidInputError(f"The decoder's buffers hold {self.capacity} positions; "
@@ -275,11 +286,13 @@ class Decoding:
     lookup: PromptLookup | None = None   # drafts tokens to verify in each step (greedy only)
     draft_tokens: int = 0                # the most tokens drafted per step
     draft_policy: DraftPolicy | None = None   # how many of them a pass verifies (None: all it finds)
+    exact_adapter: object = None         # float32 weights that re-run a low-bit pass at a near tie (greedy only)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     decode_s: float = 0.0
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
+    rechecks: int = 0                    # of them, passes made again on exact_adapter at a near tie
     stats: object = None                 # the engine's Stats of this request, when it made the decoding
     prefill: object = None               # and its Prefill (results.Prefill)
 
@@ -287,12 +300,14 @@ class Decoding:
         """``stats`` (a :class:`~ragblend.core.results.Stats`) completed with this decoding's answer."""
         stats.generated_tokens = len(self.token_ids)
         stats.decode_s, stats.decode_steps, stats.finish_reason = self.decode_s, self.steps, self.finish_reason
+        stats.decode_rechecks = self.rechecks
         release_thread_pool()   # the answer is done: see .omp
         return stats
 
     def __post_init__(self):
         if self.params.temperature > 0:
             self.lookup = None   # a draft is checked against the greedy choice: sampling never drafts
+            self.exact_adapter = None   # a near tie matters to a greedy pick; sampling draws either token
         self.generator = None
         if self.params.temperature > 0:
             self.generator = torch.Generator(device=self.first_logits.device)
@@ -300,6 +315,7 @@ class Decoding:
         # Logits already computed for the next tokens: the prompt's at first, one after a plain
         # step, more when a step accepted drafted tokens (whose K/V are then in the cache already).
         self.pending = collections.deque([self.first_logits])
+        self.exact_until = self.prompt_len   # K/V before it are what float32 decoding writes (see _again_in_float32)
         self.emitted = 0   # characters of text handed out as deltas
 
     def __iter__(self) -> Iterator[str]:
@@ -372,13 +388,52 @@ class Decoding:
             draft = draft[:self.draft_policy.length(match, len(draft))]
         logits = decoder.extend([token, *draft])
         self.steps += 1
-        accepted = 0
-        while accepted < len(draft) and int(torch.argmax(logits[accepted])) == draft[accepted]:
-            accepted += 1
+        accepted = _accepted_drafts(logits, draft)
+        if self._near_tie(logits[:accepted + 1]):   # the low-bit rounding may have made the pick
+            logits = self._again_in_float32(draft)
+            accepted = _accepted_drafts(logits, draft)
         decoder.truncate(decoder.length - len(draft) + accepted)
+        self.exact_until = min(self.exact_until, decoder.length)
         if self.draft_policy is not None:
             self.draft_policy.record(match, len(draft), accepted)
         return list(logits[:accepted + 1])
+
+    def rechecked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (``[vocab]``), computed after this decoding's last token by a batched pass
+        (:func:`~ragblend.core.batching.batch_extend`), or at a near tie made again on the
+        float32 weights (as :meth:`_step` does)."""
+        return self._again_in_float32([])[0] if self._near_tie(logits[None]) else logits
+
+    def _near_tie(self, logits: torch.Tensor) -> bool:
+        """Whether a greedy pick from a row of ``logits`` (``[rows, vocab]``) has its top two
+        logits within :data:`NEAR_TIE`. False when decoding runs on float32 weights already."""
+        if self.exact_adapter is None:
+            return False
+        top = logits.topk(2, dim=-1).values
+        return bool((top[:, 0] - top[:, 1] < NEAR_TIE).any())
+
+    def _again_in_float32(self, draft: list[int]) -> torch.Tensor:
+        """The pass that just ran the last answer token and ``draft``, run again on the float32
+        weights from the first position a low-bit pass wrote: the K/V of earlier answer tokens
+        can tip a near tie too, and this way the pick sees what float32 decoding would (K/V in
+        the answer's K/V dtype). Each position runs in float32 at most once (``exact_until``
+        moves past it), so an answer re-runs at most its own length in rows. Returns the logits
+        after the token and each draft."""
+        decoder = self.decoder
+        decoder.truncate(self.exact_until)
+        logits = decoder.extend(self.token_ids[self.exact_until - self.prompt_len:] + draft, adapter=self.exact_adapter)
+        self.exact_until = decoder.length
+        self.rechecks += 1
+        return logits[-1 - len(draft):]
+
+
+def _accepted_drafts(logits: torch.Tensor, draft: list[int]) -> int:
+    """How many of ``draft`` greedy decoding keeps: those its picks from ``logits`` (row i
+    after draft token i-1) agree with, up to the first that does not."""
+    accepted = 0
+    while accepted < len(draft) and int(torch.argmax(logits[accepted])) == draft[accepted]:
+        accepted += 1
+    return accepted
 
 
 def sampling_params(params, max_new_tokens, temperature, top_p, seed, stop) -> SamplingParams:

@@ -35,6 +35,7 @@ class Stats:
     generated_tokens: int = 0
     decode_s: float = 0.0
     decode_steps: int = 0          # model passes after the prefill: one per token after the first, fewer when drafts were kept
+    decode_rechecks: int = 0       # of them, low-bit passes made again on float32 weights at a near tie
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
     fusion_skipped: bool = False   # the fusion would have computed more than a full prefill, which ran instead

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+import ragblend.core.generate as generate
 from ragblend.core.answers import Answers, decode_kv_dtype, eos_ids_of
 from ragblend.core.batching import batch_extend, kv_bytes_for
 from ragblend.core.calibration import first_token_kl
@@ -18,6 +19,7 @@ from ragblend.core.errors import InvalidInputError
 from ragblend.core.generate import KVDecoder, SamplingParams
 
 from ..conftest import PASSAGES, make_tiny_engine
+from .test_batching import run_batch
 from .test_engine import segments
 
 
@@ -170,3 +172,70 @@ def test_16_bit_kv_answers_close_to_float32_and_batched_steps_agree(tokenizer, a
     out = engine.generate(segments(), max_new_tokens=6)
     assert "".join(engine.stream(segments(), max_new_tokens=6)) == out.text
     assert kv_bytes_for(engine.adapter, 10, torch.bfloat16) * 2 == kv_bytes_for(engine.adapter, 10)
+
+
+# -- a near-tied greedy pick on low-bit weights is made again on the float32 weights
+
+def low_bit_and_float32(tokenizer):
+    """Engines over one tiny model decoding on 4-bit and on float32 weights, one token a pass."""
+    options = dict(decode_kv_dtype="float32", prompt_lookup_num_tokens=0)
+    return (make_tiny_engine("llama", tokenizer, decode_dtype="int4", **options),
+            make_tiny_engine("llama", tokenizer, decode_dtype="float32", **options))
+
+
+def test_with_every_pick_a_near_tie_low_bit_decoding_gives_float32_decodings_answer(tokenizer, monkeypatch):
+    four, exact = low_bit_and_float32(tokenizer)
+    params = SamplingParams(max_new_tokens=16)
+    want = exact.generate(segments(), params=params)
+    monkeypatch.setattr(generate, "NEAR_TIE", 0.0)   # none made again: the weights quantized at load change it
+    assert four.generate(segments(), params=params).token_ids != want.token_ids
+    monkeypatch.setattr(generate, "NEAR_TIE", float("inf"))   # every pick a near tie
+    got = four.generate(segments(), params=params)
+    assert got.token_ids == want.token_ids
+    assert four.last_stats.decode_rechecks == four.last_stats.decode_steps == len(got.token_ids) - 1
+    fours = [four.begin(p, params=params) for p in (segments(), segments(), [segments()[-1]])]
+    run_batch(four, fours)   # batched passes make them again alike
+    assert fours[0].token_ids == fours[1].token_ids == want.token_ids
+    assert all(d.rechecks == d.steps for d in fours)
+
+
+def test_a_near_tie_makes_the_whole_answers_kv_float32_decodings(tokenizer, monkeypatch):
+    """Six low-bit passes, then near ties: the first one runs every answer token since the
+    prompt again in float32 (their low-bit K/V could tip it), each later one only the tokens
+    since the last; the answer's K/V are then those float32 gives its tokens."""
+    four, exact = low_bit_and_float32(tokenizer)
+
+    def decode(near_tie_after_six):
+        monkeypatch.setattr(generate, "NEAR_TIE", 0.0)
+        decoding = four.begin(segments(), max_new_tokens=12)
+        deltas = iter(decoding)
+        while decoding.steps < 6:
+            next(deltas)
+        monkeypatch.setattr(generate, "NEAR_TIE", near_tie_after_six)
+        list(deltas)
+        return decoding
+
+    def distance_from_float32_kv(decoding):
+        n, end = decoding.prompt_len, decoding.decoder.length
+        pre = decoding.prefill
+        ref = KVDecoder(exact.adapter, pre.keys, pre.values, end, pre.key_bias)
+        ref.extend(decoding.token_ids[:end - n])
+        return max(float((a[:, n:end] - b[:, n:end]).abs().max())
+                   for a, b in zip(decoding.decoder.keys + decoding.decoder.values, ref.keys + ref.values))
+
+    low_bit, made_again = decode(0.0), decode(float("inf"))
+    assert low_bit.rechecks == 0 and made_again.rechecks > 0
+    assert made_again.exact_until == made_again.decoder.length
+    assert distance_from_float32_kv(made_again) < 1e-5 < 1e-3 < distance_from_float32_kv(low_bit)
+
+
+def test_without_near_ties_and_when_sampling_nothing_is_re_run(tokenizer, monkeypatch):
+    four, exact = low_bit_and_float32(tokenizer)
+    monkeypatch.setattr(generate, "NEAR_TIE", 0.0)   # no gap is under 0
+    four.generate(segments(), max_new_tokens=8)
+    assert four.last_stats.decode_steps == 7 and four.last_stats.decode_rechecks == 0
+    monkeypatch.setattr(generate, "NEAR_TIE", float("inf"))
+    four.generate(segments(), max_new_tokens=8, temperature=0.8, seed=1)   # sampling draws either token
+    assert four.last_stats.decode_rechecks == 0
+    exact.generate(segments(), max_new_tokens=8)   # float32 weights decide exactly already
+    assert exact.last_stats.decode_rechecks == 0

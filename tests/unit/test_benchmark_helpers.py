@@ -8,6 +8,7 @@ import torch
 
 from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
 from benchmarks.common import rouge_l
+from benchmarks.decode import near_tie_line, teacher_forced_steps
 from benchmarks.models import model_path
 from benchmarks.squad import (
     answer_contained,
@@ -227,3 +228,21 @@ def test_answer_preview_selects_as_queryaware_on_the_relevance_it_is_given(token
     assert torch.equal(engine.prefill(layout, strategy=QueryAware(0.2)).recomputed, measured.recomputed)
     with_answer = relevance_with_answer(engine, layout, tokenizer.encode(" the ferry was run by"), 0.2)
     assert with_answer.shape == recorder.relevance.shape and not torch.equal(with_answer, recorder.relevance)
+
+
+def test_the_near_tie_table_compares_each_steps_top_two_with_the_reference_layers(tokenizer):
+    """Float32 decoding matches the reference layers' margins; 4-bit weights quantized at load
+    move them, and the row counts the steps under NEAR_TIE and the picks that differ."""
+    segments = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), "Question: who ran the ferry?"]
+    exact = make_tiny_engine("llama", tokenizer, decode_dtype="float32", prompt_lookup_num_tokens=0)
+    four = make_tiny_engine("llama", tokenizer, decode_dtype="int4", decode_kv_dtype="float32")
+    pre = exact.prefill(segments)
+    answer = exact.generate(segments, max_new_tokens=10).token_ids
+    same = teacher_forced_steps(exact, pre, answer)
+    moved = teacher_forced_steps(four, exact.prefill(segments), answer)
+    assert len(same) == len(moved) == len(answer) - 1
+    assert all(step["gap_error"] < 1e-4 and not step["differs"] and step["kl"] < 1e-6 for step in same)
+    assert max(step["gap_error"] for step in moved) > 1e-3
+    cells = near_tie_line("tiny", "int4", moved).strip("| ").split(" | ")
+    assert cells[:3] == ["tiny", "int4", str(len(moved))]
+    assert int(cells[6]) == sum(step["differs"] for step in moved)
