@@ -12,10 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels import compare_kernels
 from ragblend.core import kernels
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.kernels import BUCKETS, KERNELS, KernelPlan, plan_for
 from ragblend.core.model import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
+
+from ..conftest import make_tiny_engine
 
 NAME_OF = {fn: name for name, fn in KERNELS.items()}
 
@@ -284,10 +287,6 @@ def test_int8_head_gives_float32_logits_to_the_tokens_that_can_be_picked():
 def test_the_kernels_benchmark_times_the_plan_the_engine_runs(tokenizer, monkeypatch):
     """benchmarks.kernels once built CpuLinear without the engine's plan, so it timed F.linear
     against itself; its CpuLinear column must run the kernel the engine's plan picks."""
-    from benchmarks.kernels import compare_kernels
-
-    from ..conftest import make_tiny_engine
-
     engine = make_tiny_engine("llama", tokenizer)
     engine.kernel_plan = KernelPlan.fixed("column")
     calls = []
