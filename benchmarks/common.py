@@ -139,6 +139,12 @@ def in_every(rows: list[dict]) -> set[str]:
 # ---------------------------------------------------------------------------- measures
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The value at quantile ``q`` of ``values`` (nearest rank)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
 def rouge_l(candidate: str, reference: str) -> float:
     """ROUGE-L F-measure over whitespace tokens (longest common subsequence)."""
     a, b = candidate.split(), reference.split()

@@ -48,7 +48,7 @@ from ragblend.core.kernels import cpu_summary
 from ragblend.core.model import ModelAdapter
 from ragblend.data import load_sample
 
-from .common import MUSIQUE, RUNS_DIR, TokenClock, prompt_sets, report_per_model, rouge_l
+from .common import MUSIQUE, RUNS_DIR, TokenClock, percentile, prompt_sets, report_per_model, rouge_l
 from .models import MODELS, model_path
 
 
@@ -102,7 +102,8 @@ def teacher_forced_steps(engine: BlendEngine, pre, answer: list[int]) -> list[di
     with engine.lock:
         for token in answer[:-1]:
             want, got = ref.step(token), twin.step(token)
-            (first, second), (a, b) = got.topk(2).values.tolist(), got.topk(2).indices.tolist()
+            top = got.topk(2)
+            (first, second), (a, b) = top.values.tolist(), top.indices.tolist()
             steps.append({"kl": first_token_kl(want, got), "gap": first - second,
                           "gap_error": abs((first - second) - float(want[a] - want[b])),
                           "differs": int(torch.argmax(want)) != a})
@@ -111,11 +112,11 @@ def teacher_forced_steps(engine: BlendEngine, pre, answer: list[int]) -> list[di
 
 def near_tie_line(set_name: str, dtype: str, steps: list[dict]) -> str:
     """A row of the near-tie table: the gap errors' spread, the picks that differ and their largest gap."""
-    errors = sorted(s["gap_error"] for s in steps) or [0.0]
+    errors = [s["gap_error"] for s in steps] or [0.0]
     differ = [s["gap"] for s in steps if s["differs"]]
     under = sum(s["gap"] < NEAR_TIE for s in steps)
-    return (f"| {set_name} | {dtype} | {len(steps)} | {errors[len(errors) // 2]:.4f} | "
-            f"{errors[min(len(errors) - 1, int(len(errors) * 0.99))]:.4f} | {errors[-1]:.4f} | {len(differ)} | "
+    return (f"| {set_name} | {dtype} | {len(steps)} | {statistics.median(errors):.4f} | "
+            f"{percentile(errors, 0.99):.4f} | {max(errors):.4f} | {len(differ)} | "
             f"{max(differ, default=0):.4f} | {under} ({100 * under / max(len(steps), 1):.1f}%) |")
 
 

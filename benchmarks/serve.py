@@ -37,7 +37,7 @@ import httpx
 
 from ragblend.data import load_sample
 
-from .common import RUNS_DIR, command_line, write_report
+from .common import RUNS_DIR, command_line, percentile, write_report
 from .servers import ragblend_serve
 
 
@@ -103,11 +103,6 @@ def run_threads(clients: int, requests: int, send) -> tuple[list[dict], float]:
 def run_clients(url: str, clients: int, requests: int, make_body) -> tuple[list[dict], float]:
     rngs = [random.Random(index) for index in range(clients)]
     return run_threads(clients, requests, lambda index, _: one_request(url, make_body(rngs[index])))
-
-
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def main(argv=None) -> None:
