@@ -87,15 +87,16 @@ class _KeptLayers(LayerSource):
 
 @torch.inference_mode()
 def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[ReusedSpan],
-                  source: LayerSource | None, strategy) -> FusedPrefill:
+                  source: LayerSource | None, strategy, sentence_ends: torch.Tensor | None = None) -> FusedPrefill:
     """Prefill ``token_ids`` reusing cached KV for ``spans`` as ``strategy`` (or a
     :class:`Selection`) says. With no spans (or :class:`FullRecompute`) this is an
-    ordinary causal prefill."""
+    ordinary causal prefill. ``sentence_ends`` (bool [N], the tokens ending a sentence) is
+    what a selection in runs of sentences reads."""
     t0 = time.perf_counter()
     selection = selection_for(strategy)
     if isinstance(selection, EveryToken):
         spans = []
-    prompt = FusionPrompt.build(len(token_ids), spans, adapter.device)
+    prompt = FusionPrompt.build(len(token_ids), spans, adapter.device, sentence_ends)
     ids = torch.tensor(token_ids, device=adapter.device)
     rope = adapter.rope_tables(prompt.num_tokens)
     layers = _KeptLayers(source) if prompt.num_reused else None

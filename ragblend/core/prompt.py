@@ -33,6 +33,7 @@ tokenized with its control tokens parsed (see :class:`TextEncoder` and
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -280,6 +281,15 @@ class PromptBuilder:
         self.answer_cue = check_text(answer_cue, "answer_cue")
         self.text_encoder = text_encoder(tokenizer)
         self._separator_ids = self.tokenize(separator) if separator else []
+
+    @functools.cached_property
+    def sentence_end_ids(self) -> frozenset[int]:
+        """Ids of the tokens that end a sentence: those whose text holds ``.``, ``!``, ``?`` or a
+        line break (QueryAware's ``sentence_runs``). Made on first use, from the whole vocabulary
+        (2.6 s for Qwen2.5's 151k tokens on a 2-core AVX2 host; the engine makes it when built
+        if its own strategy asks for sentences)."""
+        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        return frozenset(i for i, text in enumerate(texts) if any(c in text for c in ".!?\n"))
 
     def tokenize(self, text: str) -> list[int]:
         """Ids of ``text`` as text: control-token strings in it are ordinary characters."""

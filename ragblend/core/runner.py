@@ -64,10 +64,12 @@ class _Found:
 class PrefillRunner:
     """Runs fused prefills for one engine: ``ingestion`` computes missing chunks, ``index``
     learns them, ``loading`` (a function giving the loading controller) settles
-    CacheBlend's ``ratio="auto"``; model passes hold ``lock``."""
+    CacheBlend's ``ratio="auto"``; model passes hold ``lock``; ``sentence_end_ids`` (a function
+    giving the ids of tokens that end a sentence) is read for selections in runs of sentences."""
 
-    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading):
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
+        self.sentence_end_ids = sentence_end_ids
         self.background = Background()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
 
@@ -141,9 +143,13 @@ class PrefillRunner:
             for reader in found.readers:
                 reader.close()
             raise
+        sentence_ends = None
+        if getattr(plan.selection, "sentence_runs", False):
+            ends = self.sentence_end_ids()
+            sentence_ends = torch.tensor([t in ends for t in layout.token_ids], dtype=torch.bool)
         try:
             with self.lock:
-                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.selection)
+                fused = fused_prefill(self.adapter, layout.token_ids, found.spans, source, plan.selection, sentence_ends)
         finally:
             source.close()
         self._promote(store, [r.key for r in found.readers if r.tier == "disk"])

@@ -35,15 +35,27 @@ class FusionPrompt:
     reused: torch.Tensor        # bool [N] (on the CPU)
     reused_pos: torch.Tensor    # positions of the reused tokens, in prompt order (compute device)
     chunk_of: torch.Tensor      # for each reused token, the index of its span (compute device)
+    # for each reused token, the index of its sentence among the spans' sentences (a sentence
+    # ends at a span's end too); None when the prompt's sentence ends were not given
+    sentence_of: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, num_tokens: int, spans: list[ReusedSpan], device) -> "FusionPrompt":
+    def build(cls, num_tokens: int, spans: list[ReusedSpan], device,
+              sentence_ends: torch.Tensor | None = None) -> "FusionPrompt":
+        """``sentence_ends``: bool [N], the tokens that end a sentence (optional)."""
         reused = torch.zeros(num_tokens, dtype=torch.bool)
         for span in spans:
             reused[span.start:span.start + span.num_tokens] = True
         sizes = torch.tensor([s.num_tokens for s in spans], dtype=torch.long)
         chunk_of = torch.repeat_interleave(torch.arange(len(spans)), sizes)
-        return cls(num_tokens, spans, reused, reused.nonzero().squeeze(1).to(device), chunk_of.to(device))
+        positions = reused.nonzero().squeeze(1)
+        sentence_of = None
+        if sentence_ends is not None:
+            # a new sentence after a sentence's end and at each span's start
+            starts = torch.ones_like(positions, dtype=torch.bool)
+            starts[1:] = sentence_ends[positions[:-1]] | (chunk_of[1:] != chunk_of[:-1])
+            sentence_of = (starts.long().cumsum(0) - 1).to(device)
+        return cls(num_tokens, spans, reused, positions.to(device), chunk_of.to(device), sentence_of)
 
     @property
     def num_reused(self) -> int:
@@ -198,14 +210,16 @@ class QuestionAttention(Selection):
     (None: every token after the last chunk). ``neighbour_window``: a token's claim is the
     question's attention averaged over a window this fraction of its chunk long, centred on
     it, so the chosen tokens come in runs with their neighbours (0: each token alone).
+    ``sentence_runs``: averaged over its sentence instead (the prompt's ``sentence_of``).
     """
 
     name = "query_aware"
 
     def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None,
-                 cached_attention_scale: float = 1.0, neighbour_window: float = 0.0):
+                 cached_attention_scale: float = 1.0, neighbour_window: float = 0.0, sentence_runs: bool = False):
         self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
         self.cached_attention_scale, self.neighbour_window = cached_attention_scale, neighbour_window
+        self.sentence_runs = sentence_runs
 
     def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
         # The uncached tokens run twice (the question pass, then the fused pass) when any
@@ -219,8 +233,10 @@ class QuestionAttention(Selection):
     def scores(self, prompt: FusionPrompt, relevance: torch.Tensor) -> torch.Tensor:
         """Each reused token's claim to be recomputed, from its ``[layers, reused tokens]``
         relevance: the question's attention summed over the layers, pooled over each token's
-        window (:meth:`window`) inside its chunk."""
+        window (:meth:`window`) or sentence (:meth:`by_sentence`) inside its chunk."""
         summed = relevance.sum(dim=0)
+        if self.sentence_runs:
+            return self.by_sentence(prompt, summed.float())
         if not self.neighbour_window:
             return summed
         summed, start = summed.float(), 0
@@ -244,6 +260,21 @@ class QuestionAttention(Selection):
             return claims
         return F.avg_pool1d(claims[None, None], window, stride=1, padding=window // 2,
                             count_include_pad=False)[0, 0, :claims.numel()]
+
+    @staticmethod
+    def by_sentence(prompt: FusionPrompt, claims: torch.Tensor) -> torch.Tensor:
+        """Each token's claim averaged over its sentence, plus a trace of its own so that a
+        sentence only partly in the budget gives its most attended tokens first. Why whole
+        sentences: single tokens among cached neighbours moved a few answers away from full
+        prefill's, and windows of a fixed length cut across what the text says
+        (docs/benchmarks.md, "Recomputing whole sentences")."""
+        if prompt.sentence_of is None:
+            raise InvalidInputError("QueryAware(sentence_runs=True) needs the prompt's sentence ends; run it "
+                                    "through BlendEngine.prefill.")
+        sentence = prompt.sentence_of
+        totals = torch.zeros(int(sentence[-1]) + 1, device=claims.device).index_add_(0, sentence, claims)
+        lengths = torch.bincount(sentence, minlength=totals.numel()).to(claims.dtype)
+        return (totals / lengths)[sentence] + 1e-4 * claims
 
     def first(self, prompt, probe):
         budget = self._budget(prompt.num_reused)
@@ -295,6 +326,6 @@ def selection_for(strategy, ratio: float | str | None = None) -> Selection:
             raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
                                     "BlendEngine.prefill, or pass a number.")
         return QuestionAttention(ratio, strategy.whole_chunks, strategy.query_tokens, strategy.cached_attention_scale,
-                                 strategy.neighbour_window)
+                                 strategy.neighbour_window, strategy.sentence_runs)
     raise InvalidInputError(f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), "
                             "FullReuse() or FullRecompute().")

@@ -148,6 +148,12 @@ class QueryAware(_Settings):
     tokens alone among cached ones. 0 (the default) chooses single tokens.
     (``docs/benchmarks.md``, "Recomputing in runs of neighbours").
 
+    ``sentence_runs``: recompute in runs that follow the text: a reused token's claim is the
+    question's attention averaged over its sentence inside its chunk (a sentence ends at a
+    token holding ``.``, ``!``, ``?`` or a line break), so the budget goes to the sentences the
+    question reads, whole where it reaches. Not with ``neighbour_window``
+    (``docs/benchmarks.md``, "Recomputing whole sentences").
+
     ``ratio=None`` (the default) takes the engine's own ratio (its calibration's, else the safe
     default) when :meth:`BlendEngine.prefill` runs it: ``QueryAware()`` is the engine's choice
     made explicit, as ``strategy="query_aware"`` without a ratio is in the integrations and the CLI.
@@ -159,6 +165,7 @@ class QueryAware(_Settings):
     cached_attention_scale: float = 0.7
     scale_in_decoding: bool = False
     neighbour_window: float = 0.0
+    sentence_runs: bool = False
     name = "query_aware"
 
     def __post_init__(self):
@@ -173,6 +180,11 @@ class QueryAware(_Settings):
         if isinstance(window, bool) or not isinstance(window, (int, float)) or not 0 <= window <= 1:
             raise InvalidInputError(f"QueryAware neighbour_window must be a fraction of a chunk in [0, 1] "
                                     f"(e.g. 1/16; 0: single tokens), got {window!r}.")
+        if not isinstance(self.sentence_runs, bool):
+            raise InvalidInputError(f"QueryAware sentence_runs must be True or False, got {self.sentence_runs!r}.")
+        if self.sentence_runs and window:
+            raise InvalidInputError("QueryAware takes runs of sentences (sentence_runs=True) or of a fraction of "
+                                    "the chunk (neighbour_window), not both: set one.")
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")

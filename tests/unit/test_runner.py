@@ -45,7 +45,7 @@ def test_parts_wired_by_hand_prefill_as_the_engine_does(tokenizer):
     assert len(layout.chunk_spans) == 1
     plan = resolve_strategy(CacheBlend(0.3), engine_strategy=None, engine_chose=False, calibration=None,
                             num_layers=adapter.shape.num_layers)
-    runner = PrefillRunner(adapter, ingestion, index, lock, loading=None)
+    runner = PrefillRunner(adapter, ingestion, index, lock, loading=None, sentence_end_ids=lambda: prompts.sentence_end_ids)
     pre, trace = runner.run(layout, plan, store, prefetch=False, write_back=True, t0=0.0)
     assert pre.stats.reused_tokens > 0 and pre.stats.chunks_reused == 1
 

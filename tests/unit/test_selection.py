@@ -47,6 +47,61 @@ def test_a_neighbour_window_chooses_runs_inside_each_chunk():
         QueryAware(0.2, neighbour_window=2)
 
 
+def test_sentence_runs_choose_the_sentences_the_question_reads():
+    spans = [ReusedSpan(0, 12), ReusedSpan(12, 8)]
+    ends = torch.zeros(22, dtype=torch.bool)
+    ends[[3, 9, 15]] = True              # sentences 0-3, 4-9, 10-11 (the span ends), 12-15, 16-19
+    prompt = FusionPrompt.build(22, spans, "cpu", ends)
+    assert prompt.sentence_of.tolist() == [0] * 4 + [1] * 6 + [2] * 2 + [3] * 4 + [4] * 4
+    relevance = torch.full((20,), 0.01)
+    relevance[1] = 1.0                   # a peak alone in sentence 0
+    relevance[12:16] = 0.4               # sentence 3, read throughout
+    selected = QuestionAttention(4 / 20, sentence_runs=True).first(prompt, lambda: relevance[None])
+    assert selected[12:16].all() and int(selected[:12].sum()) == 0
+    alone = QuestionAttention(4 / 20).first(prompt, lambda: relevance[None])
+    assert alone[1]                      # single tokens: the peak first
+    # a sentence only partly in the budget gives its most attended tokens first
+    relevance[4:10] = torch.tensor([0.5, 0.9, 0.5, 0.5, 0.5, 0.4])   # mean 0.55, over sentence 3
+    partial = QuestionAttention(5 / 20, sentence_runs=True).first(prompt, lambda: relevance[None])
+    assert partial[4:9].all() and not partial[9] and not partial[12:16].any()
+    with pytest.raises(RagblendError, match="sentence ends"):
+        QuestionAttention(0.2, sentence_runs=True).first(FusionPrompt.build(22, spans, "cpu"), lambda: relevance[None])
+    with pytest.raises(RagblendError, match="not both"):
+        QueryAware(0.2, sentence_runs=True, neighbour_window=1 / 16)
+    with pytest.raises(RagblendError, match="sentence_runs"):
+        QueryAware(0.2, sentence_runs="yes")
+
+
+def test_sentence_runs_spend_the_same_budget_end_to_end(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(CHUNKS)
+    segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
+    alone = engine.prefill(segments, strategy=QueryAware(0.25))
+    runs = engine.prefill(segments, strategy=QueryAware(0.25, sentence_runs=True))
+    assert runs.stats.recomputed_tokens == alone.stats.recomputed_tokens
+    assert not torch.equal(runs.recomputed, alone.recomputed) and runs.logits.isfinite().all()
+    ends = engine.prompts.sentence_end_ids
+    assert engine.prompts.tokenize(".")[0] in ends and engine.prompts.tokenize("ferry")[0] not in ends
+    # the recomputed reused tokens come in whole sentences, but for the one the budget ends in
+    ids, chosen = runs.token_ids, runs.recomputed
+    reused = torch.zeros(len(ids), dtype=torch.bool)
+    for span in runs.layout.chunk_spans:
+        reused[span.start:span.end] = True
+    sentences, current = [], []
+    for i in reused.nonzero().squeeze(1).tolist():
+        if current and (i != current[-1] + 1 or ids[current[-1]] in ends):
+            sentences.append(current)
+            current = []
+        current.append(i)
+    sentences.append(current)
+    partly = [s for s in sentences if 0 < int(chosen[s].sum()) < len(s)]
+    assert len(partly) <= 1 and any(bool(chosen[s].all()) for s in sentences)
+    # an engine whose own strategy asks for sentences makes the ids when built, not in a TTFT
+    built = make_tiny_engine("llama", tokenizer, strategy=QueryAware(0.25, sentence_runs=True))
+    assert "sentence_end_ids" in vars(built.prompts)
+    assert "sentence_end_ids" not in vars(make_tiny_engine("llama", tokenizer).prompts)
+
+
 def test_runs_of_neighbours_spend_the_same_budget_end_to_end(tokenizer):
     engine = make_tiny_engine("llama", tokenizer)
     engine.precompute(CHUNKS)

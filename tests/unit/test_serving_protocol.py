@@ -30,6 +30,7 @@ CHANGED = [
     CacheBlend(ratio=0.4, check_layer=2, gradual=((3, 0.2),), deviation="key"),
     QueryAware(ratio=0.35, whole_chunks=True, query_tokens=4, cached_attention_scale=0.5, scale_in_decoding=True,
                neighbour_window=0.0625),
+    QueryAware(ratio=0.35, sentence_runs=True),
     LegoLink(k=5),
     FullReuse(),
     FullRecompute(),
