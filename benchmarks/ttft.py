@@ -43,6 +43,7 @@ STRATEGIES = {
     "QueryAware(0.15)": QueryAware(0.15),
     "QueryAware(0.20)": QueryAware(0.20),
     "QueryAware(0.30) (uncalibrated default)": QueryAware(0.30),
+    "QueryAware(0.20, sentence runs)": QueryAware(0.20, sentence_runs=True),
     "CacheBlend(0.15)": CacheBlend(0.15),
     "CacheBlend(0.15, K deviation)": CacheBlend(0.15, deviation="key"),
     "CacheBlend(0.05)": CacheBlend(0.05),
@@ -79,6 +80,7 @@ def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args
         return time.perf_counter() - t
 
     strategies = {name: STRATEGIES[name] for name in args.strategies}
+    engine.prompts.sentence_end_ids   # made once per engine, as a built engine whose strategy asks for it has
     times = {name: [] for name in ["HF forward (sdpa)", *strategies]}
     for _ in range(args.runs):
         times["HF forward (sdpa)"].append(hf_forward())
