@@ -80,7 +80,8 @@ def strategy_section(engine: BlendEngine, chunks: list[str], question: str, args
         return time.perf_counter() - t
 
     strategies = {name: STRATEGIES[name] for name in args.strategies}
-    engine.prompts.sentence_end_ids   # made once per engine, as a built engine whose strategy asks for it has
+    if any(getattr(s, "sentence_runs", False) for s in strategies.values()):
+        engine.prompts.sentence_end_ids   # made before timing, as an engine built with such a strategy makes it
     times = {name: [] for name in ["HF forward (sdpa)", *strategies]}
     for _ in range(args.runs):
         times["HF forward (sdpa)"].append(hf_forward())
