@@ -382,6 +382,14 @@ def _clear(args) -> int:
     return 0
 
 
+def _selection(row: dict) -> str:
+    """A calibration row's selection, for its table (rows of older files have fewer keys)."""
+    if row.get("sentence_runs"):
+        return "whole sentences"
+    window = row.get("neighbour_window", 0.0)
+    return f"runs of {window:.4g} chunk" if window else "single tokens"
+
+
 def _calibrate(args) -> int:
     from ragblend.core.calibration import check_answer_options
 
@@ -389,7 +397,8 @@ def _calibrate(args) -> int:
     engine = _load_engine(args, kv_dir=False)
     print(f"Calibrating {engine.name} on the built-in prompts (once per model; 5-20 minutes on a 2-core CPU)...",
           flush=True)
-    result = engine.calibrate(progress=True, neighbour_window=args.neighbour_window, answer_tokens=args.answer_tokens,
+    result = engine.calibrate(progress=True, neighbour_window=args.neighbour_window,
+                              sentence_runs=True if args.sentence_runs else None, answer_tokens=args.answer_tokens,
                               answer_margin=args.answer_margin)
     answers = result.order_noise_answer_kl is not None
     # the largest one-step KL over the answer: in files written before it was measured, absent
@@ -400,12 +409,12 @@ def _calibrate(args) -> int:
 
     extra = ("answer_kl",) * answers + ("answer_kl_peak",) * peaks
     measures = ("kl", *extra)
-    print("| QueryAware ratio | neighbour window | compute | KL mean | KL median |" +
+    print("| QueryAware ratio | selection | compute | KL mean | KL median |" +
           (" answer KL mean | answer KL median |" if answers else "") +
           (" largest step KL mean | largest step KL median |" if peaks else "") +
           "\n|---:|---:|---:|---:|---:|" + "---:|---:|" * len(extra))
     for row in result.tried:
-        print(f"| {row['ratio']:.2f} | {row['neighbour_window']:.4g} | {row['compute']:.1%} |" +
+        print(f"| {row['ratio']:.2f} | {_selection(row)} | {row['compute']:.1%} |" +
               cells((row[f"{name}_mean"], row[f"{name}_median"]) for name in measures))
     noise = {"kl": result.order_noise_kl, "answer_kl": result.order_noise_answer_kl,
              "answer_kl_peak": result.order_noise_answer_kl_peak}
@@ -644,9 +653,12 @@ def _calibrate_parser(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="find the model's cheapest recompute ratio within half its "
                                                  "order noise, once (5-20 minutes on a 2-core CPU); engines use it "
                                                  "from then on, in place of a shipped calibration")
-    calibrate.add_argument("--neighbour-window", type=number_in(0.0, 1.0), default=None, metavar="FRACTION",
+    selection = calibrate.add_mutually_exclusive_group()
+    selection.add_argument("--neighbour-window", type=number_in(0.0, 1.0), default=None, metavar="FRACTION",
                            help="try only this QueryAware neighbour window, a fraction of a chunk in [0, 1] "
-                                "(0: single tokens; default: try single tokens and runs of 1/16 chunk)")
+                                "(0: single tokens; default: try single tokens, runs of 1/16 chunk and whole sentences)")
+    selection.add_argument("--sentence-runs", action="store_true",
+                           help="try only whole sentences (QueryAware's sentence_runs)")
     calibrate.add_argument("--answer-tokens", type=whole_number, default=32,
                            help="also measure the KL over full prefill's greedy answer of this many tokens "
                                 "(default: 32; 0: first token only, faster)")

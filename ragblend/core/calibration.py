@@ -12,14 +12,15 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
    can drift after a faithful first token), and the answer's largest one-step KL (a year's
    digit can turn a short answer while the mean over the answer barely moves);
 2. the same for :class:`~ragblend.core.strategies.QueryAware` at each ratio of
-   :data:`LADDER`, cheapest first, with each ``neighbour_window`` of :data:`WINDOWS` (single
-   tokens, and runs of neighbours a sixteenth of the chunk long);
-3. the choice: per window, the cheapest ratio whose first-token KL stays within :data:`MARGIN`
-   of the noise's in mean *and* median, over all prompts and over the long ones alone, whose
-   answer's largest step stays within :data:`PEAK_MARGIN` of the noise's over all prompts, and
-   whose answer-level KL stays within :data:`ANSWER_MEAN_MARGIN` of the noise's in mean over all
-   prompts; then the window whose ratio is cheapest (on a tie, the lower answer-level KL). When none passes,
-   the most faithful one tried, said so. The margin is there because 8 prompts are few and the
+   :data:`LADDER`, cheapest first, with each selection of :data:`SELECTIONS` (single tokens,
+   runs of neighbours a sixteenth of the chunk long, whole sentences);
+3. the choice: the cheapest ratio at which some selection's first-token KL stays within
+   :data:`MARGIN` of the noise's in mean *and* median, over all prompts and over the long ones
+   alone, its answer's largest step within :data:`PEAK_MARGIN` of the noise's over all prompts,
+   and its answer-level KL within :data:`ANSWER_MEAN_MARGIN` of the noise's in mean over all
+   prompts; of the selections that pass at that ratio, the one with the lower answer-level KL.
+   Ratios above it are not measured (they could not be chosen). When none passes, the most
+   faithful one tried, said so. The margin is there because 8 prompts are few and the
    user's prompts are not these: on the benchmark sets a ratio that only just met the noise on
    one set missed it on another, and prompts from another domain sit further from full prefill.
    The largest step is judged because a short factual answer turns on one token: on the sample
@@ -64,9 +65,10 @@ from .strategies import FullRecompute, QueryAware
 log = logging.getLogger("ragblend")
 
 # 2: chunks precomputed after CHUNK_CONTEXT; 3: QueryAware's attention scale; 4: its neighbour
-# window (a format-3 file reads as single tokens; ragblend before 4 ignores a 4, never misreads it)
-CALIBRATION_FORMAT = 4
-READABLE_FORMATS = (3, 4)
+# window; 5: its sentence runs (an older file reads as single tokens or its window; ragblend
+# before 5 ignores a 5, never misreads it)
+CALIBRATION_FORMAT = 5
+READABLE_FORMATS = (3, 4, 5)
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest first
 # Chosen KL (mean and median) <= MARGIN x order noise. Half, because prompts from another
 # domain land further from full prefill than the built-in ones: on held-out news prompts the
@@ -74,7 +76,9 @@ LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest 
 MARGIN = 0.5
 LONG_PROMPT_TOKENS = 2048             # prompts at least this long must also pass on their own
 ANSWER_TOKENS = 32                    # full prefill's greedy answer, for the answer-level KL
-WINDOWS = (0.0, 1 / 16)               # QueryAware neighbour_window tried: single tokens, runs of 1/16 chunk
+# QueryAware's selections tried at each ratio, as (neighbour_window, sentence_runs): single tokens,
+# runs of neighbours 1/16 of the chunk long, whole sentences
+SELECTIONS = ((0.0, False), (1 / 16, False), (0.0, True))
 UNCALIBRATED = QueryAware(0.3)        # within the order noise on every benchmark set, both models (scale 1.0; 0.7 lower)
 # The answer's largest one-step KL (mean and median) <= PEAK_MARGIN x the order noise's, where the
 # calibration measures answers (answer_tokens > 0).
@@ -99,14 +103,15 @@ class Calibration:
     within_noise: bool                # False: no ratio tried stayed within the noise
     order_noise_kl: tuple[float, float]           # (mean, median) over the prompts
     chosen_kl: tuple[float, float]
-    # {"ratio", "kl_mean", "kl_median", "compute"}, and "neighbour_window", "answer_kl_mean",
-    # "answer_kl_median" (and "answer_kl_peak_mean", "answer_kl_peak_median") where the calibration
-    # tried windows and measured the answer level
+    # {"ratio", "kl_mean", "kl_median", "compute"}, and "neighbour_window", "sentence_runs",
+    # "answer_kl_mean", "answer_kl_median" (and "answer_kl_peak_mean", "answer_kl_peak_median") where
+    # the calibration tried selections and measured the answer level
     tried: list[dict] = field(default_factory=list)
     prompts: int = 0
     seconds: float = 0.0
     format: int = CALIBRATION_FORMAT
     neighbour_window: float = 0.0     # QueryAware's, with the chosen ratio
+    sentence_runs: bool = False       # QueryAware's: whole sentences recomputed (format 5)
     order_noise_answer_kl: tuple[float, float] | None = None   # (mean, median); None: not measured
     answer_margin: float | None = None   # the answer-level bar the choice also met; None: not judged
     # (mean, median) over the prompts of the answer's largest one-step KL, and the bar on it the
@@ -118,12 +123,11 @@ class Calibration:
 
     @property
     def strategy(self) -> QueryAware:
-        return QueryAware(self.ratio, neighbour_window=self.neighbour_window)
+        return QueryAware(self.ratio, neighbour_window=self.neighbour_window, sentence_runs=self.sentence_runs)
 
     @property
     def strategy_name(self) -> str:
-        window = f", neighbour_window={self.neighbour_window:g}" if self.neighbour_window else ""
-        return f"QueryAware({self.ratio}{window})"
+        return f"QueryAware({self.ratio}{selection_name(self.neighbour_window, self.sentence_runs)})"
 
     @property
     def reason(self) -> str:
@@ -192,6 +196,9 @@ def _from_json(data) -> Calibration:
     tried = data.get("tried", [])
     if not isinstance(tried, list) or len(tried) > 64:
         raise ValueError("bad tried list")
+    sentence_runs = data.get("sentence_runs", False)
+    if not isinstance(sentence_runs, bool) or sentence_runs and data.get("neighbour_window"):
+        raise ValueError("bad sentence_runs")
     answer_noise, answer_margin = data.get("order_noise_answer_kl"), data.get("answer_margin")
     peak_noise, peak_margin = data.get("order_noise_answer_kl_peak"), data.get("answer_peak_margin")
     mean_margin = data.get("answer_mean_margin")
@@ -202,7 +209,7 @@ def _from_json(data) -> Calibration:
     return Calibration(data["fingerprint"], ratio, data["within_noise"], _pair(data["order_noise_kl"]),
                        _pair(data["chosen_kl"]), [_tried_row(row) for row in tried],
                        int(_number(data.get("prompts", 0), 0, 1e6)), _number(data.get("seconds", 0.0)),
-                       neighbour_window=_number(data.get("neighbour_window", 0.0), 0.0, 1.0),
+                       neighbour_window=_number(data.get("neighbour_window", 0.0), 0.0, 1.0), sentence_runs=sentence_runs,
                        order_noise_answer_kl=None if answer_noise is None else _pair(answer_noise),
                        answer_margin=None if answer_margin is None else _number(answer_margin, 1e-9, MAX_ANSWER_MARGIN),
                        order_noise_answer_kl_peak=None if peak_noise is None else _pair(peak_noise),
@@ -235,6 +242,10 @@ def _tried_row(row) -> dict:
                 for k in ("ratio", "kl_mean", "kl_median", "compute")}
     if "neighbour_window" in row:
         measured["neighbour_window"] = _number(row["neighbour_window"], 0.0, 1.0)
+    if "sentence_runs" in row:
+        if not isinstance(row["sentence_runs"], bool):
+            raise ValueError("bad sentence_runs in a tried row")
+        measured["sentence_runs"] = row["sentence_runs"]
     return measured | {k: _number(row[k]) for k in ("answer_kl_mean", "answer_kl_median", "answer_kl_peak_mean",
                                                     "answer_kl_peak_median") if k in row}
 
@@ -270,11 +281,12 @@ def builtin_prompts() -> list[tuple[list[str], str]]:
 
 
 def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, neighbour_window: float | None = None,
-              answer_tokens: int = ANSWER_TOKENS, answer_margin: float | None = None,
+              sentence_runs: bool | None = None, answer_tokens: int = ANSWER_TOKENS, answer_margin: float | None = None,
               progress: bool = False) -> Calibration:
     """Measure ``engine``'s model (see the module docstring). ``prompts`` replaces the
     built-in ones with your own ``(chunks, question)`` pairs (at least two chunks each).
-    ``neighbour_window``: try only this QueryAware window (None: each of :data:`WINDOWS`).
+    ``neighbour_window``: try only this QueryAware window; ``sentence_runs=True``: only whole
+    sentences, ``False``: no sentences (both None: each of :data:`SELECTIONS`).
     ``answer_tokens``: the length of full prefill's greedy answer the answer-level KL is taken
     over (0: first token only; faster). ``answer_margin``: also require the answer-level KL
     within this share of the noise's, in mean and median (None: reported, not judged)."""
@@ -283,63 +295,88 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
     if not prompts or any(len(chunks) < 2 for chunks, _ in prompts):
         raise CalibrationError("calibrate needs prompts of at least two chunks each, as (chunks, question) pairs.")
     check_answer_options(answer_tokens, answer_margin)
-    windows = WINDOWS if neighbour_window is None else (neighbour_window,)
-    strategies = {(window, ratio): QueryAware(ratio, neighbour_window=window) for window in windows for ratio in LADDER}
-    items = prompts
-    if progress:
-        from tqdm.auto import tqdm
-        items = tqdm(prompts, desc="Calibrating", unit="prompt")
+    selections = selections_to_try(neighbour_window, sentence_runs)
+    # every strategy made now, so that a bad option is an error before minutes of measuring
+    strategies = {(ratio, selection): QueryAware(ratio, neighbour_window=selection[0], sentence_runs=selection[1])
+                  for ratio in LADDER for selection in selections}
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(prompts) * (1 + len(strategies)), desc="Calibrating", unit="prefill", disable=not progress)
     try:
-        measured = [measure_prompt(engine, chunks, question, strategies, answer_tokens) for chunks, question in items]
+        references = []
+        for chunks, question in prompts:
+            references.append(measure_reference(engine, chunks, question, answer_tokens))
+            bar.update()
+        lengths = [reference.tokens for reference in references]
+        measures = ("kl", "answer_kl", "answer_kl_peak") if answer_tokens else ("kl",)
+        noise = {measure: [reference.noise[measure] for reference in references] for measure in measures}
+        # The bars a ratio must meet: (measure, the share of its per-prompt order noise a ratio may
+        # reach, the prompts' lengths to also judge the long ones alone by, whether the median is judged).
+        bars = [("kl", MARGIN, lengths, True)]
+        if answer_tokens:
+            # Over all prompts only: on the long ones alone (two of the built-in eight) a mean and
+            # median would be those of two values, too few to judge by. The answer-level median is
+            # not judged by default (the module docstring says why).
+            bars += [("answer_kl_peak", PEAK_MARGIN, [], True), ("answer_kl", ANSWER_MEAN_MARGIN, [], False)]
+        if answer_margin:
+            bars.append(("answer_kl", answer_margin, lengths, True))
+        tried, passing, skipped = [], [], 0
+        for (ratio, (window, sentences)), strategy in strategies.items():   # cheapest ratio first
+            if passing and ratio > passing[0]["ratio"]:
+                break   # a cheaper ratio passed: the dearer ones could not be chosen
+            rows = []
+            for (chunks, question), reference in zip(prompts, references):
+                rows.append(measure_strategy(engine, chunks, question, reference, strategy))
+                bar.update()
+            skipped = max(skipped, sum(row["fusion_skipped"] for row in rows))
+            values = {measure: [row[measure] for row in rows] for measure in measures}
+            summary = {"ratio": ratio, "neighbour_window": window, "sentence_runs": sentences,
+                       "compute": statistics.mean(row["compute"] for row in rows)}
+            for measure in measures:
+                summary[f"{measure}_mean"], summary[f"{measure}_median"] = mean_median(values[measure])
+            tried.append(summary)
+            if all(within_margin(values[measure], noise[measure], margin, long_lengths, median=median)
+                   for measure, margin, long_lengths, median in bars):
+                passing.append(summary)
     except RagblendError as err:
         raise CalibrationError(f"calibration could not run on this model: {err}") from err
-    skipped = max(sum(m["fused"][key]["fusion_skipped"] for m in measured) for key in strategies)
+    finally:
+        bar.total = bar.n   # ratios above the choice are not measured
+        bar.close()
     if skipped:
         # Their KL of 0 is real (a full prefill ran) but says nothing of fusing longer prompts.
         log.warning("ragblend: calibration: on %s of %d prompts QueryAware ran as a full prefill (their chunks are "
                     "short beside the rest of the prompt), so they do not judge the fusion; calibrate on prompts "
                     "like your real ones.", skipped, len(prompts))
-
-    def per_prompt(key, measure: str) -> list[float]:
-        return [m["fused"][key][measure] for m in measured]
-
-    lengths = [m["tokens"] for m in measured]
-    measures = ("kl", "answer_kl", "answer_kl_peak") if answer_tokens else ("kl",)
-    noise = {measure: [m["noise"][measure] for m in measured] for measure in measures}   # per prompt
-    # The bars a ratio must meet: (measure, the share of its per-prompt order noise a ratio may
-    # reach, the prompts' lengths to also judge the long ones alone by, whether the median is judged).
-    bars = [("kl", MARGIN, lengths, True)]
-    if answer_tokens:
-        # Over all prompts only: on the long ones alone (two of the built-in eight) a mean and
-        # median would be those of two values, too few to judge by. The answer-level median is
-        # not judged by default (the module docstring says why).
-        bars += [("answer_kl_peak", PEAK_MARGIN, [], True), ("answer_kl", ANSWER_MEAN_MARGIN, [], False)]
-    if answer_margin:
-        bars.append(("answer_kl", answer_margin, lengths, True))
-    tried, cheapest_per_window = [], {}
-    for (window, ratio) in strategies:
-        values = {measure: per_prompt((window, ratio), measure) for measure in measures}
-        row = {"ratio": ratio, "neighbour_window": window, "compute": statistics.mean(per_prompt((window, ratio), "compute"))}
-        for measure in measures:
-            row[f"{measure}_mean"], row[f"{measure}_median"] = mean_median(values[measure])
-        tried.append(row)
-        if all(within_margin(values[measure], noise[measure], margin, long_lengths, median=median)
-               for measure, margin, long_lengths, median in bars):
-            cheapest_per_window.setdefault(window, row)   # LADDER runs cheapest first
-    closer = "answer_kl_mean" if answer_tokens else "kl_mean"      # breaks a tie between windows
+    closer = "answer_kl_mean" if answer_tokens else "kl_mean"      # breaks a tie between selections
     faithfulness = "answer_kl_mean" if answer_margin else "kl_mean"   # what the choice judges
-    chosen = min(cheapest_per_window.values(), key=lambda row: (row["ratio"], row[closer]), default=None)
-    within_noise = chosen is not None
-    if not within_noise:
-        chosen = min(tried, key=lambda row: row[faithfulness])
+    within_noise = bool(passing)
+    chosen = min(passing, key=lambda row: row[closer]) if passing else min(tried, key=lambda row: row[faithfulness])
     noise_summary = {measure: mean_median(values) for measure, values in noise.items()}
     return Calibration(engine.calibration_id, chosen["ratio"], within_noise, noise_summary["kl"],
                        (chosen["kl_mean"], chosen["kl_median"]), tried, len(prompts), time.perf_counter() - t0,
-                       neighbour_window=chosen["neighbour_window"],
+                       neighbour_window=chosen["neighbour_window"], sentence_runs=chosen["sentence_runs"],
                        order_noise_answer_kl=noise_summary.get("answer_kl"), answer_margin=answer_margin,
                        order_noise_answer_kl_peak=noise_summary.get("answer_kl_peak"),
                        answer_peak_margin=PEAK_MARGIN if answer_tokens else None,
                        answer_mean_margin=ANSWER_MEAN_MARGIN if answer_tokens else None)
+
+
+def selections_to_try(neighbour_window: float | None, sentence_runs: bool | None) -> list[tuple[float, bool]]:
+    """The ``(neighbour_window, sentence_runs)`` pairs :func:`calibrate` tries, as asked."""
+    if sentence_runs and neighbour_window:
+        raise CalibrationError("calibrate's sentence_runs and neighbour_window are two ways of choosing runs; "
+                               "ask for one of them.")
+    if sentence_runs:
+        return [(0.0, True)]
+    if neighbour_window is not None:
+        return [(neighbour_window, False)]
+    return [selection for selection in SELECTIONS if not (sentence_runs is False and selection[1])]
+
+
+def selection_name(neighbour_window: float, sentence_runs: bool) -> str:
+    """A selection's QueryAware keywords, as written after the ratio (empty for single tokens)."""
+    return ", sentence_runs=True" if sentence_runs else \
+        f", neighbour_window={neighbour_window:g}" if neighbour_window else ""
 
 
 def check_answer_options(answer_tokens, answer_margin) -> None:
@@ -360,35 +397,55 @@ def mean_median(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.median(values)
 
 
-def measure_prompt(engine, chunks: list[str], question: str, strategies: dict, answer_tokens: int) -> dict:
-    """One calibration prompt: its length in ``"tokens"``, and for the order noise (``"noise"``)
-    and each strategy (``"fused"``, by the key of ``strategies``) the first-token ``"kl"``
-    against full prefill and, with ``answer_tokens``, the ``"answer_kl"`` over full prefill's
-    own greedy answer, and its ``"answer_kl_peak"``, the largest KL at any one step of it (a short
-    factual answer turns on a token or two, which the mean over the answer dilutes)."""
+@dataclass
+class Reference:
+    """One calibration prompt's yardstick: its length in ``tokens``, full prefill's first-token
+    ``logits``, greedy ``answer`` and the logits at each of its steps (``steps``, teacher-forced),
+    and the order noise's row (``noise``, as :func:`measure_strategy`'s)."""
+
+    tokens: int
+    noise: dict
+    logits: torch.Tensor | None = None
+    answer: list[int] = field(default_factory=list)   # empty: first token only
+    steps: torch.Tensor | None = None
+
+
+def measure_reference(engine, chunks: list[str], question: str, answer_tokens: int) -> Reference:
+    """Full prefill of one calibration prompt, its greedy answer (``answer_tokens`` long, at least
+    its first token; 0: none) and the order noise (the chunks reversed) measured against it."""
     from .prompt import Chunk
 
     engine.precompute(chunks)
     segments = [Chunk(c) for c in chunks] + [question]
     full = engine.prefill(segments, strategy=FullRecompute())
-    if answer_tokens:   # full prefill's own greedy answer (at least its first token)
+    reference = Reference(len(full.token_ids), {}, full.logits)
+    if answer_tokens:
         answer = engine.generate(segments, strategy=FullRecompute(), max_new_tokens=answer_tokens).token_ids
-        answer = answer or [int(full.logits.argmax())]
-        reference_steps = answer_logits(engine, full, answer)
-
-    def against_full(prefill) -> dict:
-        row = {"kl": first_token_kl(full.logits, prefill.logits)}
-        if answer_tokens:
-            row |= answer_kls(reference_steps, answer_logits(engine, prefill, answer))
-        return row
-
+        reference.answer = answer or [int(full.logits.argmax())]
+        reference.steps = answer_logits(engine, full, reference.answer)
     reordered = engine.prefill([Chunk(c) for c in reversed(chunks)] + [question], strategy=FullRecompute())
-    fused = {}
-    for key, strategy in strategies.items():
-        out = engine.prefill(segments, strategy=strategy)
-        fused[key] = against_full(out) | {"compute": out.stats.compute_fraction,
-                                          "fusion_skipped": out.stats.fusion_skipped}
-    return {"tokens": len(full.token_ids), "noise": against_full(reordered), "fused": fused}
+    reference.noise = against_reference(engine, reference, reordered)
+    return reference
+
+
+def measure_strategy(engine, chunks: list[str], question: str, reference: Reference, strategy) -> dict:
+    """One strategy on one calibration prompt: the first-token ``"kl"`` against full prefill and,
+    where the reference has an answer, the ``"answer_kl"`` over it and its ``"answer_kl_peak"``,
+    the largest KL at any one step (a short factual answer turns on a token or two, which the mean
+    over the answer dilutes); and its ``"compute"`` and whether the fusion was skipped."""
+    from .prompt import Chunk
+
+    engine.precompute(chunks)   # cached since measure_reference, unless the store let them go
+    out = engine.prefill([Chunk(c) for c in chunks] + [question], strategy=strategy)
+    return against_reference(engine, reference, out) | {"compute": out.stats.compute_fraction,
+                                                        "fusion_skipped": out.stats.fusion_skipped}
+
+
+def against_reference(engine, reference: Reference, prefill) -> dict:
+    row = {"kl": first_token_kl(reference.logits, prefill.logits)}
+    if reference.answer:
+        row |= answer_kls(reference.steps, answer_logits(engine, prefill, reference.answer))
+    return row
 
 
 def within_margin(values: list[float], noise: list[float], margin: float, lengths: list[int], *,

@@ -236,7 +236,7 @@ class BlendEngine:
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True, **options) -> Calibration:
         """Find this model's cheapest ratio within its order noise (:func:`.calibration.calibrate_and_save`;
-        ``options``: ``neighbour_window``, ``answer_tokens``, ``answer_margin``); it becomes this engine's strategy
+        ``options``: ``neighbour_window``, ``sentence_runs``, ``answer_tokens``, ``answer_margin``); it becomes this engine's strategy
         unless the engine was given one."""
         self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress, **options)
         if self._engine_chose:

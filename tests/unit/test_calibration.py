@@ -14,8 +14,8 @@ from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
 from ragblend.core.calibration import (
     LADDER,
     MARGIN,
+    SELECTIONS,
     UNCALIBRATED,
-    WINDOWS,
     CalibrationError,
     calibration_file,
     load_calibration,
@@ -51,7 +51,11 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
     assert built_with_it.prefill([Chunk(CHUNKS[0]), "Q?"]).stats.ratio == UNCALIBRATED.ratio
     result = engine.calibrate(prompts(), progress=False)
     assert engine.prefill([Chunk(CHUNKS[0]), "Q?"], strategy=by_name).stats.ratio == result.ratio
-    assert result.ratio in LADDER and [row["ratio"] for row in result.tried] == list(LADDER) * len(WINDOWS)
+    assert result.ratio in LADDER
+    # every selection at each ratio, cheapest first, up to the chosen one (the dearer could not be chosen)
+    measured = [row["ratio"] for row in result.tried]
+    last = result.ratio if result.within_noise else LADDER[-1]
+    assert measured == [ratio for ratio in LADDER if ratio <= last for _ in SELECTIONS]
     noise_mean, noise_median = result.order_noise_kl
     answer_mean, answer_median = result.order_noise_answer_kl
 
@@ -64,10 +68,11 @@ def test_calibrate_chooses_stores_and_is_used_by_new_engines(cache, tokenizer):
             row["answer_kl_peak_mean"] <= peak_mean and row["answer_kl_peak_median"] <= peak_median
 
     if result.within_noise:  # the cheapest ratio within the margin, in any window
-        assert passes(next(row for row in result.tried if (row["ratio"], row["neighbour_window"]) ==
-                           (result.ratio, result.neighbour_window)))
+        assert passes(next(row for row in result.tried if (row["ratio"], row["neighbour_window"], row["sentence_runs"]) ==
+                           (result.ratio, result.neighbour_window, result.sentence_runs)))
         assert not any(passes(row) for row in result.tried if row["ratio"] < result.ratio)
-    assert engine.strategy == result.strategy == QueryAware(result.ratio, neighbour_window=result.neighbour_window)
+    assert engine.strategy == result.strategy == QueryAware(result.ratio, neighbour_window=result.neighbour_window,
+                                                            sentence_runs=result.sentence_runs)
     again = make_tiny_engine("qwen2", tokenizer)
     assert again.calibration == result and again.strategy == result.strategy
     stats = again.prefill([Chunk(CHUNKS[0]), "Q?"]).stats
@@ -90,7 +95,8 @@ def test_calibrate_measures_the_answer_level_and_keeps_its_neighbour_window(cach
     noise_mean, noise_median = result.order_noise_answer_kl
     assert noise_mean > 0 and noise_median >= 0
     assert all(row["answer_kl_mean"] >= 0 and row["answer_kl_median"] >= 0 for row in result.tried)
-    assert result.tried[0]["answer_kl_mean"] != result.tried[-1]["answer_kl_mean"]   # measured per ratio
+    if len(result.tried) > 1:
+        assert result.tried[0]["answer_kl_mean"] != result.tried[-1]["answer_kl_mean"]   # measured per ratio
     assert result.order_noise_answer_kl_peak[0] >= noise_mean                       # the largest step, per prompt
     assert all(row["answer_kl_peak_mean"] >= row["answer_kl_mean"] for row in result.tried)
     later = make_tiny_engine("qwen2", tokenizer)
@@ -101,6 +107,21 @@ def test_calibrate_measures_the_answer_level_and_keeps_its_neighbour_window(cach
     assert again.neighbour_window == 0.0 and again.order_noise_answer_kl is None and again.order_noise_answer_kl_peak is None
     assert all("answer_kl_mean" not in row for row in again.tried)
     assert load_calibration(engine.calibration_id) == again and later.strategy == QueryAware(again.ratio)
+
+
+def test_a_calibration_that_chose_sentence_runs_is_what_later_engines_run(cache, tokenizer):
+    """Whole sentences, chosen: the file keeps them, later engines run them (their sentence ends
+    made when the engine is built, not in the first prefill) and say so."""
+    engine = make_tiny_engine("qwen2", tokenizer)
+    result = engine.calibrate(prompts(), sentence_runs=True, answer_tokens=4, progress=False)
+    assert result.sentence_runs and engine.strategy == QueryAware(result.ratio, sentence_runs=True)
+    assert all(row["sentence_runs"] for row in result.tried)
+    assert json.loads(calibration_file(engine.calibration_id).read_text())["sentence_runs"] is True
+    later = make_tiny_engine("qwen2", tokenizer)
+    assert later.calibration == result and later.strategy.sentence_runs
+    assert "sentence_end_ids" in vars(later.prompts)   # made at construction
+    stats = later.prefill([Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]).stats
+    assert f"QueryAware({result.ratio}, sentence_runs=True)" in stats.strategy_reason
 
 
 def test_bad_calibration_options_are_a_clear_error_before_any_measuring(cache, tokenizer):
@@ -126,53 +147,83 @@ def test_the_choice_keeps_a_margin_and_judges_long_prompts_on_their_own():
     assert within_margin(within_noise_only, noise, 1.0, lengths)
 
 
-def test_the_window_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, monkeypatch):
-    """Per window the cheapest ratio within both bars, then the cheapest window; none passing:
-    the most faithful row tried, said so."""
+def fake_measurements(monkeypatch, noise, fused, long_prompts=0) -> list:
+    """calibrate's measuring replaced: each prompt's order-noise row is ``noise(i)`` (the i-th
+    prompt measured, counted over calls), the first ``long_prompts`` of a call 3,000 tokens long, a
+    strategy's row ``fused(strategy, reference)``. Returns the strategies measured, in order."""
     from ragblend.core import calibration as module
 
+    measured, count = [], iter(range(10_000))
+
+    def fake_reference(engine, chunks, question, answer_tokens):
+        i = next(count)
+        return module.Reference(3000 if i % 8 < long_prompts else 700, noise(i))
+
+    def fake_strategy(engine, chunks, question, reference, strategy):
+        measured.append(strategy)
+        return {"compute": strategy.ratio, "fusion_skipped": False} | fused(strategy, reference)
+
+    monkeypatch.setattr(module, "measure_reference", fake_reference)
+    monkeypatch.setattr(module, "measure_strategy", fake_strategy)
+    return measured
+
+
+def test_the_selection_with_the_cheapest_passing_ratio_is_chosen(cache, tokenizer, monkeypatch):
+    """The cheapest ratio at which a selection passes every bar, of those the one whose answers
+    are closer; dearer ratios are not measured; none passing: the most faithful row tried, said so."""
     engine = make_tiny_engine("qwen2", tokenizer)
 
-    def fake_measure(engine, chunks, question, strategies, answer_tokens):   # KL falls with the ratio, faster with runs
-        fused = {(w, r): {"kl": 0.03 / (r * 100) / (1 + w * 16), "answer_kl": 0.04 / (r * 100) / (1 + w),
-                          "answer_kl_peak": 0.6 / (r * 100), "compute": r, "fusion_skipped": False} for w, r in strategies}
-        return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, "fused": fused}
+    def fused(strategy, reference):   # KL falls with the ratio; runs and sentences help the first token
+        kl_factor = 2 if strategy.neighbour_window else 1.5 if strategy.sentence_runs else 1
+        answer_factor = 1 + strategy.neighbour_window + 0.2 * strategy.sentence_runs
+        hundredths = strategy.ratio * 100
+        return {"kl": 0.03 / hundredths / kl_factor, "answer_kl": 0.04 / hundredths / answer_factor,
+                "answer_kl_peak": 0.6 / hundredths}
 
-    monkeypatch.setattr(module, "measure_prompt", fake_measure)
-    # first token within 0.005 from 0.05 in runs, but the answer's largest step within the noise's (0.1)
-    # only from 0.10: 0.10, both windows, and the tie to runs, whose answers are closer
+    measured = fake_measurements(monkeypatch, lambda i: {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, fused)
+    # first token within 0.005 from 0.05 in runs and sentences, but the answer's largest step within
+    # the noise's (0.1) only from 0.10: 0.10, every selection, and the tie to sentences, whose answers are closest
     result = engine.calibrate(prompts(), progress=False, save=False)
-    assert (result.ratio, result.neighbour_window, result.within_noise) == (0.1, 1 / 16, True)
-    assert len(result.tried) == 2 * len(LADDER) and {row["neighbour_window"] for row in result.tried} == {0, 1 / 16}
+    assert (result.ratio, result.neighbour_window, result.sentence_runs, result.within_noise) == (0.1, 0, True, True)
+    assert result.strategy == QueryAware(0.1, sentence_runs=True) and "sentence_runs=True" in result.reason
+    assert [(row["ratio"], row["neighbour_window"], row["sentence_runs"]) for row in result.tried] == \
+        [(ratio, *selection) for ratio in LADDER[:2] for selection in SELECTIONS]
+    assert len(measured) == len(prompts()) * 2 * len(SELECTIONS)   # 0.15 and dearer not measured
     assert result.order_noise_answer_kl_peak == (0.1, 0.1) and result.answer_peak_margin == 1.0
     assert "answer's largest step within 100%" in result.reason
-    assert engine.calibrate(prompts(), progress=False, save=False, neighbour_window=0.0).ratio == 0.1
-    # no answers measured: the first token alone judges (0.05 in runs)
+    no_sentences = engine.calibrate(prompts(), progress=False, save=False, sentence_runs=False)
+    assert (no_sentences.ratio, no_sentences.neighbour_window, no_sentences.sentence_runs) == (0.1, 1 / 16, False)
+    assert {row["sentence_runs"] for row in no_sentences.tried} == {False}
+    assert engine.calibrate(prompts(), progress=False, save=False, neighbour_window=0.0).strategy == QueryAware(0.1)
+    only_sentences = engine.calibrate(prompts(), progress=False, save=False, sentence_runs=True)
+    assert {(row["neighbour_window"], row["sentence_runs"]) for row in only_sentences.tried} == {(0, True)}
+    # no answers measured: the first token alone judges (0.05, runs' first token the closest)
     first_only = engine.calibrate(prompts(), progress=False, save=False, answer_tokens=0)
-    assert (first_only.ratio, first_only.answer_peak_margin) == (0.05, None)
-    # answers within 0.01 in median too: 0.10 either way, and a tie goes to the window whose answers are closer
+    assert (first_only.ratio, first_only.neighbour_window, first_only.answer_peak_margin) == (0.05, 1 / 16, None)
+    # answers within 0.01 in median too: 0.10 either way, and the tie to the closest answers
     judged = engine.calibrate(prompts(), progress=False, save=False, answer_margin=1.0)
-    assert (judged.ratio, judged.neighbour_window, judged.answer_margin) == (0.1, 1 / 16, 1.0)
+    assert (judged.ratio, judged.sentence_runs, judged.answer_margin) == (0.1, True, 1.0)
     assert "answer-level KL within 100%" in judged.reason
     assert load_calibration(engine.calibration_id) is None   # save=False
+    measured.clear()
     none = engine.calibrate(prompts(), progress=False, save=False, answer_margin=0.05)   # no answers that close
     assert not none.within_noise and none.ratio == 0.5 and "no ratio tried" in none.reason
+    assert len(none.tried) == len(LADDER) * len(SELECTIONS) and len(measured) == len(prompts()) * len(none.tried)
+
+
+def test_sentence_runs_and_a_neighbour_window_together_are_a_clear_error(cache, tokenizer):
+    with pytest.raises(RagblendError, match="sentence_runs and neighbour_window"):
+        make_tiny_engine("qwen2", tokenizer).calibrate(prompts(), progress=False, sentence_runs=True,
+                                                       neighbour_window=0.1)
 
 
 def test_the_largest_step_is_judged_over_all_prompts_not_the_long_ones_alone(cache, tokenizer, monkeypatch):
     """Two long prompts of eight: their largest steps over the noise's, the eight's within it."""
-    from ragblend.core import calibration as module
+    def fused(strategy, reference):
+        return {"kl": 0.001, "answer_kl": 0.001, "answer_kl_peak": 0.3 if reference.tokens > 2048 else 0.01}
 
-    calls = iter(range(8))
-
-    def fake_measure(engine, chunks, question, strategies, answer_tokens):
-        long = next(calls) < 2
-        fused = {key: {"kl": 0.001, "answer_kl": 0.001, "answer_kl_peak": 0.3 if long else 0.01, "compute": key[1],
-                       "fusion_skipped": False} for key in strategies}
-        return {"tokens": 3000 if long else 700, "noise": {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1},
-                "fused": fused}
-
-    monkeypatch.setattr(module, "measure_prompt", fake_measure)
+    fake_measurements(monkeypatch, lambda i: {"kl": 0.01, "answer_kl": 0.01, "answer_kl_peak": 0.1}, fused,
+                      long_prompts=2)
     result = make_tiny_engine("qwen2", tokenizer).calibrate(prompts()[:2] * 4, progress=False, save=False)
     assert result.within_noise and result.ratio == LADDER[0]   # mean 0.0825 and median 0.01 against 0.1
 
@@ -181,17 +232,13 @@ def test_the_answer_level_mean_is_judged_at_the_first_tokens_margin_not_its_medi
     """First token and largest step pass from 0.05; the answers' mean only from 0.10 (0.03, then
     0.005, against half the noise's mean, 0.025). Their median (0.005) stays over the noise's
     (0.001, one prompt of four moves): judged only with answer_margin."""
-    from ragblend.core import calibration as module
+    noise_answers = [0.001, 0.001, 0.001, 0.197]
 
-    noise_answers = iter([0.001, 0.001, 0.001, 0.197] * 2)
+    def fused(strategy, reference):
+        return {"kl": 0.001, "answer_kl": 0.03 if strategy.ratio < 0.1 else 0.005, "answer_kl_peak": 0.01}
 
-    def fake_measure(engine, chunks, question, strategies, answer_tokens):
-        fused = {key: {"kl": 0.001, "answer_kl": 0.03 if key[1] < 0.1 else 0.005, "answer_kl_peak": 0.01,
-                       "compute": key[1], "fusion_skipped": False} for key in strategies}
-        return {"tokens": 700, "noise": {"kl": 0.01, "answer_kl": next(noise_answers), "answer_kl_peak": 0.1},
-                "fused": fused}
-
-    monkeypatch.setattr(module, "measure_prompt", fake_measure)
+    fake_measurements(monkeypatch, lambda i: {"kl": 0.01, "answer_kl": noise_answers[i % 4], "answer_kl_peak": 0.1},
+                      fused)
     engine = make_tiny_engine("qwen2", tokenizer)
     result = engine.calibrate(prompts()[:2] * 2, progress=False, save=False)
     assert (result.ratio, result.within_noise, result.answer_mean_margin) == (0.1, True, 0.5)
@@ -217,6 +264,13 @@ def test_the_answer_level_mean_is_judged_at_the_first_tokens_margin_not_its_medi
                 "chosen_kl": [0.01, 0.01], "answer_mean_margin": 0.5}).encode(),
     json.dumps({"format": 4, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
                 "chosen_kl": [0.01, 0.01], "order_noise_answer_kl": [0.1, 0.1], "answer_mean_margin": -1}).encode(),
+    json.dumps({"format": 5, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "sentence_runs": "yes"}).encode(),
+    json.dumps({"format": 5, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "sentence_runs": True, "neighbour_window": 0.1}).encode(),
+    json.dumps({"format": 5, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "tried": [{"ratio": 0.1, "kl_mean": 0.01, "kl_median": 0.01,
+                                                      "compute": 0.1, "sentence_runs": 1}]}).encode(),
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
     engine = make_tiny_engine("llama", tokenizer)
@@ -229,15 +283,21 @@ def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog
     assert "ignoring the calibration file" in caplog.text
 
 
-def test_a_format_3_file_reads_as_single_tokens():
-    """Files from before the neighbour window (format 3) still load, as what they measured."""
+def test_older_files_read_as_what_they_measured():
+    """Files from before the neighbour window (format 3) and before sentence runs (4) still load,
+    as single tokens and their window; a format-5 file keeps its sentence runs."""
     from ragblend.core.calibration import CALIBRATION_FORMAT, _from_json
 
     old = {"format": 3, "fingerprint": "x", "ratio": 0.2, "within_noise": True, "order_noise_kl": [0.1, 0.1],
            "chosen_kl": [0.01, 0.01], "tried": [{"ratio": 0.2, "kl_mean": 0.01, "kl_median": 0.01, "compute": 0.3}]}
     calibration = _from_json(old)
     assert calibration.strategy == QueryAware(0.2) and calibration.order_noise_answer_kl is None
-    assert calibration.answer_margin is None and CALIBRATION_FORMAT == 4
+    assert calibration.answer_margin is None and CALIBRATION_FORMAT == 5
+    assert _from_json({**old, "format": 4, "neighbour_window": 0.0625}).strategy == QueryAware(0.2, neighbour_window=0.0625)
+    current = _from_json({**old, "format": 5, "sentence_runs": True,
+                          "tried": [{**old["tried"][0], "neighbour_window": 0.0, "sentence_runs": True}]})
+    assert current.strategy == QueryAware(0.2, sentence_runs=True) and current.tried[0]["sentence_runs"] is True
+    assert current.strategy_name == "QueryAware(0.2, sentence_runs=True)"
 
 
 def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, tmp_path, monkeypatch, caplog):
@@ -245,7 +305,7 @@ def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, 
 
     engine = make_tiny_engine("qwen2", tokenizer)
     shipped = engine.calibrate(prompts()[:2], progress=False, save=False)
-    shipped.ratio, shipped.neighbour_window = 0.2, 0.0
+    shipped.ratio, shipped.neighbour_window, shipped.sentence_runs = 0.2, 0.0, False
     monkeypatch.setattr(module, "SHIPPED_DIR", tmp_path / "shipped")
     module.SHIPPED_DIR.mkdir()
     (module.SHIPPED_DIR / calibration_file(engine.calibration_id).name).write_text(json.dumps(dataclasses.asdict(shipped)))
@@ -328,6 +388,7 @@ def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp
     assert main(["calibrate", "--model", str(folder)]) == 2
     assert "calibration could not run on this model" in capsys.readouterr().err
     for bad, message in [(["--neighbour-window", "2"], "expected a number in [0, 1]"),
+                         (["--neighbour-window", "0.1", "--sentence-runs"], "not allowed with argument"),
                          (["--answer-margin", "0"], "expected a number in (0, 100]"),
                          (["--answer-tokens", "-3"], "expected a whole number >= 0")]:
         with pytest.raises(SystemExit) as exit_:   # argparse: before the model loads
@@ -343,7 +404,7 @@ def test_every_shipped_calibration_is_of_the_current_format():
     from ragblend.core.calibration import CALIBRATION_FORMAT, SHIPPED_DIR, _from_json
 
     files = sorted(SHIPPED_DIR.glob("*.json"))
-    assert len(files) >= 2   # the embedded SmolLM2's and the benchmark Qwen2.5's
+    assert len(files) == 6   # SmolLM2's, Qwen2.5's and Gemma 3's, with and without lead entries
     for path in files:
         data = json.loads(path.read_text())
         calibration = _from_json(data)
@@ -351,15 +412,20 @@ def test_every_shipped_calibration_is_of_the_current_format():
         assert data["format"] == CALIBRATION_FORMAT and calibration.answer_margin is None
         # Re-judged on the whole answer (issue 29): the chosen ratio's answer-level KL is within the
         # noise's in mean (in median too for SmolLM2 and Gemma 3, not Qwen2.5: docs/benchmarks.md).
-        chosen = next(row for row in calibration.tried if (row["ratio"], row["neighbour_window"]) ==
-                      (calibration.ratio, calibration.neighbour_window))
+        chosen = next(row for row in calibration.tried
+                      if (row["ratio"], row["neighbour_window"], row.get("sentence_runs", False)) ==
+                      (calibration.ratio, calibration.neighbour_window, calibration.sentence_runs))
         assert chosen["answer_kl_mean"] <= calibration.order_noise_answer_kl[0], path.name
-        if calibration.answer_peak_margin:   # judged since lead entries; the files of lead_chunk_kv=False not
-            assert chosen["answer_kl_peak_mean"] <= calibration.order_noise_answer_kl_peak[0], path.name
-            assert chosen["answer_kl_peak_median"] <= calibration.order_noise_answer_kl_peak[1], path.name
-            # and the answer-level mean within half the noise's (since 2026-11-27)
-            assert calibration.answer_mean_margin == 0.5, path.name
-            assert chosen["answer_kl_mean"] <= 0.5 * calibration.order_noise_answer_kl[0], path.name
+        # every file (lead_chunk_kv=False's too, since format 5) judged on the answer's largest step
+        assert calibration.answer_peak_margin == 1.0, path.name
+        assert chosen["answer_kl_peak_mean"] <= calibration.order_noise_answer_kl_peak[0], path.name
+        assert chosen["answer_kl_peak_median"] <= calibration.order_noise_answer_kl_peak[1], path.name
+        # and the answer-level mean within half the noise's (since 2026-11-27)
+        assert calibration.answer_mean_margin == 0.5, path.name
+        assert chosen["answer_kl_mean"] <= 0.5 * calibration.order_noise_answer_kl[0], path.name
+        # whole sentences tried beside single tokens and runs at the chosen ratio
+        assert {(row["neighbour_window"], row["sentence_runs"]) for row in calibration.tried
+                if row["ratio"] == calibration.ratio} == set(SELECTIONS), path.name
 
 
 def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
@@ -447,5 +513,10 @@ def test_cli_calibrate_prints_every_measure_of_every_row(cache, tokenizer, tmp_p
     out = capsys.readouterr().out
     assert "| answer KL mean | answer KL median | largest step KL mean | largest step KL median |" in out
     rows = [line for line in out.splitlines() if line.startswith("| 0.") or line.startswith("| order noise")]
-    assert len(rows) == len(LADDER) + 1 and all(line.count("|") == 10 for line in rows), rows
+    # the ratios measured (up to the chosen one), then the noise
+    assert 2 <= len(rows) <= len(LADDER) + 1 and all(line.count("|") == 10 for line in rows), rows
+    assert all(" | single tokens | " in line for line in rows[:-1]) and rows[0].startswith("| 0.05 |")
     assert "Chosen: calibrated" in out
+    assert main(["calibrate", "--model", str(folder), "--sentence-runs", "--answer-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert " | whole sentences | " in out and "sentence_runs=True" in out.split("Chosen:")[1]

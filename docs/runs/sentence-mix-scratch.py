@@ -1,0 +1,66 @@
+# PYTHONPATH=. python3 docs/runs/sentence-mix-scratch.py qwen2.5-0.5b 0.20 0.25,1,4  (session 32, AVX2-only EPYC)
+"""Whole sentences mixed with single tokens: a reused token's claim is its sentence's mean
+question attention plus `mix` x its own (QueryAware(sentence_runs=True) is mix 1e-4). First-token
+KL against full prefill on the calibration's 8 built-in prompts (the bar: half the order noise in
+mean and median) and on SQuAD prompts 1, 10, 11 (where sentences moved the first token most),
+and the answer-level KL (teacher-forced on full prefill's 32-token greedy answer) on passage 3
+(the answer-level outlier; the 3x bound: 0.087)."""
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import SYSTEM, prompt_sets
+from benchmarks.models import model_path
+from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
+from ragblend.core import selection
+from ragblend.core.calibration import answer_kl, answer_logits, builtin_prompts, first_token_kl
+
+torch.set_num_threads(2)
+model, ratio, mixes = sys.argv[1], float(sys.argv[2]), [float(m) for m in sys.argv[3].split(",")]
+by_sentence = selection.QuestionAttention.by_sentence
+MIX = [0.0]
+selection.QuestionAttention.by_sentence = staticmethod(lambda prompt, claims: by_sentence(prompt, claims) + MIX[0] * claims)
+engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+variants = {"tokens": (QueryAware(ratio), 0.0), "sentences": (QueryAware(ratio, sentence_runs=True), 0.0),
+            **{f"mix {m:g}": (QueryAware(ratio, sentence_runs=True), m) for m in mixes}}
+
+
+def prefill(segments, system, strategy, mix):
+    MIX[0] = mix
+    return engine.prefill(segments, system=system, strategy=strategy)
+
+
+def first_tokens(prompts, system):
+    kls = {name: [] for name in [*variants, "noise"]}
+    for chunks, question in prompts:
+        engine.precompute(chunks)
+        segments = [Chunk(c) for c in chunks] + [question]
+        full = prefill(segments, system, FullRecompute(), 0.0)
+        kls["noise"].append(first_token_kl(full.logits, prefill([Chunk(c) for c in reversed(chunks)] + [question],
+                                                                   system, FullRecompute(), 0.0).logits))
+        for name, (strategy, mix) in variants.items():
+            kls[name].append(first_token_kl(full.logits, prefill(segments, system, strategy, mix).logits))
+        print({k: round(v[-1], 4) for k, v in kls.items()}, flush=True)
+    return kls
+
+
+print("## built-in calibration prompts, first-token KL mean / median")
+kls = first_tokens(builtin_prompts(), None)
+noise = kls.pop("noise")
+print(f"bar (half the noise): {statistics.mean(noise) / 2:.4f} / {statistics.median(noise) / 2:.4f}")
+for name, values in kls.items():
+    print(f"{name}: {statistics.mean(values):.4f} / {statistics.median(values):.4f}", flush=True)
+sets = prompt_sets(["squad:11", "fidelity:3"], Path("/work/shared/data/musique-dev.json"))
+print("## SQuAD 1, 10, 11, first-token KL")
+first_tokens([(p.chunks, p.question) for i, p in enumerate(sets["squad"]) if i in (0, 9, 10)], SYSTEM)
+print("## passage 3, answer-level KL")
+p = sets["fidelity"][2]
+engine.precompute(p.chunks)
+segments = [Chunk(c) for c in p.chunks] + [p.question]
+answer = engine.generate(segments, system=SYSTEM, strategy=FullRecompute(), max_new_tokens=32).token_ids
+reference = answer_logits(engine, prefill(segments, SYSTEM, FullRecompute(), 0.0), answer)
+for name, (strategy, mix) in variants.items():
+    print(name, round(answer_kl(reference, answer_logits(engine, prefill(segments, SYSTEM, strategy, mix), answer)), 4),
+          flush=True)
