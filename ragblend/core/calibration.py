@@ -362,12 +362,10 @@ def calibrate(engine, prompts: list[tuple[list[str], str]] | None = None, *, nei
 
 
 def selections_to_try(neighbour_window: float | None, sentence_runs: bool | None) -> list[tuple[float, bool]]:
-    """The ``(neighbour_window, sentence_runs)`` pairs :func:`calibrate` tries, as asked."""
-    if sentence_runs and neighbour_window:
-        raise CalibrationError("calibrate's sentence_runs and neighbour_window are two ways of choosing runs; "
-                               "ask for one of them.")
+    """The ``(neighbour_window, sentence_runs)`` pairs :func:`calibrate` tries, as asked (both
+    given, or a bad value: QueryAware's own error, when calibrate makes the strategies)."""
     if sentence_runs:
-        return [(0.0, True)]
+        return [(neighbour_window or 0.0, sentence_runs)]
     if neighbour_window is not None:
         return [(neighbour_window, False)]
     return [selection for selection in SELECTIONS if not (sentence_runs is False and selection[1])]
@@ -435,7 +433,6 @@ def measure_strategy(engine, chunks: list[str], question: str, reference: Refere
     over the answer dilutes); and its ``"compute"`` and whether the fusion was skipped."""
     from .prompt import Chunk
 
-    engine.precompute(chunks)   # cached since measure_reference, unless the store let them go
     out = engine.prefill([Chunk(c) for c in chunks] + [question], strategy=strategy)
     return against_reference(engine, reference, out) | {"compute": out.stats.compute_fraction,
                                                         "fusion_skipped": out.stats.fusion_skipped}

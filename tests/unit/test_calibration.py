@@ -212,7 +212,7 @@ def test_the_selection_with_the_cheapest_passing_ratio_is_chosen(cache, tokenize
 
 
 def test_sentence_runs_and_a_neighbour_window_together_are_a_clear_error(cache, tokenizer):
-    with pytest.raises(RagblendError, match="sentence_runs and neighbour_window"):
+    with pytest.raises(RagblendError, match=r"sentence_runs=True\) or of a fraction of the chunk \(neighbour_window\), not both"):
         make_tiny_engine("qwen2", tokenizer).calibrate(prompts(), progress=False, sentence_runs=True,
                                                        neighbour_window=0.1)
 
