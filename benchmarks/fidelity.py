@@ -104,7 +104,7 @@ VARIANTS = {
     # ... or half each token alone, half its run
     **{f"QueryAware({r:.2f}, half runs of 1/{d} chunk)": QuestionAttentionInRuns(r, 1 / d, pool="half")
        for r in (0.10, 0.20) for d in (16, 32)},
-    # ... or in whole sentences (QueryAware's sentence_runs)
+    # ... or by sentence (QueryAware's sentence_runs)
     **{f"QueryAware({r:.2f}, sentence runs)": QueryAware(r, sentence_runs=True) for r in (0.10, 0.20)},
     # ... or around the strongest single tokens (max-pooled: each peak with its neighbours)
     **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},

@@ -385,7 +385,7 @@ def _clear(args) -> int:
 def _selection(row: dict) -> str:
     """A calibration row's selection, for its table (rows of older files have fewer keys)."""
     if row.get("sentence_runs"):
-        return "whole sentences"
+        return "sentences"
     window = row.get("neighbour_window", 0.0)
     return f"runs of {window:.4g} chunk" if window else "single tokens"
 
@@ -656,9 +656,9 @@ def _calibrate_parser(sub) -> None:
     selection = calibrate.add_mutually_exclusive_group()
     selection.add_argument("--neighbour-window", type=number_in(0.0, 1.0), default=None, metavar="FRACTION",
                            help="try only this QueryAware neighbour window, a fraction of a chunk in [0, 1] "
-                                "(0: single tokens; default: try single tokens, runs of 1/16 chunk and whole sentences)")
+                                "(0: single tokens; default: try single tokens, runs of 1/16 chunk and sentences)")
     selection.add_argument("--sentence-runs", action="store_true",
-                           help="try only whole sentences (QueryAware's sentence_runs)")
+                           help="try only runs by sentence (QueryAware's sentence_runs)")
     calibrate.add_argument("--answer-tokens", type=whole_number, default=32,
                            help="also measure the KL over full prefill's greedy answer of this many tokens "
                                 "(default: 32; 0: first token only, faster)")

@@ -13,7 +13,7 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
    digit can turn a short answer while the mean over the answer barely moves);
 2. the same for :class:`~ragblend.core.strategies.QueryAware` at each ratio of
    :data:`LADDER`, cheapest first, with each selection of :data:`SELECTIONS` (single tokens,
-   runs of neighbours a sixteenth of the chunk long, whole sentences);
+   runs of neighbours a sixteenth of the chunk long, sentences);
 3. the choice: the cheapest ratio at which some selection's first-token KL stays within
    :data:`MARGIN` of the noise's in mean *and* median, over all prompts and over the long ones
    alone, its answer's largest step within :data:`PEAK_MARGIN` of the noise's over all prompts,
@@ -65,10 +65,11 @@ from .strategies import FullRecompute, QueryAware
 log = logging.getLogger("ragblend")
 
 # 2: chunks precomputed after CHUNK_CONTEXT; 3: QueryAware's attention scale; 4: its neighbour
-# window; 5: its sentence runs (an older file reads as single tokens or its window; ragblend
-# before 5 ignores a 5, never misreads it)
-CALIBRATION_FORMAT = 5
-READABLE_FORMATS = (3, 4, 5)
+# window; 5: its sentence runs; 6: sentence runs with a share of each token's own claim (an older
+# file reads as single tokens or its window, a 5 that chose sentences is refused: it measured
+# whole sentences alone; ragblend before 6 ignores a 6, never misreads it)
+CALIBRATION_FORMAT = 6
+READABLE_FORMATS = (3, 4, 5, 6)
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest first
 # Chosen KL (mean and median) <= MARGIN x order noise. Half, because prompts from another
 # domain land further from full prefill than the built-in ones: on held-out news prompts the
@@ -77,7 +78,7 @@ MARGIN = 0.5
 LONG_PROMPT_TOKENS = 2048             # prompts at least this long must also pass on their own
 ANSWER_TOKENS = 32                    # full prefill's greedy answer, for the answer-level KL
 # QueryAware's selections tried at each ratio, as (neighbour_window, sentence_runs): single tokens,
-# runs of neighbours 1/16 of the chunk long, whole sentences
+# runs of neighbours 1/16 of the chunk long, sentences (selection.SENTENCE_OWN_SHARE)
 SELECTIONS = ((0.0, False), (1 / 16, False), (0.0, True))
 UNCALIBRATED = QueryAware(0.3)        # within the order noise on every benchmark set, both models (scale 1.0; 0.7 lower)
 # The answer's largest one-step KL (mean and median) <= PEAK_MARGIN x the order noise's, where the
@@ -111,7 +112,7 @@ class Calibration:
     seconds: float = 0.0
     format: int = CALIBRATION_FORMAT
     neighbour_window: float = 0.0     # QueryAware's, with the chosen ratio
-    sentence_runs: bool = False       # QueryAware's: whole sentences recomputed (format 5)
+    sentence_runs: bool = False       # QueryAware's: recompute by sentence (format 5; with its tokens' own share: 6)
     order_noise_answer_kl: tuple[float, float] | None = None   # (mean, median); None: not measured
     answer_margin: float | None = None   # the answer-level bar the choice also met; None: not judged
     # (mean, median) over the prompts of the answer's largest one-step KL, and the bar on it the
@@ -199,6 +200,8 @@ def _from_json(data) -> Calibration:
     sentence_runs = data.get("sentence_runs", False)
     if not isinstance(sentence_runs, bool) or sentence_runs and data.get("neighbour_window"):
         raise ValueError("bad sentence_runs")
+    if sentence_runs and data["format"] == 5:
+        raise ValueError("it chose whole sentences, which QueryAware(sentence_runs=True) no longer runs")
     answer_noise, answer_margin = data.get("order_noise_answer_kl"), data.get("answer_margin")
     peak_noise, peak_margin = data.get("order_noise_answer_kl_peak"), data.get("answer_peak_margin")
     mean_margin = data.get("answer_mean_margin")

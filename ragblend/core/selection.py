@@ -200,6 +200,15 @@ class TopScoreSelection(Selection):
         return prompt.with_reused(candidates)
 
 
+# Under QueryAware(sentence_runs=True) a reused token's claim is its sentence's mean attention
+# plus this share of its own: a sentence read throughout still comes whole, and so does a token
+# the question reads far more than the rest of its sentence. Sentences alone (a share of 1e-4)
+# moved Qwen2.5's first token nearly 3x further than single tokens on SQuAD; 0.25 brought it
+# back and kept the answers' mend, where 1 and 4 lost it (docs/benchmarks.md, "Sentences and
+# the tokens the question reads most").
+SENTENCE_OWN_SHARE = 0.25
+
+
 class QuestionAttention(Selection):
     """QueryAware's selection: computed from layer 0 are the tokens without a cache and the
     reused tokens the question attends to most (``ratio`` of the reused tokens).
@@ -210,7 +219,8 @@ class QuestionAttention(Selection):
     (None: every token after the last chunk). ``neighbour_window``: a token's claim is the
     question's attention averaged over a window this fraction of its chunk long, centred on
     it, so the chosen tokens come in runs with their neighbours (0: each token alone).
-    ``sentence_runs``: averaged over its sentence instead (the prompt's ``sentence_of``).
+    ``sentence_runs``: averaged over its sentence instead (the prompt's ``sentence_of``), plus a
+    share of its own (:meth:`by_sentence`).
     """
 
     name = "query_aware"
@@ -263,10 +273,9 @@ class QuestionAttention(Selection):
 
     @staticmethod
     def by_sentence(prompt: FusionPrompt, claims: torch.Tensor) -> torch.Tensor:
-        """Each token's claim averaged over its sentence, plus a trace of its own so that a
-        sentence only partly in the budget gives its most attended tokens first. Why whole
-        sentences: single tokens among cached neighbours moved a few answers away from full
-        prefill's, and windows of a fixed length cut across what the text says
+        """Each token's claim averaged over its sentence, plus :data:`SENTENCE_OWN_SHARE` of its
+        own. Why sentences: single tokens among cached neighbours moved a few answers away from
+        full prefill's, and windows of a fixed length cut across what the text says
         (docs/benchmarks.md, "Recomputing whole sentences")."""
         if prompt.sentence_of is None:
             raise InvalidInputError("QueryAware(sentence_runs=True) needs the prompt's sentence ends; run it "
@@ -274,7 +283,7 @@ class QuestionAttention(Selection):
         sentence = prompt.sentence_of
         totals = torch.zeros(int(sentence[-1]) + 1, device=claims.device).index_add_(0, sentence, claims)
         lengths = torch.bincount(sentence, minlength=totals.numel()).to(claims.dtype)
-        return (totals / lengths)[sentence] + 1e-4 * claims
+        return (totals / lengths)[sentence] + SENTENCE_OWN_SHARE * claims
 
     def first(self, prompt, probe):
         budget = self._budget(prompt.num_reused)

@@ -150,9 +150,10 @@ class QueryAware(_Settings):
 
     ``sentence_runs``: recompute in runs that follow the text: a reused token's claim is the
     question's attention averaged over its sentence inside its chunk (a sentence ends at a
-    token holding ``.``, ``!``, ``?`` or a line break), so the budget goes to the sentences the
-    question reads, whole where it reaches. Not with ``neighbour_window``
-    (``docs/benchmarks.md``, "Recomputing whole sentences").
+    token holding ``.``, ``!``, ``?`` or a line break) plus a quarter of its own, so the budget
+    goes to the sentences the question reads, whole where it reaches, and to the tokens it reads
+    far more than their sentence. Not with ``neighbour_window`` (``docs/benchmarks.md``,
+    "Recomputing whole sentences" and "Sentences and the tokens the question reads most").
 
     ``ratio=None`` (the default) takes the engine's own ratio (its calibration's, else the safe
     default) when :meth:`BlendEngine.prefill` runs it: ``QueryAware()`` is the engine's choice

@@ -271,6 +271,9 @@ def test_the_answer_level_mean_is_judged_at_the_first_tokens_margin_not_its_medi
     json.dumps({"format": 5, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
                 "chosen_kl": [0.01, 0.01], "tried": [{"ratio": 0.1, "kl_mean": 0.01, "kl_median": 0.01,
                                                       "compute": 0.1, "sentence_runs": 1}]}).encode(),
+    # format 5 chose whole sentences alone, which sentence_runs=True no longer runs
+    json.dumps({"format": 5, "fingerprint": "x", "ratio": 0.1, "within_noise": True, "order_noise_kl": [0.1, 0.1],
+                "chosen_kl": [0.01, 0.01], "sentence_runs": True}).encode(),
 ])
 def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog):
     engine = make_tiny_engine("llama", tokenizer)
@@ -284,17 +287,19 @@ def test_a_corrupt_calibration_file_is_ignored(cache, tokenizer, content, caplog
 
 
 def test_older_files_read_as_what_they_measured():
-    """Files from before the neighbour window (format 3) and before sentence runs (4) still load,
-    as single tokens and their window; a format-5 file keeps its sentence runs."""
+    """Files from before the neighbour window (format 3), before sentence runs (4) and before
+    their tokens' own share (5, unless it chose sentences) still load, as single tokens and their
+    window; a format-6 file keeps its sentence runs."""
     from ragblend.core.calibration import CALIBRATION_FORMAT, _from_json
 
     old = {"format": 3, "fingerprint": "x", "ratio": 0.2, "within_noise": True, "order_noise_kl": [0.1, 0.1],
            "chosen_kl": [0.01, 0.01], "tried": [{"ratio": 0.2, "kl_mean": 0.01, "kl_median": 0.01, "compute": 0.3}]}
     calibration = _from_json(old)
     assert calibration.strategy == QueryAware(0.2) and calibration.order_noise_answer_kl is None
-    assert calibration.answer_margin is None and CALIBRATION_FORMAT == 5
+    assert calibration.answer_margin is None and CALIBRATION_FORMAT == 6
     assert _from_json({**old, "format": 4, "neighbour_window": 0.0625}).strategy == QueryAware(0.2, neighbour_window=0.0625)
-    current = _from_json({**old, "format": 5, "sentence_runs": True,
+    assert _from_json({**old, "format": 5, "sentence_runs": False}).strategy == QueryAware(0.2)
+    current = _from_json({**old, "format": 6, "sentence_runs": True,
                           "tried": [{**old["tried"][0], "neighbour_window": 0.0, "sentence_runs": True}]})
     assert current.strategy == QueryAware(0.2, sentence_runs=True) and current.tried[0]["sentence_runs"] is True
     assert current.strategy_name == "QueryAware(0.2, sentence_runs=True)"
@@ -423,7 +428,7 @@ def test_every_shipped_calibration_is_of_the_current_format():
         # and the answer-level mean within half the noise's (since 2026-11-27)
         assert calibration.answer_mean_margin == 0.5, path.name
         assert chosen["answer_kl_mean"] <= 0.5 * calibration.order_noise_answer_kl[0], path.name
-        # whole sentences tried beside single tokens and runs at the chosen ratio
+        # sentences tried beside single tokens and runs at the chosen ratio
         assert {(row["neighbour_window"], row["sentence_runs"]) for row in calibration.tried
                 if row["ratio"] == calibration.ratio} == set(SELECTIONS), path.name
 
@@ -519,4 +524,4 @@ def test_cli_calibrate_prints_every_measure_of_every_row(cache, tokenizer, tmp_p
     assert "Chosen: calibrated" in out
     assert main(["calibrate", "--model", str(folder), "--sentence-runs", "--answer-tokens", "4"]) == 0
     out = capsys.readouterr().out
-    assert " | whole sentences | " in out and "sentence_runs=True" in out.split("Chosen:")[1]
+    assert " | sentences | " in out and "sentence_runs=True" in out.split("Chosen:")[1]

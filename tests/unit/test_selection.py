@@ -54,12 +54,17 @@ def test_sentence_runs_choose_the_sentences_the_question_reads():
     prompt = FusionPrompt.build(22, spans, "cpu", ends)
     assert prompt.sentence_of.tolist() == [0] * 4 + [1] * 6 + [2] * 2 + [3] * 4 + [4] * 4
     relevance = torch.full((20,), 0.01)
-    relevance[1] = 1.0                   # a peak alone in sentence 0
+    relevance[1] = 0.8                   # a peak alone in sentence 0
     relevance[12:16] = 0.4               # sentence 3, read throughout
     selected = QuestionAttention(4 / 20, sentence_runs=True).first(prompt, lambda: relevance[None])
     assert selected[12:16].all() and int(selected[:12].sum()) == 0
     alone = QuestionAttention(4 / 20).first(prompt, lambda: relevance[None])
     assert alone[1]                      # single tokens: the peak first
+    # a token read far more than its sentence comes before a sentence read evenly (claim: its
+    # sentence's mean 0.34 plus a quarter of its own 2.0, against 0.4 + 0.1)
+    relevance[4:10] = torch.tensor([0.01, 0.01, 2.0, 0.01, 0.01, 0.01])
+    peak = QuestionAttention(4 / 20, sentence_runs=True).first(prompt, lambda: relevance[None])
+    assert peak[6] and int(peak[12:16].sum()) == 3 and int(peak[:20].sum()) == 4
     # a sentence only partly in the budget gives its most attended tokens first
     relevance[4:10] = torch.tensor([0.5, 0.9, 0.5, 0.5, 0.5, 0.4])   # mean 0.55, over sentence 3
     partial = QuestionAttention(5 / 20, sentence_runs=True).first(prompt, lambda: relevance[None])
@@ -82,8 +87,9 @@ def test_sentence_runs_spend_the_same_budget_end_to_end(tokenizer):
     assert not torch.equal(runs.recomputed, alone.recomputed) and runs.logits.isfinite().all()
     ends = engine.prompts.sentence_end_ids
     assert engine.prompts.tokenize(".")[0] in ends and engine.prompts.tokenize("ferry")[0] not in ends
-    # the recomputed reused tokens come in whole sentences, but for the one the budget ends in
-    ids, chosen = runs.token_ids, runs.recomputed
+    # the budget goes by sentence: the share of each sentence recomputed varies far more than
+    # single tokens' (tiny random attention reads every sentence about alike, so few are whole)
+    ids = runs.token_ids
     reused = torch.zeros(len(ids), dtype=torch.bool)
     for span in runs.layout.chunk_spans:
         reused[span.start:span.end] = True
@@ -94,8 +100,10 @@ def test_sentence_runs_spend_the_same_budget_end_to_end(tokenizer):
             current = []
         current.append(i)
     sentences.append(current)
-    partly = [s for s in sentences if 0 < int(chosen[s].sum()) < len(s)]
-    assert len(partly) <= 1 and any(bool(chosen[s].all()) for s in sentences)
+
+    def spread(chosen):   # the standard deviation of the sentences' recomputed shares
+        return torch.tensor([chosen[s].float().mean() for s in sentences]).std()
+    assert len(sentences) > 3 and spread(runs.recomputed) > 2 * spread(alone.recomputed)
     # an engine whose own strategy asks for sentences makes the ids when built, not in a TTFT
     built = make_tiny_engine("llama", tokenizer, strategy=QueryAware(0.25, sentence_runs=True))
     assert "sentence_end_ids" in vars(built.prompts)
