@@ -50,7 +50,7 @@ from .models import MODELS, model_path
 
 SIGNALS = ("left_mass", "left_mass_deep", "relevance_entropy", "probe_kl", "fused_entropy", "fused_margin",
            "probe_flip", "selected_deviation", "reused_tokens")
-POLICY_SIGNALS = ("left_mass", "probe_kl", "fused_margin", "reused_tokens")   # the escalation tables' signals
+POLICY_SIGNALS = ("left_mass", "probe_kl", "selected_deviation", "fused_margin", "reused_tokens")   # the escalation tables' signals
 PROBE = "FullReuse (the question pass)"
 
 
@@ -220,6 +220,13 @@ def length_scaled_auroc(raw: dict, shipped_of: dict) -> list[str]:
     return lines
 
 
+def escalated(row: dict, signal: str, threshold: float) -> bool:
+    """Whether a prompt's ``signal`` passes ``threshold``; a missing one (None: the prompt ran as a
+    full prefill, already exact, or its run predates the signal) never does."""
+    score = row["signals"][signal]
+    return score is not None and score > threshold
+
+
 def escalate(rows: list[dict], shipped: str, target: str, signal: str, threshold: float) -> list[tuple[float, dict]]:
     """Per prompt (compute, row) when the shipped strategy escalates to ``target`` (a row name,
     or "full" for a full prefill) where ``signal`` > ``threshold``. A signal known before the
@@ -229,8 +236,7 @@ def escalate(rows: list[dict], shipped: str, target: str, signal: str, threshold
     out = []
     for r in rows:
         base = r["rows"][shipped]
-        score = r["signals"][signal]
-        if score is None or score <= threshold:   # None: ran as a full prefill, already exact
+        if not escalated(r, signal, threshold):
             out.append((base["compute"], base))
             continue
         row = {"kl": 0.0, "answer_kl": 0.0, "compute": 1.0} if target == "full" else r["rows"][target]
@@ -287,7 +293,7 @@ def policy_tables(raw: dict, shipped_of: dict, tune: str, fixed_of: dict, target
                     [(r["rows"][row_name]["compute"], r["rows"][row_name]) for r in rows], bound) + " |")
             for (target, signal), threshold in chosen.items():
                 results = escalate(rows, shipped, target, signal, threshold)
-                share = sum(r["signals"][signal] > threshold for r in rows) / len(rows)
+                share = sum(escalated(r, signal, threshold) for r in rows) / len(rows)
                 lines.append(f"| {name} | {signal} > {threshold:.4g} -> {target} ({share:.0%} escalated) | "
                              + summary(results, bound) + " |")
         lines.append("")

@@ -286,9 +286,13 @@ class PromptBuilder:
     def sentence_end_ids(self) -> frozenset[int]:
         """Ids of the tokens that end a sentence: those whose text holds ``.``, ``!``, ``?`` or a
         line break (QueryAware's ``sentence_runs``). Made on first use, from the whole vocabulary
-        (2.6 s for Qwen2.5's 151k tokens on a 2-core AVX2 host; the engine makes it when built
-        if its own strategy asks for sentences)."""
-        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        (the engine makes it when built if its own strategy asks for sentences)."""
+        ids = [[i] for i in range(len(self.tokenizer))]
+        # A fast tokenizer's Rust backend decodes the vocabulary in one call, ~3x sooner than
+        # batch_decode's Python loop (0.7 s against 2.1-2.4 s for Qwen2.5's 151k tokens, AVX2 EPYC).
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        texts = backend.decode_batch(ids, skip_special_tokens=False) if backend is not None \
+            else self.tokenizer.batch_decode(ids)
         return frozenset(i for i, text in enumerate(texts) if any(c in text for c in ".!?\n"))
 
     def tokenize(self, text: str) -> list[int]:

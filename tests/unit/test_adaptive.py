@@ -15,6 +15,7 @@ from benchmarks.adaptive import (
     escalate,
     length_scaled_auroc,
     main,
+    policy_tables,
     signals,
     spearman,
     tuned_threshold,
@@ -58,6 +59,16 @@ def test_escalation_spends_the_target_where_the_signal_passes_the_threshold():
     skipped = {**prompt(None, 0.0), "signals": {"left_mass": None, "probe_kl": None}}
     assert escalate([skipped], "shipped", "full", "left_mass", 0.0) == [(0.2, skipped["rows"]["shipped"])]
     assert tuned_threshold(rows + [skipped], "shipped", "QueryAware(0.30)", "left_mass", 0.1) == math.inf
+    # The tables count escalated prompts past a missing signal (a run made before the signal existed).
+    def pooled(signal, kl):
+        p = prompt(signal, kl)
+        p["rows"][NOISE] = {"kl": 0.05, "answer_kl": 0.05, "compute": 1.0}
+        p["signals"] = dict.fromkeys(SIGNALS, signal)
+        return p
+
+    raw = {"m/squad": [pooled(0.1, 0.01), pooled(0.9, 0.08), pooled(None, 0.02)]}
+    lines = policy_tables(raw, {"m": "shipped"}, "squad", {"m": "QueryAware(0.30)"}, {"m": ("QueryAware(0.30)",)})
+    assert any("selected_deviation > 0.1 -> QueryAware(0.30) (33% escalated)" in line for line in lines)
 
 
 def test_runs_of_other_ladders_pool_and_signals_scaled_by_length_are_ranked(tmp_path, capsys):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
+from ragblend.core.prompt import PromptBuilder
 from ragblend.core.selection import FusionPrompt, QuestionAttention, ReusedSpan
 from ragblend.core.strategies import strategy_from_name
 
@@ -108,6 +109,19 @@ def test_sentence_runs_spend_the_same_budget_end_to_end(tokenizer):
     built = make_tiny_engine("llama", tokenizer, strategy=QueryAware(0.25, sentence_runs=True))
     assert "sentence_end_ids" in vars(built.prompts)
     assert "sentence_end_ids" not in vars(make_tiny_engine("llama", tokenizer).prompts)
+
+
+def test_sentence_end_ids_are_the_same_from_a_tokenizer_without_a_rust_backend(tokenizer):
+    class PythonOnly:   # a slow tokenizer: batch_decode and no backend_tokenizer
+        def __len__(self):
+            return len(tokenizer)
+
+        def batch_decode(self, ids):
+            return tokenizer.batch_decode(ids)
+
+    fast, slow = PromptBuilder(tokenizer), PromptBuilder(tokenizer)
+    slow.tokenizer = PythonOnly()
+    assert slow.sentence_end_ids == fast.sentence_end_ids and len(fast.sentence_end_ids) > 3
 
 
 def test_runs_of_neighbours_spend_the_same_budget_end_to_end(tokenizer):
