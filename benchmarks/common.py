@@ -1,6 +1,7 @@
 """What the benchmarks share: the prompts they measure on, the measures, and how a study writes its
-report. A benchmark module (``python -m benchmarks.X``) imports from here, never from another
-benchmark, so each one reads alone.
+report. A benchmark module (``python -m benchmarks.X``) imports from here (and the model list from
+``benchmarks.models``), never from another benchmark, so each one reads alone. The studies behind
+the design choices live in ``research/`` and may import benchmarks.
 
 Reports go to ``docs/runs/`` unless a study's ``--out`` says otherwise: raw run logs live there,
 and ``docs/benchmarks.md`` keeps the current tables that link to them.
@@ -9,18 +10,22 @@ and ``docs/benchmarks.md`` keeps the current tables that link to them.
 from __future__ import annotations
 
 import json
+import random
+import re
+import socket
+import string
+import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 
 from ragblend import BlendEngine
-from ragblend.core.model import cache_dir
 from ragblend.data import load_sample
-
-from .squad import bigbench_squad_files, rag_samples
 
 RUNS_DIR = "docs/runs"   # where a study writes its report (its --out default)
 SYSTEM = "Answer the question from the passages, briefly."
@@ -78,12 +83,45 @@ def fidelity_prompts(n: int) -> list[Prompt]:
     return [Prompt(chunks[i % 6:] + chunks[:i % 6], questions[i % len(questions)]) for i in range(n)]
 
 
+# The evaluation sets live beside the repository, in ../shared/data (its README gives their sources
+# and licences: MuSiQue and SQuAD-shifts, CC BY 4.0); nothing is downloaded at benchmark time.
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+MUSIQUE = DATA_DIR / "musique-dev.json"
+SQUAD_SHIFTS = [DATA_DIR / "reddit_v1.0.json", DATA_DIR / "amazon_reviews_v1.0.json"]
+PARAGRAPHS_PER_SAMPLE = 6
+
+
+def read_data(path: Path):
+    """One evaluation set's JSON, or a clear exit naming the file and where it should be."""
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: the benchmarks read their evaluation sets from ../shared/data "
+                         "beside the repository (MuSiQue and the SQuAD-shifts Reddit and Amazon sets).")
+    return json.loads(path.read_text())
+
+
+def rag_samples(limit: int = 200, seed: int = 0, path: Path = SQUAD_SHIFTS[0]) -> list[dict]:
+    """``[{"chunks": [6 str], "question": str, "answers": [str], "gold": int}, ...]`` from a SQuAD-format
+    set (SQuAD-shifts' Reddit comments unless ``path`` says otherwise): a question, its paragraph and 5
+    others of the same set, shuffled. Until 2026-12-05 these came from SQuAD v1.1 dev (6 paragraphs of
+    one Wikipedia article), which the package registry no longer serves."""
+    rng = random.Random(seed)
+    paragraphs = [p for article in read_data(path)["data"] for p in article["paragraphs"]]
+    golds = [i for i, p in enumerate(paragraphs) if p["qas"]]
+    rng.shuffle(golds)
+    samples = []
+    for gold in golds[:limit]:
+        qa = rng.choice(paragraphs[gold]["qas"])
+        others = rng.sample([i for i in range(len(paragraphs)) if i != gold], PARAGRAPHS_PER_SAMPLE - 1)
+        order = [gold, *others]
+        rng.shuffle(order)
+        samples.append({"chunks": [paragraphs[i]["context"] for i in order], "question": qa["question"],
+                        "answers": sorted({a["text"] for a in qa["answers"]}), "gold": order.index(gold)})
+    return samples
+
+
 def squad_prompts(n: int) -> list[Prompt]:
     return [Prompt(s["chunks"], f"Question: {s['question']} Answer with a few words.", s["answers"])
             for s in rag_samples(n)]
-
-
-MUSIQUE = Path(__file__).resolve().parents[2] / "shared" / "data" / "musique-dev.json"
 
 
 def musique_prompts(n: int, path: Path = MUSIQUE) -> list[Prompt]:
@@ -107,18 +145,12 @@ def prompt_sets(spec: list[str], musique_file: Path) -> dict[str, list[Prompt]]:
     return sets
 
 
-SOURCES = ["squaddev_v1.1.json", "new_wiki_v1.0.json", "reddit_v1.0.json", "amazon_reviews_v1.0.json"]
-
-
 def paragraphs() -> list[str]:
-    """Every distinct paragraph of the SOURCES, in file order (cached as JSON)."""
-    path = cache_dir() / "benchmarks" / "paragraphs_v1.json"
-    if not path.exists():
-        files = bigbench_squad_files([f"bigbench-1.0.0/bigbench/benchmark_tasks/squad_shifts/{s}" for s in SOURCES])
-        seen = dict.fromkeys(p["context"].strip() for f in files for a in f["data"] for p in a["paragraphs"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps([p for p in seen if p]))
-    return json.loads(path.read_text())
+    """Every distinct paragraph of the SQuAD-shifts Reddit and Amazon sets, in file order (about 4,000:
+    Reddit's ~165 words each first, then Amazon's ~50)."""
+    seen = dict.fromkeys(p["context"].strip() for path in SQUAD_SHIFTS
+                         for article in read_data(path)["data"] for p in article["paragraphs"])
+    return [p for p in seen if p]
 
 
 def pool_by_set(runs) -> dict[str, list]:
@@ -137,6 +169,53 @@ def in_every(rows: list[dict]) -> set[str]:
 
 
 # ---------------------------------------------------------------------------- measures
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1_score(prediction: str, gold: str) -> float:
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    common = Counter(pred) & Counter(ref)
+    same = sum(common.values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def answer_contained(prediction: str, gold: str) -> float:
+    """1.0 when the normalised gold answer appears, as whole words, in the normalised prediction.
+
+    Small chat models answer in sentences ("The Broncos won Super Bowl 50."), which exact
+    match scores 0 even when right; this "has answer" accuracy is the usual RAG yardstick
+    for free-form answers.
+    """
+    pred, ref = normalize_answer(prediction), normalize_answer(gold)
+    return float(bool(ref) and f" {ref} " in f" {pred} ")
+
+
+def extract_answer(text: str) -> str:
+    """The answer part of a generation: its first non-empty line, without an ``Answer:``
+    label, cut after the first sentence (later sentences only dilute F1)."""
+    line = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    line = re.sub(r"^(answer|a)\s*:\s*", "", line, flags=re.IGNORECASE)
+    return re.split(r"(?<=[.!?])\s", line, maxsplit=1)[0]
+
+
+def best_over_answers(metric, prediction: str, answers: list[str]) -> float:
+    """SQuAD scores a prediction against the closest of the gold answers."""
+    return max(metric(prediction, answer) for answer in answers)
+
+
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -211,3 +290,37 @@ class TokenClock:
 
     def end(self) -> None:
         pass
+
+
+# ---------------------------------------------------------------------------- a server to load
+
+
+class ServedProcess:
+    """``ragblend serve`` in a child process on a free port of 127.0.0.1 (its URL is ``.url``), waited
+    for until ``/health`` answers; ``stop()`` ends it. (The tests' server fixtures are apart, in
+    benchmarks/servers.py for now: a benchmark imports only this module.)"""
+
+    def __init__(self, kv_dir: str, *extra: str, timeout_s: float = 120):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "serve", "--port", str(port),
+                                         "--kv-dir", kv_dir, *extra], stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("ragblend serve did not start")
+            time.sleep(0.2)
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:   # connection refused: not up yet
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        self.process.wait(timeout=30)

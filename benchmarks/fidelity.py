@@ -8,8 +8,9 @@ median), and ROUGE-L of the greedy answer against the reference's. A strategy wh
 stay within the order noise answers like a full prefill.
 
 Prompt sets: ``fidelity`` (the project's 6 ~500-token passages, rotated, ~3.1k tokens),
-``squad`` (SQuAD v1.1 dev, 6 paragraphs, ~1k tokens) and ``musique`` (the CacheBlend paper's
-workload: 10 passages, ~5.5k tokens; read from ``--musique-file``, skipped when absent).
+``squad`` (SQuAD-format: a SQuAD-shifts Reddit question, its paragraph and 5 others, ~1k tokens) and
+``musique`` (the CacheBlend paper's workload: 10 passages, ~5.5k tokens; read from ``--musique-file``,
+skipped when absent).
 
     python -m benchmarks.fidelity --models smollm2 --sets fidelity:3 squad:32
     python -m benchmarks.fidelity --device cuda --sets fidelity:6 squad:48 musique:16

@@ -1,7 +1,7 @@
 """Ingestion speed: KV precompute one chunk at a time vs packed, and whole corpora.
 
-1. **Precompute rate.** Real paragraphs (SQuAD v1.1 dev and the SQuAD-shifts Wikipedia,
-   Reddit and Amazon sets, from the bigbench sdist; see :mod:`benchmarks.squad`) precomputed
+1. **Precompute rate.** Real paragraphs (the SQuAD-shifts Reddit and Amazon sets in ../shared/data;
+   see :func:`benchmarks.common.paragraphs`) precomputed
    into an empty memory store one chunk per forward pass, then packed (``precompute_batch_tokens``
    chunk tokens per pass), in chunk tokens per second; and the largest difference between a
    chunk's packed and one-at-a-time K/V, in float32.
@@ -30,7 +30,7 @@ from ragblend.core.store import MemoryStore, open_store
 from ragblend.data import load_sample, sample_dir
 from ragblend.integrations.local_index import LocalIndex, read_text_files
 
-from .common import RUNS_DIR, command_line, paragraphs, write_report
+from .common import RUNS_DIR, command_line, paragraphs, rag_samples, write_report
 from .models import MODELS, model_path
 
 
@@ -175,8 +175,6 @@ def sample_questions() -> list[dict]:
 
 def questions_for(texts: list[str], n: int = 5) -> list[dict]:
     """Up to ``n`` SQuAD questions whose gold paragraph is one of ``texts`` (the files ingested)."""
-    from .squad import rag_samples
-
     present = set(texts)
     return [s for s in rag_samples(limit=400) if s["chunks"][s["gold"]].strip() in present][:n]
 

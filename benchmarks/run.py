@@ -34,14 +34,19 @@ from .common import (
     RUNS_DIR,
     SYSTEM,
     Prompt,
+    answer_contained,
+    best_over_answers,
     command_line,
+    exact_match,
+    extract_answer,
+    f1_score,
     fidelity_prompts,
     hf_forward_s,
+    rag_samples,
     rouge_l,
     squad_prompts,
 )
 from .models import MODELS, model_path
-from .squad import answer_contained, best_over_answers, exact_match, extract_answer, f1_score, rag_samples
 
 STRATEGIES = {
     "FullRecompute": FullRecompute(),
@@ -163,7 +168,7 @@ def report(results: dict, sweeps: dict, figures: list[Path], args, seconds: floa
         fid, squad = table["fidelity"], table["squad"]
         lines += [f"## {model}", "",
                   f"Fidelity: {table['n_fidelity']} prompt(s) of 6 ~500-token passages written for the project; "
-                  f"answer quality: {table['n_squad']} SQuAD v1.1 dev RAG sample(s) (6 paragraphs, ~1K tokens). "
+                  f"answer quality: {table['n_squad']} SQuAD-format RAG sample(s) (SQuAD-shifts Reddit, 6 paragraphs). "
                   f"Means over prompts; TTFT is the median of {args.repeats} run(s) per prompt.", "",
                   "| strategy | TTFT (s) | speed-up | recomputed | first-token KL | ROUGE-L vs full | SQuAD F1 | EM | has answer | F1 vs full |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -37,8 +37,7 @@ import httpx
 
 from ragblend.data import load_sample
 
-from .common import RUNS_DIR, command_line, percentile, write_report
-from .servers import ragblend_serve
+from .common import RUNS_DIR, ServedProcess, command_line, percentile, write_report
 
 
 def rag_request(chunks: list[str], question: str, rng: random.Random, max_tokens: int) -> dict:
@@ -126,7 +125,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     lines = []
     with tempfile.TemporaryDirectory() as kv_dir:
-        server = ragblend_serve(kv_dir)
+        server = ServedProcess(kv_dir)
         try:
             refs = httpx.post(f"{server.url}/v1/chunks", json={"texts": chunks}, timeout=600).json()["data"]
             chunk_tokens = {c: r["tokens"] for c, r in zip(chunks, refs)}
@@ -159,7 +158,7 @@ def main(argv=None) -> None:
                          f"{len(answered) / seconds:.2f} | {generated / seconds:.1f} | {cached:.0%} |")
         lines.append("")
 
-        burst = ragblend_serve(kv_dir, "--queue-size", "2")
+        burst = ServedProcess(kv_dir, "--queue-size", "2")
         try:
             results, seconds = run_clients(burst.url, args.clients, 3,
                                            lambda rng: rag_request(chunks, question, rng, args.max_tokens))
@@ -193,7 +192,7 @@ def reuse_main(args, argv) -> None:
     chunks, question = sample["chunks"], sample["question"]
     asks = [("first ask", chunks[:3]), ("same question again", chunks[:3]), ("and again", chunks[:3]),
             ("chunks reordered", [chunks[2], chunks[0], chunks[1]]), ("two seen, one new", chunks[1:4])]
-    server = ragblend_serve("none")
+    server = ServedProcess("none")
     try:
         rows = []
         for label, docs in asks:
@@ -267,7 +266,7 @@ def concurrency_main(args, argv) -> None:
     levels = [int(n) for n in args.levels.split(",")]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as kv_dir:
-        server = ragblend_serve(kv_dir)
+        server = ServedProcess(kv_dir)
         try:
             openai_request(server.url, "Hello.", 4)   # warm-up: first-call allocations, kernel choices
             measured = [concurrency_level(server.url, n, args.requests, args.max_tokens) for n in levels]

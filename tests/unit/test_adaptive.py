@@ -1,12 +1,13 @@
-"""benchmarks.adaptive: the signals for per-query adaptive recompute and their ranking measures,
-on a tiny random model (the measured AUROCs are in docs/benchmarks.md)."""
+"""research.adaptive: the signals for per-query adaptive recompute and their ranking measures,
+on a tiny random model (the measured AUROCs are in docs/notes/adaptive-recompute.md)."""
 
 import math
 
 import pytest
 import torch
 
-from benchmarks.adaptive import (
+from ragblend import Chunk, FullReuse, QueryAware
+from research.adaptive import (
     NOISE,
     PROBE,
     SIGNALS,
@@ -20,7 +21,6 @@ from benchmarks.adaptive import (
     spearman,
     tuned_threshold,
 )
-from ragblend import Chunk, FullReuse, QueryAware
 
 from ..conftest import PASSAGES, make_tiny_engine
 

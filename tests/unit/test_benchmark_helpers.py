@@ -1,26 +1,46 @@
-"""The benchmark helpers that need no download: SQuAD metrics, model names, and the
-selection-bounds study's scores (on a tiny model)."""
+"""The benchmark helpers that need no download: the evaluation sets read from ../shared/data, SQuAD
+metrics, model names, and the selection-bounds study's scores (on a tiny model)."""
 
 import math
 
 import pytest
 import torch
 
-from benchmarks.bounds import true_v_deviation, whole_chunk_scores, with_score
-from benchmarks.common import rouge_l
-from benchmarks.decode import near_tie_line, teacher_forced_steps
-from benchmarks.models import model_path
-from benchmarks.squad import (
+from benchmarks.common import (
     answer_contained,
     best_over_answers,
     exact_match,
     extract_answer,
     f1_score,
     normalize_answer,
+    paragraphs,
+    prompt_sets,
+    rag_samples,
+    read_data,
+    rouge_l,
 )
+from benchmarks.decode import near_tie_line, teacher_forced_steps
+from benchmarks.models import model_path
 from ragblend import CacheBlend, Chunk
+from research.bounds import true_v_deviation, whole_chunk_scores, with_score
 
 from ..conftest import PASSAGES, make_tiny_engine
+
+
+def test_the_squad_format_sets_are_read_from_the_shared_data(tmp_path):
+    """``squad:N`` prompts and the corpus paragraphs come from the SQuAD-shifts files in ../shared/data
+    (never a download): 6 chunks, one of them holding an answer, the same samples every run."""
+    samples = rag_samples(20)
+    assert len(samples) == 20 and samples == rag_samples(20)
+    for sample in samples:
+        assert len(sample["chunks"]) == 6 and len(set(sample["chunks"])) == 6
+        assert any(answer in sample["chunks"][sample["gold"]] for answer in sample["answers"])
+    prompts = prompt_sets(["squad:4-6"], tmp_path / "no-musique.json")["squad"]
+    assert [p.chunks for p in prompts] == [s["chunks"] for s in samples[4:6]]
+    corpus = paragraphs()
+    assert len(corpus) > 3000 and len(set(corpus)) == len(corpus)
+    with pytest.raises(SystemExit, match="shared/data"):
+        read_data(tmp_path / "absent.json")
 
 
 def test_squad_normalisation_and_scores():
@@ -146,10 +166,10 @@ def test_runs_of_neighbours_recompute_a_window_around_what_the_question_attends_
 
 
 def test_answer_quality_scores_each_answerer_against_the_gold_answers(tokenizer):
-    """benchmarks.answer_quality: full prefill, the shipped strategy and the reversed order each
+    """research.answer_quality: full prefill, the shipped strategy and the reversed order each
     answer; a gold answer equal to full prefill's own reply scores it as having the answer."""
-    from benchmarks.answer_quality import ANSWERERS, score
     from benchmarks.common import Prompt
+    from research.answer_quality import ANSWERERS, score
 
     engine = make_tiny_engine("llama", tokenizer)
     prompt = Prompt(PASSAGES[:3], "Question: who ran the ferry?", ["a gold answer no tiny model writes"])
@@ -163,8 +183,8 @@ def test_answer_quality_scores_each_answerer_against_the_gold_answers(tokenizer)
 
 
 def test_sample_questions_reverse_the_chunks_and_keep_the_rest_in_place():
-    from benchmarks.sample_questions import questions, reversed_chunks
     from ragblend.core.prompt import ChunkSpan, PromptLayout
+    from research.sample_questions import questions, reversed_chunks
 
     a, b = (10, 11, 12), (20, 21)
     layout = PromptLayout([1, 2, 10, 11, 12, 3, 20, 21, 4], [ChunkSpan(2, 5, a), ChunkSpan(6, 8, b)])
@@ -212,11 +232,11 @@ def test_the_scaling_benchmark_times_a_shape_with_random_weights(monkeypatch, tm
 
 
 def test_answer_preview_selects_as_queryaware_on_the_relevance_it_is_given(tokenizer):
-    """``benchmarks.answer_preview``: a selection on a relevance given in advance fuses exactly as
+    """``research.answer_preview``: a selection on a relevance given in advance fuses exactly as
     QueryAware does when given the relevance QueryAware's own first pass measured; with answer
     tokens after the prompt, that first pass sees them and the relevance changes."""
-    from benchmarks.answer_preview import GivenRelevance, relevance_with_answer
     from ragblend import QueryAware
+    from research.answer_preview import GivenRelevance, relevance_with_answer
 
     engine = make_tiny_engine("qwen2", tokenizer, kv_dtype="float32")
     engine.precompute(PASSAGES[:3])

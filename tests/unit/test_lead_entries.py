@@ -1,6 +1,5 @@
 """Lead entries: each chunk's KV also computed right after the template's opening, and read
-where the chunk is a prompt's first passage (core.ingest, core.runner; docs/benchmarks.md,
-"The first chunk")."""
+where the chunk is a prompt's first passage (core.ingest, core.runner; docs/notes/lead-entries.md)."""
 
 import dataclasses
 

@@ -1,13 +1,17 @@
-# PYTHONPATH=. python3 docs/runs/near-tie-margins.py smollm2 squad:16-48 out.json  (session 30, AVX2-only EPYC)
+# PYTHONPATH=. python3 research/scratch/near_tie_margins.py smollm2 squad:16-48 out.json  (session 30, AVX2-only EPYC)
 """Teacher-forced on the reference (float32 F.linear) greedy answer: per step, the low-bit
 decoder's top-2 margin and the reference's, and where the argmax differs."""
-import json, sys, torch
-from ragblend import BlendEngine, Chunk
-from ragblend.core.generate import KVDecoder
-from ragblend.core.model import ModelAdapter
+import json
+import sys
+
+import torch
+
 from benchmarks.common import MUSIQUE, prompt_sets
 from benchmarks.decode import reference_answer
 from benchmarks.models import model_path
+from ragblend import BlendEngine, Chunk
+from ragblend.core.generate import KVDecoder
+from ragblend.core.model import ModelAdapter
 
 model, spec, out = sys.argv[1], sys.argv[2:-1], sys.argv[-1]
 exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_dtype="float32")

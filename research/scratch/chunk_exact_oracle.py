@@ -1,16 +1,21 @@
-# PYTHONPATH=. python3 docs/runs/chunk-exact-oracle.py qwen2.5-0.5b fidelity:2-3 0.20  (session 31, AVX2-only EPYC)
+# PYTHONPATH=. python3 research/scratch/chunk_exact_oracle.py qwen2.5-0.5b fidelity:2-3 0.20  (session 31, AVX2-only EPYC)
 """Which chunk's cached K/V moves an answer: the fused prefill's K/V of one chunk at a time replaced by full
 prefill's (and its attention bias removed), then the answer KL."""
-import sys, torch, dataclasses
-from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_logits, answer_kl_steps
-from benchmarks.common import SYSTEM, prompt_sets
+
+import dataclasses
+import sys
+
+import torch
+
+from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
-from pathlib import Path
+from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
+from ragblend.core.calibration import answer_kl_steps, answer_logits
+
 torch.set_num_threads(2)
 model, spec, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])
 engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
-for name, ps in prompt_sets([spec], Path("/work/shared/data/musique-dev.json")).items():
+for name, ps in prompt_sets([spec], MUSIQUE).items():
     for p in ps:
         engine.precompute(p.chunks)
         segs = [Chunk(c) for c in p.chunks] + [p.question]
@@ -19,19 +24,26 @@ for name, ps in prompt_sets([spec], Path("/work/shared/data/musique-dev.json")).
         full = engine.prefill(segs, system=SYSTEM, strategy=FullRecompute())
         refl = answer_logits(engine, full, ids)
         fused = engine.prefill(segs, system=SYSTEM, strategy=QueryAware(ratio))
-        def kl(pre): 
-            s = answer_kl_steps(refl, answer_logits(engine, pre, ids, decoding_bias=False)); return round(float(s.mean()), 4), round(float(s.max()), 3)
+
+        def kl(pre):
+            s = answer_kl_steps(refl, answer_logits(engine, pre, ids, decoding_bias=False))
+            return round(float(s.mean()), 4), round(float(s.max()), 3)
+
         print("shipped", kl(fused))
         spans = fused.layout.chunk_spans
         for j, sp in enumerate(spans):
-            keys = [k.clone() for k in fused.keys]; vals = [v.clone() for v in fused.values]
-            for k, fk in zip(keys, full.keys): k[:, sp.start:sp.end] = fk[:, sp.start:sp.end]
-            for v, fv in zip(vals, full.values): v[:, sp.start:sp.end] = fv[:, sp.start:sp.end]
+            keys = [k.clone() for k in fused.keys]
+            vals = [v.clone() for v in fused.values]
+            for k, fk in zip(keys, full.keys):
+                k[:, sp.start : sp.end] = fk[:, sp.start : sp.end]
+            for v, fv in zip(vals, full.values):
+                v[:, sp.start : sp.end] = fv[:, sp.start : sp.end]
             bias = None
             if fused.key_bias is not None:
-                bias = fused.key_bias.clone(); bias[sp.start:sp.end] = 0
+                bias = fused.key_bias.clone()
+                bias[sp.start : sp.end] = 0
             pre = dataclasses.replace(fused, keys=keys, values=vals, key_bias=bias)
-            rec = fused.recomputed[sp.start:sp.end].float().mean().item()
-            print(f"chunk {j} exact (recomputed {rec:.2f}, {sp.end-sp.start} tokens):", kl(pre))
+            rec = fused.recomputed[sp.start : sp.end].float().mean().item()
+            print(f"chunk {j} exact (recomputed {rec:.2f}, {sp.end - sp.start} tokens):", kl(pre))
         # only the recomputed tokens replaced by reuse? i.e. the fused with selected tokens kept cached -> FullReuse
         print("reuse", kl(engine.prefill(segs, system=SYSTEM, strategy=FullReuse())))

@@ -11,11 +11,13 @@ three prefixes and runs the same fused prefills over them:
   article (as FusionRAG does with similar chunks; ingestion computes that paragraph again for
   every chunk, about twice the tokens).
 
-Prompts: SQuAD v1.1 dev, 6 paragraphs of one article and a question (``benchmarks.squad``).
+Prompts: SQuAD-format samples, a question's paragraph and 5 others (:func:`benchmarks.common.rag_samples`;
+the run in docs/notes/chunk-context.md used SQuAD v1.1 dev, 6 paragraphs of one Wikipedia article, where a
+paragraph's neighbour was the one before it in its article; in the Reddit set it is the comment before).
 Reported per prefix and strategy: compute (token-layers, as a share of a full prefill's) and
 first-token KL to the full prefill (mean / median), beside the model's order noise.
 
-    python -m benchmarks.chunk_context --models smollm2 --prompts 16
+    python -m research.chunk_context --models smollm2 --prompts 16
 """
 
 from __future__ import annotations
@@ -26,15 +28,13 @@ import time
 
 import torch
 
+from benchmarks.common import RUNS_DIR, SQUAD_SHIFTS, SYSTEM, command_line, rag_samples, read_data, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.ingest import isolated_kv
 from ragblend.core.prefill import LayerSource, fused_prefill
 from ragblend.core.selection import ReusedSpan
-
-from .common import RUNS_DIR, SYSTEM, command_line, write_report
-from .models import MODELS, model_path
-from .squad import rag_samples, squad_dev
 
 STRATEGIES = {"FullReuse": FullReuse(), "QueryAware(0.10)": QueryAware(0.10),
               "QueryAware(0.15)": QueryAware(0.15), "QueryAware(0.30)": QueryAware(0.30)}
@@ -54,7 +54,7 @@ class CachedLayers(LayerSource):
 def neighbours() -> dict[str, str]:
     """Each SQuAD dev paragraph -> the one before it in its article (the second for the first)."""
     before = {}
-    for article in squad_dev()["data"]:
+    for article in read_data(SQUAD_SHIFTS[0])["data"]:
         paragraphs = [p["context"] for p in article["paragraphs"]]
         for i, text in enumerate(paragraphs):
             before[text] = paragraphs[i - 1] if i else paragraphs[min(1, len(paragraphs) - 1)]
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
         lines += measure(model, args.prompts)
         print("\n".join(lines), flush=True)
         write_report(args.out, "chunk-context-run.md", "What chunks are precomputed after",
-                     command_line("benchmarks.chunk_context", argv), time.perf_counter() - started, lines)
+                     command_line("research.chunk_context", argv), time.perf_counter() - started, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Is this host's 4-bit kernel as precise as its intended bfloat16 rounding? (session 29, AVX2-only EPYC)
 
-Run: PYTHONPATH=. python3 docs/runs/int4-rounding-check.py
+Run: PYTHONPATH=. python3 research/scratch/int4_rounding_check.py
 
 SmolLM2, one row per linear layer (the last token's input to it on a short prompt). Prints the
 relative error, against float64 on the same 4-bit weights, of the intended rounding (bfloat16

@@ -1,19 +1,26 @@
-# PYTHONPATH=. python3 docs/runs/chunk-budget-allocation.py qwen2.5-0.5b fidelity:2-3 0.20  (session 31, AVX2-only EPYC)
+# PYTHONPATH=. python3 research/scratch/chunk_budget_allocation.py qwen2.5-0.5b fidelity:2-3 0.20  (session 31, AVX2-only EPYC)
 """The budget shared between chunks by their question-attention mass to a power (1: about the shipped
 selection, 0: the same share of each chunk), optionally capped, single tokens inside each chunk."""
-import sys, torch, math
-from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
-from ragblend.core.selection import QuestionAttention
-from ragblend.core.calibration import answer_logits, answer_kl_steps
-from benchmarks.common import SYSTEM, prompt_sets
+
+import statistics
+import sys
+
+import torch
+
+from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
-from pathlib import Path
+from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
+from ragblend.core.calibration import answer_kl_steps, answer_logits
+from ragblend.core.selection import QuestionAttention
+
 
 class Allocated(QuestionAttention):
     """Per-chunk budget: share_j ∝ mass_j ** power (power 1 ~ shipped-ish, 0 uniform), optional cap."""
+
     def __init__(self, ratio, power=1.0, cap=None, scale=0.7):
         super().__init__(ratio, cached_attention_scale=scale)
         self.power, self.cap = power, cap
+
     def first(self, prompt, probe):
         budget = self._budget(prompt.num_reused)
         rel = self.scores(prompt, probe()).float()
@@ -28,26 +35,36 @@ class Allocated(QuestionAttention):
             quota = torch.minimum(quota, limit)
             left = budget - quota.sum()
             free = quota < limit
-            if left < 1 or not free.any(): break
+            if left < 1 or not free.any():
+                break
             quota[free] += left * w[free] / w[free].sum()
         quota = quota.floor().long()
         chosen = torch.zeros(prompt.num_reused, dtype=torch.bool)
         for j in range(n):
             idx = (prompt.chunk_of.cpu() == j).nonzero()[:, 0]
             k = int(min(quota[j], idx.numel()))
-            if k: chosen[idx[torch.topk(rel.cpu()[idx], k).indices]] = True
+            if k:
+                chosen[idx[torch.topk(rel.cpu()[idx], k).indices]] = True
         rest = budget - int(chosen.sum())
         if rest > 0:
-            r = rel.cpu().masked_fill(chosen, float("-inf")); chosen[torch.topk(r, rest).indices] = True
+            r = rel.cpu().masked_fill(chosen, float("-inf"))
+            chosen[torch.topk(r, rest).indices] = True
         return prompt.with_reused(prompt.reused_pos[chosen.to(prompt.reused_pos.device)])
+
 
 torch.set_num_threads(2)
 model, spec, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])
-variants = {"shipped": QueryAware(ratio), "p0.5": Allocated(ratio, 0.5), "p0": Allocated(ratio, 0.0),
-            "cap2": Allocated(ratio, 1.0, cap=2.0), "p1": Allocated(ratio, 1.0)}
+variants = {
+    "shipped": QueryAware(ratio),
+    "p0.5": Allocated(ratio, 0.5),
+    "p0": Allocated(ratio, 0.0),
+    "cap2": Allocated(ratio, 1.0, cap=2.0),
+    "p1": Allocated(ratio, 1.0),
+}
 engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
-tot = {k: [] for k in variants}; noise = []
-for name, ps in prompt_sets(spec.split(","), Path("/work/shared/data/musique-dev.json")).items():
+tot = {k: [] for k in variants}
+noise = []
+for name, ps in prompt_sets(spec.split(","), MUSIQUE).items():
     for p in ps:
         engine.precompute(p.chunks)
         segs = [Chunk(c) for c in p.chunks] + [p.question]
@@ -57,9 +74,13 @@ for name, ps in prompt_sets(spec.split(","), Path("/work/shared/data/musique-dev
         for k, s in variants.items():
             pre = engine.prefill(segs, system=SYSTEM, strategy=s)
             st = answer_kl_steps(refl, answer_logits(engine, pre, ids, decoding_bias=False))
-            rec = pre.recomputed; sh = [round(rec[sp.start:sp.end].float().mean().item(), 2) for sp in pre.layout.chunk_spans]
-            out[k] = round(float(st.mean()), 4); tot[k].append(float(st.mean()))
-            if len(sh) <= 8: out[k + " shares"] = sh
+            rec = pre.recomputed
+            sh = [round(rec[sp.start : sp.end].float().mean().item(), 2) for sp in pre.layout.chunk_spans]
+            out[k] = round(float(st.mean()), 4)
+            tot[k].append(float(st.mean()))
+            if len(sh) <= 8:
+                out[k + " shares"] = sh
         print(name, out, flush=True)
-import statistics
-for k, v in tot.items(): print(k, "mean", round(statistics.mean(v), 4), "median", round(statistics.median(v), 4))
+
+for k, v in tot.items():
+    print(k, "mean", round(statistics.mean(v), 4), "median", round(statistics.median(v), 4))

@@ -1,4 +1,4 @@
-# PYTHONPATH=. python3 docs/runs/sentence-mix-scratch.py qwen2.5-0.5b 0.20 0.25,1,4  (session 32, AVX2-only EPYC)
+# PYTHONPATH=. python3 research/scratch/sentence_mix_scratch.py qwen2.5-0.5b 0.20 0.25,1,4  (session 32, AVX2-only EPYC)
 """Whole sentences mixed with single tokens: a reused token's claim is its sentence's mean
 question attention plus `mix` x its own (QueryAware(sentence_runs=True) was mix 1e-4 then; 0.25 since session 33). First-token
 KL against full prefill on the calibration's 8 built-in prompts (the bar: half the order noise in
@@ -7,11 +7,10 @@ and the answer-level KL (teacher-forced on full prefill's 32-token greedy answer
 (the answer-level outlier; the 3x bound: 0.087)."""
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import SYSTEM, prompt_sets
+from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
 from ragblend.core import selection
@@ -51,7 +50,7 @@ noise = kls.pop("noise")
 print(f"bar (half the noise): {statistics.mean(noise) / 2:.4f} / {statistics.median(noise) / 2:.4f}")
 for name, values in kls.items():
     print(f"{name}: {statistics.mean(values):.4f} / {statistics.median(values):.4f}", flush=True)
-sets = prompt_sets(["squad:11", "fidelity:3"], Path("/work/shared/data/musique-dev.json"))
+sets = prompt_sets(["squad:11", "fidelity:3"], MUSIQUE)
 print("## SQuAD 1, 10, 11, first-token KL")
 first_tokens([(p.chunks, p.question) for i, p in enumerate(sets["squad"]) if i in (0, 9, 10)], SYSTEM)
 print("## passage 3, answer-level KL")

@@ -7,7 +7,7 @@ Greedy-answer ROUGE-L against full prefill (``benchmarks.fidelity``) judges fusi
 its answers move from full prefill's. When full prefill itself rarely answers right, those
 moves are between wrong answers, and the KL is the yardstick that remains.
 
-    python -m benchmarks.answer_quality --models gemma3-270m smollm2 --sets squad:12 musique:6
+    python -m research.answer_quality --models gemma3-270m smollm2 --sets squad:12 musique:6
 """
 
 from __future__ import annotations
@@ -18,11 +18,20 @@ import statistics
 import sys
 import time
 
+from benchmarks.common import (
+    MUSIQUE,
+    RUNS_DIR,
+    SYSTEM,
+    answer_contained,
+    best_over_answers,
+    command_line,
+    extract_answer,
+    f1_score,
+    prompt_sets,
+    write_report,
+)
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute
-
-from .common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
-from .models import MODELS, model_path
-from .squad import answer_contained, best_over_answers, extract_answer, f1_score
 
 ANSWERERS = ("full prefill", "shipped strategy", "order noise (full prefill, chunks reversed)")
 
@@ -70,7 +79,7 @@ def main(argv=None) -> None:
                 with open(args.json, "w") as f:
                     json.dump(raw, f, indent=1)
     write_report(args.out, "answer-quality.md", "Answers against the gold answers",
-                 command_line("benchmarks.answer_quality", argv), time.perf_counter() - started, lines)
+                 command_line("research.answer_quality", argv), time.perf_counter() - started, lines)
 
 
 if __name__ == "__main__":

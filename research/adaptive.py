@@ -24,9 +24,9 @@ KL above the noise's median, and answer KL above 3x it), per set and pooled; and
 policies: a threshold chosen on one set (``--tune``) so that the average compute matches a fixed
 ratio's there, tested on the other sets against that fixed ratio.
 
-    python -m benchmarks.adaptive --models smollm2 --sets squad:12 musique:8 fidelity:6 --json /tmp/a.json
-    python -m benchmarks.adaptive --from-json /tmp/a.json     # the analysis again, no model run
-    python -m benchmarks.adaptive --from-json /tmp/a.json /tmp/b.json   # b.json: more prompts (--sets musique:8-12)
+    python -m research.adaptive --models smollm2 --sets squad:12 musique:8 fidelity:6 --json /tmp/a.json
+    python -m research.adaptive --from-json /tmp/a.json     # the analysis again, no model run
+    python -m research.adaptive --from-json /tmp/a.json /tmp/b.json   # b.json: more prompts (--sets musique:8-12)
 """
 
 from __future__ import annotations
@@ -40,13 +40,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import MUSIQUE, RUNS_DIR, command_line, in_every, pool_by_set, prompt_sets, write_report
+from benchmarks.fidelity import NOISE, measure, table
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, FullReuse, QueryAware
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.selection import QuestionAttention
-
-from .common import MUSIQUE, RUNS_DIR, command_line, in_every, pool_by_set, prompt_sets, write_report
-from .fidelity import NOISE, measure, table
-from .models import MODELS, model_path
 
 SIGNALS = ("left_mass", "left_mass_deep", "relevance_entropy", "probe_kl", "fused_entropy", "fused_margin",
            "probe_flip", "selected_deviation", "reused_tokens")
@@ -403,7 +402,7 @@ def main(argv=None) -> None:
     lines += policy_tables(raw, shipped_of, args.tune, fixed_of, targets_of)
     print("\n".join(lines))
     write_report(args.out, "adaptive-run.md", "Per-query adaptive recompute: signals and escalation",
-                 command_line("benchmarks.adaptive", argv), time.perf_counter() - t0, lines)
+                 command_line("research.adaptive", argv), time.perf_counter() - t0, lines)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ greedy answer (teacher-forced), the mean KL, the largest KL at any one step, and
 steps whose top token is full prefill's. A short factual answer turns on one or two tokens (a
 year's digits): the mean over 32 steps dilutes them, the largest step does not.
 
-    python -m benchmarks.sample_questions --ratios 0.1 0.2 0.3
-    python -m benchmarks.sample_questions --model qwen2.5-0.5b --ratios 0.2 0.3 0.5
+    python -m research.sample_questions --ratios 0.1 0.2 0.3
+    python -m research.sample_questions --model qwen2.5-0.5b --ratios 0.2 0.3 0.5
 """
 
 from __future__ import annotations
@@ -21,13 +21,12 @@ import time
 
 import torch
 
+from benchmarks.common import GREEDY_TOKENS, RUNS_DIR, command_line, prefix_options, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import FullRecompute, QueryAware
 from ragblend.core.calibration import answer_kls, answer_logits
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
-
-from .common import GREEDY_TOKENS, RUNS_DIR, command_line, prefix_options, write_report
-from .models import MODELS, model_path
 
 # The docs' own example questions (README, docs/quickstart.md, docs/serving.md), with the answer
 # the sample documents give.
@@ -132,7 +131,7 @@ def main(argv=None) -> None:
     print("\n".join(summary))
     suffix = "-no-chunk-context" * args.no_chunk_context + "-no-lead-entries" * args.no_lead_entries
     write_report(args.out, f"sample-questions-{args.model}{suffix}.md", f"Sample questions through LocalIndex, {args.model}",
-                 command_line("benchmarks.sample_questions", argv), time.perf_counter() - started,
+                 command_line("research.sample_questions", argv), time.perf_counter() - started,
                  [*summary, "", *lines])
 
 

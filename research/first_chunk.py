@@ -1,5 +1,5 @@
 """What each chunk is precomputed after, the prompt's first chunk apart: the study behind lead
-entries (``lead_chunk_kv``, docs/benchmarks.md "The first chunk").
+entries (``lead_chunk_kv``, docs/notes/lead-entries.md).
 
 Each candidate names what chunks are precomputed after: a ``chunk_context`` for every chunk
 (``passage``: the shipped ``CHUNK_CONTEXT``; ``opening``: nothing, the template's opening alone;
@@ -9,12 +9,12 @@ Every candidate's entries are staged in its engine's store before each prompt, s
 fused prefill reads exactly them.
 
 Two prompt sets, QueryAware at one ratio: the sample documents' 8 questions as a user asks them
-(``benchmarks.sample_questions``: LocalIndex, top-4, LlamaIndex's template; gold answer held,
+(``research.sample_questions``: LocalIndex, top-4, LlamaIndex's template; gold answer held,
 answer KL over full prefill's 32-token answer, its largest step), and SQuAD (first-token KL and
 answer KL). The order noise (full prefill, chunks reversed) is the yardstick.
 
-    python -m benchmarks.first_chunk --model smollm2 --ratio 0.10
-    python -m benchmarks.first_chunk --model gemma3-270m --ratio 0.10 --candidates passage opening/passage opening
+    python -m research.first_chunk --model smollm2 --ratio 0.10
+    python -m research.first_chunk --model gemma3-270m --ratio 0.10 --candidates passage opening/passage opening
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.common import GREEDY_TOKENS, RUNS_DIR, SYSTEM, command_line, squad_prompts, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
 from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
 from ragblend.core.prompt import CHUNK_CONTEXT
 from ragblend.data import sample_dir
 
-from .common import GREEDY_TOKENS, RUNS_DIR, SYSTEM, command_line, squad_prompts, write_report
-from .models import MODELS, model_path
 from .sample_questions import questions, reversed_chunks, user_prompt
 
 PLAIN_PASSAGE = (   # CHUNK_CONTEXT without its numbers and centuries
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
                             strategy, ref, {"system": SYSTEM}) for segments, ref in squad]
         line(name, user_rows, squad_rows)
     write_report(args.out, f"first-chunk-{args.model}.md", f"What chunks are precomputed after, the first apart, {args.model}",
-                 command_line("benchmarks.first_chunk", argv), time.perf_counter() - started, lines)
+                 command_line("research.first_chunk", argv), time.perf_counter() - started, lines)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """How much better could CacheBlend's token selection get? Upper bounds at the paper's compute.
 
-``benchmarks.selection`` compares selections a real run can make. This study asks what a
+``research.selection`` compares selections a real run can make. This study asks what a
 *perfect* choice would buy, using what only a full prefill knows. For each prompt it measures
 the first-token KL to full prefill, and the compute used (``stats.compute_fraction``), of:
 
@@ -17,9 +17,9 @@ the first-token KL to full prefill, and the compute used (``stats.compute_fracti
   as is, about 1/6 of the prompt) gives the lowest KL, found by trying each;
 * order noise: full prefill of the chunks in reversed order.
 
-Results go to ``docs/runs/bounds-run.md``; ``docs/benchmarks.md`` discusses them.
+Results go to ``docs/runs/bounds-run.md``; ``docs/notes/selection-bounds.md`` discusses them.
 
-    python -m benchmarks.bounds --prompts 3 10     # ~30 min on a 2-core CPU
+    python -m research.bounds --prompts 3 10     # ~30 min on a 2-core CPU
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ import time
 
 import torch
 
+from benchmarks.common import RUNS_DIR, SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.selection import TopScoreSelection, kv_deviation
-
-from .common import RUNS_DIR, SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
-from .models import MODELS, model_path
 
 DEFAULT = CacheBlend(0.15)
 REAL = {  # selections a real run can make
@@ -152,7 +151,7 @@ def main(argv=None) -> None:
         print("\n".join(lines), flush=True)
         del engine
         # Written after each model, so a long run that is stopped keeps what it measured.
-        write_report(args.out, "bounds-run.md", "Selection bounds", command_line("benchmarks.bounds", argv),
+        write_report(args.out, "bounds-run.md", "Selection bounds", command_line("research.bounds", argv),
                      time.perf_counter() - t0, lines)
 
 

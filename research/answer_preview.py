@@ -13,7 +13,7 @@ Per prompt: answer-level KL over full prefill's 32-token answer (teacher-forced)
 step, and first-token KL, against the shipped ``QueryAware(ratio)``. The compute of the rows with
 a given relevance leaves out the first pass that measured it (run apart here).
 
-    python -m benchmarks.answer_preview --model qwen2.5-0.5b --set fidelity:2-3 --ratio 0.20 --k 4 8 16
+    python -m research.answer_preview --model qwen2.5-0.5b --set fidelity:2-3 --ratio 0.20 --k 4 8 16
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ import dataclasses
 import statistics
 import time
 
+from benchmarks.common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
 from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
 from ragblend.core.selection import QuestionAttention
-
-from .common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
-from .models import MODELS, model_path
 
 
 class GivenRelevance(QuestionAttention):
@@ -104,7 +103,7 @@ def main(argv=None) -> None:
             values = [r[name]["answer_kl"] for r in results]
             lines.append(f"| {name} | {statistics.mean(values):.4f} / {statistics.median(values):.4f} |")
     print("\n".join(lines))
-    write_report(args.out, "answer-preview-run.md", "Answer preview", command_line("benchmarks.answer_preview", argv),
+    write_report(args.out, "answer-preview-run.md", "Answer preview", command_line("research.answer_preview", argv),
                  time.perf_counter() - t0, lines)
 
 

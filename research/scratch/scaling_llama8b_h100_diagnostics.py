@@ -1,9 +1,9 @@
-"""Scratch script behind two logs of docs/benchmarks.md, "An 8B-shaped model on an H100" (session 28),
+"""Scratch script behind two logs of the H100 scaling run (docs/benchmarks.md, "Scaling with the prompt"; session 28),
 run on the H100 before the two GPU changes (as two scripts; the same steps); fastest of 3 runs.
 From the repository root on a CUDA machine:
 
-    PYTHONPATH=. python3 docs/runs/scaling-llama8b-h100-diagnostics.py profile   # scaling-llama8b-h100-profile.log
-    PYTHONPATH=. python3 docs/runs/scaling-llama8b-h100-diagnostics.py groups    # scaling-llama8b-h100-groups.log
+    PYTHONPATH=. python3 research/scratch/scaling_llama8b_h100_diagnostics.py profile   # scaling-llama8b-h100-profile.log
+    PYTHONPATH=. python3 research/scratch/scaling_llama8b_h100_diagnostics.py groups    # scaling-llama8b-h100-groups.log
 
 profile: the fused prefill's Stats with the KV in host memory and moved to the GPU, and a
 torch.profiler table; groups: the masked attention in groups of 64, 256, 1,024 rows or one group.

@@ -1,25 +1,33 @@
-# PYTHONPATH=. python3 docs/runs/sentence-runs-scratch.py qwen2.5-0.5b fidelity:6,squad:12,musique:5 0.20 out.json  (session 31, AVX2-only EPYC)
+# PYTHONPATH=. python3 research/scratch/sentence_runs_scratch.py qwen2.5-0.5b fidelity:6,squad:12,musique:5 0.20 out.json  (session 31, AVX2-only EPYC)
 """Answer KL (teacher-forced on full prefill's greedy answer) and ROUGE-L of the greedy answers: QueryAware at
 `ratio` with single tokens (shipped), in whole sentences (the selection before it became
 QueryAware(sentence_runs=True)), and the order noise (full prefill, chunks reversed)."""
-import sys, torch, statistics
-from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.selection import QuestionAttention
-from ragblend.core.calibration import answer_logits, answer_kl_steps
 
-from benchmarks.common import SYSTEM, prompt_sets
+import json
+import statistics
+import sys
+
+import torch
+
+from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
-from pathlib import Path
+from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
+from ragblend.core.calibration import answer_kl_steps, answer_logits
+from ragblend.core.selection import QuestionAttention
+
 try:
     from benchmarks.common import rouge_l
 except ImportError:
     from benchmarks.fidelity import rouge_l
 
+
 class Sentences(QuestionAttention):
     """A token's claim: the mean relevance of its sentence (inside its chunk), plus mix * its own."""
+
     def __init__(self, ratio, mix=0.0):
         super().__init__(ratio, cached_attention_scale=0.7)
         self.sentence_of, self.mix = None, mix
+
     def scores(self, prompt, relevance):
         own = relevance.sum(0).float()
         sid = self.sentence_of[prompt.reused_pos.cpu()]
@@ -30,16 +38,19 @@ class Sentences(QuestionAttention):
         cnt = torch.zeros(len(uniq)).index_add_(0, inv, torch.ones_like(own.cpu()))
         return ((sums / cnt)[inv] + self.mix * own.cpu() + 1e-4 * own.cpu()).to(own.device)
 
+
 torch.set_num_threads(2)
 model, spec, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])
 engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
 enders = {i for i in range(len(engine.tokenizer)) if any(c in engine.tokenizer.decode([i]) for c in ".?!\n")}
-sent = Sentences(ratio); sent_half = Sentences(ratio, mix=1.0)
+sent = Sentences(ratio)
+sent_half = Sentences(ratio, mix=1.0)
 variants = {"shipped": QueryAware(ratio), "sentences": sent, "noise": FullRecompute()}
-import json
-out_json = sys.argv[4]; raw = {}
+
+out_json = sys.argv[4]
+raw = {}
 res = {k: [] for k in variants}
-for name, ps in prompt_sets(spec.split(","), Path("/work/shared/data/musique-dev.json")).items():
+for name, ps in prompt_sets(spec.split(","), MUSIQUE).items():
     for p in ps:
         engine.precompute(p.chunks)
         segs = [Chunk(c) for c in p.chunks] + [p.question]
@@ -59,8 +70,18 @@ for name, ps in prompt_sets(spec.split(","), Path("/work/shared/data/musique-dev
             res[k].append((kl, rouge_l(g.text, ref.text)))
             row[k] = (round(kl, 4), round(rouge_l(g.text, ref.text), 2))
         print(name, row, flush=True)
-        raw.setdefault(name, []).append(row); open(out_json, "w").write(json.dumps(raw))
+        raw.setdefault(name, []).append(row)
+        open(out_json, "w").write(json.dumps(raw))
 print(json.dumps(raw))
 for k, v in res.items():
-    kls = [a for a, _ in v]; rs = [b for _, b in v]
-    print(k, "answer KL mean", round(statistics.mean(kls), 4), "median", round(statistics.median(kls), 4), "ROUGE-L", round(statistics.mean(rs), 2))
+    kls = [a for a, _ in v]
+    rs = [b for _, b in v]
+    print(
+        k,
+        "answer KL mean",
+        round(statistics.mean(kls), 4),
+        "median",
+        round(statistics.median(kls), 4),
+        "ROUGE-L",
+        round(statistics.mean(rs), 2),
+    )

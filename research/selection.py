@@ -1,13 +1,13 @@
 """Which tokens to recompute: CacheBlend's selection variants compared at equal compute.
 
-The study behind keeping the paper's V score as ragblend's default (``docs/benchmarks.md``).
+The study behind keeping the paper's V score as ragblend's default (``docs/notes/selection-bounds.md``).
 
 For each model and variant, over fidelity prompts (6 project passages) and SQuAD RAG samples:
 first-token KL to a full prefill, whether the first token matches, ROUGE-L of the 32-token
 greedy answer against full prefill's, and the compute used (token-layers computed, as a share
 of a full prefill's). Results go to ``docs/runs/selection-run.md``.
 
-    python -m benchmarks.selection --prompts 6 12 --greedy-tokens 0   # the table in docs/benchmarks.md
+    python -m research.selection --prompts 6 12 --greedy-tokens 0   # the table in docs/notes/selection-bounds.md
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import argparse
 import statistics
 import time
 
-from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
-
-from .common import (
+from benchmarks.common import (
     GREEDY_TOKENS,
     RUNS_DIR,
     command_line,
@@ -29,7 +26,9 @@ from .common import (
     squad_prompts,
     write_report,
 )
-from .models import MODELS, model_path
+from benchmarks.models import MODELS, model_path
+from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
+from ragblend.core.calibration import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
     "V deviation, r=0.15 (paper; ragblend default)": CacheBlend(0.15, deviation="value"),
@@ -93,7 +92,7 @@ def main(argv=None) -> None:
         lines.append("")
         print("\n".join(lines), flush=True)
         del engine
-    write_report(args.out, "selection-run.md", "Selection variants", command_line("benchmarks.selection", argv),
+    write_report(args.out, "selection-run.md", "Selection variants", command_line("research.selection", argv),
                  time.perf_counter() - t0, lines)
 
 

@@ -12,7 +12,7 @@ than cores, so idle workers of another thread slow every kernel. Rows, in interl
   its own (its team idle, as any call outside ragblend leaves it): what every thread but the
   loader's paid before core.omp.
 
-    python -m benchmarks.threads --rounds 3
+    python -m research.threads --rounds 3
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import time
 
 import torch
 
+from benchmarks.common import RUNS_DIR, command_line, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk
 from ragblend.data import load_sample
-
-from .common import RUNS_DIR, command_line, write_report
-from .models import MODELS, model_path
 
 
 def answer(engine: BlendEngine, segments: list, tokens: int) -> tuple[float, float]:
@@ -77,7 +76,7 @@ def main(argv=None) -> None:
         ttft, rate = statistics.median(v[0] for v in values), statistics.median(v[1] for v in values)
         lines.append(f"| {name} | {ttft:.3f} ({ttft / base_ttft:.2f}x) | {rate:.1f} ({rate / base_rate:.2f}x) |")
     print("\n".join(lines), flush=True)
-    write_report(args.out, "threads-run.md", "Threads", command_line("benchmarks.threads", argv),
+    write_report(args.out, "threads-run.md", "Threads", command_line("research.threads", argv),
                  time.perf_counter() - started, lines)
 
 

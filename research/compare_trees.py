@@ -6,8 +6,8 @@ decoding instead: one decoding pass after the sample prompt's fused prefill at 1
 
     git archive 05106e6 | (mkdir -p /tmp/before && tar -x -C /tmp/before)
     for i in 1 2; do
-      (cd /tmp/before && PYTHONPATH=. python -m benchmarks.compare_trees before)
-      PYTHONPATH=. python -m benchmarks.compare_trees after
+      (cd /tmp/before && PYTHONPATH=. python "$OLDPWD/research/compare_trees.py" before)
+      PYTHONPATH=. python research/compare_trees.py after
     done
 
 (Run each tree from its own folder: an installed ragblend would otherwise shadow the other tree.)

@@ -1,4 +1,4 @@
-# PYTHONPATH=. python3 docs/runs/sentence-mix-fidelity.py MIX <benchmarks.fidelity arguments>  (session 32)
+# PYTHONPATH=. python3 research/scratch/sentence_mix_fidelity.py MIX <benchmarks.fidelity arguments>  (session 32)
 """benchmarks.fidelity with QueryAware(sentence_runs=True)'s claim mixed with single tokens: a
 reused token's claim is its sentence's mean question attention plus MIX x its own (whole
 sentences alone: MIX 1e-4; the library's default since session 33: 0.25). Its "sentence runs"
