@@ -13,7 +13,15 @@ collection): the operator's settings, shown to the page's visitors but not chang
 The app has no login: ``ragblend app`` listens on 127.0.0.1 unless given ``--host``. Visitors
 ingest what they upload; the "file or folder on this machine" box exists only when the operator
 names a folder it may read (``ragblend app --files-root DIR``, or ``RAGBLEND_FILES_ROOT``), and
-takes only paths inside it (after resolving links and ``..``).
+takes only paths inside it (after resolving links and ``..``). Uploads are read in memory within
+the same limits as `ragblend ingest` (file size, what a file expands to, pages, characters, time,
+memory): nothing is written to disk for them, so an upload the app refuses leaves nothing behind.
+
+Text that comes from documents, file names, the model or errors is shown as text, so a document
+cannot add a link, an image (a request to another site), HTML or formatting to the page:
+document text and answers as HTML-escaped HTML blocks, which Markdown leaves alone
+(:func:`as_text`); file names and reasons in Markdown with every punctuation character escaped
+(:func:`md`).
 """
 
 from __future__ import annotations
@@ -46,12 +54,39 @@ def open_index(index_dir: str, model_path: str, chroma_url: str, collection: str
     return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None, collection=collection)
 
 
+# Every ASCII punctuation character but the full stop: links, images, HTML, emphasis, code,
+# math, Streamlit's :color[...] directives all need one. Markdown shows a backslash-escaped
+# punctuation character as itself, so the text reads the same.
+_PUNCTUATION = re.compile(r"([!-\-/:-@\[-`{-~])")
+# "1." opening a line makes a list.
+_LIST_NUMBER = re.compile(r"^(\d{1,9})\.")
+# Links made of plain text (http://, www., a@b.c) are found after escapes are undone: an invisible
+# word joiner (U+2060) before the ":", "." or "@" they start from keeps them text.
+_AUTOLINK = re.compile(r"(?i)(?<=https)(?=\\:)|(?<=http)(?=\\:)|(?<=www)(?=\.)|(?=\\@)")
+
+
 def md(text) -> str:
-    """``text`` shown literally in Streamlit markdown: control characters escaped, the
-    punctuation of links, HTML and formatting backslash-escaped (a file name cannot add any)."""
+    """``text`` shown literally in Streamlit Markdown (an alert, a progress label), on one
+    line: control characters (a newline too) escaped, every punctuation character that could
+    make a link, an image, HTML or formatting backslash-escaped, autolinks broken."""
     from ragblend.integrations.local_index import printable
 
-    return re.sub(r"([\\`*_\[\]<>#|~$])", r"\\\1", printable(text))
+    escaped = _LIST_NUMBER.sub(r"\1\\.", _PUNCTUATION.sub(r"\\\1", printable(text)))
+    return _AUTOLINK.sub("\u2060", escaped)
+
+
+def as_text(text, *, lines: bool = False) -> str:
+    """``text`` (a document's, the model's) as an HTML block for ``st.markdown(...,
+    unsafe_allow_html=True)`` that shows it as it is: HTML-escaped, and on one line of source
+    (a blank line would end the block and let Markdown parse what follows). ``lines`` keeps
+    its line breaks (as <br>); otherwise control characters are shown escaped."""
+    from ragblend.integrations.local_index import printable
+
+    if lines:
+        shown = "<br>".join(html.escape(printable(line)) for line in str(text).split("\n"))
+    else:
+        shown = html.escape(printable(text))
+    return f'<div class="ragblend-text">{shown}</div>'
 
 
 def highlighted_prompt(engine, trace) -> str:
@@ -62,7 +97,9 @@ def highlighted_prompt(engine, trace) -> str:
         in_chunk[span.start:span.end] = [True] * (span.end - span.start)
     pieces = []
     for token, fresh, chunk in zip(trace.token_ids, recomputed, in_chunk):
-        text = html.escape(engine.tokenizer.decode([token]))
+        # Escaped, and no newline: a blank line would end the HTML block and let Markdown parse
+        # the document text after it (an image link there would be fetched).
+        text = html.escape(engine.tokenizer.decode([token])).replace("\r", "&#13;").replace("\n", "&#10;")
         if fresh:
             color = "#ffd166" if chunk else "#e9ecef"
             text = f'<span style="background:{color}">{text}</span>'
@@ -78,8 +115,8 @@ def answer(rag, question: str, strategy: str, ratio: float, top_k: int, placehol
     text = ""
     for delta in response.response_gen:
         text += delta
-        placeholder.markdown(text + " ▌")
-    placeholder.markdown(text)
+        placeholder.markdown(as_text(text + " ▌", lines=True), unsafe_allow_html=True)   # text, not Markdown
+    placeholder.markdown(as_text(text, lines=True), unsafe_allow_html=True)
     stats, trace = query_engine.blend_llm.last_stats, rag.engine.last_prompt
     return {"text": text.strip(), "stats": stats, "trace": trace, "sources": response.source_nodes}
 
@@ -108,7 +145,7 @@ with st.sidebar:
 try:
     rag = open_index(index_dir, model_path, chroma_url.strip(), collection)
 except RagblendError as err:
-    st.error(str(err))
+    st.error(md(err))
     st.stop()
 history = st.session_state.setdefault("history", [])
 
@@ -127,44 +164,42 @@ else:
     st.caption("Reading files on the server is off: the operator can allow a folder with "
                "`ragblend app --files-root DIR`.")
 if st.button("Ingest", key="ingest"):
-    from ragblend.integrations.local_index import path_under_root, read_text_files
+    from ragblend.integrations.local_index import IngestReport, path_under_root, read_text_files, read_uploads
 
-    paths, refused = [], None
-    if uploads:
-        upload_dir = Path(index_dir) / "uploads"
-        upload_dir.mkdir(parents=True, exist_ok=True)
-        for upload in uploads:
-            name = Path(upload.name).name
-            if name in ("", ".", ".."):
-                continue
-            target = upload_dir / name
-            target.write_bytes(upload.getvalue())
-            paths.append(target)
+    # Uploads are read in memory (nothing is written to disk: a refused one leaves nothing
+    # behind); their ids name the index's uploads folder, so a re-upload replaces its chunks.
+    documents, listing = read_uploads([(u.name, u.getvalue()) for u in uploads or []], Path(index_dir) / "uploads")
+    refused = None
     if folder.strip():
         try:
-            paths.append(path_under_root(folder, files_root))
+            found, found_listing = read_text_files([path_under_root(folder, files_root)])
+            documents += found
+            listing.files += found_listing.files
+            listing.skipped += found_listing.skipped
         except RagblendError as err:
             refused = str(err)
             st.error(md(refused))
-    if not paths:
+    if not documents and not listing.skipped:
         if refused is None:
             st.warning("Choose files to upload" + (" or type a path" if files_root else "") + " first.")
     else:
-        _, listing = read_text_files(paths)
-        files = [Path(f) for f in listing.files]
         progress = st.progress(0.0, text="Ingesting…")
-        new_chunks = 0
+        new_chunks, done = 0, []
         try:
-            for i, path in enumerate(files, 1):
-                new_chunks += rag.ingest([path], show_progress=False).nodes
-                progress.progress(i / len(files), text=f"Ingested {md(path.name)} ({i}/{len(files)})")
+            for i, document in enumerate(documents, 1):
+                report = rag.ingest_documents([document], IngestReport(), show_progress=False)
+                new_chunks += report.nodes
+                listing.skipped += report.skipped
+                done += [document] if not report.skipped else []
+                progress.progress(i / len(documents), text=f"Ingested {md(document.metadata['file_name'])} "
+                                                            f"({i}/{len(documents)})")
         except RagblendError as err:   # another writer on the index, a damaged docstore
             st.error(md(err))
-            files = []
+            done = []
         for path, reason in listing.skipped:
             st.warning(f"Skipped {md(Path(path).name)}: {md(reason)}")
-        if files:
-            st.success(f"Ingested {len(files)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
+        if done:
+            st.success(f"Ingested {len(done)} file(s): {new_chunks} new or changed chunk(s), KV precomputed.")
         else:
             st.error("Nothing was ingested: no readable document among those given.")
 coverage = rag.kv_coverage()   # how many chunks have their KV stored (the rest is computed by the questions using them)
@@ -212,6 +247,7 @@ if last:
         st.info("Ran as a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save "
                 f"work ({s.prompt_tokens} prompt tokens). {s.strategy_reason}")
     with st.expander("Retrieved chunks", expanded=True):
+        from ragblend.integrations.local_index import printable
         from ragblend.vectorstore_hooks.llamaindex import llm_text
 
         trace = fused["trace"]
@@ -223,8 +259,11 @@ if last:
             found, fresh = in_prompt.get(ids, (0, 0))
             status = (f"cached KV: {found - fresh} of {len(ids)} tokens reused, {fresh} recomputed" if found
                       else "computed as text")
-            st.markdown(f"- **{node.node.metadata.get('file_name', '?')}** (score {node.score:.2f}, {status}): "
-                        f"{' '.join(node.node.get_content().split())[:160]}…")
+            name = html.escape(printable(node.node.metadata.get("file_name", "?")))
+            excerpt = html.escape(printable(" ".join(node.node.get_content().split())[:160]))
+            # the document's name and text as text: an HTML block, which Markdown does not parse
+            st.markdown(f"<div>• <b>{name}</b> (score {node.score:.2f}, {status}): {excerpt}…</div>",
+                        unsafe_allow_html=True)
     with st.expander("Prompt: recomputed tokens highlighted"):
         st.caption("Yellow: chunk tokens recomputed (high KV deviation); grey: template and question, always "
                    "computed; plain: reused from the KV cache.")

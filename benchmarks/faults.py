@@ -28,6 +28,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sqlite3
@@ -1173,6 +1174,157 @@ class Hostile:
         ]
 
 
+    # -------------------------------------------------------------------- files that cost more than they weigh (issue 58)
+
+    def bomb_cases(self) -> list[Case]:
+        """Issue 58, items 4 and 6: zip and content bombs in `ragblend ingest` and the app, each
+        against a normal file of its size (peak RSS and seconds, each in a fresh process where
+        the reader or the CLI runs alone); refused uploads leave nothing on disk; document
+        text and answers are shown as text."""
+        from . import bombs
+
+        box = self.folder("bombs")
+        files = {"bomb.docx": bombs.docx_bomb(400), "normal.docx": bombs.normal_docx(1_000_000),
+                 "pages.pdf": bombs.pdf_bomb(2000, 40), "normal.pdf": bombs.normal_pdf(350_000),
+                 "picture.docx": bombs.picture_docx(1_000_000)}
+        for name, data in files.items():
+            (box / name).write_bytes(data)
+
+        def run_measured(args: list[str]) -> tuple[int, str, float, int]:
+            """(exit status, stderr, seconds, peak RSS in bytes) of one process, alone."""
+            with tempfile.TemporaryFile() as err:
+                t0 = time.perf_counter()
+                child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=err, env=self.env, cwd=self.sandbox)
+                _, status, usage = os.wait4(child.pid, 0)
+                child.returncode = os.waitstatus_to_exitcode(status)
+                seconds = time.perf_counter() - t0
+                err.seek(0)
+                return child.returncode, err.read().decode(errors="replace"), seconds, usage.ru_maxrss * 1024
+
+        read_one = ("import sys; from ragblend.integrations.local_index import read_text_files\n"
+                    "docs, report = read_text_files([sys.argv[1]])\n"
+                    "print('; '.join(r for _, r in report.skipped) or f'read {len(docs[0].text):,} chars', "
+                    "file=sys.stderr)")
+
+        def reader(bomb: str, normal: str):
+            def check():
+                _, said, bomb_s, bomb_rss = run_measured([sys.executable, "-c", read_one, str(box / bomb)])
+                _, normal_said, normal_s, normal_rss = run_measured([sys.executable, "-c", read_one, str(box / normal)])
+                said, normal_said = said.strip().splitlines()[-1], normal_said.strip().splitlines()[-1]
+                ok = ("--read-limit" in said and normal_said.startswith("read ") and bomb_rss <= 2 * normal_rss
+                      and bomb_s <= normal_s + 10)
+                return ok, (f"{bomb} ({len(files[bomb]) / 1e6:.2f} MB): {bomb_s:.1f} s, peak {bomb_rss / 2**20:.0f} MB, "
+                            f"'{said[:110]}'; {normal} ({len(files[normal]) / 1e6:.2f} MB): {normal_s:.1f} s, "
+                            f"peak {normal_rss / 2**20:.0f} MB, {normal_said}")
+            return check
+
+        def cli():
+            cli_args = [sys.executable, "-m", "ragblend.cli", "ingest", "--kv", "skip", "--index"]
+            seen, ok = [], True
+            normal_dir = self.folder("bombs-normal")
+            shutil.copy(box / "picture.docx", normal_dir)
+            code, said, normal_s, normal_rss = run_measured(cli_args + [str(self.sandbox / "index-bn"), str(normal_dir)])
+            ok &= code == 0
+            seen.append(f"picture.docx (a normal 1 MB DOCX): exit {code}, {normal_s:.1f} s, peak {normal_rss / 2**20:.0f} MB")
+            for bomb in ("bomb.docx", "pages.pdf"):
+                code, said, seconds, rss = run_measured(cli_args + [str(self.sandbox / "index-bb"), str(box / bomb)])
+                reason = next((line.split(": ", 1)[1] for line in said.splitlines() if line.startswith("skipped ")), "")
+                ok &= code == 1 and "--read-limit" in reason and rss <= 2 * normal_rss and seconds <= normal_s + 10
+                seen.append(f"{bomb}: exit {code}, {seconds:.1f} s, peak {rss / 2**20:.0f} MB, '{reason[:70]}'")
+            return ok, "; ".join(seen)
+
+        app_file = str(Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py")
+
+        def app_test(index: str):
+            from streamlit.testing.v1 import AppTest
+
+            os.environ["RAGBLEND_INDEX_DIR"] = str(self.sandbox / index)
+            os.environ.pop("RAGBLEND_FILES_ROOT", None)
+            at = AppTest.from_file(app_file, default_timeout=300)
+            at.run()
+            return at
+
+        def resident() -> int:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+        def app_uploads():
+            saved = os.environ.get("RAGBLEND_INDEX_DIR")
+            try:
+                at = app_test("app-bombs")
+                costs = {}
+                for label, uploads in (
+                        ("normal", [("picture.docx", files["picture.docx"])]),
+                        ("bombs", [("bomb.docx", files["bomb.docx"]), ("pages.pdf", files["pages.pdf"]),
+                                   ("huge.md", b"word " * (11 * 2**20 // 5)), ("slides.pptx", b"PK\x03\x04")])):
+                    at.file_uploader[0].set_value([(n, d, "application/octet-stream") for n, d in uploads])
+                    before, t0 = resident(), time.perf_counter()
+                    next(b for b in at.button if b.key == "ingest").click().run()
+                    costs[label] = (time.perf_counter() - t0, max(0, resident() - before))
+                    if label == "normal":
+                        normal_ok = any("Ingested 1 file(s)" in s.value for s in at.success)
+                skipped = {w.value.split(":", 1)[0].removeprefix("Skipped "): w.value for w in at.warning}
+                nothing_on_disk = not (self.sandbox / "app-bombs" / "uploads").exists()
+                (normal_s, normal_gain), (bomb_s, bomb_gain) = costs["normal"], costs["bombs"]
+                ok = (normal_ok and len(skipped) == 4 and nothing_on_disk and not at.exception
+                      and bomb_s <= normal_s + 10 and bomb_gain <= max(2 * normal_gain, 64 * 2**20))
+                return ok, (f"normal upload {normal_s:.1f} s (+{normal_gain / 2**20:.0f} MB resident); the 4 refused "
+                            f"{bomb_s:.1f} s (+{bomb_gain / 2**20:.0f} MB): skipped {sorted(skipped)}; "
+                            f"uploads folder absent: {nothing_on_disk}")
+            finally:
+                if saved is None:
+                    os.environ.pop("RAGBLEND_INDEX_DIR", None)
+                else:
+                    os.environ["RAGBLEND_INDEX_DIR"] = saved
+
+        def app_text():
+            doc = ("![tracker](http://203.0.113.9/pixel.png) [Click to re-authenticate](http://203.0.113.9/login) "
+                   '<img src="http://203.0.113.9/raw.png">\nThe Saltwren lighthouse keeper keeps the spare key under '
+                   'the blue stone by the north pier.\n<a href="http://203.0.113.9/raw">raw</a> www.example.org\n')
+            saved = os.environ.get("RAGBLEND_INDEX_DIR")
+            try:
+                at = app_test("app-text")
+                at.file_uploader[0].set_value([("keeper[1](x).md", doc.encode(), "text/markdown")])
+                next(b for b in at.button if b.key == "ingest").click().run()
+                at.text_input(key="question").input("Where is the spare key of the lighthouse?")
+                next(b for b in at.button if b.key == "ask").click().run()
+                # Document text and answers: HTML blocks (Markdown leaves them alone) with the text escaped;
+                # everything else: Markdown whose link, image and HTML syntax is backslash-escaped.
+                blocks = [m.value for m in at.markdown if m.allow_html]
+                markdown = [m.value for m in at.markdown if not m.allow_html]
+                chunk_lines = [v for v in blocks if "(score " in v]
+                answers = [v for v in blocks if v.startswith('<div class="ragblend-text">')]
+                live = ([v for v in blocks if "<img" in v or "<a " in v or "\n" in v or not v.startswith("<div")]
+                        + [v for v in markdown if re.search(r"(?<!\\)\]\(|(?<!\\)<(img|a) |(?<!\\)!\[", v)])
+                ok = (bool(chunk_lines) and bool(answers) and not live and not at.exception
+                      and all("![tracker](http://203.0.113.9/pixel.png)" in v for v in chunk_lines))
+                return ok, (f"{len(chunk_lines)} chunk line(s) and {len(answers)} answer(s) as escaped HTML blocks; "
+                            f"elements with live link/image/HTML syntax: {len(live)}; e.g. "
+                            f"{chunk_lines[0][:140] if chunk_lines else '-'}")
+            finally:
+                if saved is None:
+                    os.environ.pop("RAGBLEND_INDEX_DIR", None)
+                else:
+                    os.environ["RAGBLEND_INDEX_DIR"] = saved
+
+        return [
+            Case("files", "a 0.99 MB DOCX zip bomb (document.xml inflating to 400 MB), read as `ragblend ingest` reads "
+                 "it, against a normal 1 MB DOCX of prose", "skipped with its reason, within 2x the peak RSS and "
+                 "10 s of the normal file", reader("bomb.docx", "normal.docx")),
+            Case("files", "a 0.45 MB PDF of 2,000 pages drawing one 40 MB content stream, against a normal 0.35 MB PDF",
+                 "skipped with its reason, within 2x the peak RSS and 10 s of the normal file",
+                 reader("pages.pdf", "normal.pdf")),
+            Case("files", "`ragblend ingest` of each bomb, against `ragblend ingest` of a normal 1 MB DOCX",
+                 "exit 1, skipped with its reason, within 2x the peak RSS and 10 s", cli),
+            Case("files", "the app: the DOCX and PDF bombs, an 11 MB file and a .pptx uploaded at once, against a "
+                 "normal 1 MB DOCX", "4 skipped with their reasons within 10 s and 2x the memory; nothing on disk",
+                 app_uploads),
+            Case("files", "the app: a document with a Markdown image and link to an outside address, raw <img>/<a>, "
+                 "www.example.org; then a question retrieving it", "every chunk line and answer escaped: no live "
+                 "link, image or HTML syntax (the browser check: test_app.py)", app_text),
+        ]
+
+
 def hostile_section(args) -> tuple[list[str], str]:
     """Run every issue-27 case; the report's lines and its summary."""
     world = Hostile(args.case_bound)
@@ -1181,7 +1333,7 @@ def hostile_section(args) -> tuple[list[str], str]:
     results = []
     try:
         cases = (world.injection_cases() + world.server_cases() + world.cancellation_cases() + world.file_cases()
-                 + world.index_cases())
+                 + world.index_cases() + world.bomb_cases())
         for number, case in enumerate(cases, 1):
             t0 = time.perf_counter()
             try:

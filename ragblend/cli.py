@@ -37,7 +37,7 @@ def _open_index(args, options=None):
 def _ingest(args) -> int:
     from pathlib import Path
 
-    from ragblend.integrations.local_index import SUPPORTED_SUFFIXES, printable, read_text_files
+    from ragblend.integrations.local_index import SUPPORTED_SUFFIXES, ReadLimits, printable, read_text_files
 
     # Everything that can fail without the model fails before spending seconds loading it.
     missing = [p for p in args.paths if not os.path.lexists(Path(p).expanduser())]
@@ -45,14 +45,16 @@ def _ingest(args) -> int:
         raise InvalidInputError(f"no such file or folder: {', '.join(printable(p) for p in missing)}")
     if not args.max_file_mb > 0:
         raise InvalidInputError(f"--max-file-mb must be a number > 0, got {args.max_file_mb:g}.")
-    documents, report = read_text_files(args.paths, follow_links=args.follow_links, max_file_mb=args.max_file_mb)
+    limits = ReadLimits.parse(args.read_limit)
+    documents, report = read_text_files(args.paths, follow_links=args.follow_links, max_file_mb=args.max_file_mb,
+                                        read_limits=limits)
     if not documents:
         _print_skipped(report)
         print(f"Nothing to ingest in {', '.join(printable(p) for p in args.paths)}: ragblend ingests "
               f"{', '.join(sorted(SUPPORTED_SUFFIXES))} files, searching folders recursively.", file=sys.stderr)
         return 1
     rag = _open_index(args)
-    rag.lock_wait_s = args.wait
+    rag.lock_wait_s, rag.read_limits = args.wait, limits
     if args.rebuild:
         rag.rebuild()
         print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
@@ -612,6 +614,11 @@ def _ingest_parser(sub) -> None:
                         help="follow symbolic links that point outside the folders given (default: skip them)")
     ingest.add_argument("--max-file-mb", type=float, default=10.0,
                         help="skip files larger than this, with a message (default: 10)")
+    ingest.add_argument("--read-limit", action="append", default=[], metavar="NAME=VALUE",
+                        help="raise or lower what reading one file may cost; a file over a limit is skipped with "
+                             "its reason. NAME: expanded_mb (what a DOCX's XML or a PDF's page contents expand "
+                             "to; default 64), page_mb (one PDF page's content; 4), pages (2000), chars "
+                             "(10000000), seconds (60), memory_mb (1024). Repeatable")
     ingest.add_argument("--rebuild", action="store_true",
                         help="empty the index first (its chunks and its docstore, e.g. a damaged one), then "
                              "ingest PATHS; the KV store is kept, so known chunks are not recomputed")

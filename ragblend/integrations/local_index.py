@@ -41,7 +41,7 @@ from ragblend.core.kv import KV_METADATA_KEY
 from ragblend.core.model import cache_dir
 from ragblend.core.options import EngineOptions
 
-from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, UnreadableFileError, decode_text, extract_text  # noqa: F401
+from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, ReadLimits, UnreadableFileError, decode_text, extract_text  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _list_folder(folder: Path, follow_links: bool, report: IngestReport) -> list
     return files
 
 
-def _read_file(path: Path, max_bytes: int) -> tuple[str | None, str | None]:
+def _read_file(path: Path, max_bytes: int, limits: ReadLimits) -> tuple[str | None, str | None]:
     """``(text, None)`` for a readable text file, else ``(None, reason)``. Never opens
     anything but a regular file: a FIFO would block, a device may never end."""
     real = os.path.realpath(path)
@@ -174,28 +174,39 @@ def _read_file(path: Path, max_bytes: int) -> tuple[str | None, str | None]:
         return None, f"unreadable ({err.strerror})"
     if len(data) > max_bytes:
         return None, f"over the {max_bytes / 2**20:g} MB limit per file (--max-file-mb raises it)"
+    return _text_of(path.suffix.lower(), data, limits)
+
+
+def _text_of(suffix: str, data: bytes, limits: ReadLimits) -> tuple[str | None, str | None]:
     try:
-        text = extract_text(path.suffix.lower(), data)
+        text = extract_text(suffix, data, limits)
     except UnreadableFileError as err:
         return None, str(err)
     return (text, None) if text.strip() else (None, "empty")
 
 
+def _max_bytes(max_file_mb) -> int:
+    if isinstance(max_file_mb, bool) or not isinstance(max_file_mb, (int, float)) or not max_file_mb > 0:
+        raise InvalidInputError(f"max_file_mb must be a number > 0, got {max_file_mb!r}.")
+    return int(max_file_mb * 2**20)
+
+
 def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = False,
-                    max_file_mb: float = DEFAULT_MAX_FILE_MB) -> tuple[list, IngestReport]:
+                    max_file_mb: float = DEFAULT_MAX_FILE_MB,
+                    read_limits: ReadLimits | None = None) -> tuple[list, IngestReport]:
     """Documents from files and folders (recursively): text and markdown, CSV/JSON as text,
     HTML, PDF and DOCX (see :mod:`.readers`). The rest is skipped with a reason: unsupported
     type, a reader's library not installed, an encrypted or damaged document, binary
     content, not UTF-8, empty, unreadable, larger
-    than ``max_file_mb``, not a regular file (FIFO, socket, device, ``/proc``-like file),
+    than ``max_file_mb``, over one of ``read_limits`` (what a file expands to, its pages,
+    characters, reading time and memory: :class:`~ragblend.integrations.readers.ReadLimits`),
+    not a regular file (FIFO, socket, device, ``/proc``-like file),
     or reached through a link out of the folder given (unless ``follow_links``).
 
     A path given itself is read even when it is a link (whoever named it chose it)."""
     from llama_index.core import Document
 
-    if isinstance(max_file_mb, bool) or not isinstance(max_file_mb, (int, float)) or not max_file_mb > 0:
-        raise InvalidInputError(f"max_file_mb must be a number > 0, got {max_file_mb!r}.")
-    max_bytes = int(max_file_mb * 2**20)
+    max_bytes, limits = _max_bytes(max_file_mb), read_limits or ReadLimits()
     report, documents = IngestReport(), []
     files: list[Path] = []
     for raw in paths:
@@ -216,13 +227,44 @@ def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = 
             text, reason = None, (f"unsupported file type {path.suffix or '(none)'}; ragblend ingests "
                                   f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
         else:
-            text, reason = _read_file(path, max_bytes)
+            text, reason = _read_file(path, max_bytes, limits)
         if reason:
             log.info("skipping %s: %s", printable(path), reason)   # the report carries it; the CLI prints it once
             report.skipped.append((str(path), reason))
             continue
         documents.append(Document(text=text, id_=doc_id, metadata={"file_name": path.name}))
         report.files.append(str(path))
+    return documents, report
+
+
+def read_uploads(uploads: Iterable[tuple[str, bytes]], folder: str | os.PathLike, *,
+                 max_file_mb: float = DEFAULT_MAX_FILE_MB,
+                 read_limits: ReadLimits | None = None) -> tuple[list, IngestReport]:
+    """Documents from uploaded files, ``(name, content)`` pairs, read in memory within the
+    same limits as files on disk: nothing is written anywhere. Each document's id is
+    ``folder/name`` (only the name's last part is kept), so uploading a file of the same
+    name again replaces it in the index; a refused upload is in the report's ``skipped``
+    under that id."""
+    from llama_index.core import Document
+
+    max_bytes, limits = _max_bytes(max_file_mb), read_limits or ReadLimits()
+    report, documents = IngestReport(), []
+    for raw_name, data in uploads:
+        name = Path(str(raw_name).replace("\\", "/")).name
+        doc_id = str(Path(folder) / (name or "(no name)"))
+        if name in ("", ".", "..") or "\x00" in name:
+            reason = "a file name that names no file"
+        elif len(data) > max_bytes:
+            reason = (f"{len(data) / 2**20:.1f} MB, over the {max_bytes / 2**20:g} MB limit per file "
+                      "(--max-file-mb raises it)")
+        else:
+            text, reason = _text_of(Path(name).suffix.lower(), data, limits)
+        if reason:
+            log.info("skipping upload %s: %s", printable(name), reason)
+            report.skipped.append((doc_id, reason))
+            continue
+        documents.append(Document(text=text, id_=doc_id, metadata={"file_name": name}))
+        report.files.append(doc_id)
     return documents, report
 
 
@@ -398,11 +440,13 @@ class LocalIndex:
 
     def __init__(self, path: str | os.PathLike | None = None, *, engine: BlendEngine | None = None,
                  collection: str = "ragblend", chunk_size: int = 256, chunk_overlap: int = 24,
-                 chroma_url: str | None = None, options: EngineOptions | None = None):
+                 chroma_url: str | None = None, options: EngineOptions | None = None,
+                 read_limits: ReadLimits | None = None):
         """``path`` holds the KV store and the docstore (and the Chroma database unless
         ``chroma_url`` names a Chroma server, e.g. ``http://127.0.0.1:8000``). Without
         ``engine``, the index loads one with ``options`` (its KV store always the index's
-        ``kv`` folder)."""
+        ``kv`` folder). ``read_limits`` bound what reading one file may cost (see
+        :class:`~ragblend.integrations.readers.ReadLimits`; the defaults otherwise)."""
         from llama_index.core import VectorStoreIndex
         from llama_index.vector_stores.chroma import ChromaVectorStore
 
@@ -414,6 +458,7 @@ class LocalIndex:
         self.client, self.chroma_url = client, chroma_url
         self.engine = engine or BlendEngine.from_pretrained(options=options, kv_dir=self.path / "kv")
         self.chunk_size, self.chunk_overlap = chunk_size, chunk_overlap
+        self.read_limits = read_limits or ReadLimits()
         self.embed_model = default_embed_model()
         self.collection_name = collection
         self.collection = client.get_or_create_collection(collection)
@@ -501,7 +546,8 @@ class LocalIndex:
         KV (``kv``: see :meth:`ingest_documents`). Unsupported files are skipped (see
         :func:`read_text_files`)."""
         _check_kv_mode(kv)
-        documents, report = read_text_files(paths, follow_links=follow_links, max_file_mb=max_file_mb)
+        documents, report = read_text_files(paths, follow_links=follow_links, max_file_mb=max_file_mb,
+                                            read_limits=self.read_limits)
         return self.ingest_documents(documents, report, show_progress=show_progress, kv=kv)
 
     def ingest_documents(self, documents: list, report: IngestReport | None = None,
@@ -531,6 +577,7 @@ class LocalIndex:
             raise InvalidInputError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         _check_kv_mode(kv)
         report = report or IngestReport()
+        documents = self._within_limits(documents, report)
         if not documents:
             return report
         t0 = time.perf_counter()
@@ -543,6 +590,21 @@ class LocalIndex:
         elif kv == "now":
             self._fill_now(report, show_progress)
         return report
+
+    def _within_limits(self, documents: list, report: IngestReport) -> list:
+        """The documents whose text is within ``read_limits.chars``; the others are skipped
+        with their reason before anything tokenizes them (a count of characters is cheap, a
+        tokenizer over 100 MB of text is not)."""
+        limit, kept = self.read_limits.chars, []
+        for document in documents:
+            size = len(document.text or "")
+            if size > limit:
+                reason = (f"{size:,} characters of text, over the limit of {limit:,} characters per file "
+                          "(--read-limit chars=N raises it)")
+                report.skipped.append((document.id_, reason))
+            else:
+                kept.append(document)
+        return kept
 
     def _fill_now(self, report: IngestReport, show_progress: bool) -> None:
         from .kv_fill import KVFillBusyError

@@ -2,23 +2,39 @@
 
 Each reader takes a file's bytes (read by :mod:`ragblend.integrations.local_index`, which
 checks the file is a regular one of bounded size) and returns its text, or raises
-:class:`UnreadableFileError` with the reason the file is skipped. HTML, PDF and DOCX need
-small optional libraries (``pip install 'ragblend[readers]'``: beautifulsoup4, pypdf,
-docx2txt); without one, files of that type are skipped with the ``pip install`` command.
+:class:`UnreadableFileError` with the reason the file is skipped. HTML and PDF need small
+optional libraries (``pip install 'ragblend[readers]'``: beautifulsoup4, pypdf); without one,
+files of that type are skipped with the ``pip install`` command. DOCX is read with the
+standard library (zipfile and expat), so that what its zip expands to is counted as it is
+inflated.
 
-These are the libraries LlamaIndex's own file readers (``llama-index-readers-file``) wrap;
-ragblend calls them directly because that package pins ``pandas<3`` and adds nothing here,
-and so that an encrypted or broken PDF gets its own reason instead of an exception.
+A file may weigh little and expand to a lot (a zip bomb, a PDF whose pages all draw one huge
+content stream): :class:`ReadLimits` bounds what one file may expand to, the pages, the
+characters, the time and the memory its reading takes, and a file over a limit is skipped
+with :class:`OverLimitError` saying which limit and how to raise it.
+
+pypdf and beautifulsoup4 are the libraries LlamaIndex's own file readers
+(``llama-index-readers-file``) wrap; ragblend calls them directly because that package pins
+``pandas<3`` and adds nothing here, and so that an encrypted or broken PDF gets its own reason
+instead of an exception.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextvars
+import dataclasses
 import io
 import logging
-from typing import Callable
+import os
+import re
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
-from ragblend.core.errors import RagblendError
+from ragblend.core.errors import InvalidInputError, RagblendError
 
 # pypdf reports a damaged file through logging too; with no handler configured, Python would
 # print its bare message ("EOF marker not found") before the skip reason ragblend gives.
@@ -27,6 +43,122 @@ logging.getLogger("pypdf").addHandler(logging.NullHandler())
 
 class UnreadableFileError(RagblendError, ValueError):
     """A file whose text cannot be extracted; its message is the reason it is skipped."""
+
+
+class OverLimitError(UnreadableFileError):
+    """A file that expands past one of its :class:`ReadLimits`; the message names the limit."""
+
+
+MB = 2**20
+
+
+@dataclass(frozen=True)
+class ReadLimits:
+    """What reading one file may cost. The defaults let through documents longer than people
+    write (2,000 PDF pages, 10 million characters: ~5,000 pages of prose) and stop the bombs of
+    issue 58 within a second; each is changed with ``ragblend ingest --read-limit NAME=VALUE``
+    or ``ReadLimits(NAME=VALUE)``."""
+
+    expanded_mb: float = 64.0   # bytes a file expands to: a DOCX's XML inflated, a PDF's page contents decoded
+    page_mb: float = 4.0        # one PDF page's content decoded (pypdf holds ~40x this while parsing it)
+    pages: int = 2000           # pages of a PDF
+    chars: int = 10_000_000     # characters of text a file gives
+    seconds: float = 60.0       # reading one file (checked between pages, between 1 MB of XML, every 256 PDF operators)
+    memory_mb: float = 1024.0   # resident memory the process gains while reading one file (checked as seconds are)
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+                raise InvalidInputError(f"read limit {field.name} must be a number > 0, got {value!r}.")
+            if field.type == "int" and value != int(value):   # (annotations are strings here)
+                raise InvalidInputError(f"read limit {field.name} must be a whole number, got {value!r}.")
+
+    @classmethod
+    def parse(cls, settings: Iterable[str]) -> "ReadLimits":
+        """Limits from ``NAME=VALUE`` strings (``pages=5000``), the rest at their defaults."""
+        names = {f.name: f.type for f in dataclasses.fields(cls)}
+        values = {}
+        for setting in settings:
+            name, _, text = setting.partition("=")
+            name = name.strip().replace("-", "_")
+            if name not in names or not text.strip():
+                raise InvalidInputError(f"--read-limit {setting!r} is not NAME=VALUE with NAME one of "
+                                        f"{', '.join(names)}.")
+            try:
+                values[name] = int(text) if names[name] == "int" else float(text)
+            except ValueError:
+                raise InvalidInputError(f"--read-limit {setting!r}: {text.strip()!r} is not a number.") from None
+        return cls(**values)
+
+
+def _over(what: str, limit: str, name: str) -> OverLimitError:
+    return OverLimitError(f"{what}, over the limit of {limit} (--read-limit {name}=N raises it)")
+
+
+def _resident_bytes() -> int | None:
+    """This process's resident memory now (Linux), or None where /proc is not there."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+class Budget:
+    """One file's reading against its limits: readers report what they expand and extract,
+    and call :meth:`check` between pieces of work (a page, 1 MB of XML, 256 PDF operators)."""
+
+    def __init__(self, limits: ReadLimits):
+        self.limits = limits
+        self.started = time.monotonic()
+        self.resident_at_start = _resident_bytes()
+        self.expanded = 0
+        self.chars = 0
+        self.operators = 0
+
+    def expand(self, n: int, what: str) -> None:
+        """``n`` more bytes expanded (``what``: "its XML inflates", "its pages' content decodes")."""
+        self.expanded += n
+        if self.expanded > self.limits.expanded_mb * MB:
+            raise _over(f"{what} to more than {self.limits.expanded_mb:g} MB", f"{self.limits.expanded_mb:g} MB "
+                        "expanded per file (a zip or content bomb?)", "expanded_mb")
+
+    def add_chars(self, n: int) -> None:
+        self.chars += n
+        if self.chars > self.limits.chars:
+            raise _over(f"more than {self.limits.chars:,} characters of text", f"{self.limits.chars:,} characters "
+                        "per file", "chars")
+
+    def check(self) -> None:
+        elapsed = time.monotonic() - self.started
+        if elapsed > self.limits.seconds:
+            raise _over(f"still reading after {elapsed:.0f} s", f"{self.limits.seconds:g} s per file", "seconds")
+        resident = _resident_bytes()
+        if resident is not None and self.resident_at_start is not None:
+            gained = resident - self.resident_at_start
+            if gained > self.limits.memory_mb * MB:
+                raise _over(f"reading it took {gained / MB:.0f} MB more memory", f"{self.limits.memory_mb:g} MB "
+                            "per file", "memory_mb")
+
+    def visit_operator(self, *_) -> None:
+        """pypdf's ``visitor_operand_before``: called for every operator of a page and of the
+        forms it draws, so that one page cannot run past the time or memory limit."""
+        self.operators += 1
+        if self.operators % 256 == 0:
+            self.check()
+
+
+# The budget of the file extract_text is reading (a context variable, like pypdf's own
+# configuration): the readers keep their one-argument signature, and threads never share one.
+_BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("ragblend_read_budget", default=None)
+
+
+def _budget() -> Budget:
+    return _BUDGET.get() or Budget(ReadLimits())
 
 
 _BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
@@ -70,12 +202,105 @@ def _html(data: bytes) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def _decoded(stream, cap: int) -> bytes:
+    """What a PDF stream decodes to, up to about ``cap`` bytes (a longer one is cut there): a
+    FlateDecode stream is inflated here 1 MB at a time (a 300 KB stream can inflate to 300 MB);
+    other filters are decoded by pypdf, within its own limits."""
+    filters = stream.get("/Filter")
+    if isinstance(filters, list) and len(filters) == 1:
+        filters = filters[0]
+    raw = getattr(stream, "_data", None)   # the encoded bytes (pypdf keeps them there since 1.x)
+    if filters is None and isinstance(raw, bytes):
+        return raw[:cap + 1]
+    if filters in ("/FlateDecode", "/Fl") and isinstance(raw, bytes):
+        inflater, pieces, size, pending = zlib.decompressobj(zlib.MAX_WBITS | 32), [], 0, raw
+        try:
+            while pending and size <= cap:
+                pieces.append(inflater.decompress(pending, MB))
+                size += len(pieces[-1])
+                pending = inflater.unconsumed_tail
+            return b"".join(pieces)
+        except zlib.error:
+            pass   # damaged: pypdf has its own recovery, within its limits
+    try:
+        return stream.get_data()
+    except Exception:   # undecodable: pypdf skips it when extracting too
+        return b""
+
+
+# The forms a content stream draws: "/Name Do" (names end at whitespace or a delimiter).
+_DRAWS = re.compile(rb"/([^\s/\[\]()<>{}%]+)\s*Do(?![^\s/\[\]()<>{}%])")
+
+
+def _page_content_size(page, cap: int, measured: dict) -> int:
+    """The bytes of content pypdf parses to extract a page's text: its content streams, the
+    forms they draw (by name, in their resources) and the forms those draw, each once;
+    counting stops just past ``cap``. ``measured`` caches each stream's (size, names drawn)
+    across the pages of a file."""
+    from pypdf.generic import StreamObject
+
+    total, seen = 0, set()
+
+    def forms_of(resources) -> dict:
+        resources = resources.get_object() if resources is not None else None
+        xobjects = resources.get("/XObject") if isinstance(resources, dict) else None
+        xobjects = xobjects.get_object() if xobjects is not None else None
+        return dict(xobjects) if isinstance(xobjects, dict) else {}
+
+    def walk(obj, resources) -> None:
+        nonlocal total
+        obj = obj.get_object() if obj is not None else None
+        if isinstance(obj, list):
+            for item in obj:
+                walk(item, resources)
+            return
+        if not isinstance(obj, StreamObject) or id(obj) in seen or total > cap:
+            return
+        seen.add(id(obj))
+        if id(obj) not in measured:   # the stream object stays in pypdf's cache: its id stays its own
+            data = _decoded(obj, cap)
+            measured[id(obj)] = (obj, len(data), {m.decode("latin-1") for m in _DRAWS.findall(data)})
+        _, size, names = measured[id(obj)]
+        total += size
+        own = obj.get("/Resources")
+        forms = forms_of(own if own is not None else resources)
+        for name in sorted(names):
+            form = forms.get("/" + name)
+            form = form.get_object() if form is not None else None
+            if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
+                walk(form, own if own is not None else resources)
+
+    resources = page.get("/Resources")
+    walk(page.get("/Contents"), resources)
+    return total
+
+
+def _check_pdf_size(reader, budget: Budget) -> None:
+    """Before any page is parsed: the page count, and what each page's content decodes to
+    (a stream drawn by many pages counts for each: pypdf parses it for each)."""
+    limits = budget.limits
+    declared = reader.trailer["/Root"].get_object()["/Pages"].get_object().get("/Count")
+    if isinstance(declared, int) and declared > limits.pages:   # before pypdf lists them
+        raise _over(f"a PDF of {declared:,} pages", f"{limits.pages:,} pages per file", "pages")
+    if len(reader.pages) > limits.pages:
+        raise _over(f"a PDF of {len(reader.pages):,} pages", f"{limits.pages:,} pages per file", "pages")
+    page_cap, measured = int(limits.page_mb * MB), {}
+    for number, page in enumerate(reader.pages, 1):
+        drawn = _page_content_size(page, page_cap, measured)
+        if drawn > page_cap:
+            raise _over(f"page {number} draws more than {limits.page_mb:g} MB of content",
+                        f"{limits.page_mb:g} MB per page", "page_mb")
+        budget.expand(drawn, "its pages' content decodes")
+        budget.check()
+
+
 def _pdf(data: bytes) -> str:
     try:
         from pypdf import PdfReader
         from pypdf.errors import FileNotDecryptedError, PdfReadError
     except ImportError:
         raise _missing("pypdf", ".pdf") from None
+    budget = _budget()
     try:
         reader = PdfReader(io.BytesIO(data))
         if reader.is_encrypted:
@@ -90,7 +315,12 @@ def _pdf(data: bytes) -> str:
             if not opened:
                 raise UnreadableFileError("an encrypted PDF that needs a password; save an unencrypted copy "
                                           "(e.g. qpdf --password=PASSWORD --decrypt IN OUT) and ingest that")
-        pages = [page.extract_text() or "" for page in reader.pages]
+        _check_pdf_size(reader, budget)
+        pages = []
+        for page in reader.pages:
+            pages.append(page.extract_text(visitor_operand_before=budget.visit_operator) or "")
+            budget.add_chars(len(pages[-1]))
+            budget.check()
     except UnreadableFileError:
         raise
     except Exception as err:   # pypdf raises many kinds on damaged files (PdfReadError, KeyError, ValueError...)
@@ -102,16 +332,91 @@ def _pdf(data: bytes) -> str:
     return text
 
 
+# The parts of a Word document that hold its text, in the order they are read (as docx2txt did).
+_DOCX_PARTS = (re.compile(r"word/header\d*\.xml"), re.compile(r"word/document\.xml"), re.compile(r"word/footer\d*\.xml"))
+_W = "http://schemas.openxmlformats.org/wordprocessingml/2006/main "   # expat's "namespace name" prefix
+
+
+def _check_zip_layout(entries: list) -> None:
+    """Refuse entries whose data overlap (one compressed kernel named by many entries: a zip
+    bomb that expands a small file many times over); no legitimate zip writer makes them."""
+    ordered = sorted(entries, key=lambda e: e.header_offset)
+    for before, after in zip(ordered, ordered[1:]):
+        # 30 bytes: the smallest local header; the data of `before` ends no earlier than this
+        if after.header_offset < before.header_offset + 30 + before.compress_size:
+            raise OverLimitError(f"zip entries {before.filename!r} and {after.filename!r} overlap (a zip bomb); "
+                                 "no Word document is written that way")
+
+
+_BREAKS = {"tab": "\t", "br": "\n", "cr": "\n", "p": "\n\n"}
+
+
+def _docx_part_text(stream, budget: Budget, out: list[str]) -> None:
+    """Stream one XML part through expat, 1 MB at a time, keeping only its text: w:t runs,
+    a tab for w:tab, a line break for w:br/w:cr, a blank line before each w:p."""
+    import xml.parsers.expat
+
+    parser = xml.parsers.expat.ParserCreate(namespace_separator=" ")
+    in_text, chars = False, 0
+
+    def start(name, _attrs):
+        nonlocal in_text, chars
+        tag = name[len(_W):] if name.startswith(_W) else ""
+        in_text = tag == "t"
+        if tag in _BREAKS:
+            out.append(_BREAKS[tag])
+            chars += len(_BREAKS[tag])
+
+    def end(_name):
+        nonlocal in_text
+        in_text = False
+
+    def characters(data):
+        nonlocal chars
+        if in_text:
+            out.append(data)
+            chars += len(data)
+
+    def refuse_dtd(*_):   # Word writes none; a DTD is how entity expansion bombs start
+        raise UnreadableFileError("not a readable DOCX file (its XML declares a DTD)")
+
+    parser.StartElementHandler, parser.EndElementHandler, parser.CharacterDataHandler = start, end, characters
+    parser.StartDoctypeDeclHandler = parser.EntityDeclHandler = refuse_dtd
+    counted = 0
+    while True:
+        piece = stream.read(MB)   # zipfile inflates at most about this much per read
+        budget.expand(len(piece), "its XML inflates")   # counted as inflated, whatever the headers say
+        parser.Parse(piece, not piece)
+        budget.add_chars(chars - counted)
+        counted = chars
+        budget.check()
+        if not piece:
+            return
+
+
 def _docx(data: bytes) -> str:
+    budget = _budget()
+    out: list[str] = []
     try:
-        import docx2txt
-    except ImportError:
-        raise _missing("docx2txt", ".docx") from None
-    try:
-        text = docx2txt.process(io.BytesIO(data))
-    except Exception as err:   # a damaged zip or document.xml
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            entries = archive.infolist()
+            _check_zip_layout(entries)
+            names = [e.filename for e in entries]
+            if "word/document.xml" not in names:
+                raise KeyError("There is no item named 'word/document.xml' in the archive")
+            parts = [e for pattern in _DOCX_PARTS for e in entries if pattern.fullmatch(e.filename)]
+            declared = sum(e.file_size for e in parts)
+            if declared > budget.limits.expanded_mb * MB:   # the cheap check first; the real count is below
+                raise _over(f"its XML declares {declared / MB:,.0f} MB uncompressed",
+                            f"{budget.limits.expanded_mb:g} MB expanded per file (a zip bomb?)", "expanded_mb")
+            for entry in parts:
+                with archive.open(entry) as stream:
+                    _docx_part_text(stream, budget, out)
+    except UnreadableFileError:
+        raise
+    except Exception as err:   # a damaged zip (bad CRC, truncated) or XML
         raise UnreadableFileError(f"not a readable DOCX file ({type(err).__name__}: {str(err)[:200]})") from None
-    lines = (line.strip() for line in text.splitlines())
+    lines = (line.strip() for line in "".join(out).splitlines())
     return "\n".join(line for line in lines if line)
 
 
@@ -128,20 +433,29 @@ READERS: dict[str, Callable[[bytes], str]] = {
 SUPPORTED_SUFFIXES = frozenset(READERS)
 
 
-def extract_text(suffix: str, data: bytes) -> str:
-    """The text of a file with this suffix (lower case, with its dot) and content.
+def extract_text(suffix: str, data: bytes, limits: ReadLimits | None = None) -> str:
+    """The text of a file with this suffix (lower case, with its dot) and content, read
+    within ``limits`` (default: :class:`ReadLimits`'s defaults).
 
     Raises :class:`UnreadableFileError` with the reason the file cannot be read: an
-    unsupported type, a missing optional library, an encrypted or damaged document, a reader
-    that failed (any exception a reader raises is turned into a reason, so one bad file never
-    stops an ingest)."""
+    unsupported type, a missing optional library, an encrypted or damaged document, a file
+    over one of its limits (:class:`OverLimitError`), a reader that failed (any exception a
+    reader raises is turned into a reason, so one bad file never stops an ingest)."""
     reader = READERS.get(suffix)
     if reader is None:
         raise UnreadableFileError(f"unsupported file type {suffix or '(none)'}; ragblend ingests "
                                   f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
+    budget = Budget(limits or ReadLimits())
+    token = _BUDGET.set(budget)
     try:
-        return reader(data)
+        text = reader(data)
+        # Plain text and HTML do not expand (their cost follows their size): checked once read.
+        budget.add_chars(len(text) - budget.chars)
+        budget.check()
+        return text
     except UnreadableFileError:
         raise
     except Exception as err:   # a reader's own bug or a library's: the file is skipped, the ingest goes on
         raise UnreadableFileError(f"the {suffix} reader failed ({type(err).__name__}: {str(err)[:200]})") from None
+    finally:
+        _BUDGET.reset(token)

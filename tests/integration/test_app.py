@@ -240,3 +240,158 @@ def test_app_in_headless_chromium(tmp_path):
         if driver is not None:
             driver.quit()
         server.stop()
+
+
+# ---------------------------------------------------------------------------- hostile uploads and text (issue 58)
+
+OUTSIDE = "127.0.0.1:{port}"   # "the outside address": a server of the test that records every request
+HOSTILE_DOC = ('![tracker](http://{outside}/pixel.png) [Click to re-authenticate](http://{outside}/login) '
+               '<img src="http://{outside}/raw.png">\n'
+               "The Saltwren lighthouse keeper keeps the spare key under the blue stone by the north pier.\n"
+               '<a href="http://{outside}/raw">raw link</a> http://{outside}/bare www.example.org '
+               ":red[alert] **bold**\n")
+
+
+def test_refused_uploads_leave_nothing_on_disk(tmp_path, monkeypatch):
+    import tempfile
+
+    from benchmarks import bombs
+
+    scratch = Path(tempfile.gettempdir())
+    before = {p for p in scratch.iterdir()}
+    at = start_app(monkeypatch, tmp_path / "index")
+    at.file_uploader[0].set_value([("bomb.docx", bombs.docx_bomb(400), "application/octet-stream"),
+                                   ("pages.pdf", bombs.pdf_bomb(2000, 40), "application/pdf"),
+                                   ("huge.md", b"word " * (11 * 2**20 // 5), "text/markdown"),
+                                   ("slides.pptx", b"PK\x03\x04", "application/octet-stream"),
+                                   ("note.md", b"The ferry leaves the north pier at nine.\n", "text/markdown")])
+    button(at, "ingest").click().run()
+    assert not at.exception
+    warnings = {w.value.split(":", 1)[0]: w.value for w in at.warning}
+    assert "expanded\\_mb" in warnings["Skipped bomb.docx"] and "page\\_mb" in warnings["Skipped pages.pdf"]
+    assert "over the 10 MB limit" in warnings["Skipped huge.md"]
+    assert "unsupported file type" in warnings["Skipped slides.pptx"]
+    assert any("Ingested 1 file(s)" in s.value for s in at.success)
+    assert not (tmp_path / "index" / "uploads").exists()   # nothing written for any upload, refused or not
+    new = [p for p in scratch.iterdir() if p not in before and p.is_file() and not p.is_symlink()]
+    assert not [p for p in new if p.stat().st_size < 2**26 and any(
+        mark in p.read_bytes() for mark in (b"<w:body>", b"%PDF", b"north pier at nine", b"word word"))]
+
+
+def test_document_text_is_shown_as_text(tmp_path, monkeypatch):
+    """AppTest: the Markdown the page is given for a chunk quotes the document's punctuation."""
+    at = start_app(monkeypatch, tmp_path / "index")
+    doc = HOSTILE_DOC.format(outside="127.0.0.1:9").encode()
+    at.file_uploader[0].set_value([("notes[1](x).md", doc, "text/markdown")])
+    button(at, "ingest").click().run()
+    at.text_input(key="question").input("Where is the spare key of the lighthouse?")
+    button(at, "ask").click().run()
+    assert not at.exception
+    chunk_lines = [m for m in at.markdown if "(score " in m.value]
+    assert chunk_lines and all(m.allow_html and m.value.startswith("<div>") and "\n" not in m.value
+                               and "notes[1](x).md" in m.value for m in chunk_lines)   # an HTML block: no Markdown
+    shown = " ".join(m.value for m in chunk_lines)
+    assert "![tracker](http://127.0.0.1:9/pixel.png)" in shown and "&lt;img src=&quot;http" in shown
+    assert "<img" not in shown and "<a " not in shown
+    # the answer: an HTML block too, whatever the model wrote
+    answers = [m for m in at.markdown if m.value.startswith('<div class="ragblend-text">')]
+    assert answers and all(m.allow_html and "\n" not in m.value and "<img" not in m.value for m in answers)
+    # file names in alerts: Markdown with its punctuation escaped, autolinks broken by a word joiner
+    at.file_uploader[0].set_value([("see www.example.org [x](http:evil).pptx", b"PK", "application/octet-stream")])
+    button(at, "ingest").click().run()
+    warning = next(w.value for w in at.warning if "pptx" in w.value)
+    assert "www\u2060.example.org \\[x\\]\\(http\u2060\\:evil\\).pptx" in warning
+
+
+@pytest.fixture
+def outside_server():
+    """A server at "the outside address" recording every request: (its address, the requests)."""
+    import http.server
+    import threading
+
+    requests = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            requests.append((self.path, self.headers.get("Referer")))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield OUTSIDE.format(port=server.server_address[1]), requests
+    server.shutdown()
+
+
+def headless_chromium(chromium, chromedriver, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1400,2400",
+                 f"--user-data-dir={tmp_path / 'chrome-profile'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(chromedriver), options=options)
+
+
+def test_document_markdown_stays_text_in_headless_chromium(tmp_path, outside_server):
+    """A document with a Markdown image and link to an outside address, raw HTML and a bare URL:
+    the browser shows them as text, makes no <img> or <a> of them, and sends no request there."""
+    chromium, chromedriver = chromium_or_skip()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    address, requests = outside_server
+    port = free_port()
+    env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index")}
+    env.pop("RAGBLEND_FILES_ROOT", None)
+    server = ServerProcess(
+        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
+         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+        http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = None
+    try:
+        driver = headless_chromium(chromium, chromedriver, tmp_path)
+        driver.get(f"http://127.0.0.1:{port}")
+        wait = WebDriverWait(driver, 300)
+        upload = tmp_path / "keeper-notes.md"
+        upload.write_text(HOSTILE_DOC.format(outside=address))
+        hostile_name = tmp_path / "see www.example.org and mail@example.org.pptx"   # refused: its name in a warning
+        hostile_name.write_bytes(b"PK")
+        wait.until(EC.presence_of_element_located((By.CSS_SELECTOR, "input[type='file']"))).send_keys(
+            f"{upload}\n{hostile_name}")
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "keeper-notes.md"))
+        wait.until(EC.element_to_be_clickable((By.XPATH, "//button[.//p[text()='Ingest']]"))).click()
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Ingested 1 file(s)"))
+        question = wait.until(EC.element_to_be_clickable(
+            (By.XPATH, "//label[.//p[contains(., 'Question')]]/following::input[1]")))
+        question.send_keys("Where is the spare key of the lighthouse?", Keys.ENTER)
+        wait.until(EC.element_to_be_clickable((By.XPATH, "//button[.//p[text()='Ask']]"))).click()
+        wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "TTFT over this session"))
+        for summary in driver.find_elements(By.CSS_SELECTOR, "details summary"):   # open every expander
+            if summary.find_element(By.XPATH, "..").get_attribute("open") is None:
+                driver.execute_script("arguments[0].click()", summary)
+        time.sleep(2)
+        body = driver.find_element(By.TAG_NAME, "body").text
+        assert f"![tracker](http://{address}/pixel.png)" in body           # the text, shown literally
+        assert f"[Click to re-authenticate](http://{address}/login)" in body
+        assert f'<img src="http://{address}/raw.png">' in body and ":red[alert] **bold**" in body
+        links = [a.get_attribute("href") or "" for a in driver.find_elements(By.TAG_NAME, "a")]
+        images = [i.get_attribute("src") or "" for i in driver.find_elements(By.TAG_NAME, "img")]
+        assert not [u for u in links + images if address in u or "example.org" in u], (links, images)
+        assert not driver.find_elements(By.XPATH, "//a[contains(., 'Click to re-authenticate')]")
+        fetched = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert not [u for u in fetched if address in u], fetched
+        assert requests == []   # nothing reached the outside address
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.stop()

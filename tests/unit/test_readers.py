@@ -130,12 +130,14 @@ def test_csv_and_json_are_read_as_text():
 
 
 def test_a_missing_library_names_the_pip_install(monkeypatch):
-    for module, suffix, package in (("pypdf", ".pdf", "pypdf"), ("bs4", ".html", "beautifulsoup4"),
-                                    ("docx2txt", ".docx", "docx2txt")):
+    for module, suffix, package in (("pypdf", ".pdf", "pypdf"), ("bs4", ".html", "beautifulsoup4")):
         monkeypatch.setitem(sys.modules, module, None)   # import fails as if it were not installed
         with pytest.raises(UnreadableFileError, match=rf"reading \{suffix} files needs {package}: pip install "
                                                       rf"{package} \(or pip install 'ragblend\[readers\]'"):
             extract_text(suffix, b"anything")
+    # DOCX is read with the standard library (zipfile, expat): it needs no docx2txt
+    monkeypatch.setitem(sys.modules, "docx2txt", None)
+    assert extract_text(".docx", make_docx(["Water plan"])) == "Water plan"
 
 
 def test_bad_files_are_skipped_and_the_rest_ingested(tmp_path, monkeypatch):
