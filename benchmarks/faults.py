@@ -52,10 +52,12 @@ from ragblend.data import load_sample
 from .common import command_line, write_report
 from .models import MODELS, model_path
 from .servers import (
+    HealthPoller,
     RunningServer,
     ServerDidNotStart,
     ServerProcess,
     free_port,
+    header_flood,
     non_loopback_address,
     ragblend_serve,
     reachable,
@@ -432,7 +434,7 @@ class Case:
     """One hostile case: what it is, what must happen, and the check that drives it and
     returns (passed, what happened)."""
 
-    kind: str       # injection | server | bad input | cancellation | files | index
+    kind: str       # injection | server | bad input | cancellation | files | index | isolation
     name: str
     expected: str
     check: object   # () -> (bool, str)
@@ -944,6 +946,166 @@ class Hostile:
                  "CancelledError traceback, status 499", in_server(stream_disconnect)),
         ]
 
+    # -------------------------------------------------------------------- one request's failure (issue 58)
+
+    def isolation_cases(self) -> list[Case]:
+        """Issue 58, items 3, 5 and 7b: one request cannot fail its batch-mates, stall /health with
+        an endless head, or cost seconds of tokenizing before its 400. The batch cases run ragblend
+        serve's app (its uvicorn settings) over this process's SmolLM2 with the default 300 s
+        timeout: the subprocess's 10 s timed out four answers queued together on a loaded host."""
+        from openai import OpenAI
+
+        from ragblend.serving.app import MAX_HEADERS
+
+        questions = ["When does the Sanderling ferry leave?", "Name a colour of the sea.", "What is a pier?",
+                     "Say hello in French."]
+        full = {"ragblend": {"strategy": "full_recompute"}}   # no reuse between the runs: answers comparable
+
+        def ask(url: str, question: str, **options) -> tuple[str, str]:
+            """("ok", answer) or (error class, message), from the official openai client."""
+            client = OpenAI(base_url=f"{url}/v1", api_key=SERVE_KEY, max_retries=0, timeout=300)
+            try:
+                reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": question}],
+                                                       extra_body=full, **{"max_tokens": 8, "temperature": 0,
+                                                                           **options})
+                return "ok", reply.choices[0].message.content
+            except Exception as err:   # the openai client's error for a 4xx/5xx
+                return type(err).__name__, str(err)[:120]
+
+        def beside_four(bad):
+            """A check: the four questions asked alone, then at once with ``bad(url, running)`` run
+            while they decode; ``bad`` returns (its outcome is right, what it saw)."""
+            def run():
+                with RunningServer(self.engine, api_key=SERVE_KEY) as running:
+                    alone = [ask(running.url, q) for q in questions]
+                    answers, threads = [None] * len(questions), []
+                    for i in range(len(questions)):
+                        threads.append(threading.Thread(
+                            target=lambda i=i: answers.__setitem__(i, ask(running.url, questions[i]))))
+                        threads[-1].start()
+                    time.sleep(0.3)   # the four are in the worker: queued or decoding
+                    bad_ok, seen = bad(running)
+                    for t in threads:
+                        t.join(timeout=300)
+                    idle = wait_idle(running.url, 30, headers=AUTH)
+                    rows = running.server.config.app.state.worker.batch.most_rows
+                changed = [f"{a} -> {b}" for a, b in zip(alone, answers) if a != b]
+                ok = not changed and all(kind == "ok" for kind, _ in alone) and bad_ok and rows >= 2
+                return ok, (f"batch-mates failed or changed: {len(changed)} of 4 {changed}; {seen}; most answers "
+                            f"in one pass: {rows}; idle {idle:.1f} s after")
+            return run
+
+        def bad_values(options: dict, param: str):
+            def bad(running):
+                kind, message = ask(running.url, "Tell me about the harbour.", **options)
+                return kind == "BadRequestError" and param in message, f"the bad request: {kind}: {message}"
+            return bad
+
+        def leaves(running):
+            body = {"model": "x", "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 400,
+                    "stream": True, **full}
+            with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, headers=AUTH,
+                              timeout=300) as response:
+                for line in response.iter_lines():
+                    if '"content"' in line and '"content": ""' not in line:
+                        return True, "the leaver hung up after its first token"
+            return False, "the leaver's stream ended before a token"
+
+        def forced_draw(running):
+            """A draw that slipped past every check: top_p=1e-300 set on SamplingParams after them."""
+            from ragblend.core.batching import kv_bytes_for
+            from ragblend.core.generate import SamplingParams
+            from ragblend.serving.protocol import ChatPrompt
+            from ragblend.serving.worker import Decode, Job
+
+            server, engine, outcome, done = running.server.config.app.state.server, self.engine, {}, threading.Event()
+
+            def forced_run(job):
+                layout = ChatPrompt.parse([{"role": "user", "content": "Tell me about the harbour."}],
+                                          server.limit).layout(engine)
+                params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
+                object.__setattr__(params, "top_p", 1e-300)   # as a value that slipped through would be
+                return Decode(lambda: engine.begin(layout, params=params),
+                              kv_bytes_for(engine.adapter, len(layout.token_ids) + 8), engine.finish)
+
+            def emit(item):
+                if item[0] in ("done", "error"):
+                    outcome[item[0]] = item[1]
+                    done.set()
+
+            server.worker.submit(Job(forced_run, emit))
+            done.wait(300)
+            error = outcome.get("error")
+            return error is not None, f"the forced draw ended with {type(error).__name__}: {str(error)[:80]}"
+
+        def header_flood_case():
+            baseline = HealthPoller(self.url, interval_s=0.005)
+            with baseline:
+                time.sleep(0.5)
+            with HealthPoller(self.url, interval_s=0.005) as poller:
+                flood = header_flood(self.url, 256 << 20, time_limit_s=60)
+                time.sleep(0.3)
+            self.health["flood_p99"] = poller.percentile(0.99) * 1e3
+            statuses = ", ".join(f"{s}: {n}" for s, n in flood["statuses"].items())
+            cut = set(flood["statuses"]) <= {"HTTP/1.1 400 Bad Request", "reset", "closed"}
+            ok = cut and poller.failures == 0 and poller.percentile(0.99) < 0.100
+            return ok, (f"{flood['sent'] >> 20} MB sent over {flood['connections']} connections in "
+                        f"{flood['seconds']:.2f} s (at most {flood['most_on_one'] >> 10} KB on one, kernel buffers "
+                        f"included), answered {statuses}; during it {poller.summary()}; before it "
+                        f"{baseline.summary()}")
+
+        def many_fields():
+            headers = {f"x-field-{i}": "v" for i in range(MAX_HEADERS + 1)}
+            r = httpx.get(f"{self.url}/v1/models", headers=headers, timeout=10)   # no key
+            code = r.json().get("error", {}).get("code") if r.status_code == 431 else r.text[:80]
+            return r.status_code == 431, f"{MAX_HEADERS + 1} header fields, no key: {r.status_code} {code}"
+
+        cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(1_300_000))   # 3.9 MB in UTF-8
+        whole: list = []
+
+        def cjk_prompt(path: str, field: str):
+            def run():
+                body = {"messages": [{"role": "user", "content": cjk}]} if field == "messages" else {field: cjk}
+                raw = json.dumps({**body, "max_tokens": 4}, ensure_ascii=False).encode()
+                t0 = time.perf_counter()
+                r = self.post(path, raw=raw)
+                seconds = time.perf_counter() - t0
+                if not whole:   # what tokenizing it whole costs on this host (once)
+                    t1 = time.perf_counter()
+                    tokens = len(self.engine.tokenize(cjk))
+                    whole.extend([time.perf_counter() - t1, tokens])
+                whole_s, tokens = whole
+                code = r.json().get("error", {}).get("code") if r.status_code == 400 else r.text[:80]
+                ok = r.status_code == 400 and code == "context_length_exceeded" and seconds < 1.0
+                return ok, (f"{len(raw) / 1e6:.1f} MB body: {r.status_code} {code} in {seconds:.2f} s (whole request); "
+                            f"tokenizing it whole here: {whole_s:.2f} s, {tokens} tokens")
+            return run
+
+        return [
+            Case("isolation", "4 concurrent answers + a request with temperature 1, top_p 1e-300 (0 in float32)",
+                 "0 batch-mates failed or changed; the bad one a 400 naming top_p",
+                 beside_four(bad_values({"temperature": 1, "top_p": 1e-300}, "top_p"))),
+            Case("isolation", "4 concurrent answers + a request with temperature 1e-300", "0 batch-mates failed or "
+                 "changed; a 400 naming temperature", beside_four(bad_values({"temperature": 1e-300}, "temperature"))),
+            Case("isolation", "4 concurrent answers + a request with a subnormal top_p (1e-40)", "0 batch-mates "
+                 "failed or changed; a 400 naming top_p",
+                 beside_four(bad_values({"temperature": 1, "top_p": 1e-40}, "top_p"))),
+            Case("isolation", "4 concurrent answers + a streaming client that leaves after its first token",
+                 "0 batch-mates failed or changed; the worker idle after", beside_four(leaves)),
+            Case("isolation", "4 concurrent answers + a draw that slipped past the checks (top_p 1e-300 forced onto "
+                 "SamplingParams) in the server's worker", "it alone ends with its error; 0 batch-mates failed or "
+                 "changed", beside_four(forced_draw)),
+            Case("server", "a client streaming a 256 MB request head (no key), reconnecting each time it is cut off",
+                 "every connection cut off with a 400; /health p99 < 100 ms meanwhile", header_flood_case),
+            Case("server", f"{MAX_HEADERS + 1} header fields, no key", "431 before the key is checked", many_fields),
+            Case("bad input", "a 3.9 MB CJK chat prompt (1.3M characters, under the character bound)",
+                 "400 context_length_exceeded within 1 s", cjk_prompt("/v1/chat/completions", "messages")),
+            Case("bad input", "the same text as a /v1/completions prompt", "400 context_length_exceeded within 1 s",
+                 cjk_prompt("/v1/completions", "prompt")),
+            Case("bad input", "the same text to /tokenize", "400 context_length_exceeded within 1 s",
+                 cjk_prompt("/tokenize", "prompt")),
+        ]
+
     # -------------------------------------------------------------------- files (ingest, app, cache)
 
     def file_cases(self) -> list[Case]:
@@ -1333,7 +1495,8 @@ def hostile_section(args) -> tuple[list[str], str]:
     results = []
     try:
         cases = (world.injection_cases() + world.server_cases() + world.cancellation_cases() + world.file_cases()
-                 + world.index_cases() + world.bomb_cases())
+                 + world.index_cases() + world.bomb_cases()
+                 + world.isolation_cases())
         for number, case in enumerate(cases, 1):
             t0 = time.perf_counter()
             try:
@@ -1363,7 +1526,9 @@ def hostile_section(args) -> tuple[list[str], str]:
                + ("" if readable else " (writes only: this file system does not record reads)")
                + f"; /health under the worst requests: {health.get('polls', 0)} polls, p50 "
                f"{health.get('p50', float('nan')):.1f} ms, p99 {health.get('p99', float('nan')):.1f} ms, "
-               f"max {health.get('max', float('nan')):.1f} ms.")
+               f"max {health.get('max', float('nan')):.1f} ms; one request's failure its own (batch-mates "
+               f"unchanged): {tally({'isolation'})}; /health p99 during a 256 MB head "
+               f"{health.get('flood_p99', float('nan')):.1f} ms.")
     lines += ["", f"Sentinel files outside the sandbox (a secret, a private folder, a precious file) had their "
               f"access time set before their modification time, so a read shows (reads detectable here: {readable})."]
     return lines, summary

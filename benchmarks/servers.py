@@ -87,11 +87,12 @@ class RunningServer:
     def __init__(self, engine, **options):
         import uvicorn
 
-        from ragblend.serving.app import create_app
+        from ragblend.serving.app import create_app, uvicorn_config
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, **options), host="127.0.0.1", port=self.port, log_level="warning")
+        # ragblend serve's own uvicorn settings (its HTTP parser and limits)
+        config = uvicorn_config(create_app(engine, **options), "127.0.0.1", self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -138,10 +139,85 @@ class ServerProcess:
         self.stop()
 
 
-def ragblend_serve(kv_dir: str, *extra: str, timeout_s: float = 120) -> ServerProcess:
+def ragblend_serve(kv_dir: str, *extra: str, timeout_s: float = 300) -> ServerProcess:
     """``ragblend serve`` (the embedded model unless ``extra`` names another) in a child process on a
-    free port; its URL is ``.url``."""
+    free port; its URL is ``.url``. Loading the model took 145 s on a 2-core host at a load of 12."""
     url = f"http://127.0.0.1:{free_port()}"
     port = url.rsplit(":", 1)[1]
     return ServerProcess([sys.executable, "-m", "ragblend.cli", "serve", "--port", port, "--kv-dir", kv_dir, *extra],
                          http_ok(f"{url}/health"), "ragblend serve", timeout_s, url=url, stderr=subprocess.DEVNULL)
+
+
+class HealthPoller:
+    """Polls ``url``/health every ``interval_s`` in a thread while a ``with`` block runs; then
+    ``latencies`` (seconds), ``failures`` (polls not answered 200) and :meth:`summary`."""
+
+    def __init__(self, url: str, interval_s: float = 0.02, timeout_s: float = 10):
+        self.url, self.interval_s, self.timeout_s = url, interval_s, timeout_s
+        self.latencies: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=self.timeout_s) as client:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                try:
+                    ok = client.get(f"{self.url}/health").status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.latencies.append(time.perf_counter() - t)
+                self.failures += not ok
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> HealthPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 5)
+
+    def percentile(self, q: float) -> float:
+        ordered = sorted(self.latencies)
+        return ordered[int(q * (len(ordered) - 1))] if ordered else float("nan")
+
+    def summary(self) -> str:
+        return (f"{len(self.latencies)} /health polls: p50 {self.percentile(0.5) * 1e3:.1f} ms, p99 "
+                f"{self.percentile(0.99) * 1e3:.1f} ms, max {max(self.latencies, default=0) * 1e3:.1f} ms, "
+                f"{self.failures} failed")
+
+
+def header_flood(url: str, total_bytes: int, *, time_limit_s: float = 20, piece_bytes: int = 1 << 16,
+                 path: str = "/v1/chat/completions") -> dict:
+    """A client sending ``total_bytes`` of request head over raw sockets (header lines of ~1 KB,
+    never the blank line that ends a head): whenever the server closes the connection it opens
+    another and goes on, until all is sent or ``time_limit_s`` passes. Returns ``sent`` (bytes
+    the server's side took, kernel buffers included), ``connections``, ``most_on_one`` (the
+    most bytes one connection took), ``statuses`` (the status lines answered) and ``seconds``."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+    piece = line * max(1, piece_bytes // len(line))
+    sent, connections, most, statuses = 0, 0, 0, {}
+    t0 = time.monotonic()
+    while sent < total_bytes and time.monotonic() - t0 < time_limit_s:
+        connections += 1
+        on_this = 0
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.settimeout(2)
+            try:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n".encode())
+                while sent < total_bytes and time.monotonic() - t0 < time_limit_s:
+                    sock.sendall(piece)
+                    sent, on_this = sent + len(piece), on_this + len(piece)
+            except OSError:   # reset or broken pipe: the server closed it
+                pass
+            try:
+                status = sock.recv(4096).split(b"\r\n", 1)[0].decode(errors="replace") or "closed"
+            except OSError:
+                status = "reset"
+        statuses[status] = statuses.get(status, 0) + 1
+        most = max(most, on_this)
+    return {"sent": sent, "connections": connections, "most_on_one": most, "statuses": statuses,
+            "seconds": time.monotonic() - t0}

@@ -101,11 +101,14 @@ class Member:
 @dataclass
 class Event:
     """What a step did for one member: the text it released, and whether it finished (then
-    ``member.decoding.finish_reason`` says why, and the member has left the batch)."""
+    ``member.decoding.finish_reason`` says why, and the member has left the batch). A member
+    whose own work failed (its sampling, its detokenizing, its row of a pass) finishes with
+    that ``error``; the others carry on."""
 
     member: Member
     delta: str
     finished: bool
+    error: BaseException | None = None
 
 
 class BatchDecoder:
@@ -162,28 +165,57 @@ class BatchDecoder:
     @torch.inference_mode()
     def step(self) -> list[Event]:
         """Every member takes its next token (from logits computed before); those that finish
-        leave; then one model pass computes the next logits of every member that needs them."""
+        leave; then one model pass computes the next logits of every member that needs them.
+
+        One member's failure is its own: it leaves with an Event carrying the error. A pass
+        that fails over the whole batch is run again for each member alone, so that only the
+        members whose own pass fails leave (a failed pass writes K/V at positions the decoder
+        does not count yet, so running it again is safe)."""
         events = []
         for member in list(self.members):
             decoding = member.decoding
-            delta = decoding.take(decoding.pending.popleft())
-            finished = decoding.finish_reason is not None
+            try:
+                delta = decoding.take(decoding.pending.popleft())
+                finished = decoding.finish_reason is not None
+                if finished:
+                    delta += decoding.rest()
+            except Exception as err:   # e.g. sampling from a distribution that came out empty
+                self._fail(member, err, events)
+                continue
             if finished:
-                delta += decoding.rest()
                 decoding.decode_s = time.perf_counter() - member.joined
                 self.members.remove(member)
             events.append(Event(member, delta, finished))
-        stepping = [m.decoding for m in self.members if m.decoding.needs_step]
+        stepping = [m for m in self.members if m.decoding.needs_step]
         if stepping:
-            with stepping[0].lock or contextlib.nullcontext():
+            with stepping[0].decoding.lock or contextlib.nullcontext():
                 if len(stepping) == 1:   # alone: the single-sequence step, with its drafts
-                    stepping[0].pending.extend(stepping[0]._step(stepping[0].token_ids[-1]))
+                    decoding = stepping[0].decoding
+                    try:
+                        decoding.pending.extend(decoding._step(decoding.token_ids[-1]))
+                    except Exception as err:
+                        self._fail(stepping[0], err, events)
                 else:
-                    logits = batch_extend([d.decoder for d in stepping], [d.token_ids[-1] for d in stepping])
-                    for d, row in zip(stepping, logits):
-                        d.pending.append(d.rechecked(row))
-                        d.steps += 1
+                    self._batched_pass(stepping, events)
             self.passes += 1
             self.batched_rows += len(stepping)
             self.most_rows = max(self.most_rows, len(stepping))
         return events
+
+    def _batched_pass(self, stepping: list[Member], events: list[Event]) -> None:
+        decodings = [m.decoding for m in stepping]
+        try:
+            logits = batch_extend([d.decoder for d in decodings], [d.token_ids[-1] for d in decodings])
+        except Exception:   # whose row failed? each member's pass again, alone
+            logits = None
+        for i, (member, d) in enumerate(zip(stepping, decodings)):
+            try:
+                row = logits[i] if logits is not None else batch_extend([d.decoder], [d.token_ids[-1]])[0]
+                d.pending.append(d.rechecked(row))
+                d.steps += 1
+            except Exception as err:
+                self._fail(member, err, events)
+
+    def _fail(self, member: Member, err: BaseException, events: list[Event]) -> None:
+        self.remove(member)
+        events.append(Event(member, "", True, err))

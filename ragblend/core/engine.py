@@ -72,7 +72,8 @@ class BlendEngine:
         self.hf_model, self.tokenizer, self.lock = hf_model, tokenizer, threading.RLock()
         self.adapter, self.kernel_plan = _fast_adapter(hf_model)
         self.store = store if store is not None else MemoryStore()
-        self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template)
+        self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template,
+                                     max_tokens=self.adapter.shape.context_window)
         self.sink_ids = self.prompts.chunk_sink(options.sink_prefix, options.chunk_context)
         # A prompt's first chunk follows the template's opening, not a passage: it is fused from a
         # second entry of each chunk, its lead entry, computed after the opening alone (see .ingest).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -34,6 +35,17 @@ from .omp import release_thread_pool
 # low-bit pass takes ~50). docs/benchmarks.md, "Near ties made again in float32".
 NEAR_TIE = 0.03
 
+# Sampling computes in float32, where a positive temperature or top_p below ~7e-46 is zero: a
+# temperature of 1e-300 divides by zero (the probabilities turn to NaN), a top_p of 1e-300 keeps
+# no token at all, and the draw fails. Such values are refused. Subnormal ones (below float32's
+# smallest normal number, ~1.2e-38) still work here, but not where denormals are flushed to
+# zero, so the server refuses them too (protocol.sampling_fields).
+MIN_SAMPLING_VALUE = float(torch.finfo(torch.float32).tiny)
+
+
+def rounds_to_zero_in_float32(value: float) -> bool:
+    return 0 < abs(value) < MIN_SAMPLING_VALUE and struct.unpack("f", struct.pack("f", value))[0] == 0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -51,9 +63,15 @@ class SamplingParams:
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise InvalidInputError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}.")
+        if rounds_to_zero_in_float32(self.temperature):
+            raise InvalidInputError(f"temperature {self.temperature!r} rounds to zero in float32, where sampling "
+                                    f"computes; use 0 for greedy decoding or at least {MIN_SAMPLING_VALUE:.3g}.")
         if (isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p)
                 or not 0 < self.top_p <= 1):
             raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p!r}.")
+        if rounds_to_zero_in_float32(self.top_p):
+            raise InvalidInputError(f"top_p {self.top_p!r} rounds to zero in float32, where sampling computes, and "
+                                    f"would keep no token; use at least {MIN_SAMPLING_VALUE:.3g}.")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise InvalidInputError(f"seed must be an integer in [0, 2**63) or None, got {self.seed!r}.")

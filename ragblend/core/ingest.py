@@ -162,20 +162,21 @@ class Ingestion:
             if not isinstance(text, str):
                 raise InvalidInputError(f"precompute takes chunk texts (str); item {i} is {type(text).__name__}.")
             check_text(text, f"chunk {i}")
-        tokenized = [self.prompts.tokenize(t) for t in texts]
         window = self.adapter.shape.context_window
         limit = window - len(self.sink_ids)
+        # None: more than limit tokens, found without tokenizing a long text whole
+        tokenized = [self.prompts.tokenize_within(t, limit) for t in texts]
         if skip_unusable:
-            tokenized = [ids if ChunkFinder.MIN_RUN <= len(ids) <= limit else None for ids in tokenized]
+            tokenized = [ids if ids is not None and ChunkFinder.MIN_RUN <= len(ids) else None for ids in tokenized]
         for i, ids in enumerate(tokenized):
-            if ids is None:
+            if ids is None and skip_unusable:
                 continue
+            if ids is None:
+                raise PromptTooLongError(
+                    f"chunk {i} has more than {limit} tokens; at most {limit} fit in the context window "
+                    f"({window}) after the sink prefix. Split it into smaller chunks.")
             if not ids or not texts[i].strip():
                 raise InvalidInputError(f"chunk {i} is empty or only whitespace; drop such chunks before precomputing.")
-            if len(ids) > limit:
-                raise PromptTooLongError(
-                    f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context window "
-                    f"({window}) after the sink prefix. Split it into smaller chunks.")
         return texts, tokenized
 
     def _warn_unstored(self, refs: list[ChunkRef | None]) -> None:

@@ -42,7 +42,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-from .errors import InvalidInputError, SegmentTypeError
+from .errors import InvalidInputError, PromptTooLongError, SegmentTypeError
 
 
 def check_text(text, what: str) -> str:
@@ -261,19 +261,31 @@ def text_encoder(tokenizer) -> TextEncoder:
         return encoder
 
 
+# Tokenizing takes time in proportion to the text (SmolLM2's tokenizer: ~1.4 us a character of
+# CJK text, 5.4 s for a 1.3M-character prompt), so a text that must fit in a window of n tokens
+# is tokenized in prefixes of FIRST_PREFIX * n characters, then twice as many each time, and
+# refused as soon as a prefix holds more than PREFIX_MARGIN * n tokens: no longer text holds fewer
+# tokens than its start, but where the cut splits a word the prefix may hold a few more, hence
+# the margin. A text that fits is tokenized whole at the end: at most twice its own cost.
+FIRST_PREFIX = 4
+PREFIX_MARGIN = 2
+
+
 class PromptBuilder:
     """Turns segments into prompt token ids with the model's chat template.
 
     Every piece of text (chunks, segments, system, history) is tokenized as text
     (:class:`TextEncoder`); only the template's own text has its control tokens parsed.
+    With ``max_tokens`` (the engine's context window), :meth:`build` refuses texts that cannot
+    fit in it before tokenizing them whole (:meth:`tokenize_within`).
     """
 
     #: What the plain layout (no chat template) ends a prompt with, and writes before an assistant turn.
     ANSWER_CUE = "Answer:"
 
     def __init__(self, tokenizer, *, separator: str = "\n\n", use_chat_template: bool | None = None,
-                 answer_cue: str = ANSWER_CUE):
-        self.tokenizer = tokenizer
+                 answer_cue: str = ANSWER_CUE, max_tokens: int | None = None):
+        self.tokenizer, self.max_tokens = tokenizer, max_tokens
         self.separator = separator
         if use_chat_template is None:
             use_chat_template = bool(getattr(tokenizer, "chat_template", None))
@@ -298,6 +310,42 @@ class PromptBuilder:
     def tokenize(self, text: str) -> list[int]:
         """Ids of ``text`` as text: control-token strings in it are ordinary characters."""
         return self.text_encoder(text)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The most characters one token can cover: the vocabulary's longest entry, twice over
+        for tokenizers that normalize text (a text longer than this many per token cannot fit)."""
+        return 2 * max(max(map(len, self.tokenizer.get_vocab()), default=1), 1)
+
+    def tokenize_within(self, text: str, max_tokens: int) -> list[int] | None:
+        """:meth:`tokenize` of ``text``, or None when it holds more than ``max_tokens`` tokens,
+        found without tokenizing it whole: by its characters alone (:attr:`max_chars_per_token`),
+        else by its first characters (:data:`FIRST_PREFIX`)."""
+        if len(text) > max_tokens * self.max_chars_per_token:
+            return None
+        size = max(FIRST_PREFIX * max_tokens, 256)
+        while size < len(text):
+            if len(self.tokenize(text[:size])) > PREFIX_MARGIN * max_tokens:
+                return None
+            size *= 2
+        ids = self.tokenize(text)
+        return ids if len(ids) <= max_tokens else None
+
+    def _fitting(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids of ``texts``, which together must fit in :attr:`max_tokens` (else
+        PromptTooLongError, raised before a long text is tokenized whole)."""
+        chars, room, out = sum(map(len, texts)), self.max_tokens, []
+        if chars > self.max_tokens * self.max_chars_per_token:
+            raise PromptTooLongError(f"The prompt's texts hold {chars} characters, more than fit the model's context "
+                                     f"window ({self.max_tokens} tokens); shorten them.")
+        for text in texts:
+            ids = self.tokenize_within(text, room)
+            if ids is None:
+                raise PromptTooLongError(f"The prompt holds more tokens than the model's context window "
+                                         f"({self.max_tokens}); shorten it or pass fewer or shorter chunks.")
+            room -= len(ids)
+            out.append(ids)
+        return out
 
     def tokenize_template(self, text: str) -> list[int]:
         """Ids of text with its control tokens parsed: only for text the chat template or the
@@ -445,19 +493,22 @@ class PromptBuilder:
         """Lay out ``segments`` as the last user turn, after ``history`` (``(role, text)`` pairs, role
         "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's)."""
         segments = check_segments(segments)
+        texts = [s.text if isinstance(s, Chunk) else s for s in segments]
+        if self.max_tokens is not None:   # texts too long for the window are refused before their whole is tokenized
+            turns = ([] if system is None else [check_text(system, "system")]) + [t for _, t in _checked_history(history)]
+            segment_ids = self._fitting(turns + texts)[len(turns):]
+        else:
+            segment_ids = [self.tokenize(text) for text in texts]
         prefix, suffix = self.template_parts(system, history)
         separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         ids = list(prefix)
         spans = []
-        for i, seg in enumerate(segments):
+        for i, (seg, tokens) in enumerate(zip(segments, segment_ids)):
             if i:
                 ids += separator_ids
             if isinstance(seg, Chunk):
-                tokens = self.tokenize(seg.text)
                 spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens)))
-                ids += tokens
-            else:
-                ids += self.tokenize(seg)
+            ids += tokens
         ids += suffix
         return PromptLayout(ids, spans)
 

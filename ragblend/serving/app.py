@@ -84,6 +84,16 @@ TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # bound, so that clients cannot grow the list without end.
 MAX_ALIASES = 32
 
+# Bounds on a request's head, enforced before the API key is checked or any route runs, so that
+# a client without the key costs the server little. The request line and headers may hold at
+# most MAX_HEADER_BYTES: uvicorn's h11 parser (``serve`` picks it) answers a longer head 400 and
+# closes the connection, however much is still coming (its default parser, httptools, has no
+# bound: a 256 MB head took 67 s of CPU). At most MAX_HEADERS header fields, and as many bytes
+# in them, or the Guard answers 431 (for any ASGI server the app runs under). nginx's default
+# buffers take a 32 KB head too (4 x 8k); docs/serving.md has the proxy settings.
+MAX_HEADER_BYTES = 32 << 10
+MAX_HEADERS = 100
+
 # The paths /metrics counts by name; any other path is counted as "other", so that a client
 # cannot add series (or forge labels) by requesting made-up paths.
 ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
@@ -197,9 +207,9 @@ def _entries(store) -> int:
 
 
 class Guard:
-    """Checks the API key and the declared body size before any route runs. Plain ASGI (not
-    Starlette's BaseHTTPMiddleware), so handlers keep the server's own ``receive`` and see a
-    client's disconnect."""
+    """Checks the headers' count and size, then the API key and the declared body size, before
+    any route runs. Plain ASGI (not Starlette's BaseHTTPMiddleware), so handlers keep the
+    server's own ``receive`` and see a client's disconnect."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, refuse: Callable):
         self.app, self.max_body_bytes, self.refuse = app, max_body_bytes, refuse
@@ -210,7 +220,11 @@ class Guard:
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
         error = None
-        if path != "/health" and self.expected is not None:
+        if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            error = ApiError(431, f"The request has {len(scope['headers'])} header fields; at most {MAX_HEADERS}, "
+                                  f"holding at most {MAX_HEADER_BYTES} bytes, are accepted.",
+                             code="request_header_fields_too_large")
+        elif path != "/health" and self.expected is not None:
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 error = ApiError(401, "Missing or wrong API key: send Authorization: Bearer <key>.",
                                  kind="authentication_error", code="invalid_api_key")
@@ -622,7 +636,10 @@ def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
     specials = body.get("add_special_tokens", True)
 
     def run(job: Job) -> list[int]:
-        ids = engine.tokenize(text)
+        ids = engine.prompts.tokenize_within(text, engine.context_window)
+        if ids is None:   # found by tokenizing no more than a bounded start of it
+            raise PromptTooLongError(f"prompt holds more tokens than the model's context window "
+                                     f"({engine.context_window}).")
         return server.special_head + ids + server.special_tail if specials else ids
     return run
 
@@ -649,6 +666,14 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: i
     return app
 
 
+def uvicorn_config(app, host: str, port: int, **settings):
+    """uvicorn's settings for ``app``: the h11 parser, its head bounded by :data:`MAX_HEADER_BYTES`."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http="h11", h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+                          **settings)
+
+
 def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           **options) -> None:
     """Serve ``engine`` with uvicorn until interrupted."""
@@ -669,4 +694,4 @@ def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn_config(app, host, port, log_level="warning")).run()

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
-from ragblend.core.generate import SamplingParams
+from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams
 from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, check_text
 from ragblend.core.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 
@@ -163,6 +163,13 @@ def sampling_fields(body: dict) -> dict:
         raise ApiError(400, f"temperature must be a number from 0 to 2, got {temperature!r}.", param="temperature")
     if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
         raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}.", param="top_p")
+    # Sampling computes in float32: a positive value below its smallest normal number is zero or
+    # subnormal there, and the request's draw would fail (see generate.MIN_SAMPLING_VALUE).
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if value is not None and 0 < value < MIN_SAMPLING_VALUE:
+            raise ApiError(400, f"{name} {value!r} rounds to zero or to a subnormal number in float32, where "
+                                f"sampling computes; use {'0 for greedy decoding or ' if name == 'temperature' else ''}"
+                                f"at least {MIN_SAMPLING_VALUE:.3g}.", param=name)
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
         raise ApiError(400, f"seed must be an integer in [0, 2**63), got {seed!r}.", param="seed")
     stop = body.get("stop")
@@ -259,12 +266,14 @@ def strategy_from_json(options: dict):
 
 class TextLimit:
     """The most characters a prompt can have and still fit the window: no token covers more
-    characters than the vocabulary's longest entry (twice that, for tokenizers that normalize).
-    Checked before tokenizing, so an oversized prompt costs no tokenizer time."""
+    characters than the vocabulary's longest entry (twice that, for tokenizers that normalize;
+    ``PromptBuilder.max_chars_per_token``). Checked on the event loop, before the worker
+    tokenizes anything; the worker then tokenizes a long text in bounded prefixes
+    (``PromptBuilder.tokenize_within``), so a prompt under this limit that still overflows the
+    window is refused after a few tens of milliseconds of tokenizing, not seconds."""
 
     def __init__(self, engine: BlendEngine):
-        longest = max(map(len, engine.tokenizer.get_vocab()), default=1)
-        self.window, self.max_chars = engine.context_window, 2 * engine.context_window * max(longest, 1)
+        self.window, self.max_chars = engine.context_window, engine.context_window * engine.prompts.max_chars_per_token
 
     def check(self, chars: int, what: str, param: str) -> None:
         if chars > self.max_chars:
@@ -455,8 +464,10 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> 
     """The prompt of a completions request (checked by :func:`check_prompt`): raw text (stored
     chunks found inside it, no chat template), or token ids in LMCache's blending convention."""
     if isinstance(prompt, str):
-        ids = engine.tokenize(prompt)
-        check_window(engine, len(ids))
+        ids = engine.prompts.tokenize_within(prompt, engine.context_window - 1)
+        if ids is None:   # found by tokenizing no more than a bounded start of it
+            raise PromptTooLongError(f"The prompt holds more tokens than fit the model's context window "
+                                     f"({engine.context_window}); shorten it.")
         return engine.find_chunks_in_ids(ids)
     segments = split_lmcache(prompt, separator_ids)
     if len(segments) == 1:   # a chunk on its own: LMCache's way of warming its KV (is_lmcache_warmup)

@@ -12,6 +12,10 @@ Bounds: ``max_batch`` answers decode together and their KV buffers hold at most
 ``max_kv_bytes``; a request that does not fit waits (holding the queue behind it, first come
 first served) until answers finish, and the queue holds ``queue_size`` requests: beyond it, 429.
 A request alone is always served, whatever its size.
+
+One request's failure is its own: a job whose run, prefill or finish raises, an answer whose
+sampling fails in a step, or a request cancelled (timed out, its client gone) ends with its
+error while the other answers in the batch go on unchanged (``BatchDecoder.step``).
 """
 
 from __future__ import annotations
@@ -136,7 +140,7 @@ class Worker:
             return
         try:
             events = self.batch.step()
-        except BaseException as err:   # a failed pass fails the answers it was computing, not the server
+        except BaseException as err:   # a failure outside any one answer's work (step isolates those): all end
             log.error("a batched decoding step failed", exc_info=err)
             for member in list(self.batch.members):
                 self.batch.remove(member)
@@ -144,6 +148,11 @@ class Worker:
             return
         for event in events:
             job, decode = event.member.tag
+            if event.error is not None:   # this answer's own failure (its sampling, say): it alone ends
+                log.warning("an answer failed during its decoding (%s); the others in its batch go on",
+                            type(event.error).__name__)   # its handler logs the traceback
+                self._end(job, ("error", event.error))
+                continue
             if event.delta:
                 self._emit(job, ("item", event.delta))
             if event.finished:
