@@ -32,6 +32,7 @@ import re
 import shutil
 import signal
 import sqlite3
+import statistics
 import struct
 import subprocess
 import sys
@@ -434,10 +435,11 @@ class Case:
     """One hostile case: what it is, what must happen, and the check that drives it and
     returns (passed, what happened)."""
 
-    kind: str       # injection | server | bad input | cancellation | files | index | isolation
+    kind: str       # injection | server | bad input | cancellation | files | index | isolation | tenants
     name: str
     expected: str
     check: object   # () -> (bool, str)
+    bound: float | None = None   # seconds it may take, where more than --case-bound (a real model's many requests)
 
 
 class Outside:
@@ -1259,6 +1261,10 @@ class Hostile:
 
     # -------------------------------------------------------------------- one index, one writer
 
+    def tenant_cases(self) -> list[Case]:
+        """Issue 58 (tenants, token-id chunks, relabelled entries): see :func:`_tenant_cases`."""
+        return _tenant_cases(self)
+
     def index_cases(self) -> list[Case]:
         six = self.folder("six")
         for i in range(6):
@@ -1486,6 +1492,247 @@ class Hostile:
                  "link, image or HTML syntax (the browser check: test_app.py)", app_text),
         ]
 
+# ---------------------------------------------------------------------------- tenants (issue 58)
+
+TENANT_KEYS = {"tenant-a": "bench-tenant-a-key", "tenant-b": "bench-tenant-b-key"}
+OPERATOR_KEY = "bench-operator-key"
+# Tenant A's system prompt: a long paragraph, then two codes; B knows the paragraph, not the codes.
+DOOR_PREFIX = ("Notes for the staff of the north building, kept by the front desk and read out at the Monday "
+               "meeting. Deliveries come to the loading bay behind the canteen, never to the main entrance, and "
+               "the porter signs for them between eight and ten. Visitors wait in the lobby until a member of "
+               "staff collects them. The door code for the north entrance this month is ")
+DOOR_CODE, SAFE_CODE = "7319", "408256"
+SAFE_PREFIX = ". The combination of the safe in the manager's office is "
+A_SYSTEM = f"{DOOR_PREFIX}{DOOR_CODE}{SAFE_PREFIX}{SAFE_CODE}, and both change on the first of every month."
+A_QUESTIONS = ["What is the capital of France?", "At what temperature does water boil at sea level?",
+               "Name three colours of the rainbow.", "What do bees make?"]
+
+
+def tenant_auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def timed_chat(url: str, key: str, messages: list[dict], max_tokens: int = 1, **extra) -> tuple[dict, float]:
+    """One greedy chat request; its answer and the client's seconds until it came."""
+    t0 = time.perf_counter()
+    response = httpx.post(f"{url}/v1/chat/completions", headers=tenant_auth(key), timeout=300,
+                          json={"messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra})
+    seconds = time.perf_counter() - t0
+    response.raise_for_status()
+    return response.json(), seconds
+
+
+def cached_of(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def relabel_dtype(path: Path, dtype: str) -> None:
+    """Rewrite an entry file's header to name ``dtype``, its checksum made right again."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<I", data[4:8])
+    header = json.loads(data[8:8 + length])
+    header["dtype"] = dtype
+    raw = json.dumps(header).encode()
+    path.write_bytes(MAGIC + struct.pack("<I", len(raw)) + raw + struct.pack("<I", zlib.crc32(raw)) + data[12 + length:])
+
+
+def _tenant_cases(world: "Hostile") -> list[Case]:
+    """Issue 58, items 1, 2 and 7a: tenants of one server (two tenant keys from a keys file and an
+    operator key, the embedded model) cannot read each other's prompts through cached_tokens or
+    timing, nor change each other's answers (the token-id warm-up attack included, across a
+    restart); a float16 entry relabelled bfloat16 is a miss and `cache verify` flags it; reuse
+    for one tenant and for the operator's shared chunks stays >= 80% of the prompt.
+
+    The servers are `ragblend serve`'s app under uvicorn in threads of this process (``RunningServer``),
+    over engines loaded once: on a loaded 2-core host a fresh server process spends minutes loading
+    the model and measuring its kernels. The keys file is read by the CLI's own reader."""
+    from ragblend.serving.tenants import read_keys_file
+
+    keys_file = world.sandbox / "tenant-keys"
+    keys_file.write_text("".join(f"{name} {key}\n" for name, key in TENANT_KEYS.items()))
+    a_key, b_key = TENANT_KEYS["tenant-a"], TENANT_KEYS["tenant-b"]
+    state: dict = {}
+
+    def engine_on(kv: str) -> BlendEngine:
+        return BlendEngine.from_pretrained(kv_dir=world.sandbox / kv)
+
+    def tenant_server(engine: BlendEngine, **options) -> RunningServer:
+        return RunningServer(engine, tenants=read_keys_file(keys_file), operator_key=OPERATOR_KEY,
+                             request_timeout_s=600, **options)
+
+    def a_answers(url: str) -> list[str]:
+        return [timed_chat(url, a_key, [{"role": "user", "content": q}], GREEDY_TOKENS)[0]["choices"][0]["message"]
+                ["content"] for q in A_QUESTIONS]
+
+    def probe_codes(url: str, positions) -> tuple[int, list[tuple[bool, float, int]]]:
+        """B's attack: for each code position, one probe per digit (each with a fresh cache_salt, so
+        that B's own probes never hit each other); a digit is read when the right guess alone gets
+        the most cached tokens. Returns (digits read, [(right guess?, server TTFT, cached)])."""
+        read, probes = 0, []
+        for prefix, code, i in positions:
+            cached = {}
+            for digit in "0123456789":
+                text = f"Please repeat this text exactly.\n\n{prefix}{code[:i]}{digit}"
+                answer, _ = timed_chat(url, b_key, [{"role": "user", "content": text}],
+                                       cache_salt=f"probe-{random.getrandbits(64):x}")
+                cached[digit] = cached_of(answer)
+                probes.append((digit == code[i], answer["ragblend"]["ttft_s"], cached[digit]))
+            best = max(cached.values())
+            read += cached[code[i]] == best and list(cached.values()).count(best) == 1
+        return read, probes
+
+    def a_stores_its_system_prompt(url: str) -> int:
+        messages = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": "When do the codes change?"}]
+        timed_chat(url, a_key, messages)
+        wait_idle(url, within_s=600, headers=tenant_auth(a_key))
+        return cached_of(timed_chat(url, a_key, messages)[0])   # A's own reuse of it
+
+    positions = [(DOOR_PREFIX, DOOR_CODE, i) for i in range(4)] + \
+                [(DOOR_PREFIX + DOOR_CODE + SAFE_PREFIX, SAFE_CODE, i) for i in range(6)]
+
+    def read_codes():
+        state["engine"] = engine = engine_on("tenants")
+        server = tenant_server(engine)
+        try:
+            state["expected"] = expected = a_answers(server.url)   # A alone on a fresh server
+            own = a_stores_its_system_prompt(server.url)
+            read, probes = probe_codes(server.url, positions)
+            after = a_answers(server.url)
+        finally:
+            server.stop()
+        state["probes"] = probes
+        cached_any = sum(c > 0 for _, _, c in probes)
+        changed = sum(x != y for x, y in zip(after, expected))
+        ok = read == 0 and cached_any == 0 and own > 0 and changed == 0
+        return ok, (f"{len(probes)} guesses by tenant B: {read} of {len(positions)} digits read, {cached_any} probes "
+                    f"with cached tokens; A's own reuse of its prompt: {own} cached tokens; A's {len(A_QUESTIONS)} "
+                    f"greedy answers after B's probes differing from before them (A alone): {changed}")
+
+    def timing():
+        probes = state.get("probes")
+        if not probes:
+            return False, "needs the previous case's probes"
+        right = statistics.median(t for ok, t, _ in probes if ok)
+        wrong = sorted(t for ok, t, _ in probes if not ok)
+        low, high = wrong[len(wrong) // 4], wrong[3 * len(wrong) // 4]
+        # The channel a shared cache opens, for scale: A's own prompt asked again (a hit) vs first (a miss).
+        engine = state["engine"]
+        server = tenant_server(engine, shared_cache=True)
+        try:
+            own_hit = a_stores_its_system_prompt(server.url)
+            control, control_probes = probe_codes(server.url, positions[:2])
+        finally:
+            server.stop()
+        hits = [t for ok, t, _ in control_probes if ok]
+        misses = [t for ok, t, _ in control_probes if not ok]
+        ok = low <= right <= high and control > 0
+        return ok, (f"server TTFT of B's right guesses: median {right:.3f} s; wrong guesses: median "
+                    f"{statistics.median(wrong):.3f} s, interquartile {low:.3f}-{high:.3f} s (x{right / statistics.median(wrong):.2f}); "
+                    f"control with --shared-cache: {control} of 2 digits read ({own_hit} tokens of A's prompt "
+                    f"cached; right guesses {statistics.median(hits):.3f} s vs wrong {statistics.median(misses):.3f} s)")
+
+    def warm_up_attack():
+        engine = state.get("engine") or engine_on("tenants")
+        server = tenant_server(engine)
+        try:
+            expected = state.get("expected") or a_answers(server.url)
+            statuses = []
+            for key in (b_key, OPERATOR_KEY):   # a tenant's namespace, and the shared one
+                ids = httpx.post(f"{server.url}/tokenize", headers=tenant_auth(key), timeout=60, json={
+                    "messages": [{"role": "user", "content": A_QUESTIONS[0]}]}).json()["tokens"]
+                statuses.append(httpx.post(f"{server.url}/v1/completions", headers=tenant_auth(key), timeout=600,
+                                           json={"prompt": ids[:-8], "max_tokens": 1}).status_code)
+            wait_idle(server.url, within_s=600, headers=tenant_auth(a_key))
+            attacked = a_answers(server.url)
+        finally:
+            server.stop()
+        engine.flush()
+        if isinstance(engine.store, TieredStore):
+            engine.store.disk.close()
+        state["engine"] = restarted_engine = engine_on("tenants")   # a new process's engine on the same KV dir
+        server = tenant_server(restarted_engine)
+        try:
+            restarted = a_answers(server.url)
+        finally:
+            server.stop()
+        changed = sum(x != y for x, y in zip(attacked + restarted, expected * 2))
+        return statuses == [200, 200] and changed == 0, (
+            f"warm-up prompts (a one-message chat's ids less the last 8, as tenant B and as the operator) answered "
+            f"{statuses}; A's {2 * len(A_QUESTIONS)} greedy answers after it and after a restart on the same KV "
+            f"dir differing from A's on a fresh server: {changed}")
+
+    def relabelled_entry():
+        engine = world.engine
+        folder = world.folder("relabelled-kv")
+        saved, engine.store = engine.store, DiskStore(folder, engine.entry_spec)
+        batch = engine.precompute_batch_tokens
+        try:
+            engine.precompute_batch_tokens = 0   # one chunk a pass, as a query's recompute: bit-identical entries
+            sample = load_sample()
+            chunks = sample["chunks"][:3]
+            segments = [Chunk(c) for c in chunks] + [sample["question"]]
+            refs = engine.precompute(chunks)
+            clean = engine.generate(segments, max_new_tokens=GREEDY_TOKENS)
+            (name,) = engine.store.cache._sql("SELECT filename FROM Cache WHERE key = ?", (refs[1].key,)).fetchone()
+            relabel_dtype(folder / name, "bfloat16")
+            verify = world.cli("cache", "verify", "--kv-dir", str(folder), timeout=600)
+            again = engine.generate(segments, max_new_tokens=GREEDY_TOKENS)
+            engine.flush()
+            rejected = engine.store.rejected
+        finally:
+            engine.precompute_batch_tokens = batch
+            engine.store.close()
+            engine.store = saved
+        flagged = verify.returncode == 1 and "disagrees with its key" in verify.stdout
+        same = again.text == clean.text and again.stats.chunks_computed == 1
+        last = verify.stdout.strip().splitlines()[-1] if verify.stdout.strip() else verify.stderr.strip()[-200:]
+        return flagged and same and rejected == 1, (
+            f"`cache verify`: exit {verify.returncode}, '{last}'; the query: {again.stats.chunks_computed} chunk "
+            f"computed, {rejected} entry rejected, same greedy answer: {again.text == clean.text}")
+
+    def reuse_kept():
+        sample = load_sample()
+        docs, question = sample["chunks"][:3], sample["question"]
+        engine = state.get("engine") or engine_on("tenants")
+        server = tenant_server(engine)
+        try:
+            messages = [{"role": "system", "content": "\n\n".join(docs)}, {"role": "user", "content": question}]
+            timed_chat(server.url, a_key, messages)
+            wait_idle(server.url, within_s=600, headers=tenant_auth(a_key))
+            own = timed_chat(server.url, a_key, messages)[0]
+            other = sample["chunks"][3:6]
+            httpx.post(f"{server.url}/v1/chunks", headers=tenant_auth(OPERATOR_KEY), timeout=600,
+                       json={"texts": other}).raise_for_status()
+            operator = timed_chat(server.url, b_key, [{"role": "system", "content": "\n\n".join(other)},
+                                                      {"role": "user", "content": question}])[0]
+            b_on_a = timed_chat(server.url, b_key, messages)[0]
+        finally:
+            server.stop()
+        share = {name: cached_of(a) / a["usage"]["prompt_tokens"] for name, a in
+                 (("own", own), ("operator", operator), ("b_on_a", b_on_a))}
+        ok = share["own"] >= 0.8 and share["operator"] >= 0.8 and share["b_on_a"] == 0
+        return ok, (f"cached / prompt tokens: tenant A asking its RAG prompt again {share['own']:.0%}; tenant B over "
+                    f"the operator's registered chunks {share['operator']:.0%}; tenant B sending A's prompt "
+                    f"{share['b_on_a']:.0%}")
+
+    return [
+        Case("tenants", "tenant B guesses tenant A's system-prompt codes (a 4-digit and a 6-digit one) digit by "
+             "digit: 100 probes, max_tokens=1, a fresh cache_salt each", "0 digits read, no probe cached; A reuses "
+             "its own prompt; A's greedy answers after B's probes equal A's alone", read_codes, bound=1200),
+        Case("tenants", "the same 100 probes timed (server TTFT), and the 20 first-digit probes against "
+             "--shared-cache (control)", "right-guess median TTFT within the wrong guesses' interquartile range; "
+             "the control reads digits", timing, bound=900),
+        Case("tenants", "the token-id warm-up attack: /tokenize a one-message chat, drop the last 8 ids, POST them to "
+             "/v1/completions (as a tenant and as the operator), then restart on the same KV dir", "answered; A's "
+             "greedy answers equal A's on a fresh server, before and after the restart", warm_up_attack, bound=900),
+        Case("tenants", "a float16 KV entry relabelled bfloat16 in its header (checksum fixed)", "a miss: the chunk "
+             "is computed, the answer unchanged, the entry counted rejected; `ragblend cache verify` exits 1 "
+             "naming it", relabelled_entry, bound=900),
+        Case("tenants", "setup-free reuse with tenants on: a tenant's own RAG prompt again, another tenant over "
+             "the operator's chunks", ">= 80% of prompt tokens cached; another tenant's prompt: 0%", reuse_kept,
+             bound=900),
+    ]
+
 
 def hostile_section(args) -> tuple[list[str], str]:
     """Run every issue-27 case; the report's lines and its summary."""
@@ -1495,12 +1742,13 @@ def hostile_section(args) -> tuple[list[str], str]:
     results = []
     try:
         cases = (world.injection_cases() + world.server_cases() + world.cancellation_cases() + world.file_cases()
-                 + world.index_cases() + world.bomb_cases()
-                 + world.isolation_cases())
+                 + world.index_cases() + world.bomb_cases() + world.isolation_cases()
+                 + world.tenant_cases())
+        cases = [case for case in cases if not getattr(args, "kinds", None) or case.kind in args.kinds]
         for number, case in enumerate(cases, 1):
             t0 = time.perf_counter()
             try:
-                passed, observed = bounded(case.check, args.case_bound)
+                passed, observed = bounded(case.check, max(case.bound or 0, args.case_bound))
             except BaseException as err:  # a crash or a hang is the finding
                 passed, observed = False, f"{type(err).__name__}: {err}"[:300]
             results.append((case, passed))
@@ -1521,6 +1769,7 @@ def hostile_section(args) -> tuple[list[str], str]:
     summary = (f"Hostile cases passed: {tally({c.kind for c, _ in results})}; bad inputs with a clear 400 or error: "
                f"{tally({'bad input'})}; injections without a takeover: {tally({'injection'})}; cancellations "
                f"stopped in time: {tally({'cancellation'})}; files/index cases: {tally({'files', 'index'})}; "
+               f"tenant cases (no reads or changes across tenants): {tally({'tenants'})}; "
                f"files read or touched outside the sandbox: {len(touched)}"
                + (f" ({', '.join(touched)})" if touched else "")
                + ("" if readable else " (writes only: this file system does not record reads)")
@@ -1599,6 +1848,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bound", type=float, default=30.0, help="seconds after which a query counts as hung")
     parser.add_argument("--case-bound", type=float, default=240.0,
                         help="seconds after which a hostile case counts as hung")
+    parser.add_argument("--kinds", nargs="+", default=None,
+                        help="hostile section: only the cases of these kinds (injection, server, bad input, "
+                             "cancellation, files, index, tenants)")
     parser.add_argument("--out", default=None,
                         help="also write each section's report (faults-run.md, faults-hostile-run.md) into this folder")
     args = parser.parse_args(argv)

@@ -1,5 +1,9 @@
 """The chunk index: the token ids of every chunk an engine knows, for finding chunks in flat
-prompts (a prompt tokenized whole, with no markers saying where its chunks are)."""
+prompts (a prompt tokenized whole, with no markers saying where its chunks are).
+
+Each chunk is filed under the namespace it was stored for ("": shared; a server's tenants have
+their own, see :func:`~ragblend.core.kv.chunk_key`), and a prompt is searched only for the
+chunks of the namespaces its caller names."""
 
 from __future__ import annotations
 
@@ -18,14 +22,15 @@ class ChunkIndex:
         self._keys: set[str] = set()
         self._store_size = -1
 
-    def add(self, key: str, token_ids: Sequence[int]) -> None:
-        """Know the chunk of these token ids (stored under ``key``)."""
+    def add(self, key: str, token_ids: Sequence[int], namespace: str = "") -> None:
+        """Know the chunk of these token ids (stored under ``key``, for ``namespace``)."""
         if key not in self._keys:
             self._keys.add(key)
-            self.finder.add(token_ids)
+            self.finder.add(token_ids, namespace)
 
     def learn_store(self, store: KVStore) -> None:
-        """Learn the token ids of entries other processes stored (reads only new headers).
+        """Learn the token ids of entries other processes stored (reads only new headers), each
+        under the namespace its header names.
 
         Never deletes: a KV directory may be shared with other models, whose entries this
         engine cannot use but must leave alone.
@@ -40,11 +45,13 @@ class ChunkIndex:
             if reader is None:
                 self._keys.add(key)  # foreign or unreadable: do not look again
                 continue
-            self.add(key, reader.token_ids)
+            self.add(key, reader.token_ids, getattr(reader, "namespace", ""))
             reader.close()
         self._store_size = size
 
-    def mark(self, token_ids: Sequence[int], store: KVStore) -> PromptLayout:
-        """``token_ids`` laid out with every known chunk found inside them marked."""
+    def mark(self, token_ids: Sequence[int], store: KVStore, *, namespaces: Sequence[str] = ("",),
+             start: int = 0) -> PromptLayout:
+        """``token_ids`` laid out with every known chunk of ``namespaces`` found inside them marked,
+        none before ``start`` (the template's opening)."""
         self.learn_store(store)
-        return PromptLayout(list(token_ids), self.finder.find(token_ids))
+        return PromptLayout(list(token_ids), self.finder.find(token_ids, namespaces, start))

@@ -26,7 +26,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -193,12 +193,13 @@ class LoadingController:
         OS allows it; otherwise this measures the page cache (reported as is)."""
         self.probe_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.probe_dir, prefix="probe-") as tmp:
-            probe = DiskStore(tmp, self.spec, max_bytes=1 << 40)
+            spec = replace(self.spec, sink_ids=None)   # the probe entry's key is made up: no key check
+            probe = DiskStore(tmp, spec, max_bytes=1 << 40)
             probe.put(entry)
             for path in Path(tmp).rglob("*.val"):
                 drop_page_cache(path)
             handle = probe.cache.get(entry.key, read=True)
-            reader = FileReader(handle, entry.key, self.spec, os.fstat(handle.fileno()).st_size)
+            reader = FileReader(handle, entry.key, spec, os.fstat(handle.fileno()).st_size)
             try:
                 seconds = self._read_all_layers(reader)
             finally:

@@ -43,7 +43,7 @@ from .errors import InvalidInputError, PromptTooLongError
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
-from .kv import ChunkRef, calibration_key, lead_key
+from .kv import ChunkRef, calibration_key, check_namespace, lead_key
 from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, with_linears
 from .omp import release_thread_pool
 from .options import EngineOptions
@@ -85,7 +85,10 @@ class BlendEngine:
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index, self.lead_sink_ids)
         self.context_window: int = self.adapter.shape.context_window
-        self.entry_spec: EntrySpec = self.ingestion.entry_spec   # what a stored entry must match to be this model's
+        # What a stored entry must match to be this model's; lead entries are recognised also where this
+        # engine keeps none (another engine on the store may).
+        opening = tuple(self.template_opening) if self.template_opening != self.sink_ids else None
+        self.entry_spec: EntrySpec = replace(self.ingestion.entry_spec, lead_sink_ids=opening)
         # the model, what chunks follow
         self.calibration_id = calibration_key(self.fingerprint, self.sink_ids, self.lead_sink_ids)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
@@ -155,9 +158,23 @@ class BlendEngine:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenize(text))
 
-    def key_of(self, text: str) -> str:
-        """The key a chunk text's KV is stored under (see :func:`ragblend.core.kv.chunk_key`)."""
-        return self.ingestion.key_for(self.tokenize(text))
+    def key_of(self, text: str, *, namespace: str = "") -> str:
+        """The key a chunk text's KV is stored under for ``namespace`` (see :func:`ragblend.core.kv.chunk_key`)."""
+        return self.ingestion.key_for(self.tokenize(text), namespace=check_namespace(namespace))
+
+    def is_own_tokenization(self, token_ids: Sequence[int]) -> bool:
+        """Whether ``token_ids`` are what this engine makes of some text: no control token (the chat
+        template's markup, BOS/EOS), and the ids of their own decoded text. Only such ids may become
+        a stored chunk (a client's ids could otherwise hold what no text tokenizes to, e.g. the
+        template's opening)."""
+        ids = list(token_ids)
+        if not ids or self.prompts.text_encoder.control_ids.intersection(ids):
+            return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            return self.tokenize(text) == ids
+        except InvalidInputError:
+            return False
 
     def lead_key(self, key: str) -> str | None:
         """The key of the lead entry of the chunk keyed ``key``; None where the engine keeps none."""
@@ -180,22 +197,26 @@ class BlendEngine:
         return not self.missing_entries(key, stored)
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
-                   skip_unusable: bool = False) -> list[ChunkRef | None]:
-        """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`."""
+                   skip_unusable: bool = False, namespace: str = "") -> list[ChunkRef | None]:
+        """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`. ``namespace``
+        ("": shared, the default) is who may find the chunks in flat prompts (see :meth:`find_chunks`)."""
         return self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
-                                         progress=progress, skip_unusable=skip_unusable)
+                                         progress=progress, skip_unusable=skip_unusable,
+                                         namespace=check_namespace(namespace))
 
-    def precompute_ids(self, chunks: Iterable[Sequence[int]]) -> list[ChunkRef]:
+    def precompute_ids(self, chunks: Iterable[Sequence[int]], *, namespace: str = "") -> list[ChunkRef]:
         """:meth:`precompute` of chunks given as token ids (a server's client may send ids: LMCache
         warms a chunk by sending it alone), each of this model's vocabulary and short enough to
-        follow the sink in the context window."""
+        follow the sink in the context window. A server stores only ids that pass
+        :meth:`is_own_tokenization`, in the sender's namespace."""
         limit, vocab = self.context_window - len(self.sink_ids), self.entry_spec.vocab_size
         chunks = [_token_ids(ids, f"chunk {i}", vocab) for i, ids in enumerate(chunks)]
         for i, ids in enumerate(chunks):
             if len(ids) > limit:
                 raise PromptTooLongError(f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context "
                                          f"window ({self.context_window}) after the sink prefix. Split it.")
-        return self.ingestion.precompute_ids(chunks, self.store, batch_tokens=self.precompute_batch_tokens)
+        return self.ingestion.precompute_ids(chunks, self.store, batch_tokens=self.precompute_batch_tokens,
+                                             namespace=check_namespace(namespace))
 
     def forget(self, keys: Iterable[str]) -> int:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each
@@ -208,26 +229,35 @@ class BlendEngine:
             removed += bool(self.store.delete(key)) or had_lead
         return removed
 
-    def remember_chunk(self, text: str) -> str:
+    def remember_chunk(self, text: str, *, namespace: str = "") -> str:
         """Declare ``text`` a chunk, stored or not: see :meth:`.ingest.Ingestion.remember`."""
-        return self.ingestion.remember(text)
+        return self.ingestion.remember(text, check_namespace(namespace))
 
     def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
-                     history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
-        """Lay out segments as the last user turn: see :meth:`.prompt.PromptBuilder.build`."""
-        return self.prompts.build(segments, system, history=history, separator=separator)
+                     history: Sequence[tuple[str, str]] = (), separator: str | None = None,
+                     namespace: str = "") -> PromptLayout:
+        """Lay out segments as the last user turn: see :meth:`.prompt.PromptBuilder.build`. The chunks
+        are read from (and written back to) ``namespace``, or the shared one where it holds them."""
+        return self.prompts.build(segments, system, history=history, separator=separator,
+                                  namespace=check_namespace(namespace))
 
     def find_chunks(self, prompt: str, *, system: str | None = None,
-                    history: Sequence[tuple[str, str]] = ()) -> PromptLayout:
+                    history: Sequence[tuple[str, str]] = (), namespace: str = "") -> PromptLayout:
         """Lay out a flat prompt (one user message) as a plain full prefill would, with the known chunks
-        marked where their token ids appear unchanged (:meth:`.chunk_index.ChunkIndex.mark`)."""
+        marked where their token ids appear unchanged (:meth:`.chunk_index.ChunkIndex.mark`): the
+        shared ones, and ``namespace``'s."""
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         check_text(prompt, "prompt")
-        return self.find_chunks_in_ids(self.build_prompt([prompt], system=system, history=history).token_ids)
+        return self.find_chunks_in_ids(self.build_prompt([prompt], system=system, history=history).token_ids,
+                                       namespace=namespace)
 
-    def find_chunks_in_ids(self, token_ids: Sequence[int]) -> PromptLayout:
-        return self.index.mark(token_ids, self.store)
+    def find_chunks_in_ids(self, token_ids: Sequence[int], *, namespace: str = "") -> PromptLayout:
+        """:meth:`find_chunks` of a prompt's token ids. No span covers the template's opening
+        (:meth:`.prompt.PromptBuilder.opening_length`): its KV is the prompt's own."""
+        namespaces = ("", check_namespace(namespace)) if namespace else ("",)
+        return self.index.mark(token_ids, self.store, namespaces=namespaces,
+                               start=self.prompts.opening_length(token_ids))
 
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""

@@ -68,12 +68,16 @@ class Ingestion:
     def entry_spec(self) -> EntrySpec:
         """What a stored entry must match to be this model's chunk KV."""
         shape, vocab_size = self.adapter.shape, self.adapter.hf_model.get_input_embeddings().num_embeddings
-        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size)
+        lead = None if self.lead_sink_ids is None else tuple(self.lead_sink_ids)
+        return EntrySpec(self.fingerprint, shape.num_layers, shape.num_kv_heads, shape.head_dim, vocab_size,
+                         tuple(self.sink_ids), lead)
 
-    def key_for(self, token_ids: Sequence[int], lead: bool = False) -> str:
-        """The key a chunk of these token ids is stored under (see :func:`ragblend.core.kv.chunk_key`);
-        ``lead``: its lead entry's (the chunk's own key where the engine keeps no lead entries)."""
-        return self.entry_key(chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype)), lead)
+    def key_for(self, token_ids: Sequence[int], lead: bool = False, namespace: str = "") -> str:
+        """The key a chunk of these token ids is stored under for ``namespace`` (see
+        :func:`ragblend.core.kv.chunk_key`); ``lead``: its lead entry's (the chunk's own key where the
+        engine keeps no lead entries)."""
+        own = chunk_key(self.fingerprint, self.sink_ids, list(token_ids), str(self.kv_dtype), namespace)
+        return self.entry_key(own, lead)
 
     def entry_key(self, own_key: str, lead: bool) -> str:
         """The key of one of a chunk's entries (``lead``: its lead entry, where the engine keeps them),
@@ -84,36 +88,37 @@ class Ingestion:
         """The key of the lead entry of the chunk whose own key is ``own_key``; None without lead entries."""
         return None if self.lead_sink_ids is None else lead_key(own_key, self.lead_sink_ids)
 
-    def remember(self, text: str) -> str:
-        """Declare ``text`` a chunk in the index (returns its key), so flat prompts have it marked
-        even when its KV is not stored: it is then computed in isolation and written back."""
+    def remember(self, text: str, namespace: str = "") -> str:
+        """Declare ``text`` a chunk of ``namespace`` in the index (returns its key), so flat prompts
+        have it marked even when its KV is not stored: it is then computed in isolation and written back."""
         ids = self.prompts.tokenize(text)
-        key = self.key_for(ids)
-        self.index.add(key, ids)
+        key = self.key_for(ids, namespace=namespace)
+        self.index.add(key, ids, namespace)
         return key
 
     def precompute(self, texts, store: KVStore, *, batch_tokens: int, progress: bool = False,
-                   skip_unusable: bool = False) -> list[ChunkRef | None]:
+                   skip_unusable: bool = False, namespace: str = "") -> list[ChunkRef | None]:
         """Compute and store in ``store`` each chunk text's KV (each of its :attr:`variants`), up to
         ``batch_tokens`` chunk tokens a pass, skipping entries already stored; every text is checked
         before anything is stored. With ``skip_unusable`` (for ingestion hooks) a chunk empty, longer
         than the window or shorter than ``ChunkFinder.MIN_RUN`` gets None, not an error. A
         :class:`~.kv.ChunkRef` names the chunk's own entry and says whether it is ``stored`` (a failing
-        store is a warning; queries then compute that chunk)."""
+        store is a warning; queries then compute that chunk). The entries are ``namespace``'s
+        ("": shared, found in every prompt; see :func:`~ragblend.core.kv.chunk_key`)."""
         texts, tokenized = self.tokenize_chunks(texts, skip_unusable)
-        return self.precompute_ids(tokenized, store, batch_tokens=batch_tokens, progress=progress)
+        return self.precompute_ids(tokenized, store, batch_tokens=batch_tokens, progress=progress, namespace=namespace)
 
     def precompute_ids(self, tokenized: list[list[int] | None], store: KVStore, *, batch_tokens: int,
-                       progress: bool = False) -> list[ChunkRef | None]:
+                       progress: bool = False, namespace: str = "") -> list[ChunkRef | None]:
         """:meth:`precompute` of chunks given as token ids, checked by the caller (None: skipped)."""
         refs: list[ChunkRef | None] = [None] * len(tokenized)
         todo: dict[str, tuple[int, list[int]]] = {}   # key -> (first index, ids), an entry not stored yet
-        keys = [None if ids is None else self.key_for(ids) for ids in tokenized]
+        keys = [None if ids is None else self.key_for(ids, namespace=namespace) for ids in tokenized]
         for i, (ids, key) in enumerate(zip(tokenized, keys)):
             if ids is None:
                 continue
             if self.index is not None:
-                self.index.add(key, ids)
+                self.index.add(key, ids, namespace)
             if key in todo or any(self.entry_key(key, lead) not in store for lead in self.variants):
                 todo.setdefault(key, (i, ids))
             else:
@@ -123,7 +128,7 @@ class Ingestion:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(tokenized), initial=len(tokenized) - len(todo), desc="Precomputing KV", unit="chunk")
         for batch in packs(list(todo.items()), batch_tokens):
-            stored = self._store_missing([ids for _, (_, ids) in batch], store)
+            stored = self._store_missing([ids for _, (_, ids) in batch], store, namespace)
             for (key, (i, ids)), ok in zip(batch, stored):
                 refs[i] = ChunkRef(key, len(ids), ok)
             if bar is not None:
@@ -137,13 +142,13 @@ class Ingestion:
         release_thread_pool()   # see .omp
         return refs
 
-    def _store_missing(self, chunks: list[list[int]], store: KVStore) -> list[bool]:
+    def _store_missing(self, chunks: list[list[int]], store: KVStore, namespace: str = "") -> list[bool]:
         """Compute and store each chunk's entries (each of :attr:`variants`) that ``store`` lacks, one
         pass per variant; per chunk, whether its own entry was stored."""
         stored = [True] * len(chunks)
         for lead in self.variants:   # lead entries first: an LRU store full of them evicts them, not the own ones
-            missing = [i for i, ids in enumerate(chunks) if self.key_for(ids, lead) not in store]
-            entries = self.compute_entries([chunks[i] for i in missing], lead=lead) if missing else []
+            missing = [i for i, ids in enumerate(chunks) if self.key_for(ids, lead, namespace) not in store]
+            entries = self.compute_entries([chunks[i] for i in missing], lead, namespace) if missing else []
             for i, entry in zip(missing, entries):
                 ok = store.put(entry)
                 if not lead:
@@ -186,12 +191,12 @@ class Ingestion:
             log.warning("ragblend: %d of %d chunk(s) could not be stored in the KV store (cause logged above); "
                         "queries compute them instead. ChunkRef.stored says which.", unstored, len(refs))
 
-    def compute_entry(self, token_ids: list[int], lead: bool = False) -> ChunkKV:
+    def compute_entry(self, token_ids: list[int], lead: bool = False, namespace: str = "") -> ChunkKV:
         """A chunk's KV computed in isolation after the sink prefix (``lead``: after the lead sink),
-        in the storage dtype."""
-        return self.compute_entries([token_ids], lead=lead)[0]
+        in the storage dtype, keyed for ``namespace``."""
+        return self.compute_entries([token_ids], lead, namespace)[0]
 
-    def compute_entries(self, chunks: list[list[int]], lead: bool = False) -> list[ChunkKV]:
+    def compute_entries(self, chunks: list[list[int]], lead: bool = False, namespace: str = "") -> list[ChunkKV]:
         """Several chunks' entries, computed in one pass after the sink (``lead``: the lead sink),
         whose K/V are computed once per engine (a sliding window shorter than sink + chunk needs
         the one-at-a-time path, which computes the sink each time)."""
@@ -202,18 +207,18 @@ class Ingestion:
             for ids in chunks:
                 with self.lock:
                     keys, values = isolated_kv(adapter, sink, ids)
-                entries.append(self.storage_entry(ids, keys, values, lead))
+                entries.append(self.storage_entry(ids, keys, values, lead, namespace))
             return entries
         with self.lock:
             if lead not in self._sink_kv:
                 self._sink_kv[lead] = sink_kv(adapter, sink)
             kvs = packed_isolated_kv(adapter, sink, chunks, sink=self._sink_kv[lead])
-        return [self.storage_entry(ids, keys, values, lead) for ids, (keys, values) in zip(chunks, kvs)]
+        return [self.storage_entry(ids, keys, values, lead, namespace) for ids, (keys, values) in zip(chunks, kvs)]
 
     def storage_entry(self, token_ids: list[int], keys: torch.Tensor, values: torch.Tensor,
-                      lead: bool = False) -> ChunkKV:
+                      lead: bool = False, namespace: str = "") -> ChunkKV:
         """The entry of a chunk's float K/V, in the storage dtype where its values fit."""
-        entry = ChunkKV(self.key_for(token_ids, lead), list(token_ids), keys, values)
+        entry = ChunkKV(self.key_for(token_ids, lead, namespace), list(token_ids), keys, values, namespace=namespace)
         stored = to_storage(entry, self.kv_dtype)
         if self.kv_dtype == torch.int8:
             # int8 entries are read back in float16: they need float16's range too.
@@ -222,7 +227,7 @@ class Ingestion:
             fits = torch.isfinite(stored.keys).all() and torch.isfinite(stored.values).all()
         if not fits:
             # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).
-            stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float())
+            stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float(), namespace=namespace)
         return stored.to_cpu()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -20,14 +21,49 @@ KV_FORMAT_VERSION = 3
 KV_METADATA_KEY = "ragblend_kv_key"
 
 
-def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], storage_dtype: str) -> str:
+# A namespace is a label (a server's tenants get hex digests): no quotes or brackets, so that a
+# header recording it stays a flat object (store._header_shaped).
+_NAMESPACE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
+
+
+def check_namespace(namespace) -> str:
+    """``namespace`` if it is a valid namespace label ("" is the shared one); a clear error otherwise."""
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"namespace must be a string of at most 128 letters, digits, '.', '_', ':' or '-', "
+                                f"got {str(namespace)[:40]!r}.")
+    return namespace
+
+
+def chunk_key(fingerprint: str, sink_ids: list[int], token_ids: list[int], storage_dtype: str,
+              namespace: str = "") -> str:
     """Content key of a chunk's KV: everything that changes its bytes, i.e. the model
-    fingerprint, sink prefix, chunk tokens, storage dtype and format version.
+    fingerprint, sink prefix, chunk tokens, storage dtype and format version, and the
+    namespace it was stored for.
 
     A KV entry can therefore never be used for another model, tokenizer, compute dtype,
-    storage dtype or sink prefix: any of those changes the key.
+    storage dtype or sink prefix: any of those changes the key. ``namespace`` ("": the shared
+    one, whose keys are those ragblend always made) keeps what one server tenant stores out of
+    every other's reach: the same text stored by two tenants is two entries.
     """
-    return _key(KV_FORMAT_VERSION, fingerprint, storage_dtype, sink_ids, token_ids)
+    kind = storage_dtype if not namespace else f"{storage_dtype}|namespace={namespace}"
+    return _key(KV_FORMAT_VERSION, fingerprint, kind, sink_ids, token_ids)
+
+
+def key_matches(key: str, *, fingerprint: str, sink_ids, lead_sink_ids, token_ids: list[int], dtype: str,
+                namespace: str = "") -> bool:
+    """Whether ``key`` is what an entry whose header says these things is stored under: the chunk's
+    own key or its lead entry's, for the header's storage dtype (``dtype``: "float16"...) or, for
+    a float32 entry, any storage dtype (values out of a storage dtype's range are kept in float32
+    under the key naming that dtype: see Ingestion.storage_entry). A header edited to say another
+    dtype, namespace or token ids than its key was made from fails."""
+    dtypes = [dtype] + ([d for d in ("float16", "bfloat16", "int8") if d != dtype] if dtype == "float32" else [])
+    for name in dtypes:
+        own = chunk_key(fingerprint, list(sink_ids), list(token_ids), f"torch.{name}", namespace)
+        if key == own or (lead_sink_ids is not None and key == lead_key(own, list(lead_sink_ids))):
+            return True
+    return False
 
 
 def lead_key(own_key: str, lead_sink_ids: list[int]) -> str:
@@ -79,6 +115,7 @@ class ChunkKV:
     values: torch.Tensor
     key_scales: torch.Tensor | None = field(default=None, repr=False)
     value_scales: torch.Tensor | None = field(default=None, repr=False)
+    namespace: str = ""   # who may find it in a flat prompt ("": everyone): see chunk_key
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +128,7 @@ class ChunkKV:
 
     def to_cpu(self) -> ChunkKV:
         scales = [None if t is None else t.cpu() for t in (self.key_scales, self.value_scales)]
-        return ChunkKV(self.key, self.token_ids, self.keys.cpu(), self.values.cpu(), *scales)
+        return ChunkKV(self.key, self.token_ids, self.keys.cpu(), self.values.cpu(), *scales, namespace=self.namespace)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` of one layer, each ``[kv_heads, tokens, head_dim]``, in the storage
@@ -105,7 +142,7 @@ def to_storage(entry: ChunkKV, dtype: torch.dtype) -> ChunkKV:
     """``entry`` in a storage dtype: cast, or quantized for ``torch.int8``."""
     if dtype == torch.int8:
         return quantize_int8(entry)
-    return ChunkKV(entry.key, entry.token_ids, entry.keys.to(dtype), entry.values.to(dtype))
+    return ChunkKV(entry.key, entry.token_ids, entry.keys.to(dtype), entry.values.to(dtype), namespace=entry.namespace)
 
 
 def quantize_int8(entry: ChunkKV) -> ChunkKV:
@@ -116,7 +153,7 @@ def quantize_int8(entry: ChunkKV) -> ChunkKV:
     value_scales = _scales(values.abs().amax(dim=3))  # [L, H, T]
     q_keys = (keys / key_scales.float()[:, :, None, :]).round().clamp(-127, 127).to(torch.int8)
     q_values = (values / value_scales.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
-    return ChunkKV(entry.key, entry.token_ids, q_keys, q_values, key_scales, value_scales)
+    return ChunkKV(entry.key, entry.token_ids, q_keys, q_values, key_scales, value_scales, entry.namespace)
 
 
 def _scales(amax: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,7 @@ class ChunkSpan:
     end: int
     token_ids: tuple[int, ...]
     offset: int = 0
+    namespace: str = ""   # whose entry of the chunk is read and stored ("": the shared one; see kv.chunk_key)
 
 
 @dataclass(frozen=True)
@@ -488,10 +489,35 @@ class PromptBuilder:
             prefix = prefix + self.tokenize(context) + self._separator_ids
         return prefix
 
+    def opening_length(self, token_ids: Sequence[int]) -> int:
+        """How many of a prompt's first tokens are the template's opening: the attention sink and the
+        template's text before the first message (with or without a system prompt), at least the
+        first token. No chunk's KV may stand in for them: KV computed after a sink is no sink."""
+        ids, longest = list(token_ids), 1
+        for opening in self._openings:
+            common = 0
+            while common < min(len(ids), len(opening)) and ids[common] == opening[common]:
+                common += 1
+            longest = max(longest, common)
+        return min(longest, len(ids))
+
+    @functools.cached_property
+    def _openings(self) -> list[list[int]]:
+        """What prompts start with: the template's opening without a system prompt (its default one
+        included), and the template's text before a system prompt's."""
+        openings = [self.sink_ids()]
+        if self.use_chat_template:
+            pieces = self._chat_pieces([("system", "ragblend"), ("user", None)], add_generation_prompt=True)
+            if pieces and pieces[0] is not None and pieces[0][1]:
+                openings.append(self.tokenize_template(pieces[0][0]))
+        return openings
+
     def build(self, segments: Sequence[Segment], system: str | None = None,
-              history: Sequence[tuple[str, str]] = (), separator: str | None = None) -> PromptLayout:
+              history: Sequence[tuple[str, str]] = (), separator: str | None = None,
+              namespace: str = "") -> PromptLayout:
         """Lay out ``segments`` as the last user turn, after ``history`` (``(role, text)`` pairs, role
-        "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's)."""
+        "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's).
+        The chunks' spans are ``namespace``'s (see :class:`ChunkSpan`)."""
         segments = check_segments(segments)
         texts = [s.text if isinstance(s, Chunk) else s for s in segments]
         if self.max_tokens is not None:   # texts too long for the window are refused before their whole is tokenized
@@ -507,7 +533,7 @@ class PromptBuilder:
             if i:
                 ids += separator_ids
             if isinstance(seg, Chunk):
-                spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens)))
+                spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens), namespace=namespace))
             ids += tokens
         ids += suffix
         return PromptLayout(ids, spans)
@@ -525,6 +551,10 @@ class ChunkFinder:
     Each chunk is indexed by the ``NGRAM`` ids starting at every ``STRIDE``-th position, so
     any common run of at least ``NGRAM + STRIDE - 1`` ids contains an indexed n-gram; a hit
     is then extended both ways to the longest common run.
+
+    Chunks are kept per namespace (a server's tenants: see :func:`~ragblend.core.kv.chunk_key`),
+    each with its own index and bounds, and a search looks only in the namespaces it is given:
+    what one tenant stored is never found in another's prompt.
     """
 
     NGRAM = 8
@@ -536,45 +566,51 @@ class ChunkFinder:
     MAX_CHUNKS_PER_NGRAM = 32
 
     def __init__(self):
-        self._index: dict[tuple[int, ...], list[tuple[tuple[int, ...], int]]] = {}
-        self._chunks: set[tuple[int, ...]] = set()
+        # (namespace, n-gram) -> [(chunk ids, offset)], and the known (namespace, chunk ids)
+        self._index: dict[tuple[str, tuple[int, ...]], list[tuple[tuple[int, ...], int]]] = {}
+        self._chunks: set[tuple[str, tuple[int, ...]]] = set()
 
-    def add(self, token_ids: Sequence[int]) -> None:
+    def add(self, token_ids: Sequence[int], namespace: str = "") -> None:
         ids = tuple(token_ids)
-        if len(ids) < self.MIN_RUN or ids in self._chunks:
+        if len(ids) < self.MIN_RUN or (namespace, ids) in self._chunks:
             return
-        self._chunks.add(ids)
+        self._chunks.add((namespace, ids))
         seen = set()
         for offset in range(0, len(ids) - self.NGRAM + 1, self.STRIDE):
             ngram = ids[offset:offset + self.NGRAM]
             if ngram in seen:   # a repeat inside the chunk: its first place is extended both ways anyway
                 continue
             seen.add(ngram)
-            places = self._index.setdefault(ngram, [])
+            places = self._index.setdefault((namespace, ngram), [])
             if len(places) < self.MAX_CHUNKS_PER_NGRAM:
                 places.append((ids, offset))
 
     def __len__(self) -> int:
         return len(self._chunks)
 
-    def find(self, token_ids: Sequence[int]) -> list[ChunkSpan]:
-        """Non-overlapping matched runs, left to right, the longest run at each hit."""
-        ids, spans, floor, i = list(token_ids), [], 0, 0
+    def find(self, token_ids: Sequence[int], namespaces: Sequence[str] = ("",), start: int = 0) -> list[ChunkSpan]:
+        """Non-overlapping matched runs, left to right, the longest run at each hit, of the chunks of
+        ``namespaces`` (a span names the namespace its chunk came from), none before ``start`` (the
+        template's opening: :meth:`PromptBuilder.opening_length`)."""
+        ids, spans, floor, i = list(token_ids), [], start, start
+        namespaces = list(dict.fromkeys(namespaces))
         while i <= len(ids) - self.NGRAM:
-            best = None  # (start, end, chunk, offset)
-            for chunk, offset in self._index.get(tuple(ids[i:i + self.NGRAM]), ()):
-                back = 0
-                while i - back > floor and offset - back > 0 and ids[i - back - 1] == chunk[offset - back - 1]:
-                    back += 1
-                end, pos = i + self.NGRAM, offset + self.NGRAM
-                while end < len(ids) and pos < len(chunk) and ids[end] == chunk[pos]:
-                    end, pos = end + 1, pos + 1
-                if best is None or end - (i - back) > best[1] - best[0]:
-                    best = (i - back, end, chunk, offset - back)
+            best = None  # (start, end, chunk, offset, namespace)
+            ngram = tuple(ids[i:i + self.NGRAM])
+            for namespace in namespaces:
+                for chunk, offset in self._index.get((namespace, ngram), ()):
+                    back = 0
+                    while i - back > floor and offset - back > 0 and ids[i - back - 1] == chunk[offset - back - 1]:
+                        back += 1
+                    end, pos = i + self.NGRAM, offset + self.NGRAM
+                    while end < len(ids) and pos < len(chunk) and ids[end] == chunk[pos]:
+                        end, pos = end + 1, pos + 1
+                    if best is None or end - (i - back) > best[1] - best[0]:
+                        best = (i - back, end, chunk, offset - back, namespace)
             if best is None or best[1] - best[0] < self.MIN_RUN:
                 i += 1
                 continue
-            start, end, chunk, offset = best
-            spans.append(ChunkSpan(start, end, chunk, offset))
+            first, end, chunk, offset, namespace = best
+            spans.append(ChunkSpan(first, end, chunk, offset, namespace))
             floor = i = end
         return spans

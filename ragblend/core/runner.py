@@ -184,8 +184,9 @@ class PrefillRunner:
             for j, span in enumerate(layout.chunk_spans):
                 if not span.token_ids or not plan.reuses:
                     continue
-                own_key = self.ingestion.key_for(span.token_ids)
                 lead = j in lead_spans
+                namespace = self._namespace_of(span, lead, store)
+                own_key = self.ingestion.key_for(span.token_ids, namespace=namespace)
                 key = self.ingestion.entry_key(own_key, lead)
                 # A missing lead entry is a miss even where the chunk's own entry is stored (a store
                 # filled before lead entries, a query that stored the own one): reading the own one
@@ -197,8 +198,8 @@ class PrefillRunner:
                         continue  # computed as plain text inside the prompt
                     # What a hit would have read, so that a miss (or a failing store) answers the same.
                     t = time.perf_counter()
-                    computed[key] = entry = self.ingestion.compute_entry(list(span.token_ids), lead=lead)
-                    self.index.add(own_key, span.token_ids)
+                    computed[key] = entry = self.ingestion.compute_entry(list(span.token_ids), lead, namespace)
+                    self.index.add(own_key, span.token_ids, namespace)
                     stats.isolate_s += time.perf_counter() - t
                     self.background.submit(store.put, entry)
                     reader = MemoryReader(entry, "computed")
@@ -215,6 +216,13 @@ class PrefillRunner:
                 reader.close()
             raise
         return found
+
+    def _namespace_of(self, span, lead: bool, store) -> str:
+        """Whose entry a span reads (and writes back): the shared one where the store holds it (an
+        operator's corpus, reused by every namespace), else the span's own namespace's."""
+        if span.namespace and self.ingestion.entry_key(self.ingestion.key_for(span.token_ids), lead) in store:
+            return ""
+        return span.namespace
 
     def lead_spans(self, layout: PromptLayout) -> set[int]:
         """The chunk spans fused from their chunk's lead entry: those of the prompt's first chunk

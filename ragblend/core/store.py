@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, StoreUnavailableError
-from .kv import KV_FORMAT_VERSION, ChunkKV, dequantize_int8
+from .kv import _NAMESPACE, KV_FORMAT_VERSION, ChunkKV, dequantize_int8, key_matches
 
 # The folder's own files (opening, removing, the marker) live in store_files; the names that
 # callers import from here stay importable from here.
@@ -84,13 +84,20 @@ STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 @dataclass(frozen=True)
 class EntrySpec:
     """What every entry of one engine must match: model fingerprint, KV shape and the
-    vocabulary its token ids index (0: not checked, e.g. for ``ragblend cache stats``)."""
+    vocabulary its token ids index (0: not checked, e.g. for ``ragblend cache stats``).
+
+    ``sink_ids`` (and ``lead_sink_ids``, what lead entries are computed after), where given: an
+    entry's key must be the one its header's fingerprint, dtype, namespace and token ids make
+    (:func:`~ragblend.core.kv.key_matches`), so that a header edited to say another dtype than the
+    bytes were written in is a miss, not garbage served."""
 
     fingerprint: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int = 0
+    sink_ids: tuple[int, ...] | None = None
+    lead_sink_ids: tuple[int, ...] | None = None
 
 
 def _token_hash(token_ids) -> str:
@@ -139,11 +146,14 @@ def encode_entry(entry: ChunkKV, fingerprint: str) -> bytes:
     dtype_name = _dtype_name(entry.keys.dtype)
     layers = [b"".join(_tensor_bytes(t) for t in _layer_tensors(entry, i)) for i in range(entry.keys.shape[0])]
     num_layers, kv_heads, tokens, head_dim = entry.keys.shape
+    # A shared entry's header is what it always was; a namespaced one says whose it is, so that an
+    # engine learning the store (ChunkIndex.learn_store) files it there, also after a restart.
+    namespace = {"namespace": entry.namespace} if entry.namespace else {}
     header = json.dumps({
         "format": KV_FORMAT_VERSION, "fingerprint": fingerprint, "key": entry.key, "dtype": dtype_name,
         "layers": num_layers, "kv_heads": kv_heads, "tokens": tokens, "head_dim": head_dim,
         "token_ids": list(entry.token_ids), "token_ids_sha256": _token_hash(entry.token_ids),
-        "layer_crc32": [zlib.crc32(b) for b in layers],
+        "layer_crc32": [zlib.crc32(b) for b in layers], **namespace,
     }).encode()
     return b"".join([MAGIC, struct.pack("<I", len(header)), header, struct.pack("<I", zlib.crc32(header)), *layers])
 
@@ -155,6 +165,7 @@ class ChunkReader:
     key: str
     token_ids: list[int]
     tier: str
+    namespace: str = ""   # the namespace the entry was stored for ("": shared)
 
     @property
     def num_tokens(self) -> int:
@@ -178,6 +189,7 @@ class ChunkReader:
 class MemoryReader(ChunkReader):
     def __init__(self, entry: ChunkKV, tier: str = "memory"):
         self.entry, self.key, self.token_ids, self.tier = entry, entry.key, entry.token_ids, tier
+        self.namespace = entry.namespace
 
     def fetch(self, index: int):
         return self.entry.layer(index)
@@ -200,6 +212,7 @@ class FileReader(ChunkReader):
             raise
         self.dtype = STORAGE_DTYPES[header["dtype"]]
         self.token_ids = header["token_ids"]
+        self.namespace = header.get("namespace", "")
         self.parts = _layer_parts(self.dtype, spec.num_kv_heads, len(self.token_ids), spec.head_dim)
         self.crcs = header["layer_crc32"]
         self.layer_bytes = _nbytes(self.parts)
@@ -267,6 +280,14 @@ class FileReader(ChunkReader):
             raise bad("token count does not match the token ids")
         if header.get("token_ids_sha256") != _token_hash(token_ids):
             raise bad("token ids do not match their hash")
+        namespace = header.get("namespace", "")
+        if type(namespace) is not str or not _NAMESPACE.fullmatch(namespace):
+            raise bad("namespace must be a plain label")
+        if spec.sink_ids is not None and not key_matches(
+                key, fingerprint=spec.fingerprint, sink_ids=spec.sink_ids, lead_sink_ids=spec.lead_sink_ids,
+                token_ids=token_ids, dtype=header["dtype"], namespace=namespace):
+            raise bad(f"header disagrees with its key (dtype {header['dtype']}, namespace, token ids or sink "
+                      "are not what the key was made from)")
         if len(crcs) != spec.num_layers:
             raise bad("missing layer checksums")
         parts = _layer_parts(STORAGE_DTYPES[header["dtype"]], spec.num_kv_heads, len(token_ids), spec.head_dim)
@@ -491,6 +512,7 @@ class DiskStore(KVStore):
         self.spec = spec
         self.max_bytes = max_bytes
         self.faults = 0
+        self.rejected = 0   # entries dropped on reading as unusable (corrupt, or a header that disagrees with its key)
         self._logged: set[str] = set()
         check_write_lock(self.directory / DATABASE, self.LOCK_TIMEOUT_S)
         # diskcache's own culling drops entries in batches of 10, far more than needed when
@@ -546,13 +568,24 @@ class DiskStore(KVStore):
         try:
             size = os.fstat(handle.fileno()).st_size if hasattr(handle, "fileno") else len(handle.getvalue())
             return FileReader(handle, key, self.spec, size)
-        except CorruptEntryError:
-            if drop_unusable:
+        except CorruptEntryError as err:
+            if drop_unusable:   # a lookup of this engine's (not a scan of a folder other models share)
+                self._reject(err)
                 self.delete(key)
             return None
         except OSError as err:
             self._fault("read", err)
             return None
+
+    def _reject(self, err: CorruptEntryError) -> None:
+        """Count an entry found unusable on reading (a miss: the caller computes the chunk), and log
+        each reason once."""
+        self.rejected += 1
+        reason = err.reason.split(" (")[0]
+        if f"reject/{reason}" not in self._logged:
+            self._logged.add(f"reject/{reason}")
+            log.warning("ragblend: dropped the KV entry %s... in %s: %s; the chunk is computed instead.",
+                        err.key[:16], self.directory, err.reason)
 
     def put(self, entry: ChunkKV) -> bool:
         """Store ``entry``; False when it was skipped (logged and counted) because the disk

@@ -19,6 +19,11 @@ every answer's ``ragblend`` field carries the engine's full stats (``reused_toke
 cached tokens the fusion kept, ``recomputed_tokens``: those it computed again). A request may pick the
 fusion with ``"ragblend": {"strategy": "cacheblend", "ratio": 0.3}``.
 
+Each API key is a tenant (:mod:`.tenants`): what a tenant's requests store (passages, chunks
+computed during a query, marked chunks, token-id warm-ups, its ``/v1/chunks``) is found only in its
+own prompts, and every prompt also finds the shared chunks (the operator's: an ingested index, its
+``/v1/chunks``; with no key at all, everything). A request's ``cache_salt`` partitions further.
+
 One engine serves every request from a bounded queue: a full queue answers 429 with
 ``Retry-After``. Each request is prefilled on its own; the answers then decode together, one
 pass over the weights per step for all of them (``serving.worker``, up to ``max_batch`` answers
@@ -36,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
 import json
 import logging
 import threading
@@ -64,6 +68,7 @@ from .protocol import (
     ChatPrompt,
     ClientGone,
     TextLimit,
+    cache_salt,
     cached_tokens,
     check_options,
     check_prompt,
@@ -76,6 +81,7 @@ from .protocol import (
     usage,
 )
 from .reuse import PassageKeeper
+from .tenants import OPERATOR, Tenants
 from .worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_KV_BYTES, Decode, Job, Worker
 
 log = logging.getLogger("ragblend.server")
@@ -208,26 +214,27 @@ def _entries(store) -> int:
 
 class Guard:
     """Checks the headers' count and size, then the API key and the declared body size, before
-    any route runs. Plain ASGI (not Starlette's BaseHTTPMiddleware), so handlers keep the
+    any route runs, and records the request's tenant (``request.state.tenant``: see
+    :mod:`.tenants`). Plain ASGI (not Starlette's BaseHTTPMiddleware), so handlers keep the
     server's own ``receive`` and see a client's disconnect."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, refuse: Callable):
-        self.app, self.max_body_bytes, self.refuse = app, max_body_bytes, refuse
-        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+    def __init__(self, app, *, tenants: Tenants, max_body_bytes: int, refuse: Callable):
+        self.app, self.max_body_bytes, self.refuse, self.tenants = app, max_body_bytes, refuse, tenants
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, headers = scope["path"], dict(scope["headers"])
         error = None
+        tenant = self.tenants.tenant_of(headers.get(b"authorization", b""))
+        scope.setdefault("state", {})["tenant"] = tenant
         if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
             error = ApiError(431, f"The request has {len(scope['headers'])} header fields; at most {MAX_HEADERS}, "
                                   f"holding at most {MAX_HEADER_BYTES} bytes, are accepted.",
                              code="request_header_fields_too_large")
-        elif path != "/health" and self.expected is not None:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                error = ApiError(401, "Missing or wrong API key: send Authorization: Bearer <key>.",
-                                 kind="authentication_error", code="invalid_api_key")
+        elif path != "/health" and tenant is None:
+            error = ApiError(401, "Missing or wrong API key: send Authorization: Bearer <key>.",
+                             kind="authentication_error", code="invalid_api_key")
         length = headers.get(b"content-length")
         if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             error = ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
@@ -259,8 +266,9 @@ class Server:
     ``app.state.server``."""
 
     def __init__(self, engine: BlendEngine, *, queue_size: int, request_timeout_s: float, max_body_bytes: int,
-                 model_name: str | None, max_batch: int, max_kv_bytes: int | None):
+                 model_name: str | None, max_batch: int, max_kv_bytes: int | None, tenants: Tenants | None = None):
         self.engine, self.request_timeout_s, self.max_body_bytes = engine, request_timeout_s, max_body_bytes
+        self.tenants = tenants or Tenants()
         self.worker, self.metrics = Worker(queue_size, max_batch, max_kv_bytes), Metrics()
         self.model_id = model_name or engine.name
         self.aliases: dict[str, None] = {}   # other names clients sent, in the order they first sent them
@@ -315,6 +323,11 @@ class Server:
                 and len(model) <= 256 and model.isprintable():
             self.aliases[model] = None
         return data
+
+    def namespace_of(self, request: Request, body: dict) -> str:
+        """The namespace a request reads and stores KV in (its tenant's, salt's and user's: see
+        :mod:`.tenants`; "" is the shared one)."""
+        return self.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body)
 
     async def run_job(self, request: Request, run: Callable[[Job], Any]):
         """Run ``run`` in the worker; its result (its error raised here)."""
@@ -436,9 +449,10 @@ def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout
 
 
 async def answer(server: Server, request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout],
-                 chat: bool, texts: list[str]):
+                 chat: bool, texts: list[str], namespace: str):
     """Answer a completion; then store the KV of ``texts`` (the passages of its plain
-    text) between requests, so that the next prompt holding them reuses it."""
+    text) in ``namespace`` between requests, so that the next prompt of that namespace holding
+    them reuses it."""
     check_options(body)
     run = _decode_job(server, body, layout_of)
     reply = Reply(server.model_id, chat)
@@ -450,7 +464,7 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
         finally:
             call.close()
         server.record(path, stats)
-        server.keeper.add(texts)
+        server.keeper.add(texts, namespace)
         return JSONResponse(reply.whole("".join(pieces), stats))
 
     # Streaming: wait until the prompt is tokenized and checked, so that a bad prompt is a
@@ -469,11 +483,11 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
             log.info("client disconnected from %s during its stream; its generation was stopped", route_label(path))
             server.metrics.request(path, 499)
 
-    return Stream(_events(server, call, reply, path, include_usage, texts), ended)
+    return Stream(_events(server, call, reply, path, include_usage, texts, namespace), ended)
 
 
 async def _events(server: Server, call: Call, reply: Reply, path: str, include_usage: bool,
-                  texts: list[str]) -> AsyncIterator[bytes]:
+                  texts: list[str], namespace: str) -> AsyncIterator[bytes]:
     """A streamed completion's SSE events, through ``[DONE]``."""
     if reply.chat:
         yield reply.event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -498,7 +512,7 @@ async def _events(server: Server, call: Call, reply: Reply, path: str, include_u
         if include_usage:   # the OpenAI way: a chunk of its own, with no choices
             yield reply.event({"choices": [], "usage": usage(value)})
         server.record(path, value)
-        server.keeper.add(texts)
+        server.keeper.add(texts, namespace)
     yield b"data: [DONE]\n\n"
 
 
@@ -551,8 +565,10 @@ async def prometheus(request: Request):
 async def chat_completions(server: Server, request: Request):
     body = await server.read_json(request)
     prompt = ChatPrompt.parse(body.get("messages"), server.limit)
-    return await answer(server, request, "/v1/chat/completions", body, lambda: prompt.layout(server.engine), True,
-                        prompt.passages())
+    check_options(body)
+    namespace = server.namespace_of(request, body)
+    return await answer(server, request, "/v1/chat/completions", body,
+                        lambda: prompt.layout(server.engine, namespace=namespace), True, prompt.passages(), namespace)
 
 
 @router.post("/v1/completions")
@@ -562,14 +578,25 @@ async def completions(server: Server, request: Request):
     engine = server.engine
     prompt = check_prompt(body.get("prompt"), server.limit, engine.entry_spec.vocab_size, engine.context_window)
     check_options(body)   # a bad request does no work
+    namespace = server.namespace_of(request, body)
     if is_lmcache_warmup(prompt, server.separator_ids) and engine.write_back and \
             len(prompt) + len(engine.sink_ids) <= engine.context_window:
         # LMCache warms a chunk by sending it alone: store every entry /v1/chunks would (its lead one too,
-        # which the prompt alone, with no template before it, would not).
-        await server.run_job(request, lambda job: engine.precompute_ids([prompt]))
+        # which the prompt alone, with no template before it, would not), in the sender's namespace, and
+        # only ids the server itself makes of some text (no template markup, nothing no text gives).
+        await server.run_job(request, lambda job: _warm_up(engine, prompt, namespace))
     return await answer(server, request, "/v1/completions", body,
-                        lambda: completion_layout(engine, prompt, server.separator_ids), False,
-                        passages([], question=[prompt]) if isinstance(prompt, str) else [])
+                        lambda: completion_layout(engine, prompt, server.separator_ids, namespace), False,
+                        passages([], question=[prompt]) if isinstance(prompt, str) else [], namespace)
+
+
+def _warm_up(engine: BlendEngine, ids: list[int], namespace: str) -> None:
+    """Store a token-id chunk sent alone, where it is the engine's own tokenization of some text."""
+    if engine.is_own_tokenization(ids):
+        engine.precompute_ids([ids], namespace=namespace)
+    else:
+        log.info("a token-id chunk of %d tokens is not this model's tokenization of any text (template "
+                 "markup, or ids no text gives); answered, not stored", len(ids))
 
 
 @router.post("/v1/chunks")
@@ -590,7 +617,10 @@ async def chunks(server: Server, request: Request):
         for i, text in enumerate(texts):
             server.limit.check(len(text), f"texts[{i}]", f"texts[{i}]")
     kept = [t for t, ok in zip(texts, fits) if ok]
-    refs = await server.run_job(request, lambda job: server.engine.precompute(kept, skip_unusable=skip) if kept else [])
+    cache_salt(body)   # checked before any work
+    namespace = server.namespace_of(request, body)   # the operator's chunks are shared, a tenant's its own
+    refs = await server.run_job(request, lambda job: server.engine.precompute(kept, skip_unusable=skip,
+                                                                              namespace=namespace) if kept else [])
     refs = iter(refs)
     refs = [next(refs) if ok else None for ok in fits]
     server.record("/v1/chunks", what=f"{sum(r is not None for r in refs)} of {len(refs)} texts stored")
@@ -648,19 +678,28 @@ async def _http_error(request: Request, exc: StarletteHTTPException):   # unknow
     return request.app.state.server.error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
 
 
-def create_app(engine: BlendEngine, *, api_key: str | None = None, queue_size: int = 16,
-               request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20, model_name: str | None = None,
-               max_batch: int = DEFAULT_MAX_BATCH, max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
+def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict[str, str] | None = None,
+               operator_key: str | None = None, shared_cache: bool = False, partition_by_user: bool = False,
+               queue_size: int = 16, request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20,
+               model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+               max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
     """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
-    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker)."""
+    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker).
+
+    Keys (:mod:`.tenants`): ``api_key`` and ``operator_key`` are the operator's (a server with one
+    key is one user's: its KV is the shared pool, as with no key); ``tenants`` maps each client's
+    key to its tenant's name, whose requests find only the shared chunks and their own.
+    ``shared_cache`` puts every tenant in the shared pool; ``partition_by_user`` splits a tenant's
+    namespace by the requests' ``user`` field."""
     if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
         raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
+    who = Tenants.of(api_key, tenants, operator_key, shared_cache=shared_cache, partition_by_user=partition_by_user)
     server = Server(engine, queue_size=queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
-                    model_name=model_name, max_batch=max_batch, max_kv_bytes=max_kv_bytes)
+                    model_name=model_name, max_batch=max_batch, max_kv_bytes=max_kv_bytes, tenants=who)
     app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.worker, app.state.keeper = server.worker, server.keeper   # for tests and tools: their counters
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, refuse=server.error_response)
+    app.add_middleware(Guard, tenants=who, max_body_bytes=max_body_bytes, refuse=server.error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(router)
     return app
@@ -676,10 +715,11 @@ def uvicorn_config(app, host: str, port: int, **settings):
 
 def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           **options) -> None:
-    """Serve ``engine`` with uvicorn until interrupted."""
+    """Serve ``engine`` with uvicorn until interrupted (``options``: :func:`create_app`'s)."""
     import uvicorn
 
-    if api_key is None and not is_loopback(host):
+    if api_key is None and not options.get("tenants") and options.get("operator_key") is None \
+            and not is_loopback(host):
         log.warning("ragblend serve binds %s without an API key: anyone who can reach it can use the model. "
                     "Pass --api-key or set RAGBLEND_API_KEY.", host)
     app = create_app(engine, api_key=api_key, **options)

@@ -145,7 +145,23 @@ def check_options(body: dict) -> None:
                            param="stream_options.include_usage")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise ApiError(400, "user must be a string.", param="user")
+    cache_salt(body)
     sampling_fields(body)
+
+
+MAX_SALT_CHARS = 1024
+
+
+def cache_salt(body: dict) -> str:
+    """The request's ``cache_salt`` (vLLM's field: requests with different salts never share
+    cached KV), checked; "" when absent."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS:
+        raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters.",
+                       param="cache_salt")
+    return salt
 
 
 def sampling_fields(body: dict) -> dict:
@@ -424,16 +440,18 @@ class ChatPrompt:
         marked chunks are stored by the fusion."""
         return passages(self.unmarked, self.question)
 
-    def layout(self, engine: BlendEngine, *, find_chunks: bool = True) -> PromptLayout:
+    def layout(self, engine: BlendEngine, *, find_chunks: bool = True, namespace: str = "") -> PromptLayout:
         """Tokenize (worker thread). With ``find_chunks``, a prompt over the window is refused
-        before stored chunks are looked for in it."""
+        before stored chunks are looked for in it: the shared ones and ``namespace``'s (the
+        request's tenant's), where marked chunks are also stored."""
         if any(isinstance(s, Chunk) for s in self.segments):
-            return engine.build_prompt(self.segments, system=self.system, history=self.history, separator="")
+            return engine.build_prompt(self.segments, system=self.system, history=self.history, separator="",
+                                       namespace=namespace)
         layout = engine.build_prompt([_joined(self.text, self.segments)], system=self.system, history=self.history)
         if not find_chunks:
             return layout
         check_window(engine, len(layout.token_ids))
-        return engine.find_chunks_in_ids(layout.token_ids)
+        return engine.find_chunks_in_ids(layout.token_ids, namespace=namespace)
 
 
 def check_prompt(prompt, limit: TextLimit, vocab: int, window: int):
@@ -460,25 +478,32 @@ def check_prompt(prompt, limit: TextLimit, vocab: int, window: int):
     return prompt
 
 
-def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int]) -> PromptLayout:
+def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int], namespace: str = "") -> PromptLayout:
     """The prompt of a completions request (checked by :func:`check_prompt`): raw text (stored
-    chunks found inside it, no chat template), or token ids in LMCache's blending convention."""
+    chunks found inside it, no chat template), or token ids in LMCache's blending convention.
+
+    A token-id chunk is a chunk (read from ``namespace``, the sender's, or the shared one, and
+    written back to ``namespace``) only where it is the engine's own tokenization of some text
+    (:meth:`~ragblend.BlendEngine.is_own_tokenization`); any other is computed as part of the
+    prompt. A chunk sent alone (LMCache's warm-up, stored by the server before) is answered as a
+    plain prompt: its first tokens are the prompt's attention sink, which no stored KV stands in for."""
     if isinstance(prompt, str):
         ids = engine.prompts.tokenize_within(prompt, engine.context_window - 1)
         if ids is None:   # found by tokenizing no more than a bounded start of it
             raise PromptTooLongError(f"The prompt holds more tokens than fit the model's context window "
                                      f"({engine.context_window}); shorten it.")
-        return engine.find_chunks_in_ids(ids)
+        return engine.find_chunks_in_ids(ids, namespace=namespace)
     segments = split_lmcache(prompt, separator_ids)
     if len(segments) == 1:   # a chunk on its own: LMCache's way of warming its KV (is_lmcache_warmup)
-        return PromptLayout(list(prompt), [ChunkSpan(0, len(prompt), tuple(prompt))])
+        return PromptLayout(list(prompt), [])
     if any(not s for s in segments):
         raise ApiError(400, "The token-id prompt has an empty segment: two separators in a row, or one at "
                             "the start or end.", param="prompt")
     ids, spans = list(segments[0]), []
     for segment in segments[1:-1]:
         ids += separator_ids
-        spans.append(ChunkSpan(len(ids), len(ids) + len(segment), tuple(segment)))
+        if engine.is_own_tokenization(segment):
+            spans.append(ChunkSpan(len(ids), len(ids) + len(segment), tuple(segment), namespace=namespace))
         ids += segment
     ids += separator_ids + segments[-1]
     return PromptLayout(ids, spans)

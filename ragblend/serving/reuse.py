@@ -11,6 +11,10 @@ The storing runs as jobs of the server's worker (the one thread that runs the mo
 when no request is waiting, a bounded number of tokens at a time, so that an answer never waits
 for it and a request that arrives meanwhile waits at most one such job. A passage that cannot be
 stored (store full or broken, the job refused) is only a miss: its next prompt computes it.
+
+Each passage is stored in the namespace of the request it came from (its tenant's: see
+:meth:`~ragblend.serving.app.Server.namespace_of`), so only that tenant's prompts ever find it: one
+client's system prompt, history and documents never answer another's ``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -43,18 +47,18 @@ class PassageKeeper:
     def __init__(self, engine: BlendEngine, submit: Callable[[Job], None], load: Callable[[], int], *,
                  batch_tokens: int = 2048, max_pending: int = MAX_PENDING):
         self.engine, self.submit, self.load, self.batch_tokens = engine, submit, load, batch_tokens
-        self.pending: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.pending: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()   # (namespace, text)
         self.max_pending = max_pending
         self.lock = threading.Lock()
         self.scheduled = False   # a storing job is queued or running
         self.stored = self.failed = 0
 
-    def add(self, texts: Iterable[str]) -> None:
-        """Remember passages to store once the worker is free (call after the answer)."""
+    def add(self, texts: Iterable[str], namespace: str = "") -> None:
+        """Remember passages to store in ``namespace`` once the worker is free (call after the answer)."""
         with self.lock:
             for text in texts:
-                self.pending[text] = None
-                self.pending.move_to_end(text)
+                self.pending[namespace, text] = None
+                self.pending.move_to_end((namespace, text))
             while len(self.pending) > self.max_pending:
                 self.pending.popitem(last=False)
         self.schedule()
@@ -77,28 +81,32 @@ class PassageKeeper:
             with self.lock:
                 self.scheduled = False
 
-    def _take(self) -> list[str]:
-        """New passages (not stored yet, long enough to be found) up to ``batch_tokens``."""
+    def _take(self, namespace: str = "") -> list[str]:
+        """New passages of ``namespace`` (not stored yet, long enough to be found) up to ``batch_tokens``."""
         engine, taken, tokens = self.engine, [], 0
         limit = engine.context_window // 2   # a passage longer than that is no RAG chunk
         while tokens < self.batch_tokens:
             with self.lock:
-                if not self.pending:
+                item = next((item for item in self.pending if item[0] == namespace), None)
+                if item is None:
                     break
-                text, _ = self.pending.popitem(last=False)
-            ids = engine.tokenize(text)
-            if not engine.min_chunk_tokens <= len(ids) <= limit or engine.entries_stored(engine.ingestion.key_for(ids)):
-                continue   # too short or long, or each entry stored (a query's write-back may have stored one)
-            taken.append(text)
+                del self.pending[item]
+            ids = engine.tokenize(item[1])
+            if not engine.min_chunk_tokens <= len(ids) <= limit or any(
+                    engine.entries_stored(engine.ingestion.key_for(ids, namespace=ns)) for ns in {"", namespace}):
+                continue   # too short or long, or stored (shared, or by a query's write-back)
+            taken.append(item[1])
             tokens += len(ids)
         return taken
 
     def _run(self, job: Job) -> None:
         """The storing job (worker thread). Never raises: a failure is logged and counted."""
         try:
-            texts = self._take()
+            with self.lock:   # one namespace a job: the oldest passage's
+                namespace = next(iter(self.pending))[0] if self.pending else ""
+            texts = self._take(namespace)
             if texts:
-                refs = self.engine.precompute(texts, skip_unusable=True)
+                refs = self.engine.precompute(texts, skip_unusable=True, namespace=namespace)
                 stored = sum(ref is not None and ref.stored for ref in refs)
                 self.stored += stored
                 self.failed += len(texts) - stored
