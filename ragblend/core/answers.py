@@ -41,7 +41,7 @@ def decode_kv_dtype(weights: DecodeWeights, wanted: str, measure=None) -> torch.
     default :func:`~ragblend.core.kernels.fastest_rounds`; a test's timer is not kept) is
     faster so than in float32 on this host beyond the noise. Not bfloat16, though often a
     little faster: its 8-bit mantissa changed greedy answers that float16's 11 bits kept
-    (docs/benchmarks.md, "Decoding")."""
+    (docs/benchmarks.md#decoding)."""
     adapter = weights.adapter
     if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
         return adapter.dtype   # a model loaded in 16 bits already decodes in them

@@ -25,23 +25,22 @@ built-in prompts (the Lowenmark sample: whole documents and single paragraphs):
    one set missed it on another, and prompts from another domain sit further from full prefill.
    The largest step is judged because a short factual answer turns on one token: on the sample
    documents' questions a ratio within half the noise at the first token still changed years
-   and once repeated itself (``docs/benchmarks.md``, "The first chunk"). The answer-level mean
+   and once repeated itself (``docs/notes/lead-entries.md``). The answer-level mean
    is judged at the first token's margin because a ratio whose answers sat at 0.6 of the noise's
    on these prompts left a SQuAD answer over 3x the noise's median (Gemma 3 at 0.05;
-   ``docs/benchmarks.md``, "The answer's mean in the calibration").
+   ``docs/notes/calibration.md``).
 
 The answer-level *median* is reported, and judged only when asked (``answer_margin``, e.g. 1.0:
 the answer-level KL within the noise's in mean and median). Not by default, because on Qwen2.5
 that bar takes the ratio from 0.20 to 0.50, past its speed target: the noise's answer-level
 median over the 8 prompts is low (on half of them the reversed order barely moves the answer),
-and no ratio up to 0.30 gets under it (``docs/benchmarks.md``, "The calibration judged on the
-whole answer").
+and no ratio up to 0.30 gets under it (``docs/notes/calibration.md``).
 
 The result is a small JSON file under ``<cache>/calibration/`` named by the engine's
 ``calibration_id`` (the model's fingerprint and what chunks are precomputed after). An
 engine built without an explicit strategy uses it; a model without one
 gets :data:`UNCALIBRATED`, a ratio that stayed within the noise on every benchmark set of
-both benchmark models (``docs/benchmarks.md``). A file that is unreadable, for another
+both benchmark models (``docs/notes/calibration.md``). A file that is unreadable, for another
 model or of another format version is ignored (and logged), never trusted.
 """
 
@@ -73,7 +72,7 @@ READABLE_FORMATS = (3, 4, 5, 6)
 LADDER = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)   # QueryAware ratios tried, cheapest first
 # Chosen KL (mean and median) <= MARGIN x order noise. Half, because prompts from another
 # domain land further from full prefill than the built-in ones: on held-out news prompts the
-# old default's KL was 2.0x the noise where SQuAD's was 1.2x (docs/benchmarks.md, Calibration).
+# old default's KL was 2.0x the noise where SQuAD's was 1.2x (docs/notes/calibration.md).
 MARGIN = 0.5
 LONG_PROMPT_TOKENS = 2048             # prompts at least this long must also pass on their own
 ANSWER_TOKENS = 32                    # full prefill's greedy answer, for the answer-level KL

@@ -32,7 +32,7 @@ from .omp import release_thread_pool
 # was off the float32 one by 0.02 (median), 0.12-0.15 (99th percentile); of the 9 picks that
 # differed, 8 had a margin under 0.03 (1.9% of steps do) and one 0.055. Wider costs more than it
 # saves: a pick made again runs a float32 pass (on that host ~110 ms, plus ~5 ms a row, where a
-# low-bit pass takes ~50). docs/benchmarks.md, "Near ties made again in float32".
+# low-bit pass takes ~50). docs/notes/near-ties.md.
 NEAR_TIE = 0.03
 
 # Sampling computes in float32, where a positive temperature or top_p below ~7e-46 is zero: a

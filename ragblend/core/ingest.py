@@ -10,7 +10,7 @@ A chunk has two entries when the engine keeps *lead* KV (``lead_chunk_kv``, the 
 computed after the sink (the template's opening and a neutral passage: the chunk as a passage in
 the middle of a prompt), and one computed right after the template's opening (the chunk as the
 first passage of a prompt, where it is used so). A prompt's first chunk reads the second, every
-other chunk the first (docs/benchmarks.md, "The first chunk").
+other chunk the first (docs/notes/lead-entries.md).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class QueryGroup:
 # keys after its last row); a GPU needs large calls to fill it: on an H100, an 8B-shaped model's
 # fused prefill of 16K tokens with its KV already on the GPU took 0.60 s in groups of 64 rows,
 # 0.27 s in groups of 1,024 (at 4K 256 rows was fastest, 1,024 as fast as 64; docs/benchmarks.md,
-# "An 8B-shaped model on an H100").
+# "Scaling with the prompt").
 ROWS_PER_GROUP = {"cpu": 64, "cuda": 1024}
 
 

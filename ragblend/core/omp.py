@@ -6,7 +6,7 @@ such workers than it has cores, libgomp stops spinning between kernels and puts 
 sleep, for every team: on a 2-core host, a prefill run from a second thread (a server's worker,
 the background KV filler, a Streamlit script) took ~30% longer and decoding ~35% longer than the
 same work on the thread that had loaded the model, whose idle team still counted
-(docs/benchmarks.md, "Threads").
+(docs/notes/threads.md).
 
 :func:`release_thread_pool` hands the calling thread's workers back when its burst of work is
 over (the engine calls it after loading, prefilling, generating and precomputing), so the

@@ -108,7 +108,7 @@ class PrefetchSource(SequentialSource):
         """Layer ``index`` of every chunk read, checked, cut to its window and copied into pinned
         host memory (CUDA only, in the thread: the CPU is idle while the GPU computes). Copied
         from pageable memory in the fusion's own thread, a ~2 GB prompt's KV cost an H100
-        0.38 s of waiting (docs/benchmarks.md, "An 8B-shaped model on an H100")."""
+        0.38 s of waiting (docs/benchmarks.md#scaling-with-the-prompt)."""
         raw = self._fetch(index)
         t0 = time.perf_counter()
         parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]

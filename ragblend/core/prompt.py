@@ -62,7 +62,7 @@ def check_text(text, what: str) -> str:
 # precomputed right after the system prompt is encoded as the start of a text, yet in a RAG
 # prompt most chunks sit after other passages; after any passage its KV is much closer to a
 # full prefill's (first-token KL 2-3x lower at the same recompute on SQuAD; see
-# docs/benchmarks.md, "Chunk context"). Neutral on purpose: an encyclopedic paragraph about no
+# docs/notes/chunk-context.md). Neutral on purpose: an encyclopedic paragraph about no
 # real place, written for ragblend, so that it adds no facts an answer could pick up.
 CHUNK_CONTEXT = (
     "The river rises in a range of low hills and flows for about three hundred kilometres before it "
@@ -468,7 +468,7 @@ class PromptBuilder:
     def chunk_sink(self, sink_prefix: str | None, chunk_context: str) -> list[int]:
         """What every chunk is precomputed after: the template's opening, then a neutral passage
         (``chunk_context``), so that a chunk's cached KV is that of a passage in the middle of a
-        prompt, as it will be used (docs/benchmarks.md, "Chunk context"). A ``sink_prefix`` is
+        prompt, as it will be used (docs/notes/chunk-context.md). A ``sink_prefix`` is
         the developer's own template text instead: its control tokens are parsed."""
         return self.tokenize_template(sink_prefix) if sink_prefix is not None else self.sink_ids(chunk_context)
 

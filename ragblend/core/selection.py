@@ -204,8 +204,7 @@ class TopScoreSelection(Selection):
 # plus this share of its own: a sentence read throughout still comes whole, and so does a token
 # the question reads far more than the rest of its sentence. Sentences alone (a share of 1e-4)
 # moved Qwen2.5's first token nearly 3x further than single tokens on SQuAD; 0.25 brought it
-# back and kept the answers' mend, where 1 and 4 lost it (docs/benchmarks.md, "Sentences and
-# the tokens the question reads most").
+# back and kept the answers' mend, where 1 and 4 lost it (docs/notes/sentence-runs.md).
 SENTENCE_OWN_SHARE = 0.25
 
 
@@ -265,7 +264,7 @@ class QuestionAttention(Selection):
     def pool(self, claims: torch.Tensor, window: int) -> torch.Tensor:
         """One chunk's claims averaged over ``window`` tokens around each (fewer at its ends).
         Why: a token recomputed alone among cached neighbours moved a few answers further from
-        full prefill's than recomputing none (docs/benchmarks.md, "Recomputing in runs")."""
+        full prefill's than recomputing none (docs/notes/sentence-runs.md)."""
         if window == 1:
             return claims
         return F.avg_pool1d(claims[None, None], window, stride=1, padding=window // 2,
@@ -276,7 +275,7 @@ class QuestionAttention(Selection):
         """Each token's claim averaged over its sentence, plus :data:`SENTENCE_OWN_SHARE` of its
         own. Why sentences: single tokens among cached neighbours moved a few answers away from
         full prefill's, and windows of a fixed length cut across what the text says
-        (docs/benchmarks.md, "Recomputing whole sentences")."""
+        (docs/notes/sentence-runs.md)."""
         if prompt.sentence_of is None:
             raise InvalidInputError("QueryAware(sentence_runs=True) needs the prompt's sentence ends; run it "
                                     "through BlendEngine.prefill.")

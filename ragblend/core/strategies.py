@@ -70,8 +70,8 @@ class CacheBlend(_Settings):
     (the paper's gradual filtering); ratios are fractions of all reused tokens.
 
     ``deviation="value"`` (the default) is the paper's score; ``"key"`` scores K before RoPE
-    and ``"key_value"`` the sum of both. ``benchmarks/selection.py`` compares them at equal
-    compute (``docs/benchmarks.md``): K lowers the mean first-token KL a little on both
+    and ``"key_value"`` the sum of both. ``research/selection.py`` compares them at equal
+    compute (``docs/notes/selection-bounds.md``): K lowers the mean first-token KL a little on both
     benchmark models but changed more demo answers, so V stays the default.
 
     ``ratio=1.0`` recomputes everything and equals :class:`FullRecompute`. ``ratio="auto"``
@@ -123,7 +123,7 @@ class QueryAware(_Settings):
     question and the template's cue to answer) or only the prompt's last ``query_tokens``
     tokens. The last 4 chose better on SQuAD and MuSiQue, the whole question on the long
     fidelity prompts, where only it stayed within Qwen2.5's order noise
-    (``docs/benchmarks.md``).
+    (``docs/notes/query-aware.md``).
 
     ``cached_attention_scale`` (APE's scaling factor): every attention weight on a reused
     token that is not recomputed is multiplied by it before the softmax normalises, in the
@@ -132,28 +132,26 @@ class QueryAware(_Settings):
     it down brings the fused prefill closer to a full prefill. At equal compute 0.7 lowered the
     mean KL to full prefill on the fidelity prompts and SQuAD of both benchmark models, where 0.5
     helped Qwen2.5's long prompts more but hurt both models' SQuAD prompts
-    (``docs/benchmarks.md``). 1.0 leaves attention as it is.
+    (``docs/notes/attention-scale.md``). 1.0 leaves attention as it is.
 
     ``scale_in_decoding``: whether the answer's tokens, too, pay the reused tokens left cached
     ``cached_attention_scale`` times the attention (True), or decode over the fused prompt with
     plain attention (False, the default). Over 73 prompts of three models and three sets, with
     the scale in the prefill only the answers' mean KL to full prefill's was lower on 6 of the 9
     model/set pairs (higher on two MuSiQue sets, within their noise) and 1 prompt was over 3x
-    the order noise's median instead of 3 (``docs/benchmarks.md``, "The attention scale in
-    decoding, re-judged").
+    the order noise's median instead of 3 (``docs/notes/attention-scale.md``).
 
     ``neighbour_window``: recompute in runs. A reused token's claim is the question's attention
     averaged over a window this fraction of its chunk long (1/16: 9 tokens of a 150-token
     chunk, 31 of a 500-token one), so the budget goes to runs of neighbours rather than to
     tokens alone among cached ones. 0 (the default) chooses single tokens.
-    (``docs/benchmarks.md``, "Recomputing in runs of neighbours").
+    (``docs/notes/sentence-runs.md``).
 
     ``sentence_runs``: recompute in runs that follow the text: a reused token's claim is the
     question's attention averaged over its sentence inside its chunk (a sentence ends at a
     token holding ``.``, ``!``, ``?`` or a line break) plus a quarter of its own, so the budget
     goes to the sentences the question reads, whole where it reaches, and to the tokens it reads
-    far more than their sentence. Not with ``neighbour_window`` (``docs/benchmarks.md``,
-    "Recomputing whole sentences" and "Sentences and the tokens the question reads most").
+    far more than their sentence. Not with ``neighbour_window`` (``docs/notes/sentence-runs.md``).
 
     ``ratio=None`` (the default) takes the engine's own ratio (its calibration's, else the safe
     default) when :meth:`BlendEngine.prefill` runs it: ``QueryAware()`` is the engine's choice

@@ -40,7 +40,7 @@ def test_local_index_over_a_chroma_server(chroma_url, smol_engine, tmp_path):
     assert server_side.get_collection("server-test").count() == report.nodes   # the vectors live on the server
     assert not (tmp_path / "index" / "chroma").exists()                        # not in the index folder
     # The water plan's date, not the kite festival's year: the 135M model's fused answer to that
-    # one flips between two years of its passage with the ratio (docs/benchmarks.md, the demo's answers).
+    # one flips between two years of its passage with the ratio (docs/notes/lead-entries.md).
     answer = rag.ask("On what date did the municipal council adopt the Lowenmark Water Management Plan?",
                      max_new_tokens=24)
     assert "11 June 2024" in answer.text

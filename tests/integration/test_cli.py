@@ -14,7 +14,7 @@ def test_demo_prints_both_answers_and_ttfts(capsys, tmp_path):
     assert "[BlendLLM] TTFT" in out and "[full prefill] TTFT" in out
     # The expected answer and full prefill's name the year. BlendLLM's is not checked for it: the
     # 135M model's fused answer to this question names 1987 or 2019 (both in the passage)
-    # depending on the ratio (docs/benchmarks.md, "The demo's answers"); fidelity is measured by
+    # depending on the ratio (docs/notes/lead-entries.md); fidelity is measured by
     # benchmarks/fidelity.py, over many prompts, not by one answer.
     blend = out.split("[BlendLLM]", 1)[1].split("[full prefill]", 1)[0]
     assert "query_aware 0.1" in blend and "Kite Festival" in blend

@@ -416,7 +416,7 @@ def test_every_shipped_calibration_is_of_the_current_format():
         assert path.stem == calibration.fingerprint[:32] and calibration.within_noise
         assert data["format"] == CALIBRATION_FORMAT and calibration.answer_margin is None
         # Re-judged on the whole answer (issue 29): the chosen ratio's answer-level KL is within the
-        # noise's in mean (in median too for SmolLM2 and Gemma 3, not Qwen2.5: docs/benchmarks.md).
+        # noise's in mean (in median too for SmolLM2 and Gemma 3, not Qwen2.5: docs/notes/calibration.md).
         chosen = next(row for row in calibration.tried
                       if (row["ratio"], row["neighbour_window"], row.get("sentence_runs", False)) ==
                       (calibration.ratio, calibration.neighbour_window, calibration.sentence_runs))
