@@ -298,7 +298,7 @@ class TokenClock:
 class ServedProcess:
     """``ragblend serve`` in a child process on a free port of 127.0.0.1 (its URL is ``.url``), waited
     for until ``/health`` answers; ``stop()`` ends it. (The tests' server fixtures are apart, in
-    benchmarks/servers.py for now: a benchmark imports only this module.)"""
+    tests/servers.py: a benchmark imports only this module.)"""
 
     def __init__(self, kv_dir: str, *extra: str, timeout_s: float = 120):
         with socket.socket() as s:

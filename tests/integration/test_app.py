@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-from benchmarks.servers import ServerProcess, free_port, http_ok, non_loopback_address  # noqa: E402
 from ragblend.data import sample_dir  # noqa: E402
+from tests.servers import ServerProcess, free_port, http_ok, non_loopback_address  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +255,7 @@ HOSTILE_DOC = ('![tracker](http://{outside}/pixel.png) [Click to re-authenticate
 def test_refused_uploads_leave_nothing_on_disk(tmp_path, monkeypatch):
     import tempfile
 
-    from benchmarks import bombs
+    from tests.robustness import bombs
 
     scratch = Path(tempfile.gettempdir())
     before = {p for p in scratch.iterdir()}

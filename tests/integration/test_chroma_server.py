@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.servers import ServerProcess, free_port
 from ragblend.cli import main
+from tests.servers import ServerProcess, free_port
 
 
 @pytest.fixture(scope="module")

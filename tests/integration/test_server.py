@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
-from benchmarks.servers import RunningServer, free_port, wait_idle  # noqa: E402
+from tests.servers import RunningServer, free_port, wait_idle  # noqa: E402
 
 KEY = "test-key-1234"
 

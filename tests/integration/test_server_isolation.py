@@ -14,7 +14,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
-from benchmarks.servers import HealthPoller, header_flood, ragblend_serve, wait_idle  # noqa: E402
+from tests.servers import HealthPoller, header_flood, ragblend_serve, wait_idle  # noqa: E402
 
 KEY = "isolation-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -12,8 +12,8 @@ from ..unit.test_serving_recipes import recipes
 @pytest.mark.slow
 def test_the_serving_recipes_run_as_written(tmp_path):
     pytest.importorskip("fastapi")
-    from benchmarks.servers import RunningServer
     from ragblend import BlendEngine
+    from tests.servers import RunningServer
 
     engine = BlendEngine.from_pretrained(kv_dir=False)
     running = RunningServer(engine)

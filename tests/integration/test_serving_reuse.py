@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from benchmarks.servers import RunningServer  # noqa: E402
+from tests.servers import RunningServer  # noqa: E402
 
 QUESTION = "What is the name of the passenger ferry that goes to Hallow Holm?"
 

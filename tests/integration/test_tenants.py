@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytestmark = pytest.mark.slow
 
-from benchmarks.servers import RunningServer, wait_idle  # noqa: E402
+from tests.servers import RunningServer, wait_idle  # noqa: E402
 
 A_KEY, B_KEY, OPERATOR_KEY = "tenant-a-1234", "tenant-b-5678", "operator-9999"
 KNOWN = ("Notes for the staff of the north building, kept by the front desk and read out at the Monday meeting. "

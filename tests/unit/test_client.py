@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from benchmarks.servers import RunningServer, free_port  # noqa: E402
 from ragblend import Chunk  # noqa: E402
 from ragblend.core.errors import InvalidInputError, PromptTooLongError  # noqa: E402
 from ragblend.serving.client import RemoteEngine, RemoteError  # noqa: E402
+from tests.servers import RunningServer, free_port  # noqa: E402
 
 from ..conftest import PASSAGES, make_tiny_engine  # noqa: E402
 

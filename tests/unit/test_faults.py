@@ -3,7 +3,7 @@
 Real faults where the machine allows them: a second process holding an exclusive SQLite lock,
 the KV folder deleted under a running engine, a full tmpfs and a read-only bind mount (need
 root: skipped otherwise), a garbage database file, hostile entry headers with valid CRCs, a
-writer killed at random points. ``python -m benchmarks.faults`` runs the heavy versions.
+writer killed at random points. ``python -m tests.robustness.faults`` runs the heavy versions.
 """
 
 import contextlib

@@ -233,7 +233,7 @@ def test_blend_chat_model_prompts_are_safe(engine, tokenizer):
 def keyed_server(tokenizer):
     """``ragblend serve``'s app over a tiny model, with an API key, in a uvicorn thread."""
     pytest.importorskip("uvicorn")
-    from benchmarks.servers import RunningServer
+    from tests.servers import RunningServer
 
     engine = make_tiny_engine("llama", tokenizer)
     with RunningServer(engine, api_key="sekrit-key", model_name="tiny") as running:

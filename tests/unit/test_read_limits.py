@@ -17,11 +17,11 @@ import pytest
 pytest.importorskip("llama_index.core")
 pytest.importorskip("pypdf")
 
-from benchmarks import bombs  # noqa: E402
 from ragblend.cli import main  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
 from ragblend.integrations.local_index import read_text_files, read_uploads  # noqa: E402
 from ragblend.integrations.readers import OverLimitError, ReadLimits, UnreadableFileError, extract_text  # noqa: E402
+from tests.robustness import bombs  # noqa: E402
 
 # Reads one file in a fresh process and prints its skip reason (or its size in characters),
 # the time the read took, and the process's peak RSS before and after it.
@@ -126,7 +126,7 @@ def test_docx_and_memory_limits():
     with pytest.raises(OverLimitError, match=r"over the limit of 10,000 characters per file"):
         extract_text(".docx", document, ReadLimits(chars=10_000))
     # in a fresh process: in this one, memory freed by earlier tests is reused without growing the RSS
-    code = ("import sys; from benchmarks import bombs\n"
+    code = ("import sys; from tests.robustness import bombs\n"
             "from ragblend.integrations.readers import ReadLimits, UnreadableFileError, extract_text\n"
             "try:\n    extract_text('.docx', bombs.normal_docx(300_000), ReadLimits(memory_mb=1))\n"
             "except UnreadableFileError as err:\n    print(err)\n")

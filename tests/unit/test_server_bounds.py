@@ -15,11 +15,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from benchmarks.servers import HealthPoller, RunningServer, free_port, header_flood, wait_until_up  # noqa: E402
 from ragblend import Chunk  # noqa: E402
 from ragblend.core.errors import PromptTooLongError  # noqa: E402
 from ragblend.core.prompt import PromptBuilder  # noqa: E402
 from ragblend.serving.app import MAX_HEADER_BYTES, MAX_HEADERS, create_app  # noqa: E402
+from tests.servers import HealthPoller, RunningServer, free_port, header_flood, wait_until_up  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
 

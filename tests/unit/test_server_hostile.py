@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from benchmarks.servers import RunningServer, ServerProcess, free_port, http_ok, wait_idle  # noqa: E402
 from ragblend.serving.app import ROUTES, Metrics, _label  # noqa: E402
 from ragblend.serving.protocol import MAX_MESSAGES, MAX_PARTS, MAX_TEXTS  # noqa: E402
+from tests.servers import RunningServer, ServerProcess, free_port, http_ok, wait_idle  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
 

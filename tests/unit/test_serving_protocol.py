@@ -10,7 +10,6 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from benchmarks.servers import RunningServer  # noqa: E402
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware  # noqa: E402
 from ragblend.serving.protocol import (  # noqa: E402
     ApiError,
@@ -22,6 +21,7 @@ from ragblend.serving.protocol import (  # noqa: E402
     strategy_from_json,
     strategy_to_json,
 )
+from tests.servers import RunningServer  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
 

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from benchmarks.servers import RunningServer, wait_idle  # noqa: E402
+from tests.servers import RunningServer, wait_idle  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
 

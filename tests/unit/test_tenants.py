@@ -180,7 +180,7 @@ def cached(answer) -> int:
 
 def guesses(url, key, **extra) -> list[int]:
     """cached_tokens of one probe per guess of the code's first digit (B's attack)."""
-    from benchmarks.servers import wait_idle
+    from tests.servers import wait_idle
 
     out = []
     for digit in "0123456789":
@@ -197,7 +197,7 @@ def a_asks(url, key=A_KEY):
 @pytest.fixture
 def tenant_server(tokenizer):
     pytest.importorskip("fastapi")
-    from benchmarks.servers import RunningServer
+    from tests.servers import RunningServer
 
     def start(**options):
         engine = make_tiny_engine("llama", tokenizer)
@@ -207,7 +207,7 @@ def tenant_server(tokenizer):
 
 
 def test_another_tenant_reads_no_digit_of_a_system_prompt_through_cached_tokens(tenant_server):
-    from benchmarks.servers import wait_idle
+    from tests.servers import wait_idle
 
     for shared, leak in ((False, False), (True, True)):   # --shared-cache: the side channel, as documented
         engine, server = tenant_server(shared_cache=shared)
@@ -247,7 +247,7 @@ def test_the_token_id_warm_up_attack_stores_nothing_and_changes_no_answer(tokeni
     (LMCache's warm-up): nothing is stored, and A's greedy answers are those of a server B never
     talked to, also after a restart on the same store."""
     pytest.importorskip("fastapi")
-    from benchmarks.servers import RunningServer, wait_idle
+    from tests.servers import RunningServer, wait_idle
 
     questions = ["What is the capital of France?", "How warm is boiling water?", "Name a colour.", "Count to three."]
 

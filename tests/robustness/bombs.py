@@ -1,7 +1,7 @@
 """Files that cost more than they weigh, and normal files of the same size to compare them with.
 
 Used by the tests (tests/unit/test_readers_bombs.py) and the hostile-input benchmark
-(benchmarks/faults.py, ``Hostile.bomb_cases``). Each maker returns the file's bytes.
+(tests/robustness/faults.py, ``Hostile.bomb_cases``). Each maker returns the file's bytes.
 
 * :func:`docx_bomb`: a Word document whose document.xml inflates ~1000 times over (a 0.99 MB
   file of ~1 GB XML, as in issue 58);

@@ -1,8 +1,8 @@
 """Fault injection on the real model: store faults and bad input (issue 13), hostile documents and clients (27).
 
-    python -m benchmarks.faults                        # both sections, SmolLM2, 20 random SIGKILLs
-    python -m benchmarks.faults --section store --kills 50 --out docs
-    python -m benchmarks.faults --section hostile --out docs   # issue 27 alone (~10 min on 2 cores)
+    python -m tests.robustness.faults                        # both sections, SmolLM2, 20 random SIGKILLs
+    python -m tests.robustness.faults --section store --kills 50 --out docs
+    python -m tests.robustness.faults --section hostile --out docs   # issue 27 alone (~10 min on 2 cores)
 
 Each fault gets a fresh KV store (the sample chunks precomputed) in a sandbox folder beside an
 "outside" folder of sentinel files. A fault is *survived* when the answer equals the clean
@@ -46,13 +46,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from benchmarks.common import command_line, write_report
+from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, RagblendError
 from ragblend.core.store import MAGIC, DiskStore, MemoryStore, TieredStore, open_store
 from ragblend.data import load_sample
-
-from .common import command_line, write_report
-from .models import MODELS, model_path
-from .servers import (
+from tests.servers import (
     HealthPoller,
     RunningServer,
     ServerDidNotStart,
@@ -1349,7 +1348,7 @@ class Hostile:
         against a normal file of its size (peak RSS and seconds, each in a fresh process where
         the reader or the CLI runs alone); refused uploads leave nothing on disk; document
         text and answers are shown as text."""
-        from . import bombs
+        from tests.robustness import bombs
 
         box = self.folder("bombs")
         files = {"bomb.docx": bombs.docx_bomb(400), "normal.docx": bombs.normal_docx(1_000_000),
@@ -1860,7 +1859,7 @@ def main(argv=None) -> None:
         lines, summary = run(args)
         print(summary, flush=True)
         if args.out:
-            write_report(args.out, file_name, title, command_line("benchmarks.faults", argv),
+            write_report(args.out, file_name, title, command_line("tests.robustness.faults", argv),
                          time.perf_counter() - t_start, lines + ["", summary])
 
 
