@@ -637,15 +637,18 @@ class Hostile:
                     engine.precompute([PWNED_DOC])
                 finally:
                     kv.KV_FORMAT_VERSION = store_module.KV_FORMAT_VERSION = 3
+                old = len(engine.store)   # the chunk's own entry, and its lead entry where the engine keeps them
                 stats = engine.generate([Chunk(PWNED_DOC), QUESTION], max_new_tokens=1).stats
                 engine.flush()
                 entries = len(engine.store)
             finally:
                 engine.store.disk.close()
                 engine.store = MemoryStore()
-            ok = stats.chunks_reused == 0 and stats.reused_tokens == 0 and entries == 2
+            # The query computes the one entry it reads (the lead entry of the prompt's first chunk) and
+            # stores it under format 3's key, beside the old ones.
+            ok = stats.chunks_reused == 0 and stats.reused_tokens == 0 and entries == old + 1
             return ok, (f"with a format-2 entry of the chunk on disk: chunks reused {stats.chunks_reused}, "
-                        f"reused tokens {stats.reused_tokens}, computed {stats.chunks_computed}; entries now {entries}")
+                        f"reused tokens {stats.reused_tokens}, computed {stats.chunks_computed}; entries {old} -> {entries}")
 
         def real_api_key():
             from ragblend import BlendChatModel
