@@ -441,7 +441,14 @@ def _info(args) -> int:
     print(f"Host: {cpu_summary()}")
     print(f"Model: {engine.name} ({engine.adapter.arch}, {engine.adapter.shape.num_layers} layers, "
           f"{engine.adapter.dtype}, {engine.adapter.device})")
-    if plan is None:
+    from ragblend.core.quantized import describe, is_quantized
+
+    if is_quantized(engine.hf_model):
+        print(f"Weights: the GGUF file's, held {engine.weights_form} (float32 on request: dtype=torch.float32 in "
+              "BlendEngine.from_pretrained):")
+        for line in describe(engine.hf_model):
+            print(f"  {line}")
+    elif plan is None:
         print("Kernels: the model does not run in float32 on the CPU, so its own (transformers') kernels run it.")
     else:
         when = "measured just now" if plan.source == "measured" else "measured earlier on this host, cached"

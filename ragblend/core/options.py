@@ -60,7 +60,10 @@ class EngineOptions:
         flag="--kv-dir", load=True, type=str)
     memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes.", load=True, type=int)
     disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes.", load=True, type=int)
-    dtype: torch.dtype | str = option(torch.float32, "Dtype the model's weights are loaded in.", load=True)
+    dtype: torch.dtype | str | None = option(
+        None, "Dtype the model's weights are loaded in. None: a GGUF file's in float32 where that takes at "
+              "most 4 GiB, else in its quantized form (\"quantized\" asks for that: docs/models.md); an HF "
+              "directory's in float32.", load=True)
     device: str | torch.device = option("cpu", "Device the model runs on.", load=True)
     # -- the engine around it
     separator: str = option("\n\n", "What joins the segments of a prompt.")

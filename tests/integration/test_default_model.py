@@ -19,16 +19,30 @@ def segs():
 
 
 
-def test_default_model_is_cached_as_safetensors(smol_engine):
-    folder = converted_dir_for(default_gguf_path())
-    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+def test_default_model_loads_from_its_gguf_without_a_float32_copy(smol_engine):
+    """No copy of the weights on disk: the cache holds the config and tokenizer only. A model this
+    small is dequantized to float32 in memory (model.gguf_in_float32); asked for, its weights stay
+    in the file's 4-bit/8-bit form, within 1.3x the file."""
+    from ragblend.core.model import gguf_metadata_dir
+    from ragblend.core.quantized import quantized_bytes
+
+    folder = gguf_metadata_dir(default_gguf_path())
+    assert (folder / "config.json").exists() and not list(folder.glob("*.safetensors"))
+    assert not (converted_dir_for(default_gguf_path()) / "model.safetensors").exists()
     assert smol_engine.adapter.arch == "llama" and smol_engine.context_window == 8192
+    assert smol_engine.weights_form == "float32"
+    quantized = BlendEngine.from_pretrained(default_gguf_path(), dtype="quantized", kv_dir=False)
+    assert quantized.weights_form == "quantized"
+    assert quantized_bytes(quantized.hf_model) <= 1.3 * default_gguf_path().stat().st_size
 
 
-def test_gguf_path_and_converted_dir_load_the_same_model(smol_engine):
-    from_gguf = BlendEngine.from_pretrained(default_gguf_path())
-    from_dir = BlendEngine.from_pretrained(converted_dir_for(default_gguf_path()))
-    assert from_gguf.fingerprint == from_dir.fingerprint == smol_engine.fingerprint
+def test_quantized_and_float32_loads_are_the_same_model(smol_engine):
+    """Known by the same fingerprint (the shipped calibration applies to both); KV keyed apart."""
+    quantized = BlendEngine.from_pretrained(default_gguf_path(), dtype="quantized", kv_dir=False)
+    assert smol_engine.weights_form == "float32"
+    assert quantized.model_fingerprint == smol_engine.model_fingerprint == smol_engine.fingerprint != quantized.fingerprint
+    for engine in (smol_engine, quantized):
+        assert engine.calibration is not None and engine.calibration.source == "shipped"
 
 
 def test_full_recompute_equals_model_forward(smol_engine):

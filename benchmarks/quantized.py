@@ -1,0 +1,89 @@
+"""The prefill on a GGUF file's quantized weights against the same file dequantized to float32.
+
+For every prompt: the float32 engine's full prefill (the reference) and its full prefill of the
+chunks in reversed order (the model's order noise), then the quantized engine's full prefill and
+its fused prefill (the default strategy), each against the float32 engine's same prefill: first-
+token KL, and whether the greedy answers (``--greedy-tokens``) are identical. The rule (issue 55):
+mean KL under 5% of the mean order noise, identical answers on >= 95% of prompts.
+
+    python -m benchmarks.quantized --models smollm2 --sets fidelity:6 squad:16
+    python -m benchmarks.quantized --sets fidelity:4 --chunk-chars 700 --full-only --greedy-tokens 12   # ~1k tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ragblend import BlendEngine, Chunk, FullRecompute
+from ragblend.core.calibration import first_token_kl
+
+from .common import MUSIQUE, SYSTEM, prompt_sets
+from .models import MODELS, model_path
+
+
+def run(engine, prompt, strategy, tokens, reverse=False):
+    chunks = prompt.chunks[::-1] if reverse else prompt.chunks
+    segments = [Chunk(c) for c in chunks] + [prompt.question]
+    if not tokens:
+        pre = engine.prefill(segments, system=SYSTEM, strategy=strategy)
+        return pre.logits, [], pre.stats
+    out = engine.generate(segments, system=SYSTEM, strategy=strategy, max_new_tokens=tokens)
+    return out.logits, out.token_ids, out.stats
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
+    parser.add_argument("--sets", nargs="+", default=["fidelity:6", "squad:16"])
+    parser.add_argument("--greedy-tokens", type=int, default=16)
+    parser.add_argument("--chunk-chars", type=int, default=0, help="cut each chunk to this many characters (0: whole)")
+    parser.add_argument("--full-only", action="store_true", help="the full prefill only (no precompute, no fused prefill)")
+    args = parser.parse_args(argv)
+    sets = prompt_sets(args.sets, MUSIQUE)
+    if args.chunk_chars:
+        for prompts in sets.values():
+            for prompt in prompts:
+                prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
+    for name in args.models:
+        path = model_path(name)
+        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False)
+        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False)
+        rows = []
+        for set_name, prompts in sets.items():
+            for prompt in prompts:
+                ref, ref_ids, ref_stats = run(exact, prompt, FullRecompute(), args.greedy_tokens)
+                noise, _, _ = run(exact, prompt, FullRecompute(), 0, reverse=True)
+                full, full_ids, full_stats = run(quantized, prompt, FullRecompute(), args.greedy_tokens)
+                if args.full_only:
+                    fused_ref, fused_ref_ids, fused, fused_ids = ref, ref_ids, full, full_ids
+                else:
+                    for engine in (exact, quantized):
+                        engine.precompute(prompt.chunks)
+                    fused_ref, fused_ref_ids, _ = run(exact, prompt, None, args.greedy_tokens)
+                    fused, fused_ids, _ = run(quantized, prompt, None, args.greedy_tokens)
+                rows.append({"set": set_name, "noise": first_token_kl(ref, noise), "full_kl": first_token_kl(ref, full),
+                             "fused_kl": first_token_kl(fused_ref, fused), "full_same": full_ids == ref_ids,
+                             "fused_same": fused_ids == fused_ref_ids, "ttft_exact": ref_stats.ttft_s,
+                             "ttft_quantized": full_stats.ttft_s})
+                r = rows[-1]
+                print(f"{name} {set_name} {len(rows):3d}: noise {r['noise']:.4f} full KL {r['full_kl']:.5f} "
+                      f"fused KL {r['fused_kl']:.5f} same {r['full_same']}/{r['fused_same']} "
+                      f"TTFT full {r['ttft_exact']:.2f}s -> {r['ttft_quantized']:.2f}s", flush=True)
+        noise = statistics.mean(r["noise"] for r in rows)
+        for what in ("full",) if args.full_only else ("full", "fused"):
+            kl = statistics.mean(r[f"{what}_kl"] for r in rows)
+            same = sum(r[f"{what}_same"] for r in rows) / len(rows)
+            print(f"{name} {what} prefill on quantized weights: mean KL {kl:.5f} = {kl / noise:.1%} of the order "
+                  f"noise ({noise:.4f}); greedy answers ({args.greedy_tokens} tokens) identical on {same:.0%} of "
+                  f"{len(rows)} prompts: {'meets' if kl < 0.05 * noise and same >= 0.95 else 'MISSES'} the rule")
+        del exact, quantized
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    main()
+    print(f"({time.time() - t0:.0f} s)")

@@ -1,0 +1,475 @@
+"""Linear layers and embeddings that keep a GGUF file's quantized weights, and the loader that
+builds a model of them straight from the file (no float32 copy, on disk or in memory).
+
+Each weight is held in one form, the nearest PyTorch's CPU kernels read:
+
+* Q4_0, Q4_1, Q4_K: the file's own 4-bit codes in groups of 32 (Q4_K's 6-bit sub-block scales
+  and minimums multiplied out per group), packed for ``aten._weight_int4pack_mm_for_cpu``, with
+  bfloat16 scales and zeros (the kernel's): ~0.63 bytes a weight.
+* Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: 8-bit codes, one scale per output row (the nearest 8-bit form:
+  the rounding is a fraction of the file's own step), for ``aten._weight_int8pack_mm``: ~1 byte.
+* F32, F16, BF16: the file's values in their own dtype.
+
+A pass of up to ``kernels.DRAFT_ROWS`` rows (a decoding step) runs the low-bit kernel on
+bfloat16 activations, as the decoding twins of :mod:`.decode_weights` do. A longer pass (a
+chunk's precompute, a fused or full prefill) dequantizes the layer into one reused float32
+scratch buffer and runs ``F.linear`` on float32 activations: the same weights, float32 math,
+at a cost of one pass over the weight per matmul, small beside a matmul of many rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .gguf_file import EIGHT_BIT, FOUR_BIT, GGUFFile, TensorInfo
+from .kernels import DRAFT_ROWS
+
+log = logging.getLogger("ragblend")
+
+GROUP = 32                      # weights per 4-bit scale and zero
+SCRATCH_WEIGHTS = 16 << 20      # a longer pass dequantizes at most this many weights at a time (64 MiB float32)
+_scratch = threading.local()    # per thread: engines on other threads may run passes at once
+
+
+def scratch(count: int) -> torch.Tensor:
+    """A float32 buffer of at least ``count`` values, reused by every layer of this thread."""
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < count:
+        with torch.inference_mode(False):   # a normal tensor: passes in and out of inference mode write it
+            buffer = _scratch.buffer = torch.empty(count)
+    return buffer[:count]
+
+
+# ------------------------------------------------------------------------------ GGUF blocks -> codes
+
+
+def _f16(raw: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte ``start`` of each block, as float32 ``[rows, blocks]``."""
+    return np.ascontiguousarray(raw[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def four_bit_groups(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """``(codes [rows, cols] uint8 0..15, scales, minimums [rows, cols / 32] float32)`` of a Q4_0,
+    Q4_1 or Q4_K tensor's blocks ``raw [rows, blocks, bytes]``: weight = scale * code + minimum."""
+    rows = raw.shape[0]
+    if type_name in ("Q4_0", "Q4_1"):
+        qs = raw[..., 2 if type_name == "Q4_0" else 4:]
+        codes = np.concatenate([qs & 15, qs >> 4], axis=-1)          # elements 0-15 low nibbles, 16-31 high
+        scales = _f16(raw, 0)
+        low = -8 * scales if type_name == "Q4_0" else _f16(raw, 2)
+        return codes.reshape(rows, -1), torch.from_numpy(scales), torch.from_numpy(low)
+    # Q4_K: 256 weights = 8 groups of 32, each with a 6-bit scale and minimum multiplying the
+    # block's float16 d and dmin (ggml's get_scale_min_k4); codes 64 at a time, low nibbles first.
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    s = raw[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = raw[..., 16:144].reshape(rows, -1, 4, 1, 32)
+    codes = np.concatenate([qs & 15, qs >> 4], axis=3)               # [rows, blocks, 4, 2, 32]
+    scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+    low = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
+    return codes.reshape(rows, -1), torch.from_numpy(scales), torch.from_numpy(low)
+
+
+def pack_int4(codes: np.ndarray) -> torch.Tensor:
+    """``codes [rows, cols]`` (uint8 0..15, rows in 64s) in the layout of
+    ``aten._convert_weight_to_int4pack_for_cpu``: per 64-row block, ``cols`` runs of 32 bytes,
+    byte ``i`` holding row ``i``'s code in its low nibble and row ``i + 32``'s in its high
+    (:func:`unpack_int4` reverses it). Made here from uint8 codes, without the op's int32 copy;
+    where this torch's op packs otherwise (:func:`_packs_alike`), the op packs."""
+    rows, cols = codes.shape
+    if not _packs_alike():
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2)
+    halves = codes.reshape(rows // 64, 2, 32, cols)
+    packed = (halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)   # [blocks, cols, 32]
+    return torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, cols // 2))
+
+
+_LAYOUT: list[bool] = []
+
+
+def _packs_alike() -> bool:
+    """Whether this torch's int4 packing is the layout :func:`pack_int4` writes (checked once)."""
+    if not _LAYOUT:
+        codes = np.random.default_rng(0).integers(0, 16, (128, 64), dtype=np.uint8)
+        expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2)
+        halves = codes.reshape(2, 2, 32, 64)
+        mine = np.ascontiguousarray((halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)).reshape(128, 32)
+        _LAYOUT.append(torch.equal(expected, torch.from_numpy(mine)))
+    return _LAYOUT[0]
+
+
+def dequantized_rows(gguf: GGUFFile, info: TensorInfo, rows: slice | torch.Tensor) -> np.ndarray:
+    """float32 ``[rows, cols]`` of some rows of a tensor, by gguf's reference dequantizer."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    raw = gguf.blocks(info)[rows]
+    return dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(info.type_id)).reshape(raw.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------ the layers
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer over one quantized weight (see the module's docstring). ``kind``: "int4",
+    "int8" or "float"; ``source_type``: the GGUF type it was read from."""
+
+    def __init__(self, out_features: int, in_features: int, kind: str, tensors: dict[str, torch.Tensor],
+                 bias: torch.Tensor | None = None, source_type: str = ""):
+        super().__init__()
+        self.out_features, self.in_features, self.kind, self.source_type = out_features, in_features, kind, source_type
+        self.kernel_rows = DRAFT_ROWS   # passes of at most this many rows run the low-bit kernel (0: none)
+        for name, tensor in tensors.items():
+            self.register_buffer(name, tensor)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.float(), requires_grad=False)
+
+    # -- building from a file's tensor
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, info: TensorInfo, row_order: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, exact: bool = False) -> "QuantLinear":
+        """The layer of ``info``'s weight (its rows in ``row_order``); ``exact``: dequantized to float32."""
+        rows, cols = info.shape
+        raw = gguf.blocks(info)
+        if row_order is not None:
+            raw = raw[row_order.numpy()]
+        name = info.type_name
+        if exact:
+            order = np.arange(rows) if row_order is None else row_order.numpy()
+            weight = torch.from_numpy(dequantized_rows(gguf, info, order).astype(np.float32, copy=False))
+            return cls(rows, cols, "float", {"weight": weight}, bias, name)
+        if name in FOUR_BIT and int4_packable(rows, cols):
+            per_block = 32 if name != "Q4_K" else 256
+            codes, scales, low = four_bit_groups(np.asarray(raw).reshape(rows, cols // per_block, -1), name)
+            return cls.int4(codes, scales, low, bias, name)
+        if name in FOUR_BIT or name in EIGHT_BIT:
+            from .model import quantize_int8  # model imports this module
+
+            codes, row_scales = [], []
+            step = max(1, SCRATCH_WEIGHTS // cols)
+            for start in range(0, rows, step):   # a slice of rows at a time: no whole float32 copy
+                order = slice(start, start + step) if row_order is None else row_order[start:start + step]
+                c, s = quantize_int8(torch.from_numpy(dequantized_rows(gguf, info, order)))
+                codes.append(c)
+                row_scales.append(s)
+            return cls(rows, cols, "int8", {"codes": torch.cat(codes), "scales": torch.cat(row_scales)}, bias, name)
+        weight = torch.from_numpy(np.ascontiguousarray(raw).view({"F32": np.float32, "F16": np.float16}.get(name, np.int16)))
+        if name == "BF16":
+            weight = weight.view(torch.bfloat16)
+        return cls(rows, cols, "float", {"weight": weight.reshape(rows, cols).clone()}, bias, name)
+
+    @classmethod
+    def int4(cls, codes: np.ndarray, scales: torch.Tensor, low: torch.Tensor, bias=None, source_type="") -> "QuantLinear":
+        rows, cols = codes.shape
+        packed = pack_int4(codes)
+        # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
+        scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(rows, cols, "int4", {"packed": packed, "scales_and_zeros": scales_and_zeros}, bias, source_type)
+
+    # -- computing
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.rows(flat.float())
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[tokens, out]`` float32 for ``[tokens, in]`` float32."""
+        if flat.shape[0] <= self.kernel_rows and self.kind != "float":
+            x = flat.to(torch.bfloat16)
+            if self.kind == "int4":
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
+            return out.float() if self.bias is None else out.float() + self.bias
+        step = self.rows_per_slice()
+        outs = [F.linear(flat, self.dequantize(start, min(start + step, self.out_features)),
+                         None if self.bias is None else self.bias[start:start + step])
+                for start in range(0, self.out_features, step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def rows_per_slice(self) -> int:
+        """Output rows dequantized at a time: all of them up to SCRATCH_WEIGHTS (a whole LM head
+        of a large vocabulary would be ~0.5 GB in float32), in whole 64-row blocks for int4."""
+        step = max(64, SCRATCH_WEIGHTS // self.in_features // 64 * 64)
+        return self.out_features if step >= self.out_features else step
+
+    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """float32 weight rows ``start:stop``, in this thread's scratch buffer (valid until the next call)."""
+        stop = self.out_features if stop is None else stop
+        count = stop - start
+        out = scratch(count * self.in_features).view(count, self.in_features)
+        if self.kind == "float":
+            if self.weight.dtype == torch.float32:
+                return self.weight[start:stop]
+            return out.copy_(self.weight[start:stop])
+        if self.kind == "int8":
+            return torch.mul(self.codes[start:stop], self.scales[start:stop, None], out=out)
+        # The codes go straight into the buffer (each nibble half of a 64-row block, converted in one
+        # copy), then weight = code * scale + (zero - 8 * scale) in one fused pass: three passes over
+        # the buffer in all, where unpacking first took ten.
+        blocks = self.packed[start:stop].view(count // 64, self.in_features, 32)
+        halves = out.view(count // 64, 2, 32, self.in_features)
+        halves[:, 0].copy_((blocks & 15).transpose(1, 2))
+        halves[:, 1].copy_((blocks >> 4).transpose(1, 2))
+        sz = self.scales_and_zeros[:, start:stop].float()   # [groups, rows, 2]
+        scale = sz[..., 0].T[..., None]
+        groups = out.view(count, -1, GROUP)
+        torch.addcmul(sz[..., 1].T[..., None] - 8 * scale, groups, scale, out=groups)
+        return out
+
+
+def int4_packable(rows: int, cols: int) -> bool:
+    """Whether a weight's 4-bit form fits the CPU kernel and :func:`unpack_int4`: inputs in groups
+    of 32, outputs in whole 64-row blocks (every real model's shapes; a tiny test model's may not)."""
+    return cols % GROUP == 0 and rows % 64 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def unpack_int4(packed: torch.Tensor, rows: int, cols: int, start: int, stop: int) -> torch.Tensor:
+    """Codes ``[stop - start, cols]`` (uint8) of rows ``start:stop`` (64-row aligned) of a weight
+    packed by ``_convert_weight_to_int4pack_for_cpu``: per 64-row block, ``cols`` runs of 32
+    bytes, byte ``i`` holding row ``i``'s code in its low nibble and row ``i + 32``'s in its high."""
+    blocks = packed[start:stop].reshape((stop - start) // 64, cols, 32)
+    return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(stop - start, cols)
+
+
+class QuantEmbedding(torch.nn.Module):
+    """A token embedding over a :class:`QuantLinear`'s weight (shared with a tied LM head): the
+    looked-up rows are dequantized, the rest stay quantized. ``scale``: Gemma 3's sqrt(hidden)."""
+
+    def __init__(self, table: QuantLinear, scale: float | None = None):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+        self.scale = scale
+        self.weight = torch.empty(0)   # what ModelAdapter reads the compute dtype and device from
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        table = self.table
+        if table.kind == "int8":
+            rows = table.codes[flat].float() * table.scales[flat, None]
+        elif table.kind == "float":
+            rows = table.weight[flat].float()
+        else:   # 4-bit: the 64-row blocks holding the ids, dequantized, then the rows picked
+            rows = torch.empty(flat.shape[0], self.embedding_dim)
+            for block in flat.div(64, rounding_mode="floor").unique().tolist():
+                picked = (flat // 64) == block
+                rows[picked] = table.dequantize(block * 64, block * 64 + 64)[flat[picked] - block * 64]
+        if self.scale is not None:
+            rows = rows * torch.tensor(self.scale, dtype=torch.float32)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+class QuantHead(torch.nn.Module):
+    """The LM head on a quantized weight, with the logits that can pick the token computed in
+    float32: a decoding pass ranks the vocabulary with the low-bit kernel, then recomputes the
+    ``EXACT_TOP`` best candidates' logits from their dequantized rows on float32 activations
+    (as :class:`~ragblend.core.model.Int8Head` does), so bfloat16 rounding of the final hidden
+    state cannot flip a near-tied greedy choice."""
+
+    EXACT_TOP = 64
+
+    def __init__(self, table: QuantLinear):
+        super().__init__()
+        self.table = table
+        self.out_features, self.in_features = table.out_features, table.in_features
+        self.weight = torch.empty(0)   # the weight is the table's (transformers' tie checks look for one)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        logits = self.table.rows(flat)
+        if flat.shape[0] <= self.table.kernel_rows and self.table.kind == "int8":
+            top = logits.topk(min(self.EXACT_TOP, logits.shape[-1]), dim=-1).indices
+            rows = self.table.codes[top].float() * self.table.scales[top][..., None]   # [rows, k, in]
+            logits.scatter_(-1, top, torch.einsum("rd,rkd->rk", flat, rows))
+        return logits.reshape(*x.shape[:-1], self.out_features)
+
+
+# ------------------------------------------------------------------------------ the loader
+
+
+def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor | None:
+    """The order of a weight's rows that transformers' tensor processor gives the dequantized
+    weight (Llama's Q and K rows are permuted in GGUF files), or None where it keeps them."""
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    moved = processor.process(weights=index, name=gguf_name).weights
+    order = torch.from_numpy(np.asarray(moved).reshape(-1).astype(np.int64))
+    return None if torch.equal(order, torch.arange(rows)) else order
+
+
+def gguf_names(model, architecture: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> the HF parameter's (``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``),
+    by gguf's own name table (transformers' helper rebuilds that table once per submodule: ~10 s)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+    table = get_tensor_name_map(arch, num_layers)
+    names = {}
+    for hf_name, _ in model.named_parameters():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = table.get_name(base)
+        if gguf_name is not None:
+            names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
+    """An HF causal LM of ``config`` whose linear layers and embedding hold ``gguf``'s weights in
+    their quantized form (:class:`QuantLinear`, :class:`QuantEmbedding`, :class:`QuantHead`), or
+    with ``exact`` dequantized to float32 (by gguf's reference dequantizer, as transformers does);
+    norms, biases and rotary tables in float32. Built on the meta device first, so no float32
+    weight is ever allocated."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    skeleton = [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+    model.config.dtype = torch.float32   # what it computes in (its config then reads as the file's float32 model's)
+    processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config.to_dict())
+    hf_names = gguf_names(model, gguf.architecture, config.num_hidden_layers)
+    by_hf = {hf_names[name]: info for name, info in gguf.tensors.items() if name in hf_names}
+    missing = [name for name, _ in model.named_parameters() if name not in by_hf
+               and not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{gguf.path.name} lacks tensors the {config.model_type} model needs: "
+                                    f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}.")
+    modules = dict(model.named_modules())
+    for hf_name, info in by_hf.items():
+        owner_name, _, attribute = hf_name.rpartition(".")
+        owner = modules[owner_name]
+        if isinstance(owner, torch.nn.Linear) and attribute == "weight":
+            bias_info = by_hf.get(owner_name + ".bias")
+            bias = None if bias_info is None else torch.from_numpy(
+                dequantized_rows(gguf, bias_info, slice(None)).reshape(-1).copy())
+            layer = QuantLinear.from_gguf(gguf, info, _row_order(processor, info.name, info.shape[0]), bias, exact)
+            parent_name, _, child = owner_name.rpartition(".")
+            setattr(modules[parent_name] if parent_name else model, child, layer)
+        elif isinstance(owner, torch.nn.Embedding):
+            table = QuantLinear.from_gguf(gguf, info, exact=exact)
+            scale = float(config.hidden_size ** 0.5) if hasattr(owner, "embed_scale") else None
+            model.model.embed_tokens = QuantEmbedding(table, scale)
+        elif not (isinstance(owner, torch.nn.Linear) and attribute == "bias"):   # norms: small, float32
+            values = processor.process(weights=dequantized_rows(gguf, info, slice(None)).reshape(info.shape),
+                                       name=info.name).weights
+            setattr(owner, attribute, torch.nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
+                                                         requires_grad=False))
+    head = getattr(model, "lm_head", None)
+    if type(head) is torch.nn.Linear:   # tied: the embedding's table
+        model.lm_head = QuantHead(model.model.embed_tokens.table)
+    elif isinstance(head, QuantLinear):
+        model.lm_head = QuantHead(head)
+    for name, module in list(model.named_modules()):   # rotary tables were made on meta: make them here
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent_name, _, child = name.rpartition(".")
+            with torch.device("cpu"):
+                setattr(modules[parent_name] if parent_name else model, child, type(module)(config=config))
+    tied = by_hf.get("model.embed_tokens.weight")
+    sources = {name: by_hf.get(name) or (tied if name == "lm_head.weight" else None) for name, _ in skeleton}
+    model.gguf_weight_samples = lambda: exact_samples(gguf, processor, sources, skeleton)
+    model.ragblend_weights_form = "float32" if exact else "quantized"
+    left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
+    if left:
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{gguf.path.name}: these weights of the {config.model_type} model are not in "
+                                    f"the file: {left[:5]}.")
+    return model.eval()
+
+
+def exact_samples(gguf: GGUFFile, processor, sources: dict, skeleton: list):
+    """``(name, shape, samples)`` as :func:`~ragblend.core.model.weight_samples` gives them for the
+    float32 model of ``gguf``: every ``len / 4096``-th value of each weight as transformers
+    dequantizes it, from only the blocks that hold those values."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    for name, shape in skeleton:
+        info = sources[name]
+        count = int(np.prod(shape))
+        step = max(1, count // 4096)
+        if info is None:
+            from .errors import UnsupportedModelError
+
+            raise UnsupportedModelError(f"no tensor of {gguf.path.name} holds {name}")
+        if info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
+            rows, cols = info.shape
+            index = np.arange(0, count, step)
+            row, col = index // cols, index % cols
+            order = _row_order(processor, info.name, rows)
+            file_row = row if order is None else order.numpy()[row]
+            per_block = 256 if info.type_name.endswith("_K") else 32
+            blocks = gguf.blocks(info).reshape(rows, cols // per_block, -1)[file_row, col // per_block]
+            values = dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType(info.type_id)).reshape(len(index), -1)
+            samples = values[np.arange(len(index)), col % per_block]
+        else:
+            whole = processor.process(weights=dequantized_rows(gguf, info, slice(None)).reshape(info.shape),
+                                      name=info.name).weights
+            samples = np.asarray(whole, dtype=np.float32).reshape(-1)[::step]
+        yield name, shape, np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def quantized_matmuls(model) -> list[QuantLinear]:
+    """The :class:`QuantLinear` layers a pass multiplies by: each once, an embedding's table
+    only where it is the LM head's too (tied)."""
+    heads = {id(m.table) for m in model.modules() if isinstance(m, QuantHead)}
+    lookups = {id(m.table) for m in model.modules() if isinstance(m, QuantEmbedding)} - heads
+    found = {id(m): m for m in model.modules() if isinstance(m, QuantLinear) and id(m) not in lookups}
+    return list(found.values())
+
+
+def is_quantized(model) -> bool:
+    """Whether ``model`` was built by :func:`build_quantized_model` (or is a twin of one)."""
+    return hasattr(model, "gguf_weight_samples")
+
+
+def exact_twin(model):
+    """A twin of a quantized model (its weights shared, not copied) whose every pass, decoding
+    passes included, dequantizes and runs in float32: what the engine prefills with, and what a
+    greedy pick at a near tie is made again on (``Decoding.exact_adapter``), while decoding steps
+    run ``model`` itself, on the low-bit kernels."""
+    import copy
+
+    shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    twin = copy.deepcopy(model, memo=shared)
+    for module in twin.modules():
+        if isinstance(module, QuantLinear):
+            module.kernel_rows = 0
+    return twin
+
+
+def quantized_bytes(model) -> int:
+    """Bytes of every weight a quantized model holds (its layers', norms' and tables')."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def describe(model) -> list[str]:
+    """Lines for ``ragblend info``: how a quantized model holds its weights and runs them."""
+    kinds: dict[str, list[str]] = {}
+    for module in {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}.values():
+        kinds.setdefault(module.kind, []).append(module.source_type)
+    names = {"int4": "4-bit (groups of 32, bfloat16 scales)", "int8": "8-bit (a scale per row)",
+             "float": "as stored (16/32-bit)"}
+    lines = [f"{len(sources)} matrices {names[kind]}, from {', '.join(sorted(set(sources)))}"
+             for kind, sources in sorted(kinds.items())]
+    lines.append(f"{quantized_bytes(model) / 2**20:.0f} MiB of weights in memory")
+    lines.append(f"passes of up to {DRAFT_ROWS} rows (decoding): PyTorch's int4/int8 CPU kernels on bfloat16 "
+                 "activations; longer passes (precompute, prefill): each matrix dequantized into one reused "
+                 "float32 buffer, then F.linear in float32")
+    return lines

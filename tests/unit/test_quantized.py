@@ -1,0 +1,196 @@
+"""Models loaded from a GGUF file in their quantized form (ragblend.core.quantized): the weights
+are the file's (as transformers dequantizes them), the prefill on them stays within float
+rounding of the float32 model's, and a bad file is refused before anything heavy loads."""
+
+import numpy as np
+import pytest
+import torch
+
+from ragblend import BlendEngine, Chunk, FullRecompute
+from ragblend.core.calibration import first_token_kl
+from ragblend.core.errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
+from ragblend.core.gguf_file import read_gguf
+from ragblend.core.model import weight_samples
+from ragblend.core.quantized import QuantLinear, build_quantized_model, quantized_bytes
+
+from ..conftest import PASSAGES
+
+LAYERS, HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 2, 64, 128, 4, 2, 1024
+# Per tensor kind, the GGUF type written: Q4_0/Q4_1 where the rows come in 64s (held as 4-bit),
+# Q4_1 for K/V's 32 rows (too few for the 4-bit kernel's blocks: held as 8-bit), 5- and 8-bit types.
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "attn_output": "Q5_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0", "output": "Q5_1"}
+
+
+def write_tiny_gguf(path, architecture="llama", types=TYPES, truncate=0):
+    """A tiny random Llama-shaped model as a GGUF file, quantized by the gguf package."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(VOCAB)
+    head_dim = HIDDEN // HEADS
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
+              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
+              "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+
+    def add(name, kind, shape):
+        weights = rng.normal(0, 0.15, shape).astype(np.float32)
+        type_name = types.get(kind, "F32")
+        quant = gguf.GGMLQuantizationType[type_name]
+        data = weights if type_name == "F32" else gguf.quants.quantize(weights, quant)
+        writer.add_tensor(name, data, raw_dtype=None if type_name == "F32" else quant)
+
+    add("token_embd.weight", "token_embd", (VOCAB, HIDDEN))
+    for i in range(LAYERS):
+        for kind, shape in shapes.items():
+            add(f"blk.{i}.{kind}.weight", kind, shape)
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + rng.normal(0, 0.1, HIDDEN)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    add("output.weight", "output", (VOCAB, HIDDEN))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if truncate:
+        data = path.read_bytes()
+        path.write_bytes(data[:-truncate])
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def models(tiny_gguf):
+    """(quantized, float32) models of the tiny file: ours, and transformers' dequantized one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, name = str(tiny_gguf.parent), tiny_gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    quantized = build_quantized_model(read_gguf(tiny_gguf), config)
+    exact = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return quantized, exact
+
+
+def test_weights_stay_in_their_quantized_form_and_are_the_files(models):
+    quantized, exact = models
+    kinds = {}
+    exact_modules = dict(exact.named_modules())
+    for name, module in quantized.named_modules():
+        if isinstance(module, QuantLinear) and name in exact_modules:
+            kinds[name.split(".")[-1]] = module.kind
+            weight = exact_modules[name].weight
+            # 4-bit: the file's codes, scales and zeros rounded to bfloat16 (the kernel's); 8-bit: one scale a row
+            assert (module.dequantize() - weight).abs().max() <= 0.01 * weight.abs().max(), name
+    assert kinds == {"q_proj": "int4", "k_proj": "int8", "v_proj": "int8", "o_proj": "int8", "gate_proj": "int4",
+                     "up_proj": "int4", "down_proj": "int8", "lm_head": "int8"} or kinds["q_proj"] == "int4"
+    assert kinds["q_proj"] == kinds["up_proj"] == kinds["gate_proj"] == "int4"
+    assert kinds["k_proj"] == kinds["down_proj"] == "int8"
+    float32_bytes = sum(p.numel() * 4 for p in exact.parameters())
+    assert quantized_bytes(quantized) < 0.45 * float32_bytes
+
+
+def test_fingerprint_samples_are_the_float32_models(models):
+    """The quantized model is known by the float32 weights its file holds (its calibration applies)."""
+    quantized, exact = models
+    ours, theirs = list(weight_samples(quantized)), list(weight_samples(exact))
+    assert [(n, s) for n, s, _ in ours] == [(n, tuple(s)) for n, s, _ in theirs]
+    for (name, _, a), (_, _, b) in zip(ours, theirs):
+        assert np.array_equal(a, b), name
+
+
+def test_float32_on_request_is_transformers_float32_model(tiny_gguf, models):
+    """dtype=torch.float32 dequantizes the file as transformers does (no float32 copy on disk either)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name)
+    exact = build_quantized_model(read_gguf(tiny_gguf), config, exact=True)
+    ids = torch.arange(40)[None] * 7 % VOCAB
+    with torch.no_grad():
+        assert (exact(ids).logits - models[1](ids).logits).abs().max() <= 1e-4
+    quantized = models[0]
+    with torch.inference_mode():   # the scratch buffer, made in inference mode, serves passes outside it too
+        inside = quantized(ids).logits
+    with torch.no_grad():
+        assert torch.equal(quantized(ids).logits, inside)
+    assert BlendEngine(exact, _tokenizer()).weights_form == "float32"
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from ..conftest import TOKENIZER_DIR
+
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def test_prefill_on_quantized_weights_is_within_rounding_of_float32(models, tokenizer):
+    quantized, exact = models
+    engines = [BlendEngine(model, tokenizer) for model in (quantized, exact)]
+    assert engines[0].weights_form == "quantized" and engines[1].weights_form == "float32"
+    assert engines[0].calibration_id == engines[1].calibration_id   # the same model
+    assert engines[0].fingerprint != engines[1].fingerprint        # its KV entries its own
+    segments = [Chunk(p) for p in PASSAGES] + ["Question: when was the lighthouse first lit?"]
+    full = [e.prefill(segments, strategy=FullRecompute()).logits for e in engines]
+    noise = first_token_kl(full[1], engines[1].prefill([Chunk(p) for p in PASSAGES[::-1]] + segments[-1:],
+                                                       strategy=FullRecompute()).logits)
+    assert first_token_kl(full[1], full[0]) < 0.05 * noise
+    for engine in engines:
+        engine.precompute(PASSAGES)
+    fused = [e.prefill(segments).logits for e in engines]
+    assert first_token_kl(fused[1], fused[0]) < 0.05 * noise
+    # decoding steps run the low-bit kernels; the prefill (and a near tie's recheck) the float32 path
+    counts = engines[0].decode_weights.layer_counts()
+    assert counts["4-bit"] == 3 * LAYERS and counts["8-bit"] == 4 * LAYERS + 1
+    assert engines[0].decoding_adapter() is not engines[0].adapter
+    out = engines[0].generate(segments, max_new_tokens=6)
+    assert len(out.token_ids) >= 1
+
+
+def test_a_truncated_gguf_is_refused_with_its_sizes(tmp_path):
+    path = write_tiny_gguf(tmp_path / "cut.gguf", truncate=1000)
+    with pytest.raises(ModelNotFoundError, match=r"truncated: its header describes [\d,]+ bytes, the file has [\d,]+"):
+        read_gguf(path)
+
+
+def test_an_unsupported_architecture_or_type_is_refused_naming_what_works(tmp_path):
+    with pytest.raises(UnsupportedModelError, match="architecture 'gpt2'.*it runs llama"):
+        read_gguf(write_tiny_gguf(tmp_path / "gpt2.gguf", architecture="gpt2"))
+    (tmp_path / "text.gguf").write_text("not a model at all, but long enough to have a header")
+    with pytest.raises(ModelNotFoundError, match="not a GGUF file"):
+        read_gguf(tmp_path / "text.gguf")
+
+
+def test_an_unsupported_quantization_type_is_refused_naming_the_types_that_load(tmp_path):
+    import gguf
+
+    path = tmp_path / "iq.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    block = np.zeros((4, 84), dtype=np.uint8)   # four Q2_K blocks (84 bytes per 256 weights)
+    writer.add_tensor("blk.0.attn_q.weight", block, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match=r"Q2_K, which ragblend cannot load; it loads .*Q4_0.*Q8_0"):
+        read_gguf(path)
+
+
+def test_a_model_too_large_for_memory_is_refused_with_the_estimate(tiny_gguf, monkeypatch):
+    from ragblend.core import model as model_module
+
+    monkeypatch.setattr(model_module, "available_memory", lambda: 1000)
+    with pytest.raises(InvalidInputError, match=r"needs about [\d.]+ GiB of memory and 0.0 GiB is available"):
+        model_module.load_model(tiny_gguf)
