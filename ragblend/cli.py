@@ -647,9 +647,10 @@ def _ingest_parser(sub) -> None:
                         help="skip files larger than this, with a message (default: 10)")
     ingest.add_argument("--read-limit", action="append", default=[], metavar="NAME=VALUE",
                         help="raise or lower what reading one file may cost; a file over a limit is skipped with "
-                             "its reason. NAME: expanded_mb (what a DOCX's XML or a PDF's page contents expand "
-                             "to; default 64), page_mb (one PDF page's content; 4), pages (2000), chars "
-                             "(10000000), seconds (60), memory_mb (1024). Repeatable")
+                             "its reason (a PDF page over page_mb: that page only). NAME: expanded_mb (what a "
+                             "DOCX's XML or a PDF's page contents expand to; default 64), page_mb (one PDF page's "
+                             "content; 4), pages (2000), chars (16000000), seconds (60), memory_mb (1024). "
+                             "Repeatable")
     ingest.add_argument("--rebuild", action="store_true",
                         help="empty the index first (its chunks and its docstore, e.g. a damaged one), then "
                              "ingest PATHS; the KV store is kept, so known chunks are not recomputed")

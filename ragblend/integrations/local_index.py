@@ -52,7 +52,8 @@ KV_MODES = ("now", "background", "skip")
 @dataclass
 class IngestReport:
     files: list[str] = field(default_factory=list)          # ingested
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    # (path, reason): files not read, and parts left out of files read (a PDF page over page_mb)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     nodes: int = 0
     without_kv: int = 0   # nodes too short to be found in a prompt, or too long for the window
     unchanged: int = 0    # documents already in the index with the same text: skipped
@@ -150,7 +151,8 @@ def _list_folder(folder: Path, follow_links: bool, report: IngestReport) -> list
     return files
 
 
-def _read_file(path: Path, max_bytes: int, limits: ReadLimits) -> tuple[str | None, str | None]:
+def _read_file(path: Path, max_bytes: int, limits: ReadLimits,
+               left_out: list[str] | None = None) -> tuple[str | None, str | None]:
     """``(text, None)`` for a readable text file, else ``(None, reason)``. Never opens
     anything but a regular file: a FIFO would block, a device may never end."""
     real = os.path.realpath(path)
@@ -174,12 +176,13 @@ def _read_file(path: Path, max_bytes: int, limits: ReadLimits) -> tuple[str | No
         return None, f"unreadable ({err.strerror})"
     if len(data) > max_bytes:
         return None, f"over the {max_bytes / 2**20:g} MB limit per file (--max-file-mb raises it)"
-    return _text_of(path.suffix.lower(), data, limits)
+    return _text_of(path.suffix.lower(), data, limits, left_out)
 
 
-def _text_of(suffix: str, data: bytes, limits: ReadLimits) -> tuple[str | None, str | None]:
+def _text_of(suffix: str, data: bytes, limits: ReadLimits,
+             left_out: list[str] | None = None) -> tuple[str | None, str | None]:
     try:
-        text = extract_text(suffix, data, limits)
+        text = extract_text(suffix, data, limits, left_out)
     except UnreadableFileError as err:
         return None, str(err)
     return (text, None) if text.strip() else (None, "empty")
@@ -227,7 +230,10 @@ def read_text_files(paths: Iterable[str | os.PathLike], *, follow_links: bool = 
             text, reason = None, (f"unsupported file type {path.suffix or '(none)'}; ragblend ingests "
                                   f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
         else:
-            text, reason = _read_file(path, max_bytes, limits)
+            left_out: list[str] = []   # parts of the file left out (a PDF page over a limit)
+            text, reason = _read_file(path, max_bytes, limits, left_out)
+            if not reason:
+                report.skipped += [(str(path), part) for part in left_out]
         if reason:
             log.info("skipping %s: %s", printable(path), reason)   # the report carries it; the CLI prints it once
             report.skipped.append((str(path), reason))
@@ -251,14 +257,18 @@ def read_uploads(uploads: Iterable[tuple[str, bytes]], folder: str | os.PathLike
     report, documents = IngestReport(), []
     for raw_name, data in uploads:
         name = Path(str(raw_name).replace("\\", "/")).name
-        doc_id = str(Path(folder) / (name or "(no name)"))
+        # resolved as every other document id is (read_text_files, LocalIndex.delete)
+        doc_id = os.path.join(os.path.realpath(Path(folder).expanduser()), name or "(no name)")
         if name in ("", ".", "..") or "\x00" in name:
             reason = "a file name that names no file"
         elif len(data) > max_bytes:
             reason = (f"{len(data) / 2**20:.1f} MB, over the {max_bytes / 2**20:g} MB limit per file "
                       "(--max-file-mb raises it)")
         else:
-            text, reason = _text_of(Path(name).suffix.lower(), data, limits)
+            left_out: list[str] = []
+            text, reason = _text_of(Path(name).suffix.lower(), data, limits, left_out)
+            if not reason:
+                report.skipped += [(doc_id, part) for part in left_out]
         if reason:
             log.info("skipping upload %s: %s", printable(name), reason)
             report.skipped.append((doc_id, reason))

@@ -26,8 +26,8 @@ import contextvars
 import dataclasses
 import io
 import logging
-import os
 import re
+import sys
 import time
 import zipfile
 import zlib
@@ -39,6 +39,7 @@ from ragblend.core.errors import InvalidInputError, RagblendError
 # pypdf reports a damaged file through logging too; with no handler configured, Python would
 # print its bare message ("EOF marker not found") before the skip reason ragblend gives.
 logging.getLogger("pypdf").addHandler(logging.NullHandler())
+log = logging.getLogger(__name__)
 
 
 class UnreadableFileError(RagblendError, ValueError):
@@ -49,22 +50,36 @@ class OverLimitError(UnreadableFileError):
     """A file that expands past one of its :class:`ReadLimits`; the message names the limit."""
 
 
+class _StopReading(BaseException):
+    """Carries an :class:`OverLimitError` out of pypdf, which catches ``Exception`` around each
+    form it extracts (and would log the limit away and read on); :func:`_pdf` raises the error."""
+
+    def __init__(self, error: OverLimitError):
+        super().__init__(str(error))
+        self.error = error
+
+
 MB = 2**20
 
 
 @dataclass(frozen=True)
 class ReadLimits:
     """What reading one file may cost. The defaults let through documents longer than people
-    write (2,000 PDF pages, 10 million characters: ~5,000 pages of prose) and stop the bombs of
-    issue 58 within a second; each is changed with ``ragblend ingest --read-limit NAME=VALUE``
-    or ``ReadLimits(NAME=VALUE)``."""
+    write (2,000 PDF pages, 16 million characters: ~8,000 pages of prose, and more than a text
+    file under the default 10 MB file size holds) and stop the bombs of issue 58 within a
+    second; each is changed with ``ragblend ingest --read-limit NAME=VALUE`` or
+    ``ReadLimits(NAME=VALUE)``. A PDF page over ``page_mb`` is skipped (its reason logged and
+    reported) and the file's other pages kept, unless most of its pages are over it or the
+    pages measured add up past ``expanded_mb``: then the file is a bomb, and refused."""
 
     expanded_mb: float = 64.0   # bytes a file expands to: a DOCX's XML inflated, a PDF's page contents decoded
     page_mb: float = 4.0        # one PDF page's content decoded (pypdf holds ~40x this while parsing it)
     pages: int = 2000           # pages of a PDF
-    chars: int = 10_000_000     # characters of text a file gives
-    seconds: float = 60.0       # reading one file (checked between pages, between 1 MB of XML, every 256 PDF operators)
-    memory_mb: float = 1024.0   # resident memory the process gains while reading one file (checked as seconds are)
+    chars: int = 16_000_000     # characters of text a file gives (>= the bytes of a file under the default 10 MB)
+    seconds: float = 60.0       # this thread's CPU time reading one file (checked between pages, between 1 MB
+                                # of XML, every 256 PDF operators); time waiting for other threads is not counted
+    memory_mb: float = 1024.0   # memory this read holds: the file, its text so far, and the content being parsed
+                                # (a PDF page's, x40 as pypdf holds it); checked as seconds are
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -96,16 +111,13 @@ def _over(what: str, limit: str, name: str) -> OverLimitError:
     return OverLimitError(f"{what}, over the limit of {limit} (--read-limit {name}=N raises it)")
 
 
-def _resident_bytes() -> int | None:
-    """This process's resident memory now (Linux), or None where /proc is not there."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return None
+# Time is this thread's CPU time: a read that waits for the GIL or for other threads (another
+# session, the model answering) is not charged for their work.
+_clock = time.thread_time if hasattr(time, "thread_time") else time.monotonic
 
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+# How much memory pypdf holds while it parses a page, per byte of the page's decoded content
+# (measured on text-operator pages: ~40x).
+PDF_PARSE_FACTOR = 40
 
 
 class Budget:
@@ -114,11 +126,16 @@ class Budget:
 
     def __init__(self, limits: ReadLimits):
         self.limits = limits
-        self.started = time.monotonic()
-        self.resident_at_start = _resident_bytes()
+        self.started = _clock()
         self.expanded = 0
         self.chars = 0
         self.operators = 0
+        # Memory is counted, not measured: the process's resident size includes what every
+        # other thread allocates, and Python offers no per-thread count (tracemalloc traces
+        # the whole process too). What a read holds: the file, its text, the piece in parsing.
+        self.held = 0        # bytes kept for the whole read (the file, the text extracted so far)
+        self.parsing = 0     # bytes held for the piece being parsed now (a PDF page, 1 MB of XML)
+        self.skipped: list[str] = []   # the reasons parts of the file were left out (a PDF page over page_mb)
 
     def expand(self, n: int, what: str) -> None:
         """``n`` more bytes expanded (``what``: "its XML inflates", "its pages' content decodes")."""
@@ -134,22 +151,24 @@ class Budget:
                         "per file", "chars")
 
     def check(self) -> None:
-        elapsed = time.monotonic() - self.started
+        elapsed = _clock() - self.started
         if elapsed > self.limits.seconds:
             raise _over(f"still reading after {elapsed:.0f} s", f"{self.limits.seconds:g} s per file", "seconds")
-        resident = _resident_bytes()
-        if resident is not None and self.resident_at_start is not None:
-            gained = resident - self.resident_at_start
-            if gained > self.limits.memory_mb * MB:
-                raise _over(f"reading it took {gained / MB:.0f} MB more memory", f"{self.limits.memory_mb:g} MB "
-                            "per file", "memory_mb")
+        used = self.held + self.parsing
+        if used > self.limits.memory_mb * MB:
+            raise _over(f"reading it took {used / MB:.0f} MB more memory", f"{self.limits.memory_mb:g} MB "
+                        "per file", "memory_mb")
 
     def visit_operator(self, *_) -> None:
         """pypdf's ``visitor_operand_before``: called for every operator of a page and of the
-        forms it draws, so that one page cannot run past the time or memory limit."""
+        forms it draws, so that one page cannot run past the time or memory limit. pypdf
+        catches ``Exception`` around each form, so the limit leaves as :class:`_StopReading`."""
         self.operators += 1
         if self.operators % 256 == 0:
-            self.check()
+            try:
+                self.check()
+            except OverLimitError as err:
+                raise _StopReading(err) from None
 
 
 # The budget of the file extract_text is reading (a context variable, like pypdf's own
@@ -228,18 +247,35 @@ def _decoded(stream, cap: int) -> bytes:
         return b""
 
 
-# The forms a content stream draws: "/Name Do" (names end at whitespace or a delimiter).
-_DRAWS = re.compile(rb"/([^\s/\[\]()<>{}%]+)\s*Do(?![^\s/\[\]()<>{}%])")
+# The forms a content stream draws: "/Name Do" (names end at whitespace or a delimiter;
+# comments may stand between the name and Do). pypdf decodes "#xx" escapes in names
+# ("/B#69g" is "/Big"), so the names found here are decoded the same way.
+_DRAWS = re.compile(rb"/([^\s/\[\]()<>{}%]+)(?:\s|%[^\r\n]*)*Do(?![^\s/\[\]()<>{}%])")
+_NAME_ESCAPE = re.compile(rb"#([0-9A-Fa-f]{2})")
+# Forms drawing forms deeper than this: no real document does, and pypdf recurses per level.
+MAX_FORM_DEPTH = 32
+
+
+def _drawn_names(data: bytes) -> dict[str, int]:
+    """How many times the content ``data`` draws each form name."""
+    counts: dict[str, int] = {}
+    for raw in _DRAWS.findall(data):
+        name = _NAME_ESCAPE.sub(lambda m: bytes([int(m.group(1), 16)]), raw)
+        try:
+            text = name.decode("utf-8")
+        except UnicodeDecodeError:
+            text = name.decode("latin-1")
+        counts[text] = counts.get(text, 0) + 1
+    return counts
 
 
 def _page_content_size(page, cap: int, measured: dict) -> int:
-    """The bytes of content pypdf parses to extract a page's text: its content streams, the
-    forms they draw (by name, in their resources) and the forms those draw, each once;
-    counting stops just past ``cap``. ``measured`` caches each stream's (size, names drawn)
-    across the pages of a file."""
+    """The bytes of content pypdf parses to extract a page's text: its content streams, and
+    the forms they draw (by name, in their resources) and those forms draw, counted once per
+    draw (pypdf parses a form each time it is drawn); counting stops just past ``cap``.
+    ``measured`` caches each stream's (size, names drawn) across the pages of a file. Raises
+    UnreadableFileError for forms nested more than MAX_FORM_DEPTH deep."""
     from pypdf.generic import StreamObject
-
-    total, seen = 0, set()
 
     def forms_of(resources) -> dict:
         resources = resources.get_object() if resources is not None else None
@@ -247,51 +283,78 @@ def _page_content_size(page, cap: int, measured: dict) -> int:
         xobjects = xobjects.get_object() if xobjects is not None else None
         return dict(xobjects) if isinstance(xobjects, dict) else {}
 
-    def walk(obj, resources) -> None:
-        nonlocal total
+    total = 0
+    # (object, the resources it is drawn with, how many times it is drawn, the forms drawing it)
+    stack = [(page.get("/Contents"), page.get("/Resources"), 1, ())]
+    while stack and total <= cap:
+        obj, resources, times, drawers = stack.pop()
         obj = obj.get_object() if obj is not None else None
         if isinstance(obj, list):
-            for item in obj:
-                walk(item, resources)
-            return
-        if not isinstance(obj, StreamObject) or id(obj) in seen or total > cap:
-            return
-        seen.add(id(obj))
+            stack.extend((item, resources, times, drawers) for item in reversed(obj))
+            continue
+        if not isinstance(obj, StreamObject) or id(obj) in drawers:   # a form drawing itself: counted once
+            continue
+        if len(drawers) > MAX_FORM_DEPTH:
+            raise UnreadableFileError(f"forms nested more than {MAX_FORM_DEPTH} deep (no real document nests "
+                                      "them so)")
         if id(obj) not in measured:   # the stream object stays in pypdf's cache: its id stays its own
             data = _decoded(obj, cap)
-            measured[id(obj)] = (obj, len(data), {m.decode("latin-1") for m in _DRAWS.findall(data)})
+            measured[id(obj)] = (obj, len(data), _drawn_names(data))
         _, size, names = measured[id(obj)]
-        total += size
+        total += size * times
         own = obj.get("/Resources")
-        forms = forms_of(own if own is not None else resources)
-        for name in sorted(names):
+        own = own if own is not None else resources
+        forms = forms_of(own)
+        for name, count in names.items():
             form = forms.get("/" + name)
             form = form.get_object() if form is not None else None
             if isinstance(form, StreamObject) and form.get("/Subtype") == "/Form":
-                walk(form, own if own is not None else resources)
-
-    resources = page.get("/Resources")
-    walk(page.get("/Contents"), resources)
+                stack.append((form, own, times * count, drawers + (id(obj),)))
     return total
 
 
-def _check_pdf_size(reader, budget: Budget) -> None:
-    """Before any page is parsed: the page count, and what each page's content decodes to
-    (a stream drawn by many pages counts for each: pypdf parses it for each)."""
+def _check_pdf_size(reader, budget: Budget) -> dict[int, int]:
+    """Before any page is parsed: the page count, and what each page's content decodes to (a
+    stream drawn by many pages counts for each: pypdf parses it for each). A page over
+    ``page_mb`` (or nesting forms too deep) is left out, its reason in ``budget.skipped``;
+    most pages over it, or the pages measured over ``expanded_mb``, and the file is refused.
+    Returns the content size of each page to read, by page index."""
     limits = budget.limits
-    declared = reader.trailer["/Root"].get_object()["/Pages"].get_object().get("/Count")
-    if isinstance(declared, int) and declared > limits.pages:   # before pypdf lists them
-        raise _over(f"a PDF of {declared:,} pages", f"{limits.pages:,} pages per file", "pages")
-    if len(reader.pages) > limits.pages:
-        raise _over(f"a PDF of {len(reader.pages):,} pages", f"{limits.pages:,} pages per file", "pages")
-    page_cap, measured = int(limits.page_mb * MB), {}
-    for number, page in enumerate(reader.pages, 1):
-        drawn = _page_content_size(page, page_cap, measured)
-        if drawn > page_cap:
-            raise _over(f"page {number} draws more than {limits.page_mb:g} MB of content",
-                        f"{limits.page_mb:g} MB per page", "page_mb")
-        budget.expand(drawn, "its pages' content decodes")
+    count = len(reader.pages)   # pypdf walks the real page tree; a declared /Count may lie
+    if count > limits.pages:
+        raise _over(f"a PDF of {count:,} pages", f"{limits.pages:,} pages per file", "pages")
+    page_cap, measured, sizes, refused = int(limits.page_mb * MB), {}, {}, []
+
+    def bomb() -> UnreadableFileError:
+        first = refused[0]
+        if len(refused) == 1:
+            return first
+        return type(first)(f"{first}; so do {len(refused) - 1:,} more of its {count:,} pages")
+
+    for index, page in enumerate(reader.pages):
+        drawn = 0
+        try:
+            drawn = _page_content_size(page, page_cap, measured)
+            if drawn > page_cap:
+                raise _over(f"page {index + 1} draws more than {limits.page_mb:g} MB of content",
+                            f"{limits.page_mb:g} MB per page", "page_mb")
+            sizes[index] = drawn
+        except UnreadableFileError as err:
+            if not str(err).startswith("page "):
+                err = type(err)(f"page {index + 1}: {err}")
+            refused.append(err)
+            drawn = min(drawn, page_cap + 1)   # what measuring it decoded
+            if 2 * len(refused) > count:   # most of the file: a bomb, not a figure
+                raise bomb() from None
+        try:
+            budget.expand(drawn, "its pages' content decodes")
+        except OverLimitError:
+            if refused:
+                raise bomb() from None
+            raise
         budget.check()
+    budget.skipped += [f"{err}: that page was left out, the others read" for err in refused]
+    return sizes
 
 
 def _pdf(data: bytes) -> str:
@@ -315,14 +378,24 @@ def _pdf(data: bytes) -> str:
             if not opened:
                 raise UnreadableFileError("an encrypted PDF that needs a password; save an unencrypted copy "
                                           "(e.g. qpdf --password=PASSWORD --decrypt IN OUT) and ingest that")
-        _check_pdf_size(reader, budget)
+        sizes = _check_pdf_size(reader, budget)
         pages = []
-        for page in reader.pages:
-            pages.append(page.extract_text(visitor_operand_before=budget.visit_operator) or "")
-            budget.add_chars(len(pages[-1]))
+        for index, page in enumerate(reader.pages):
+            if index not in sizes:   # over a limit: left out, its reason in budget.skipped
+                continue
+            budget.parsing = PDF_PARSE_FACTOR * sizes[index]
             budget.check()
+            pages.append(page.extract_text(visitor_operand_before=budget.visit_operator) or "")
+            budget.parsing = 0
+            budget.add_chars(len(pages[-1]))
+            budget.held += len(pages[-1])
+            budget.check()
+    except _StopReading as stop:   # a limit reached inside a form (see _StopReading)
+        raise stop.error from None
     except UnreadableFileError:
         raise
+    except RecursionError:
+        raise UnreadableFileError("not a readable PDF (its objects nest too deep)") from None
     except Exception as err:   # pypdf raises many kinds on damaged files (PdfReadError, KeyError, ValueError...)
         raise UnreadableFileError(f"not a readable PDF ({type(err).__name__}: {str(err)[:200]})") from None
     text = "\n\n".join(page.strip() for page in pages if page.strip())
@@ -357,7 +430,7 @@ def _docx_part_text(stream, budget: Budget, out: list[str]) -> None:
     import xml.parsers.expat
 
     parser = xml.parsers.expat.ParserCreate(namespace_separator=" ")
-    in_text, chars = False, 0
+    in_text, chars, kept = False, 0, 0   # kept: the bytes the text pieces take in memory
 
     def start(name, _attrs):
         nonlocal in_text, chars
@@ -372,24 +445,28 @@ def _docx_part_text(stream, budget: Budget, out: list[str]) -> None:
         in_text = False
 
     def characters(data):
-        nonlocal chars
+        nonlocal chars, kept
         if in_text:
             out.append(data)
             chars += len(data)
+            kept += sys.getsizeof(data) + 8   # the str and its place in the list
 
     def refuse_dtd(*_):   # Word writes none; a DTD is how entity expansion bombs start
         raise UnreadableFileError("not a readable DOCX file (its XML declares a DTD)")
 
     parser.StartElementHandler, parser.EndElementHandler, parser.CharacterDataHandler = start, end, characters
     parser.StartDoctypeDeclHandler = parser.EntityDeclHandler = refuse_dtd
-    counted = 0
+    counted, counted_kept = 0, 0
     while True:
         piece = stream.read(MB)   # zipfile inflates at most about this much per read
         budget.expand(len(piece), "its XML inflates")   # counted as inflated, whatever the headers say
+        budget.parsing = len(piece)
         parser.Parse(piece, not piece)
         budget.add_chars(chars - counted)
-        counted = chars
+        budget.held += kept - counted_kept
+        counted, counted_kept = chars, kept
         budget.check()
+        budget.parsing = 0
         if not piece:
             return
 
@@ -403,7 +480,7 @@ def _docx(data: bytes) -> str:
             _check_zip_layout(entries)
             names = [e.filename for e in entries]
             if "word/document.xml" not in names:
-                raise KeyError("There is no item named 'word/document.xml' in the archive")
+                raise UnreadableFileError("not a readable DOCX file (it has no word/document.xml)")
             parts = [e for pattern in _DOCX_PARTS for e in entries if pattern.fullmatch(e.filename)]
             declared = sum(e.file_size for e in parts)
             if declared > budget.limits.expanded_mb * MB:   # the cheap check first; the real count is below
@@ -433,9 +510,11 @@ READERS: dict[str, Callable[[bytes], str]] = {
 SUPPORTED_SUFFIXES = frozenset(READERS)
 
 
-def extract_text(suffix: str, data: bytes, limits: ReadLimits | None = None) -> str:
+def extract_text(suffix: str, data: bytes, limits: ReadLimits | None = None,
+                 skipped: list[str] | None = None) -> str:
     """The text of a file with this suffix (lower case, with its dot) and content, read
-    within ``limits`` (default: :class:`ReadLimits`'s defaults).
+    within ``limits`` (default: :class:`ReadLimits`'s defaults). The reasons parts of the
+    file were left out (a PDF page over ``page_mb``) are appended to ``skipped`` and logged.
 
     Raises :class:`UnreadableFileError` with the reason the file cannot be read: an
     unsupported type, a missing optional library, an encrypted or damaged document, a file
@@ -446,12 +525,17 @@ def extract_text(suffix: str, data: bytes, limits: ReadLimits | None = None) -> 
         raise UnreadableFileError(f"unsupported file type {suffix or '(none)'}; ragblend ingests "
                                   f"{', '.join(sorted(SUPPORTED_SUFFIXES))}")
     budget = Budget(limits or ReadLimits())
+    budget.held = len(data)
     token = _BUDGET.set(budget)
     try:
         text = reader(data)
         # Plain text and HTML do not expand (their cost follows their size): checked once read.
         budget.add_chars(len(text) - budget.chars)
         budget.check()
+        for reason in budget.skipped:
+            log.warning("part of a %s file left out: %s", suffix, reason)
+        if skipped is not None:
+            skipped += budget.skipped
         return text
     except UnreadableFileError:
         raise

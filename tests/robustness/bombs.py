@@ -180,3 +180,34 @@ def form_pdf(pages: int, form_mb: float, drawn: bool = True) -> bytes:
             b"/Resources << /Font << /F1 4 0 R >> /XObject << /X0 5 0 R >> >> >>")
     return _pdf([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
                  page_content, FONT, form_object] + [page] * pages)
+
+
+def text_content(lines) -> bytes:
+    """A page's content stream showing ``lines`` (bytes) in Helvetica, one under another."""
+    body = b"BT /F1 11 Tf 50 750 Td 14 TL "
+    for line in lines:
+        body += b"(" + line.replace(b"(", b"\\(").replace(b")", b"\\)") + b") Tj T* "
+    return body + b"ET"
+
+
+def forms_pdf(pages, forms=None, count=None) -> bytes:
+    """A PDF of the given page contents (bytes each), every page and form sharing one resource
+    dictionary that names the ``forms`` ({name: content bytes}, FlateDecode form XObjects);
+    ``count``: the /Count the page tree declares (default: the real number)."""
+    forms = forms or {}
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>", b"", FONT]
+    first_form = len(objects) + 2   # after the resources dictionary
+    xobjects = b" ".join(b"/%s %d 0 R" % (name.encode(), first_form + i) for i, name in enumerate(forms))
+    objects.append(b"<< /Font << /F1 3 0 R >> /XObject << %s >> >>" % xobjects)   # object 4
+    for content in forms.values():
+        packed = zlib.compress(content)
+        objects.append(b"<< /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources 4 0 R /Length %d "
+                       b"/Filter /FlateDecode >>\nstream\n" % len(packed) + packed + b"\nendstream")
+    kids = []
+    for content in pages:
+        objects.append(_stream(content))
+        objects.append(b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources 4 0 R /Contents %d 0 R >>"
+                       % len(objects))
+        kids.append(b"%d 0 R" % len(objects))
+    objects[1] = b"<< /Type /Pages /Kids [%s] /Count %d >>" % (b" ".join(kids), len(kids) if count is None else count)
+    return _pdf(objects)

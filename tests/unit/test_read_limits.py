@@ -202,3 +202,109 @@ def test_local_index_skips_documents_over_the_character_limit_before_tokenizing(
     assert report.skipped == [("large", "5,000 characters of text, over the limit of 2,000 characters per file "
                                          "(--read-limit chars=N raises it)")]
     assert report.nodes >= 1 and calls and max(calls) < 5000   # the large text never reached the tokenizer
+
+
+# Review of issue 58's readers: forms, escaped names, pages over a limit, damaged trailers, memory
+# counted per read, the characters a 10 MB file holds, deep forms, upload ids.
+
+PATHS = b"10 10 m 20 20 l S\n"   # drawing operators: no text, what a vector figure is made of
+
+
+def test_a_limit_reached_inside_a_form_stops_the_read():
+    """pypdf catches Exception around each form it reads: the time limit must still stop it."""
+    form = b"BT /F1 1 Tf ET\n" + PATHS * 60_000   # ~1 MB, no text, drawn 8 times by one page
+    data = bombs.forms_pdf([bombs.text_content([b"a page of text"]) + b"\n" + b"/R Do\n" * 8], {"R": form})
+    start = time.perf_counter()
+    with pytest.raises(OverLimitError, match=r"still reading after \d+ s, over the limit of 0.5 s per file"):
+        extract_text(".pdf", data, ReadLimits(seconds=0.5, page_mb=100, expanded_mb=200))
+    assert time.perf_counter() - start < 4
+    # a form counts each time it is drawn: 8 draws of 1 MB are over 4 MB a page
+    with pytest.raises(OverLimitError, match=r"page 1 draws more than 4 MB of content"):
+        extract_text(".pdf", data)
+
+
+def test_forms_drawn_by_escaped_names_or_after_comments_are_counted():
+    form = PATHS * 90_000   # ~1.5 MB
+    for draw in (b"/B#69g Do", b"/Big %a comment\n Do", b"/Big\n%one\n%two\nDo"):
+        data = bombs.forms_pdf([bombs.text_content([b"cover"]) + b"\n" + draw], {"Big": form})
+        with pytest.raises(OverLimitError, match=r"page 1 draws more than 1 MB of content"):
+            extract_text(".pdf", data, ReadLimits(page_mb=1))
+
+
+def test_a_page_over_the_page_limit_is_left_out_and_the_others_read(tmp_path):
+    """A paper with one dense vector figure: that page is skipped with its reason, not the file."""
+    pages = [bombs.text_content([b"Section %d: results and discussion." % i] * 5) for i in range(10)]
+    pages[4] = bombs.text_content([b"Figure 3: all measurements."]) + b"\n0.2 w\n" + PATHS * 300_000   # 5.4 MB
+    left_out = []
+    text = extract_text(".pdf", bombs.forms_pdf(pages), skipped=left_out)
+    assert text.count("Section") == 45 and "Figure 3" not in text
+    assert left_out == ["page 5 draws more than 4 MB of content, over the limit of 4 MB per page (--read-limit "
+                        "page_mb=N raises it): that page was left out, the others read"]
+    (tmp_path / "paper.pdf").write_bytes(bombs.forms_pdf(pages))
+    documents, report = read_text_files([tmp_path])
+    assert [d.metadata["file_name"] for d in documents] == ["paper.pdf"]
+    assert report.skipped == [(str(tmp_path / "paper.pdf"), left_out[0])]
+    # most pages over it: a bomb, refused whole, with the first page's reason and how many more
+    with pytest.raises(OverLimitError, match=r"page 1 draws more than 4 MB of content, .*; so do 1 more of its "
+                                             r"3 pages"):
+        extract_text(".pdf", bombs.forms_pdf([pages[4], pages[4], pages[0]]))
+
+
+def test_pdfs_pypdf_recovers_and_a_declared_page_count_are_read():
+    pages = [bombs.text_content([b"one"]), bombs.text_content([b"two"])]
+    assert extract_text(".pdf", bombs.forms_pdf(pages).replace(b"/Root 1 0 R", b"")) == "one\n\ntwo"
+    assert extract_text(".pdf", bombs.forms_pdf(pages, count=100_000)) == "one\n\ntwo"   # 2 real pages
+    with pytest.raises(OverLimitError, match=r"a PDF of 2 pages, over the limit of 1 pages"):
+        extract_text(".pdf", bombs.forms_pdf(pages, count=0), ReadLimits(pages=1))
+
+
+def test_memory_is_counted_for_the_read_not_for_the_process():
+    """Another thread allocating (a second session, the model answering) is not charged to a file."""
+    import threading
+
+    document, held = bombs.normal_docx(1_000_000), []
+
+    def other_session():
+        for _ in range(20):
+            held.append(b"\x01" * (10 * 2**20))
+            time.sleep(0.005)
+
+    other = threading.Thread(target=other_session)
+    other.start()
+    try:
+        assert len(extract_text(".docx", document, ReadLimits(memory_mb=64))) > 100_000
+    finally:
+        other.join()
+    assert len(held) == 20
+
+
+def test_a_text_file_under_the_default_size_limit_is_within_the_default_characters(tmp_path):
+    assert ReadLimits().chars >= 10 * 2**20
+    (tmp_path / "notes.txt").write_bytes(b"Some notes. " * (10_388_000 // 12))
+    documents, report = read_text_files([tmp_path])
+    assert report.skipped == [] and len(documents[0].text) == 10_388_000 // 12 * 12
+
+
+def test_forms_nested_too_deep_are_a_reason_not_a_crash():
+    deep = {f"F{i}": (f"/F{i + 1} Do ".encode() if i < 1200 else b"") + bombs.text_content([b"level %d" % i])
+            for i in range(1201)}
+    with pytest.raises(UnreadableFileError, match=r"page 1: forms nested more than 32 deep"):
+        extract_text(".pdf", bombs.forms_pdf([b"/F0 Do"], deep))
+    left_out = []
+    text = extract_text(".pdf", bombs.forms_pdf([bombs.text_content([b"cover"]), b"/F0 Do", b"/F1198 Do"], deep),
+                        skipped=left_out)
+    assert text.startswith("cover\n\n") and {"level 1198", "level 1199", "level 1200"} <= set(text.split("\n"))
+    assert "level 1" not in text.replace("level 1198", "").replace("level 1199", "").replace("level 1200", "")
+    assert left_out == ["page 2: forms nested more than 32 deep (no real document nests them so): that page was "
+                        "left out, the others read"]
+    shallow = {name: content for name, content in deep.items() if int(name[1:]) >= 1190}
+    assert "level 1195" in extract_text(".pdf", bombs.forms_pdf([b"/F1190 Do"], shallow))
+
+
+def test_upload_ids_are_resolved_like_every_document_id(tmp_path, monkeypatch):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    for folder in ("real/uploads", tmp_path / "link" / "uploads"):
+        documents, _ = read_uploads([("notes.txt", b"The ferry leaves at nine.")], folder)
+        assert documents[0].id_ == os.path.realpath(tmp_path / "real" / "uploads" / "notes.txt")
