@@ -1756,7 +1756,7 @@ def hostile_section(args) -> tuple[list[str], str]:
             results.append((case, passed))
             observed = f"{observed} ({time.perf_counter() - t0:.1f} s)"
             cells = [str(number), case.kind, case.name, case.expected, observed, "yes" if passed else "**NO**"]
-            lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", "\\n") for c in cells) + " |")
+            lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", "\\n").replace("[", "\\[") for c in cells) + " |")
             print(lines[-1], flush=True)
     finally:
         world.close()
