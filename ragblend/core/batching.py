@@ -79,9 +79,12 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
             # Each sequence's queries go to its own K/V dtype (a float32 one beside a float16 one).
             outs.append(adapter.attend_one_token(q_i[:, None], d.keys[layer][:, keys], d.values[layer][:, keys], bias))
         hidden = adapter.finish(layer, hidden, torch.cat(outs).to(hidden.dtype))
+    logits = adapter.logits(hidden)
+    # Only a pass that completed counts its position: a failed one (anywhere, the LM head
+    # included) leaves every decoder as it found it, so it can be run again.
     for d, p in zip(decoders, starts):
         d.length = p + 1
-    return adapter.logits(hidden)
+    return logits
 
 
 @dataclass(eq=False)
@@ -127,7 +130,7 @@ class BatchDecoder:
             raise InvalidInputError(f"max_kv_bytes must be a positive integer or None, got {max_kv_bytes!r}.")
         self.max_batch, self.max_kv_bytes = max_batch, max_kv_bytes
         self.members: list[Member] = []
-        self.passes = 0          # model passes run (a batched one counts once)
+        self.passes = 0          # model passes that advanced sequences (a batched one counts once)
         self.batched_rows = 0    # sequences those passes advanced
         self.most_rows = 0       # the most sequences one pass advanced
 
@@ -169,8 +172,10 @@ class BatchDecoder:
 
         One member's failure is its own: it leaves with an Event carrying the error. A pass
         that fails over the whole batch is run again for each member alone, so that only the
-        members whose own pass fails leave (a failed pass writes K/V at positions the decoder
-        does not count yet, so running it again is safe)."""
+        members whose own pass fails leave. Running it again is safe: a failed pass counts no
+        new position (:func:`batch_extend` advances the decoders only once it has their logits),
+        and the K/V it wrote lie past every decoder's length, where the pass run again writes
+        them anew. The counters count only passes that advanced something."""
         events = []
         for member in list(self.members):
             decoding = member.decoding
@@ -193,28 +198,37 @@ class BatchDecoder:
                     decoding = stepping[0].decoding
                     try:
                         decoding.pending.extend(decoding._step(decoding.token_ids[-1]))
+                        self._count_pass(1)
                     except Exception as err:
                         self._fail(stepping[0], err, events)
                 else:
                     self._batched_pass(stepping, events)
-            self.passes += 1
-            self.batched_rows += len(stepping)
-            self.most_rows = max(self.most_rows, len(stepping))
         return events
 
     def _batched_pass(self, stepping: list[Member], events: list[Event]) -> None:
         decodings = [m.decoding for m in stepping]
         try:
             logits = batch_extend([d.decoder for d in decodings], [d.token_ids[-1] for d in decodings])
+            self._count_pass(len(decodings))
         except Exception:   # whose row failed? each member's pass again, alone
             logits = None
         for i, (member, d) in enumerate(zip(stepping, decodings)):
             try:
-                row = logits[i] if logits is not None else batch_extend([d.decoder], [d.token_ids[-1]])[0]
-                d.pending.append(d.rechecked(row))
+                if logits is None:
+                    row = batch_extend([d.decoder], [d.token_ids[-1]])[0]
+                    self._count_pass(1)
+                else:
+                    row = logits[i]
                 d.steps += 1
+                d.pending.append(d.rechecked(row))
             except Exception as err:
                 self._fail(member, err, events)
+
+    def _count_pass(self, rows: int) -> None:
+        """A model pass advanced ``rows`` sequences."""
+        self.passes += 1
+        self.batched_rows += rows
+        self.most_rows = max(self.most_rows, rows)
 
     def _fail(self, member: Member, err: BaseException, events: list[Event]) -> None:
         self.remove(member)

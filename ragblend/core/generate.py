@@ -154,8 +154,9 @@ class KVDecoder:
             else:
                 attn = adapter.attention(q.to(self.dtype), keys, values, *masks)
             hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
-        self.length = end
-        return adapter.logits(hidden)
+        logits = adapter.logits(hidden)
+        self.length = end   # only once the pass completed: a failed one leaves the decoder as it was
+        return logits
 
     @property
     def capacity(self) -> int:

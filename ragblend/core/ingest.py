@@ -28,7 +28,7 @@ from .kv import ChunkKV, ChunkRef, chunk_key, lead_key, to_storage
 from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
 from .omp import release_thread_pool
-from .prompt import ChunkFinder, PromptBuilder, check_text
+from .prompt import ChunkFinder, PromptBuilder, TooLong, check_text
 from .store import EntrySpec, KVStore
 
 log = logging.getLogger("ragblend")
@@ -169,16 +169,15 @@ class Ingestion:
             check_text(text, f"chunk {i}")
         window = self.adapter.shape.context_window
         limit = window - len(self.sink_ids)
-        # None: more than limit tokens, found without tokenizing a long text whole
-        tokenized = [self.prompts.tokenize_within(t, limit) for t in texts]
-        if skip_unusable:
-            tokenized = [ids if ids is not None and ChunkFinder.MIN_RUN <= len(ids) else None for ids in tokenized]
+        # TooLong: more than limit tokens, found without tokenizing a long text whole
+        tokenized = [self.prompts.tokenize_bounded(t, limit) for t in texts]
         for i, ids in enumerate(tokenized):
-            if ids is None and skip_unusable:
+            if skip_unusable and (isinstance(ids, TooLong) or len(ids) < ChunkFinder.MIN_RUN):
+                tokenized[i] = None
                 continue
-            if ids is None:
+            if isinstance(ids, TooLong):
                 raise PromptTooLongError(
-                    f"chunk {i} has more than {limit} tokens; at most {limit} fit in the context window "
+                    f"chunk {i} has {ids}; at most {limit} fit in the context window "
                     f"({window}) after the sink prefix. Split it into smaller chunks.")
             if not ids or not texts[i].strip():
                 raise InvalidInputError(f"chunk {i} is empty or only whitespace; drop such chunks before precomputing.")

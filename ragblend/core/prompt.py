@@ -272,13 +272,27 @@ FIRST_PREFIX = 4
 PREFIX_MARGIN = 2
 
 
+@dataclass(frozen=True)
+class TooLong:
+    """What showed that a text is over a token bound: it holds exactly ``tokens`` when ``exact``
+    (it was tokenized whole), else more than ``tokens`` (its characters alone or a bounded start
+    of it told, see :meth:`PromptBuilder.tokenize_bounded`)."""
+
+    tokens: int
+    exact: bool
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens" if self.exact else f"more than {self.tokens} tokens"
+
+
 class PromptBuilder:
     """Turns segments into prompt token ids with the model's chat template.
 
     Every piece of text (chunks, segments, system, history) is tokenized as text
     (:class:`TextEncoder`); only the template's own text has its control tokens parsed.
-    With ``max_tokens`` (the engine's context window), :meth:`build` refuses texts that cannot
-    fit in it before tokenizing them whole (:meth:`tokenize_within`).
+    With ``max_tokens`` (the engine's context window), :meth:`build` refuses a prompt that does
+    not fit in it, saying how many tokens it holds, and a long text before tokenizing it whole
+    (:meth:`tokenize_bounded`).
     """
 
     #: What the plain layout (no chat template) ends a prompt with, and writes before an assistant turn.
@@ -318,34 +332,70 @@ class PromptBuilder:
         for tokenizers that normalize text (a text longer than this many per token cannot fit)."""
         return 2 * max(max(map(len, self.tokenizer.get_vocab()), default=1), 1)
 
+    def tokenize_bounded(self, text: str, max_tokens: int) -> list[int] | TooLong:
+        """:meth:`tokenize` of ``text``, or :class:`TooLong` when it holds more than ``max_tokens``
+        tokens: found without tokenizing it whole where its characters alone
+        (:attr:`max_chars_per_token`) or its first characters (:data:`FIRST_PREFIX`) tell."""
+        too_long = self._too_long_start(text, max_tokens)
+        if too_long is not None:
+            return too_long
+        ids = self.tokenize(text)
+        return ids if len(ids) <= max_tokens else TooLong(len(ids), exact=True)
+
     def tokenize_within(self, text: str, max_tokens: int) -> list[int] | None:
-        """:meth:`tokenize` of ``text``, or None when it holds more than ``max_tokens`` tokens,
-        found without tokenizing it whole: by its characters alone (:attr:`max_chars_per_token`),
-        else by its first characters (:data:`FIRST_PREFIX`)."""
+        """:meth:`tokenize_bounded`, with None for a text over ``max_tokens``."""
+        ids = self.tokenize_bounded(text, max_tokens)
+        return None if isinstance(ids, TooLong) else ids
+
+    def _too_long_start(self, text: str, max_tokens: int) -> TooLong | None:
+        """TooLong when ``text``'s characters or a start of it show that it holds more than
+        ``max_tokens`` tokens; None when only tokenizing it whole can tell."""
         if len(text) > max_tokens * self.max_chars_per_token:
-            return None
+            return TooLong(max_tokens, exact=False)
         size = max(FIRST_PREFIX * max_tokens, 256)
         while size < len(text):
             if len(self.tokenize(text[:size])) > PREFIX_MARGIN * max_tokens:
-                return None
+                return TooLong(max_tokens, exact=False)
             size *= 2
-        ids = self.tokenize(text)
-        return ids if len(ids) <= max_tokens else None
+        return None
 
-    def _fitting(self, texts: Sequence[str]) -> list[list[int]]:
-        """The ids of ``texts``, which together must fit in :attr:`max_tokens` (else
-        PromptTooLongError, raised before a long text is tokenized whole)."""
-        chars, room, out = sum(map(len, texts)), self.max_tokens, []
-        if chars > self.max_tokens * self.max_chars_per_token:
+    def _check_turns(self, turns: list[str], texts: list[str]) -> None:
+        """Refuse, without tokenizing them whole, texts that cannot fit in :attr:`max_tokens`:
+        all of them by their characters, the system prompt and history (``turns``) by a bounded
+        start of them together (the chat template tokenizes them next, once)."""
+        window, chars = self.max_tokens, sum(map(len, turns)) + sum(map(len, texts))
+        if chars > window * self.max_chars_per_token:
             raise PromptTooLongError(f"The prompt's texts hold {chars} characters, more than fit the model's context "
-                                     f"window ({self.max_tokens} tokens); shorten them.")
-        for text in texts:
-            ids = self.tokenize_within(text, room)
-            if ids is None:
-                raise PromptTooLongError(f"The prompt holds more tokens than the model's context window "
-                                         f"({self.max_tokens}); shorten it or pass fewer or shorter chunks.")
-            room -= len(ids)
+                                     f"window ({window} tokens); shorten them.")
+        # "\n" between turns: each turn adds at least a token of the template's anyway
+        too_long = self._too_long_start("\n".join(turns), window)
+        if too_long is not None:
+            raise PromptTooLongError(f"The system prompt and history hold {too_long}, more than the model's context "
+                                     f"window ({window}); shorten them.")
+
+    def _fitting(self, texts: list[str], used: int, separator_ids: list[int]) -> list[list[int]]:
+        """The ids of ``texts`` (joined by ``separator_ids``), which must fit in :attr:`max_tokens`
+        after the ``used`` tokens of the template, system prompt and history (else
+        PromptTooLongError, raised before a long text is tokenized whole)."""
+        window, out = self.max_tokens, []
+        if used > window:
+            raise PromptTooLongError(f"The system prompt and history hold {used} tokens with the chat template's, "
+                                     f"more than the model's context window ({window}); shorten them.")
+        for i, text in enumerate(texts):
+            used += len(separator_ids) if i else 0
+            ids = self.tokenize_bounded(text, max(window - used, 0))
+            if isinstance(ids, TooLong):
+                total = used + ids.tokens
+                # exact only once every text is counted; the ones after this would add more
+                held = f"more than {total}" if not ids.exact else f"{total}" if i == len(texts) - 1 \
+                    else f"at least {total}"
+                raise PromptTooLongError(f"The prompt has {held} tokens; the model's context window holds {window}. "
+                                         "Shorten it or pass fewer or shorter chunks.")
+            used += len(ids)
             out.append(ids)
+        if used > window:   # the separators tipped it over
+            raise PromptTooLongError(f"The prompt has {used} tokens; the model's context window holds {window}. "
+                                     "Shorten it or pass fewer or shorter chunks.")
         return out
 
     def tokenize_template(self, text: str) -> list[int]:
@@ -520,13 +570,15 @@ class PromptBuilder:
         The chunks' spans are ``namespace``'s (see :class:`ChunkSpan`)."""
         segments = check_segments(segments)
         texts = [s.text if isinstance(s, Chunk) else s for s in segments]
+        separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         if self.max_tokens is not None:   # texts too long for the window are refused before their whole is tokenized
             turns = ([] if system is None else [check_text(system, "system")]) + [t for _, t in _checked_history(history)]
-            segment_ids = self._fitting(turns + texts)[len(turns):]
+            self._check_turns(turns, texts)
+        prefix, suffix = self.template_parts(system, history)   # system and history tokenized once, here
+        if self.max_tokens is not None:
+            segment_ids = self._fitting(texts, len(prefix) + len(suffix), separator_ids)
         else:
             segment_ids = [self.tokenize(text) for text in texts]
-        prefix, suffix = self.template_parts(system, history)
-        separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         ids = list(prefix)
         spans = []
         for i, (seg, tokens) in enumerate(zip(segments, segment_ids)):

@@ -58,7 +58,7 @@ from ragblend.core.batching import kv_bytes_for
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.net import is_loopback
-from ragblend.core.prompt import PromptLayout, check_text
+from ragblend.core.prompt import PromptLayout, TooLong, check_text
 
 from .protocol import (
     BLEND_SPECIAL_STR,
@@ -91,12 +91,15 @@ TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MAX_ALIASES = 32
 
 # Bounds on a request's head, enforced before the API key is checked or any route runs, so that
-# a client without the key costs the server little. The request line and headers may hold at
-# most MAX_HEADER_BYTES: uvicorn's h11 parser (``serve`` picks it) answers a longer head 400 and
-# closes the connection, however much is still coming (its default parser, httptools, has no
-# bound: a 256 MB head took 67 s of CPU). At most MAX_HEADERS header fields, and as many bytes
-# in them, or the Guard answers 431 (for any ASGI server the app runs under). nginx's default
-# buffers take a 32 KB head too (4 x 8k); docs/serving.md has the proxy settings.
+# a client without the key costs the server little. Two checks, at two moments:
+# * a head still arriving: uvicorn's h11 parser (``serve`` picks it) buffers at most
+#   MAX_HEADER_BYTES of an incomplete head, then answers 400 and closes the connection, however
+#   much is still coming (its default parser, httptools, has no bound: a 256 MB head took 67 s
+#   of CPU). A head that completes within one read of the socket is not bounded there.
+# * a completed head: the Guard (under any ASGI server) answers 431 to more than MAX_HEADERS
+#   header fields, or more than MAX_HEADER_BYTES in the target (path and query) and the header
+#   fields' names and values together.
+# nginx's default buffers take a 32 KB head too (4 x 8k); docs/serving.md has the proxy settings.
 MAX_HEADER_BYTES = 32 << 10
 MAX_HEADERS = 100
 
@@ -213,8 +216,8 @@ def _entries(store) -> int:
 
 
 class Guard:
-    """Checks the headers' count and size, then the API key and the declared body size, before
-    any route runs, and records the request's tenant (``request.state.tenant``: see
+    """Checks the completed head (its header fields' count, and the bytes of its target and
+    header fields), then the API key and the declared body size, before any route runs, and records the request's tenant (``request.state.tenant``: see
     :mod:`.tenants`). Plain ASGI (not Starlette's BaseHTTPMiddleware), so handlers keep the
     server's own ``receive`` and see a client's disconnect."""
 
@@ -228,9 +231,15 @@ class Guard:
         error = None
         tenant = self.tenants.tenant_of(headers.get(b"authorization", b""))
         scope.setdefault("state", {})["tenant"] = tenant
-        if len(scope["headers"]) > MAX_HEADERS or sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
-            error = ApiError(431, f"The request has {len(scope['headers'])} header fields; at most {MAX_HEADERS}, "
-                                  f"holding at most {MAX_HEADER_BYTES} bytes, are accepted.",
+        fields = len(scope["headers"])
+        target = len(scope.get("raw_path") or path.encode()) + len(scope.get("query_string") or b"")
+        head = target + sum(len(k) + len(v) for k, v in scope["headers"])
+        if fields > MAX_HEADERS:
+            error = ApiError(431, f"The request has {fields} header fields; at most {MAX_HEADERS} are accepted.",
+                             code="request_header_fields_too_large")
+        elif head > MAX_HEADER_BYTES:
+            error = ApiError(431, f"The request's target and header fields hold {head} bytes ({target} in the "
+                                  f"target); at most {MAX_HEADER_BYTES} are accepted. Send large data in the body.",
                              code="request_header_fields_too_large")
         elif path != "/health" and tenant is None:
             error = ApiError(401, "Missing or wrong API key: send Authorization: Bearer <key>.",
@@ -666,9 +675,9 @@ def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
     specials = body.get("add_special_tokens", True)
 
     def run(job: Job) -> list[int]:
-        ids = engine.prompts.tokenize_within(text, engine.context_window)
-        if ids is None:   # found by tokenizing no more than a bounded start of it
-            raise PromptTooLongError(f"prompt holds more tokens than the model's context window "
+        ids = engine.prompts.tokenize_bounded(text, engine.context_window)
+        if isinstance(ids, TooLong):   # found by tokenizing no more than a bounded start of it, where it is long
+            raise PromptTooLongError(f"prompt has {ids}, more than the model's context window "
                                      f"({engine.context_window}).")
         return server.special_head + ids + server.special_tail if specials else ids
     return run

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams
-from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, check_text
+from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, TooLong, check_text
 from ragblend.core.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 
 # LMCache's blending convention: a token-id prompt's segments (template start, chunks, question)
@@ -285,7 +285,7 @@ class TextLimit:
     characters than the vocabulary's longest entry (twice that, for tokenizers that normalize;
     ``PromptBuilder.max_chars_per_token``). Checked on the event loop, before the worker
     tokenizes anything; the worker then tokenizes a long text in bounded prefixes
-    (``PromptBuilder.tokenize_within``), so a prompt under this limit that still overflows the
+    (``PromptBuilder.tokenize_bounded``), so a prompt under this limit that still overflows the
     window is refused after a few tens of milliseconds of tokenizing, not seconds."""
 
     def __init__(self, engine: BlendEngine):
@@ -488,9 +488,9 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int], nam
     prompt. A chunk sent alone (LMCache's warm-up, stored by the server before) is answered as a
     plain prompt: its first tokens are the prompt's attention sink, which no stored KV stands in for."""
     if isinstance(prompt, str):
-        ids = engine.prompts.tokenize_within(prompt, engine.context_window - 1)
-        if ids is None:   # found by tokenizing no more than a bounded start of it
-            raise PromptTooLongError(f"The prompt holds more tokens than fit the model's context window "
+        ids = engine.prompts.tokenize_bounded(prompt, engine.context_window - 1)
+        if isinstance(ids, TooLong):   # found by tokenizing no more than a bounded start of it, where it is long
+            raise PromptTooLongError(f"The prompt has {ids} and fills the model's context window "
                                      f"({engine.context_window}); shorten it.")
         return engine.find_chunks_in_ids(ids, namespace=namespace)
     segments = split_lmcache(prompt, separator_ids)

@@ -161,3 +161,78 @@ def test_batch_bounds(tokenizer):
     with pytest.raises(InvalidInputError, match="one model"):
         other = make_tiny_engine("llama", tokenizer).begin(prompts()[1], params=params)
         roomy.add(other)
+
+
+
+class FailOnce:
+    """Replaces ``adapter.<name>`` so that its ``call``-th call raises (a pass over the batch
+    running out of memory, say); every other call runs the real method."""
+
+    def __init__(self, monkeypatch, adapter, name: str, call: int):
+        self.real, self.call, self.calls = getattr(adapter, name), call, 0
+        monkeypatch.setattr(adapter, name, self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.call:
+            raise MemoryError("simulated: no memory for the batch's pass")
+        return self.real(*args)
+
+
+def decode_in_one_batch(decodings) -> tuple[BatchDecoder, list]:
+    batch, events = BatchDecoder(max_batch=8), []
+    for d in decodings:
+        batch.add(d)
+    while len(batch):
+        events += batch.step()
+    return batch, events
+
+
+@pytest.mark.parametrize("where", ["logits", "attention", "embed"])
+def test_a_failed_batched_pass_run_again_per_member_gives_the_unfailed_answers(where, tokenizer, monkeypatch):
+    """A pass over the whole batch that fails is run again for each member alone. The failed
+    pass must leave every decoder as it found it: it once counted the new position before the
+    LM head ran, so a failure there appended each member's token twice and every answer went on
+    silently wrong. Failing in the second batched pass's LM head (every layer's K/V written),
+    in its second row's attention halfway through the layers, or before any layer: each answer
+    is the unfailed one, token for token, and the batch counts the passes that really ran."""
+    engine = make_tiny_engine("qwen2", tokenizer)
+    params = SamplingParams(max_new_tokens=8)
+    alone = [engine.generate(p, params=params) for p in prompts()[:3]]
+    assert min(len(a.token_ids) for a in alone) >= 3   # all three are in the first two batched passes
+    control, _ = decode_in_one_batch([engine.begin(p, params=params) for p in prompts()[:3]])
+    decodings = [engine.begin(p, params=params) for p in prompts()[:3]]
+    adapter = decodings[0].decoder.adapter
+    layers = adapter.shape.num_layers
+    # attend_one_token runs once per row per layer: pass 1 makes 3 * layers calls
+    call = {"logits": 2, "embed": 2, "attention": 3 * layers + 3 * (layers // 2) + 2}[where]
+    fail = FailOnce(monkeypatch, adapter, "attend_one_token" if where == "attention" else where, call)
+    batch, events = decode_in_one_batch(decodings)
+    assert fail.calls > call   # it failed, and decoding went on
+    assert [e.error for e in events if e.error is not None] == []
+    for solo, together in zip(alone, decodings):
+        assert together.token_ids == solo.token_ids
+        assert together.text == solo.text and together.finish_reason == solo.finish_reason
+    # the failed pass advanced nobody; the three passes run instead advanced one each
+    assert batch.batched_rows == control.batched_rows == sum(d.steps for d in decodings)
+    assert batch.passes == control.passes + 2 and batch.most_rows == control.most_rows
+
+
+def test_a_pass_that_fails_in_the_lm_head_counts_no_position(tokenizer, monkeypatch):
+    """batch_extend and KVDecoder.extend leave a decoder's length as they found it when the
+    pass fails after writing every layer's K/V; the pass run again gives the unfailed logits."""
+    engine = make_tiny_engine("qwen2", tokenizer)
+    pre = engine.prefill(prompts()[0])
+
+    def decoder():
+        return KVDecoder(engine.adapter, pre.keys, pre.values, len(pre.token_ids) + 4, pre.key_bias)
+
+    expected = decoder().extend([7, 8])
+    for run in (lambda d: batch_extend([d, decoder()], [7, 8])[0], lambda d: d.extend([7, 8])[0]):
+        failing = decoder()
+        FailOnce(monkeypatch, engine.adapter, "logits", 1)
+        with pytest.raises(MemoryError):
+            run(failing)
+        assert failing.length == len(pre.token_ids)
+        monkeypatch.undo()
+        assert torch.allclose(run(failing), expected[0], atol=1e-4, rtol=0)

@@ -3,7 +3,7 @@ finder that marks known chunks in flat prompts. (Hostile template text: test_inj
 
 import pytest
 
-from ragblend import Chunk, InvalidInputError, SegmentTypeError
+from ragblend import Chunk, InvalidInputError, PromptTooLongError, SegmentTypeError
 from ragblend.core.prompt import PromptBuilder, check_segments
 
 from ..conftest import PASSAGES
@@ -66,3 +66,47 @@ def test_check_segments_takes_one_segment_or_a_list_and_names_the_bad_one():
         check_segments([Chunk("a"), 5])
     with pytest.raises(InvalidInputError, match="segments is empty"):
         check_segments(())
+
+
+WINDOW = 64   # a window the tests' tokenizer fills with ~30 words ("word " is two tokens)
+
+
+def test_a_prompt_over_the_window_is_refused_with_the_tokens_it_holds(tokenizer):
+    """Where every text was tokenized whole the refusal gives the prompt's tokens (what the
+    builder lays out without a window); where a text after the one over the window was not
+    tokenized, at least those counted; where only a bounded start of a text was, more than the
+    window."""
+    bounded, unbounded = PromptBuilder(tokenizer, max_tokens=WINDOW), PromptBuilder(tokenizer)
+    words = "word " * 40   # 200 characters: under the first prefix, so tokenized whole
+    for segments in ([words], [Chunk("The ferry crossed at dawn."), words]):
+        n = len(unbounded.build(segments, "Be brief.").token_ids)
+        with pytest.raises(PromptTooLongError, match=f"The prompt has {n} tokens; the model's context window "
+                                                     f"holds {WINDOW}"):
+            bounded.build(segments, "Be brief.")
+    with pytest.raises(PromptTooLongError, match="The prompt has at least [0-9]+ tokens"):
+        bounded.build([words, "Q?"])
+    with pytest.raises(PromptTooLongError, match=f"The prompt has more than {WINDOW} tokens"):
+        bounded.build(["\u4e00" * 3000])   # refused by its start: 3,000 characters are not tokenized
+    prefix, suffix = unbounded.template_parts("Be brief. " * 12)
+    with pytest.raises(PromptTooLongError, match=f"hold {len(prefix) + len(suffix)} tokens with the chat template"):
+        bounded.build(["Q?"], "Be brief. " * 12)
+    with pytest.raises(PromptTooLongError, match=f"hold more than {WINDOW} tokens"):
+        bounded.build(["Q?"], history=[("user", "Be brief. " * 200), ("assistant", "Yes.")])
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat template", "plain"])
+def test_build_tokenizes_the_system_prompt_and_history_once(tokenizer, monkeypatch, chat):
+    """Bounding the texts by the window (``max_tokens``) costs no second tokenizing of the system
+    prompt and history: the template's pass counts them; the ids are those of a builder without
+    a window."""
+    system, asked, answered = "Be brief, sailor.", "Where does the ferry leave from?", "From the north pier."
+    history = [("user", asked), ("assistant", answered)]
+    segments = [Chunk(PASSAGES[0]), "When does it leave?"]
+    expected = PromptBuilder(tokenizer, use_chat_template=chat).build(segments, system, history)
+    builder, seen = PromptBuilder(tokenizer, use_chat_template=chat, max_tokens=2048), []
+    for name in ("tokenize", "tokenize_template"):
+        real = getattr(builder, name)
+        monkeypatch.setattr(builder, name, lambda text, real=real: seen.append(text) or real(text))
+    assert builder.build(segments, system, history) == expected
+    for text in (system, asked, answered, PASSAGES[0]):
+        assert sum(text in tokenized for tokenized in seen) == 1, (text, seen)

@@ -3,6 +3,10 @@ bytes and fields before the API key is checked, and a text that cannot fit the c
 refused after tokenizing a bounded start of it, by every server route and the engine's own entry
 points. Real servers on 127.0.0.1 over tiny random models; the engine's own tokenizer."""
 
+import contextlib
+import json
+import re
+import socket
 import threading
 import time
 
@@ -80,8 +84,10 @@ def test_too_many_header_fields_get_a_431_before_the_key(server, path, auth):
                                                                                      and not auth else 200)
 
 
-def test_under_another_http_parser_the_guard_bounds_the_head_bytes(engine):
-    """uvicorn's default parser (httptools) takes any head; the Guard still refuses a big one."""
+@contextlib.contextmanager
+def httptools_server(engine):
+    """The app under uvicorn's default parser (httptools), which takes a head of any size: there
+    the Guard alone bounds it. Yields the server's URL."""
     import uvicorn
 
     port = free_port()
@@ -91,12 +97,74 @@ def test_under_another_http_parser_the_guard_bounds_the_head_bytes(engine):
     thread.start()
     try:
         wait_until_up(lambda: running.started, "the server", timeout_s=30, interval_s=0.05)
-        big = {"x-big": "a" * (MAX_HEADER_BYTES + 1)}
-        response = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=big)
-        assert response.status_code == 431   # not 401: the key is not even looked at
+        yield f"http://127.0.0.1:{port}"
     finally:
         running.should_exit = True
         thread.join(timeout=30)
+
+
+def raw_request(url: str, head: bytes) -> tuple[str, bytes]:
+    """Send ``head`` (a whole request head) in one write; the response's status code and body,
+    or "reset" (the server closed the connection with bytes of it unread)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        response = b""
+        try:
+            conn.sendall(head)
+            while not _complete(response) and (piece := conn.recv(65536)):
+                response += piece
+        except ConnectionResetError:
+            return "reset", b""
+    status, _, rest = response.partition(b"\r\n")
+    return status.split()[1].decode(), rest.partition(b"\r\n\r\n")[2]
+
+
+def _complete(response: bytes) -> bool:
+    """Whether ``response`` holds a whole response with a Content-Length (otherwise read to the close)."""
+    head, blank, body = response.partition(b"\r\n\r\n")
+    length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+    return bool(blank) and length is not None and len(body) >= int(length.group(1))
+
+
+def test_under_another_http_parser_the_guard_bounds_the_head_bytes(engine):
+    """uvicorn's default parser (httptools) takes any head; the Guard still refuses a big one."""
+    with httptools_server(engine) as url:
+        big = {"x-big": "a" * (MAX_HEADER_BYTES + 1)}
+        response = httpx.get(f"{url}/v1/models", headers=big)
+        assert response.status_code == 431   # not 401: the key is not even looked at
+
+
+def test_the_guard_counts_the_target_and_says_which_bound_a_head_broke(engine):
+    """The Guard's byte bound is on the target (path and query) and the header fields' names and
+    values together: exactly MAX_HEADER_BYTES passes on to the key check (401), one more is a
+    431 that gives the bytes; too many fields is a 431 that gives the count of fields."""
+    path, host = b"/v1/models", b"host: x\r\n"   # the header field counts 4 + 1 bytes
+    with httptools_server(engine) as url:
+        for extra, status in ((0, "401"), (1, "431")):
+            query = b"q=" + b"a" * (MAX_HEADER_BYTES - len(path) - 5 - 2 + extra)
+            got, body = raw_request(url, b"GET " + path + b"?" + query + b" HTTP/1.1\r\n" + host + b"\r\n")
+            assert got == status, body[:200]
+        message = json.loads(body)["error"]["message"]
+        assert f"hold {MAX_HEADER_BYTES + 1} bytes ({MAX_HEADER_BYTES + 1 - 5} in the target)" in message
+        assert "header fields;" not in message
+        many = b"".join(b"x-f%d: v\r\n" % i for i in range(MAX_HEADERS))   # with host: one too many
+        got, body = raw_request(url, b"GET /v1/models HTTP/1.1\r\n" + host + many + b"\r\n")
+        assert got == "431"
+        message = json.loads(body)["error"]["message"]
+        assert f"has {MAX_HEADERS + 1} header fields; at most {MAX_HEADERS} are accepted" in message
+        assert "bytes" not in message
+
+
+def test_a_long_url_sent_in_one_write_is_refused_by_serve(server):
+    """h11 bounds only a head still arriving: a 60 KB URL that comes in one write completes the
+    head at once (it was answered 200). The Guard counts the target, so it is refused, with the
+    key or without."""
+    for auth in (b"", f"authorization: Bearer {KEY}\r\n".encode()):
+        got, _ = raw_request(server.url, b"GET /v1/models?" + b"q" * 60000 + b" HTTP/1.1\r\nhost: x\r\n"
+                             + auth + b"\r\n")
+        # the Guard's 431; h11's 400 and close if the head came in pieces (was: 200)
+        assert got in ("431", "400", "reset")
+    assert httpx.get(f"{server.url}/v1/models", params={"q": "a" * 1000}, headers=AUTH).status_code == 200
 
 
 def test_ragblend_serve_runs_the_bounded_parser():
@@ -168,3 +236,25 @@ def test_chunks_route_refuses_or_skips_an_overflowing_text(server):
     skipped = httpx.post(f"{server.url}/v1/chunks", json={"texts": texts, "skip_unusable": True}, headers=AUTH,
                          timeout=60)
     assert skipped.status_code == 200 and [d["stored"] for d in skipped.json()["data"]] == [False, True]
+
+
+def test_a_refusal_gives_the_tokens_where_the_text_was_tokenized_whole(server, engine):
+    """A text short enough to be tokenized whole (under the first prefix) is refused with its
+    token count; a long one, refused by its start, with "more than" the bound."""
+    window = engine.context_window
+    words = "word " * (window // 2 + 50)   # ~window + 100 tokens in 2.5 characters a token
+    n = len(engine.tokenize(words))
+    unbounded = PromptBuilder(engine.tokenizer, separator=engine.prompts.separator,
+                              use_chat_template=engine.prompts.use_chat_template)
+    assert n > window and len(words) < 4 * (window - len(engine.sink_ids))
+    cases = [("/tokenize", {"prompt": words}, f"prompt has {n} tokens, more than the model's context window"),
+             ("/v1/completions", {"prompt": words, "max_tokens": 1}, f"The prompt has {n} tokens and fills"),
+             ("/v1/chunks", {"texts": [words]}, f"chunk 0 has {n} tokens; at most"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": words}], "max_tokens": 1},
+              f"The prompt has {len(unbounded.build([words]).token_ids)} tokens; the model's context window"),
+             ("/tokenize", {"prompt": cjk(100_000)}, f"prompt has more than {window} tokens"),
+             ("/v1/chunks", {"texts": [cjk(100_000)]}, f"chunk 0 has more than {window - len(engine.sink_ids)} tokens")]
+    for path, body, message in cases:
+        response = httpx.post(f"{server.url}{path}", json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 400, (path, response.text)
+        assert message in response.json()["error"]["message"], (path, response.json())
