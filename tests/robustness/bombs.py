@@ -104,7 +104,8 @@ def overlap_docx_bomb(entries: int = 200, kernel_mb: int = 32) -> bytes:
     return bytes(out + central + end)
 
 
-def _pdf(objects: list[bytes]) -> bytes:
+def pdf_file(objects: list[bytes]) -> bytes:
+    """A PDF of these numbered objects (the first the catalog), with its cross-reference table."""
     out, offsets = bytearray(b"%PDF-1.4\n"), []
     for number, body in enumerate(objects, 1):
         offsets.append(len(out))
@@ -131,7 +132,7 @@ def pdf_bomb(pages: int = 2000, content_mb: float = 40.0) -> bytes:
     content = op * int(content_mb * (1 << 20) / len(op))
     kids = b" ".join(b"%d 0 R" % (5 + i) for i in range(pages))
     page = b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 3 0 R /Resources << /Font << /F1 4 0 R >> >> >>"
-    return _pdf([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
+    return pdf_file([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
                  _stream(content), FONT] + [page] * pages)
 
 
@@ -148,7 +149,7 @@ def normal_pdf(size: int, seed: int = 0) -> bytes:
                        b"/Resources << /Font << /F1 3 0 R >> >> >>" % len(objects))
         kids.append(b"%d 0 R" % len(objects))
     objects[1] = b"<< /Type /Pages /Kids [" + b" ".join(kids) + b"] /Count %d >>" % len(kids)
-    return _pdf(objects)
+    return pdf_file(objects)
 
 
 def picture_docx(size: int, seed: int = 0) -> bytes:
@@ -178,7 +179,7 @@ def form_pdf(pages: int, form_mb: float, drawn: bool = True) -> bytes:
     kids = b" ".join(b"%d 0 R" % (6 + i) for i in range(pages))
     page = (b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 3 0 R "
             b"/Resources << /Font << /F1 4 0 R >> /XObject << /X0 5 0 R >> >> >>")
-    return _pdf([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
+    return pdf_file([b"<< /Type /Catalog /Pages 2 0 R >>", b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % pages,
                  page_content, FONT, form_object] + [page] * pages)
 
 
@@ -210,4 +211,4 @@ def forms_pdf(pages, forms=None, count=None) -> bytes:
                        % len(objects))
         kids.append(b"%d 0 R" % len(objects))
     objects[1] = b"<< /Type /Pages /Kids [%s] /Count %d >>" % (b" ".join(kids), len(kids) if count is None else count)
-    return _pdf(objects)
+    return pdf_file(objects)

@@ -16,6 +16,8 @@ from ragblend.integrations import readers  # noqa: E402
 from ragblend.integrations.local_index import read_text_files  # noqa: E402
 from ragblend.integrations.readers import UnreadableFileError, extract_text  # noqa: E402
 
+from ..robustness.bombs import pdf_file  # noqa: E402
+
 TIMETABLE = ["Hallow Holm ferry timetable", "The ferry Saltwren leaves the north pier at 7:15 every morning.",
              "On Sundays the first crossing is at 9:40."]
 
@@ -30,15 +32,7 @@ def make_pdf(lines: list[str]) -> bytes:
                b"/Resources << /Font << /F1 5 0 R >> >> >>",
                b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream",
                b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for number, body in enumerate(objects, 1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
+    return pdf_file(objects)
 
 
 def encrypted(pdf: bytes, password: str) -> bytes:

@@ -4,9 +4,6 @@ never a chunk, token ids a client sends are stored only where they are the serve
 tokenization, and an entry whose header disagrees with its key is a miss. Tiny models; the real
 server and the official openai client with two keys are in tests/integration/test_tenants.py."""
 
-import json
-import struct
-import zlib
 
 import httpx
 import pytest
@@ -15,10 +12,11 @@ import torch
 from ragblend import Chunk, InvalidInputError
 from ragblend.core.kv import ChunkKV, chunk_key, key_matches
 from ragblend.core.prompt import ChunkFinder
-from ragblend.core.store import MAGIC, DiskStore, encode_entry
+from ragblend.core.store import DiskStore, encode_entry
 from ragblend.core.strategies import CacheBlend, FullReuse
 
 from ..conftest import PASSAGES, make_tiny_engine
+from ..robustness.faults import relabel_dtype
 
 QUESTION = "Question: who ran the ferry, and for how long?"
 
@@ -109,17 +107,6 @@ def test_only_the_engines_own_tokenization_of_a_text_counts_as_such(tokenizer):
 # ---------------------------------------------------------------------------- a header that disagrees with its key
 
 
-def relabel(path, dtype: str) -> None:
-    """Rewrite an entry file's header to name ``dtype`` (its checksum made right again): what an
-    attacker who can write the store's files would do."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<I", data[4:8])
-    header = json.loads(data[8:8 + length])
-    header["dtype"] = dtype
-    raw = json.dumps(header).encode()
-    path.write_bytes(MAGIC + struct.pack("<I", len(raw)) + raw + struct.pack("<I", zlib.crc32(raw)) + data[12 + length:])
-
-
 def test_a_float16_entry_relabelled_bfloat16_is_a_miss_and_verify_flags_it(tokenizer, tmp_path):
     from .test_store import entry_path
 
@@ -131,7 +118,7 @@ def test_a_float16_entry_relabelled_bfloat16_is_a_miss_and_verify_flags_it(token
     clean = engine.prefill(segments, strategy=CacheBlend(0.3))
     victim = refs[1].key
     assert store.verify(victim) is None
-    relabel(entry_path(store, victim), "bfloat16")
+    relabel_dtype(entry_path(store, victim), "bfloat16")
     assert "disagrees with its key" in store.verify(victim)
     again = engine.prefill(segments, strategy=CacheBlend(0.3))
     assert torch.equal(again.logits, clean.logits)
