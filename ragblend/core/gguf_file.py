@@ -137,6 +137,8 @@ def _parse(path: Path, size: int, view) -> GGUFFile:
         pos += 4 + 8 * dims + 12
         raw.append((name, tuple(reversed(shape)), type_id, offset))
     alignment = int(metadata.get("general.alignment", 32))
+    if alignment < 1:
+        raise UnsupportedModelError(f"{path.name}: its header gives a data alignment of {alignment}; not a valid GGUF file.")
     return _checked(path, size, metadata, raw, (pos + alignment - 1) // alignment * alignment)
 
 

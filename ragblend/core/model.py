@@ -207,10 +207,9 @@ FLOAT32_GGUF_BYTES = 4 << 30
 
 def gguf_in_float32(gguf) -> bool:
     """Whether a GGUF model loads in float32 by default: its float32 weights take at most
-    :data:`FLOAT32_GGUF_BYTES` and half the memory available."""
-    needed = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4
-    available = available_memory()
-    return needed <= FLOAT32_GGUF_BYTES and (available is None or needed <= available // 2)
+    :data:`FLOAT32_GGUF_BYTES`. By size alone, never by the memory free at the moment: the two
+    forms' KV is keyed apart, so a model must load in the same form every time."""
+    return sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4 <= FLOAT32_GGUF_BYTES
 
 
 def quantized_estimate(gguf) -> int:
@@ -229,6 +228,36 @@ def quantized_estimate(gguf) -> int:
     return total
 
 
+def _weights_form(gguf_path: Path, dtype, device) -> tuple:
+    """``(gguf, dtype)``: the GGUF file's checked header (None for an HF directory) and the dtype
+    its weights load in (None: the quantized form), after refusing what cannot load."""
+    quantized = dtype == "quantized"
+    if isinstance(dtype, str) and not quantized:
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise InvalidInputError(f"dtype {dtype!r} is not a torch dtype; use None (the default), \"quantized\" "
+                                    "or a dtype such as \"float32\".")
+        dtype = getattr(torch, dtype)
+    elif quantized:
+        dtype = None
+    if not (gguf_path.suffix == ".gguf" and gguf_path.is_file()):
+        if quantized:
+            raise InvalidInputError("dtype=\"quantized\" is for a GGUF file's weights; an HF directory loads in a "
+                                    "torch dtype (leave dtype out for float32).")
+        return None, dtype
+    from .gguf_file import read_gguf
+
+    gguf = read_gguf(gguf_path)   # refuses a damaged, truncated or unsupported file before any heavy work
+    if quantized and str(device) != "cpu":
+        raise InvalidInputError("dtype=\"quantized\" runs on the CPU only; leave dtype out on another device.")
+    if dtype is None and (not quantized and gguf_in_float32(gguf) or str(device) != "cpu"):
+        dtype = torch.float32
+    if dtype is None:
+        check_memory(quantized_estimate(gguf), gguf_path.name)
+    else:
+        check_memory(sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4, f"{gguf_path.name} in float32")
+    return gguf, dtype
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu"):
     """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory.
@@ -239,20 +268,8 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     for float32 whatever the size. An HF directory loads in ``dtype`` (None: float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    quantized = dtype == "quantized"
-    dtype = None if quantized else getattr(torch, dtype) if isinstance(dtype, str) else dtype
     gguf_path = default_gguf_path() if model is None else Path(model).expanduser()
-    gguf = None
-    if gguf_path.suffix == ".gguf" and gguf_path.is_file():
-        from .gguf_file import read_gguf
-
-        gguf = read_gguf(gguf_path)   # refuses a damaged, truncated or unsupported file before any heavy work
-        if dtype is None and not quantized and gguf_in_float32(gguf):
-            dtype = torch.float32
-        if dtype is None and str(device) == "cpu":
-            check_memory(quantized_estimate(gguf), gguf_path.name)
-        else:
-            check_memory(sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4, f"{gguf_path.name} in float32")
+    gguf, dtype = _weights_form(gguf_path, dtype, device)
     model_dir = resolve_model_dir(model)
     if (model_dir / "tokenizer.json").exists():
         # Same tokenizer as AutoTokenizer gives, without its ~1 s of class resolution.

@@ -323,6 +323,42 @@ def gguf_names(model, architecture: str, num_layers: int) -> dict[str, str]:
     return names
 
 
+def _set_linear(model, modules: dict, owner_name: str, gguf: GGUFFile, info: TensorInfo, order, bias, exact: bool):
+    """Put ``info``'s weight (its rows in ``order``) in the Linear ``owner_name``: as float32
+    parameters (``exact``: a plain Linear, which the engine's CPU kernels and decoding twins wrap
+    as any), or as a :class:`QuantLinear` in its place."""
+    if exact:
+        owner = modules[owner_name]
+        owner.weight = _parameter(dequantized_rows(gguf, info, np.arange(info.shape[0]) if order is None else order.numpy()))
+        owner.bias = None if bias is None else _parameter(bias)
+        return
+    parent_name, _, child = owner_name.rpartition(".")
+    setattr(modules[parent_name] if parent_name else model, child, QuantLinear.from_gguf(gguf, info, order, bias))
+
+
+def _set_embedding(model, owner, gguf: GGUFFile, info: TensorInfo, config, exact: bool):
+    """The token embedding of ``info``: float32 in ``owner`` (``exact``), else a :class:`QuantEmbedding`."""
+    scale = float(config.hidden_size ** 0.5) if hasattr(owner, "embed_scale") else None   # Gemma 3's
+    if exact:
+        owner.weight = _parameter(dequantized_rows(gguf, info, slice(None)))
+        if scale is not None:
+            owner.embed_scale = torch.tensor(scale)
+        return
+    model.model.embed_tokens = QuantEmbedding(QuantLinear.from_gguf(gguf, info), scale)
+
+
+def _set_head(model, exact: bool):
+    """The LM head: a tied one shares the embedding's weight (or table); a quantized one is a :class:`QuantHead`."""
+    head = getattr(model, "lm_head", None)
+    if exact:
+        if type(head) is torch.nn.Linear and head.weight.is_meta:
+            head.weight = model.model.embed_tokens.weight
+    elif type(head) is torch.nn.Linear:   # tied: the embedding's table
+        model.lm_head = QuantHead(model.model.embed_tokens.table)
+    elif isinstance(head, QuantLinear):
+        model.lm_head = QuantHead(head)
+
+
 def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
     """An HF causal LM of ``config`` whose linear layers and embedding hold ``gguf``'s weights in
     their quantized form (:class:`QuantLinear`, :class:`QuantEmbedding`, :class:`QuantHead`), or
@@ -354,23 +390,16 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
             bias_info = by_hf.get(owner_name + ".bias")
             bias = None if bias_info is None else torch.from_numpy(
                 dequantized_rows(gguf, bias_info, slice(None)).reshape(-1).copy())
-            layer = QuantLinear.from_gguf(gguf, info, _row_order(processor, info.name, info.shape[0]), bias, exact)
-            parent_name, _, child = owner_name.rpartition(".")
-            setattr(modules[parent_name] if parent_name else model, child, layer)
+            _set_linear(model, modules, owner_name, gguf, info, _row_order(processor, info.name, info.shape[0]), bias,
+                        exact)
         elif isinstance(owner, torch.nn.Embedding):
-            table = QuantLinear.from_gguf(gguf, info, exact=exact)
-            scale = float(config.hidden_size ** 0.5) if hasattr(owner, "embed_scale") else None
-            model.model.embed_tokens = QuantEmbedding(table, scale)
+            _set_embedding(model, owner, gguf, info, config, exact)
         elif not (isinstance(owner, torch.nn.Linear) and attribute == "bias"):   # norms: small, float32
             values = processor.process(weights=dequantized_rows(gguf, info, slice(None)).reshape(info.shape),
                                        name=info.name).weights
             setattr(owner, attribute, torch.nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
                                                          requires_grad=False))
-    head = getattr(model, "lm_head", None)
-    if type(head) is torch.nn.Linear:   # tied: the embedding's table
-        model.lm_head = QuantHead(model.model.embed_tokens.table)
-    elif isinstance(head, QuantLinear):
-        model.lm_head = QuantHead(head)
+    _set_head(model, exact)
     for name, module in list(model.named_modules()):   # rotary tables were made on meta: make them here
         if any(b.is_meta for b in module.buffers(recurse=False)):
             parent_name, _, child = name.rpartition(".")
@@ -378,7 +407,8 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
                 setattr(modules[parent_name] if parent_name else model, child, type(module)(config=config))
     tied = by_hf.get("model.embed_tokens.weight")
     sources = {name: by_hf.get(name) or (tied if name == "lm_head.weight" else None) for name, _ in skeleton}
-    model.gguf_weight_samples = lambda: exact_samples(gguf, processor, sources, skeleton)
+    if not exact:   # a float32 model's samples are its own weights' (model.weight_samples)
+        model.gguf_weight_samples = lambda: exact_samples(gguf, processor, sources, skeleton)
     model.ragblend_weights_form = "float32" if exact else "quantized"
     left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
@@ -387,6 +417,12 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
         raise UnsupportedModelError(f"{gguf.path.name}: these weights of the {config.model_type} model are not in "
                                     f"the file: {left[:5]}.")
     return model.eval()
+
+
+def _parameter(values) -> torch.nn.Parameter:
+    """A frozen float32 parameter of ``values`` (a numpy array or a tensor)."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    return torch.nn.Parameter(tensor.float(), requires_grad=False)
 
 
 def exact_samples(gguf: GGUFFile, processor, sources: dict, skeleton: list):

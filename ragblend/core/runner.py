@@ -234,7 +234,7 @@ class PrefillRunner:
             return set()
         first = layout.chunk_spans[order[0]]
         # A chunk at the very start (no template before it: LMCache's warm-up of one chunk) keeps its own.
-        if not 0 < first.start < len(self.ingestion.sink_ids):
+        if not 0 < first.start - first.offset < len(self.ingestion.sink_ids):
             return set()
         spans, offset = set(), -1
         for j in order:   # the pieces of one occurrence go on through the chunk; a repeat starts over
