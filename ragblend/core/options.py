@@ -72,11 +72,11 @@ class EngineOptions:
               "None: the chat template's opening, then chunk_context.")
     chunk_context: str = option(
         CHUNK_CONTEXT, "A neutral passage every chunk is precomputed after, so that a chunk's cached KV is that of "
-                       "a passage in the middle of a prompt (\"\" for none; docs/benchmarks.md, 'Chunk context').")
+                       "a passage in the middle of a prompt (\"\" for none; docs/notes/chunk-context.md).")
     lead_chunk_kv: bool = option(
         True, "Also store each chunk's KV as computed right after the template's opening, for where the chunk is a "
               "prompt's first passage (its cached KV is then nearly exact there): about twice the ingestion time and "
-              "KV storage (docs/benchmarks.md, 'The first chunk'). Off when chunk_context is \"\" or sink_prefix is set.")
+              "KV storage (docs/notes/lead-entries.md). Off when chunk_context is \"\" or sink_prefix is set.")
     use_chat_template: bool | None = option(None, "Wrap prompts in the tokenizer's chat template; None: when it has one.")
     kv_dtype: str | torch.dtype = option(
         "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost "
