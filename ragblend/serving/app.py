@@ -714,12 +714,15 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict
     return app
 
 
+# uvicorn's settings for the server: the h11 parser, its head bounded by MAX_HEADER_BYTES.
+UVICORN_SETTINGS = {"http": "h11", "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+
+
 def uvicorn_config(app, host: str, port: int, **settings):
-    """uvicorn's settings for ``app``: the h11 parser, its head bounded by :data:`MAX_HEADER_BYTES`."""
+    """A uvicorn ``Config`` for ``app`` with :data:`UVICORN_SETTINGS` (for servers run in a thread)."""
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, http="h11", h11_max_incomplete_event_size=MAX_HEADER_BYTES,
-                          **settings)
+    return uvicorn.Config(app, host=host, port=port, **UVICORN_SETTINGS, **settings)
 
 
 def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -743,4 +746,4 @@ def serve(engine: BlendEngine, *, host: str = "127.0.0.1", port: int = 8000, api
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    uvicorn.Server(uvicorn_config(app, host, port, log_level="warning")).run()
+    uvicorn.run(app, host=host, port=port, log_level="warning", **UVICORN_SETTINGS)
