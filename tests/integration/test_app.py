@@ -180,8 +180,6 @@ def chromium_or_skip() -> tuple[str, str]:
 
 def test_app_in_headless_chromium(tmp_path):
     chromium, chromedriver = chromium_or_skip()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as EC
@@ -194,15 +192,9 @@ def test_app_in_headless_chromium(tmp_path):
          "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
         http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-dev-shm-usage", "--window-size=1400,2400",
-                 f"--user-data-dir={tmp_path / 'chrome-profile'}"):
-        options.add_argument(flag)
     driver = None
     try:
-        driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+        driver = headless_chromium(chromium, chromedriver, tmp_path)
         driver.get(f"http://127.0.0.1:{port}")
         wait = WebDriverWait(driver, 300)
 

@@ -42,6 +42,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import torch
@@ -1419,8 +1420,7 @@ class Hostile:
                 return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
         def app_uploads():
-            saved = os.environ.get("RAGBLEND_INDEX_DIR")
-            try:
+            with mock.patch.dict(os.environ):   # the app's settings, restored after
                 at = app_test("app-bombs")
                 costs = {}
                 for label, uploads in (
@@ -1441,18 +1441,12 @@ class Hostile:
                 return ok, (f"normal upload {normal_s:.1f} s (+{normal_gain / 2**20:.0f} MB resident); the 4 refused "
                             f"{bomb_s:.1f} s (+{bomb_gain / 2**20:.0f} MB): skipped {sorted(skipped)}; "
                             f"uploads folder absent: {nothing_on_disk}")
-            finally:
-                if saved is None:
-                    os.environ.pop("RAGBLEND_INDEX_DIR", None)
-                else:
-                    os.environ["RAGBLEND_INDEX_DIR"] = saved
 
         def app_text():
             doc = ("![tracker](http://203.0.113.9/pixel.png) [Click to re-authenticate](http://203.0.113.9/login) "
                    '<img src="http://203.0.113.9/raw.png">\nThe Saltwren lighthouse keeper keeps the spare key under '
                    'the blue stone by the north pier.\n<a href="http://203.0.113.9/raw">raw</a> www.example.org\n')
-            saved = os.environ.get("RAGBLEND_INDEX_DIR")
-            try:
+            with mock.patch.dict(os.environ):   # the app's settings, restored after
                 at = app_test("app-text")
                 at.file_uploader[0].set_value([("keeper[1](x).md", doc.encode(), "text/markdown")])
                 next(b for b in at.button if b.key == "ingest").click().run()
@@ -1471,11 +1465,6 @@ class Hostile:
                 return ok, (f"{len(chunk_lines)} chunk line(s) and {len(answers)} answer(s) as escaped HTML blocks; "
                             f"elements with live link/image/HTML syntax: {len(live)}; e.g. "
                             f"{chunk_lines[0][:140] if chunk_lines else '-'}")
-            finally:
-                if saved is None:
-                    os.environ.pop("RAGBLEND_INDEX_DIR", None)
-                else:
-                    os.environ["RAGBLEND_INDEX_DIR"] = saved
 
         return [
             Case("files", "a 0.99 MB DOCX zip bomb (document.xml inflating to 400 MB), read as `ragblend ingest` reads "
