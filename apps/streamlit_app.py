@@ -5,10 +5,14 @@
 Ingest text/markdown files into a persistent Chroma index (their KV is precomputed), ask
 questions, and see what fusion does: the streamed answer and its time to first token, the
 same for a full prefill of the same prompt, which chunks were reused, the prompt with the
-recomputed tokens highlighted, and TTFT over the session. ``RAGBLEND_INDEX_DIR`` and
-``RAGBLEND_MODEL`` set the index folder and the model path, ``RAGBLEND_CHROMA_URL`` a Chroma
-server to use instead of the database in the index folder (``RAGBLEND_CHROMA_COLLECTION`` its
-collection): the operator's settings, shown to the page's visitors but not changeable by them.
+recomputed tokens highlighted, and TTFT over the session. Each path gets one untimed warm-up
+answer per process before its first timed one, as in `ragblend ask --compare`
+(:mod:`ragblend.integrations.compare`, which also words the ratio); the sidebar shows the
+ratio the default strategy runs at, and each answer a waiting indicator until its first
+token. ``RAGBLEND_INDEX_DIR`` and ``RAGBLEND_MODEL`` set the index folder and the model path,
+``RAGBLEND_CHROMA_URL`` a Chroma server to use instead of the database in the index folder
+(``RAGBLEND_CHROMA_COLLECTION`` its collection): the operator's settings, shown to the page's
+visitors but not changeable by them.
 
 The app has no login: ``ragblend app`` listens on 127.0.0.1 unless given ``--host``. Visitors
 ingest what they upload; the "file or folder on this machine" box exists only when the operator
@@ -33,9 +37,12 @@ from pathlib import Path
 
 import streamlit as st
 
+from ragblend.core.calibration import UNCALIBRATED
 from ragblend.core.errors import RagblendError
 from ragblend.core.model import cache_dir
 from ragblend.data import load_sample, sample_dir
+from ragblend.integrations.compare import FULL_PREFILL, warm_up, warmed_paths
+from ragblend.integrations.compare import compare as compare_stats
 
 STRATEGIES = {"default": "QueryAware (the model's calibrated ratio)", "query_aware": "QueryAware (ratio below)",
               "cacheblend": "CacheBlend (ratio below)", "legolink": "LegoLink (first k tokens)",
@@ -52,6 +59,10 @@ def open_index(index_dir: str, model_path: str, chroma_url: str, collection: str
     chroma_client(Path(index_dir), chroma_url or None)  # an unreachable server fails before the model loads
     engine = BlendEngine.from_pretrained(model_path or None, kv_dir=Path(index_dir) / "kv")
     return LocalIndex(index_dir, engine=engine, chroma_url=chroma_url or None, collection=collection)
+
+
+def paths_are_warm(rag, paths) -> bool:
+    return set(paths) <= warmed_paths(rag.engine)
 
 
 # Every ASCII punctuation character but the full stop: links, images, HTML, emphasis, code,
@@ -108,10 +119,23 @@ def highlighted_prompt(engine, trace) -> str:
             'overflow-y:auto;border:1px solid #ddd;padding:0.5em">' + "".join(pieces) + "</div>")
 
 
+def waiting_label(rag, strategy: str, sources) -> str:
+    """What the page says while an answer's prefill runs, before its first token."""
+    from ragblend.core.kv import KV_METADATA_KEY
+
+    if strategy == FULL_PREFILL:
+        return f"Computing a full prefill of {len(sources)} chunk(s)…"
+    keys = [node.node.metadata.get(KV_METADATA_KEY) for node in sources]
+    stored = sum(1 for key in keys if key and rag.engine.entries_stored(key))
+    return f"Reading {stored} of {len(sources)} chunk(s) from the KV cache…"
+
+
 def answer(rag, question: str, strategy: str, ratio: float, top_k: int, placeholder) -> dict:
-    """Stream one answer into ``placeholder``; return what the page shows about it."""
+    """Stream one answer into ``placeholder``, a waiting indicator there until its first token;
+    return what the page shows about it."""
     query_engine = rag.query_engine(strategy=strategy, ratio=ratio, top_k=top_k, streaming=True, max_new_tokens=128)
-    response = query_engine.query(question)
+    response = query_engine.query(question)   # retrieval; the prefill runs at the first token
+    placeholder.status(waiting_label(rag, strategy, response.source_nodes), state="running")
     text = ""
     for delta in response.response_gen:
         text += delta
@@ -137,16 +161,28 @@ with st.sidebar:
     st.text_input("Index folder", value=index_dir, disabled=True, help="Set by the operator: ragblend app --index.")
     st.text_input("Chroma server URL", value=chroma_url or "the database in the index folder", disabled=True,
                   help="Set by the operator: ragblend app --chroma-url.")
-    strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
-    ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0, 0.3, 0.01)
-    top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
-    compare = st.checkbox("Also answer with a full prefill", value=True)
 
 try:
     rag = open_index(index_dir, model_path, chroma_url.strip(), collection)
 except RagblendError as err:
     st.error(md(err))
     st.stop()
+
+# The ratio the default strategy runs at: the model's calibrated one where it has one.
+in_force = rag.engine.resolve()
+in_force_ratio = in_force.ratio if isinstance(in_force.ratio, float) else None
+calibrated = in_force.calibration_id is not None
+with st.sidebar:
+    strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
+    takes_ratio = strategy in ("query_aware", "cacheblend")   # the others recompute a fixed set
+    # Its default is the ratio in force; under "default" it only shows it (the engine's choice runs).
+    ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0,
+                      round(in_force_ratio or UNCALIBRATED.ratio, 2), 0.01, disabled=not takes_ratio)
+    source = "calibrated for this model" if calibrated else "the default for an uncalibrated model"
+    at_ratio = f" at ratio {in_force_ratio:.2f}" if in_force_ratio is not None else ""
+    st.caption(f"In force by default: {type(in_force.strategy).__name__}{at_ratio}, {source}.")
+    top_k = st.slider("Chunks to retrieve (top-k)", 1, 10, 4)
+    compare = st.checkbox("Also answer with a full prefill", value=True)
 history = st.session_state.setdefault("history", [])
 
 st.title("ragblend")
@@ -217,16 +253,22 @@ if st.button("Ask", key="ask"):
     elif not question.strip():
         st.warning("Type a question first.")
     else:
+        paths = (strategy, FULL_PREFILL) if compare else (strategy,)
+        if not paths_are_warm(rag, paths):
+            # Untimed, once per process and path, so that no timed answer pays the process's
+            # one-off costs (ragblend.integrations.compare).
+            with st.status("Warming up: one untimed token on each path, once per process…", state="running") as box:
+                warm_up(rag, question, paths, ratio=ratio if takes_ratio else None, top_k=top_k)
+                box.update(label="Warmed up (untimed).", state="complete")
         left, right = st.columns(2)
         with left:
             st.markdown(f"**ragblend: {STRATEGIES[strategy]}**")
-            takes_ratio = strategy in ("query_aware", "cacheblend")   # the others recompute a fixed set
             fused = answer(rag, question, strategy, ratio if takes_ratio else None, top_k, st.empty())
         full = None
         if compare:
             with right:
                 st.markdown("**Full prefill of the same prompt**")
-                full = answer(rag, question, "full_recompute", None, top_k, st.empty())
+                full = answer(rag, question, FULL_PREFILL, None, top_k, st.empty())
         st.session_state["last"] = {"question": question, "fused": fused, "full": full}
         history.append({"query": f"Q{len(history) + 1}", "TTFT with fusion (s)": fused["stats"].ttft_s,
                         "TTFT full prefill (s)": full["stats"].ttft_s if full else None})
@@ -236,12 +278,16 @@ if last:
     fused, full = last["fused"], last["full"]
     s = fused["stats"]
     cols = st.columns(4)
-    cols[0].metric("TTFT with fusion", f"{s.ttft_s:.2f} s",
-                   delta=f"{full['stats'].ttft_s / s.ttft_s:.1f}x faster" if full and s.ttft_s else None)
+    speed = compare_stats(s, full["stats"]) if full else None
+    # The delta is the TTFT's change: a minus (green) when fusion is faster, a plus (red) when slower.
+    cols[0].metric("TTFT with fusion", f"{s.ttft_s:.2f} s", delta=f"{speed.ttft_change}: {speed.short}" if speed else None,
+                   delta_color=speed.metric_color if speed else "normal")
     cols[1].metric("TTFT full prefill", f"{full['stats'].ttft_s:.2f} s" if full else "–")
     cols[2].metric("Prompt tokens reused", f"{s.reused_tokens} / {s.prompt_tokens}")
     cols[3].metric("Recomputed", f"{s.recomputed_tokens} ({s.recompute_fraction:.0%})")
-    st.caption(f"KV load {s.load_s * 1000:.0f} ms · compute {s.compute_s * 1000:.0f} ms · "
+    ran = s.strategy if s.ratio is None else f"{s.strategy} at ratio {s.ratio:g}"   # what ran, not what was asked
+    compared = f"{speed.text.capitalize()}, each path warmed up once per process · " if speed else ""
+    st.caption(f"{compared}Ran {ran} · KV load {s.load_s * 1000:.0f} ms · compute {s.compute_s * 1000:.0f} ms · "
                f"{s.chunks_reused} chunk(s) from the KV store {s.tiers} · {s.chunks_computed} computed now")
     if s.fusion_skipped:
         st.info("Ran as a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save "

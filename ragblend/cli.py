@@ -156,9 +156,11 @@ def _print_answer(label: str, answer) -> None:
     # chunks missing from the store are computed alone now (and stored): their tokens are neither
     # reused from the store nor recomputed in the prompt, so the line names them
     computed = f", {s.chunks_computed} computed now and stored" if s.chunks_computed else ""
+    # which tier the reused chunks came from: a process reads a chunk from disk once, then from memory
+    tiers = ": " + ", ".join(f"{tier} {n}" for tier, n in sorted(s.tiers.items())) if s.tiers else ""
     print(f"[{label}] TTFT {s.ttft_s:.2f} s | {strategy} | {s.prompt_tokens} prompt tokens: {s.reused_tokens} "
           f"reused, {s.recomputed_tokens} recomputed ({s.chunks_reused} chunk{'' if s.chunks_reused == 1 else 's'} "
-          f"from the KV store{computed})")
+          f"from the KV store{tiers}{computed})")
     if s.fusion_skipped:   # say why nothing was reused
         print("  (a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save work; "
               "stats.strategy_reason says more)")
@@ -198,19 +200,36 @@ def _ask(args) -> int:
                                     f"`ragblend ingest <files or folders>{where}`.")
     rag = _open_index(args, engine_options.from_args(args))   # --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
-    if args.compare:
-        # Untimed warm-up, so the first timed answer does not pay the process's one-off costs
-        # (thread pools, allocator) and look slower than the second.
-        rag.ask(args.question, strategy="full_recompute", **{**options, "max_new_tokens": 1, "ratio": None})
-    _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
-    if args.compare:   # a full prefill recomputes everything: --ratio is not its
-        _print_answer("full prefill", rag.ask(args.question, strategy="full_recompute", **{**options, "ratio": None}))
+    if not args.compare:
+        _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
+        return 0
+    _compare(rag, args.question, args.strategy, args.strategy, **options)
     return 0
+
+
+def _compare(rag, question: str, label: str, strategy: str, *, ratio=None, **options) -> float | None:
+    """Answer ``question`` with ``strategy`` and with a full prefill, each path warmed up first
+    (untimed, see ragblend.integrations.compare), and print both and how they compare; returns
+    full prefill's TTFT over the fused one (None when either answer had no model call)."""
+    from ragblend.integrations.compare import FULL_PREFILL, compare, compare_line, warm_up, warm_up_note
+
+    note = warm_up_note(warm_up(rag, question, (strategy, FULL_PREFILL), ratio=ratio, **options))
+    if note:
+        print(note + "\n")
+    fused = rag.ask(question, strategy=strategy, ratio=ratio, **options)
+    _print_answer(label, fused)
+    full = rag.ask(question, strategy=FULL_PREFILL, ratio=None, **options)   # --ratio is not a full prefill's
+    _print_answer("full prefill", full)
+    speed = compare(fused.stats, full.stats)
+    if speed is not None:
+        print(compare_line(speed) + "\n")
+    return speed.ratio if speed is not None else None
 
 
 def _demo(args) -> int:
     from ragblend.core.model import cache_dir
     from ragblend.data import load_sample, sample_dir
+    from ragblend.integrations.compare import FULL_PREFILL, SpeedRatio, warm_up, warm_up_note
     from ragblend.integrations.local_index import LocalIndex
 
     _check_options(args)
@@ -222,13 +241,28 @@ def _demo(args) -> int:
     report = rag.ingest([sample_dir()])
     print(f"Ingested {len(report.files)} sample documents from {sample_dir()} "
           f"({len(rag)} chunks in the index, KV precomputed for each).\n")
-    for item in load_sample()["demo"][: args.questions]:
+    questions = load_sample()["demo"]
+    # Both paths are warmed up before the first timed answer (ragblend.integrations.compare), on
+    # a sample question the demo does not time where there is one, so that the timed answers
+    # read their chunks' KV as a new question does (the chunks they share with it excepted: each
+    # answer's line names the tiers).
+    spare = questions[args.questions:] or questions
+    note = warm_up_note(warm_up(rag, spare[-1]["question"], ("default", FULL_PREFILL), ratio=args.ratio,
+                                top_k=args.top_k))
+    if note:
+        print(note + "\n")
+    ratios = []
+    for item in questions[: args.questions]:
         print(f"Q: {item['question']}   (the documents say: {item['answer']})")
-        for label, strategy in (("BlendLLM", "default"), ("full prefill", "full_recompute")):
-            ratio = args.ratio if strategy == "default" else None   # a full prefill takes no ratio
-            answer = rag.ask(item["question"], strategy=strategy, ratio=ratio, top_k=args.top_k,
-                             max_new_tokens=args.max_new_tokens)
-            _print_answer(label, answer)
+        ratio = _compare(rag, item["question"], "BlendLLM", "default", ratio=args.ratio, top_k=args.top_k,
+                         max_new_tokens=args.max_new_tokens)
+        if ratio is not None:
+            ratios.append(ratio)
+    if len(ratios) > 1:
+        from statistics import median
+
+        shown = SpeedRatio.of(median(ratios))   # worded like each question's
+        print(f"Over {len(ratios)} questions, median: {shown.text} (each path warmed up first, untimed).")
     return 0
 
 

@@ -68,6 +68,9 @@ def test_ingest_ask_and_compare(app, tmp_path):
     warnings = " ".join(w.value for w in app.warning)
     assert "scan.pdf" in warnings and "not a readable PDF" in warnings and "empty.md" in warnings
 
+    # the ratio slider's default is the ratio in force, shown (not changeable) under the default strategy
+    in_force = next(c.value for c in app.sidebar.caption if c.value.startswith("In force by default"))
+    assert app.sidebar.slider[0].disabled and f"at ratio {app.sidebar.slider[0].value:.2f}, " in in_force
     app.text_input(key="question").input(QUESTION)
     button(app, "ask").click().run()
     assert not app.exception
@@ -178,6 +181,65 @@ def chromium_or_skip() -> tuple[str, str]:
     return shutil.which("chromium"), shutil.which("chromedriver")
 
 
+def shown_ratio_in_force(driver) -> float:
+    """The ratio the page says the default strategy runs at, checked against the slider's."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    slider = WebDriverWait(driver, 60).until(EC.visibility_of_element_located(
+        (By.CSS_SELECTOR, "[data-testid='stSidebar'] [data-testid='stSliderThumbValue']")))
+    body = driver.find_element(By.TAG_NAME, "body").text
+    # the default model ships its calibration
+    in_force = re.search(r"In force by default: QueryAware at ratio (\d\.\d\d), calibrated for this model", body)
+    assert in_force, body
+    assert slider.text == in_force.group(1)   # the ratio slider's default: the ratio in force
+    return float(in_force.group(1))
+
+
+WAITING = ("Warming up", "chunk(s) from the KV cache…", "Computing a full prefill of")
+
+
+def record_shown_texts(driver) -> None:
+    """Record which of the WAITING texts the page shows from now on, however briefly (a waiting
+    indicator lasts until an answer's first token: too short to poll for reliably)."""
+    driver.execute_script("""
+        const waiting = arguments[0];
+        window.shownTexts = {};
+        new MutationObserver(() => {
+            const text = document.body.innerText;
+            for (const wanted of waiting) { if (text.includes(wanted)) window.shownTexts[wanted] = true; }
+        }).observe(document.body, {childList: true, subtree: true, characterData: true});""", list(WAITING))
+
+
+def assert_waiting_was_shown(driver, body: str) -> None:
+    """Each answer showed a waiting indicator before its first token (the first question of the
+    process: the warm-up's too), gone once it streamed."""
+    shown = driver.execute_script("return window.shownTexts")
+    assert sorted(shown) == sorted(WAITING), shown
+    assert WAITING[1] not in body and WAITING[2] not in body
+
+
+def assert_ratio_the_right_way_round(driver) -> None:
+    """The TTFT ratio as the metric shows it: a slowdown never worded or coloured as a gain."""
+    from selenium.webdriver.common.by import By
+
+    metrics = driver.find_elements(By.CSS_SELECTOR, "[data-testid='stMetricValue']")
+    fused_s, full_s = (float(m.text.split()[0]) for m in metrics[:2])
+    delta = driver.find_element(By.CSS_SELECTOR, "[data-testid='stMetricDelta']")
+    red, green = (int(c) for c in re.findall(r"\d+", delta.value_of_css_property("color"))[:2])
+    arrow = delta.find_element(By.CSS_SELECTOR, "[data-testid^='stMetricDeltaIcon']").get_attribute("data-testid")
+    if delta.text.endswith("x faster"):
+        assert fused_s <= full_s and green > red and arrow.endswith("Down"), (delta.text, arrow)
+    elif delta.text.endswith("x: slower"):
+        assert fused_s >= full_s and red > green and arrow.endswith("Up"), (delta.text, arrow)
+    else:
+        assert delta.text.endswith("x: as fast"), delta.text
+    sentence = re.search(r"Fused \d+\.\d+x(?: faster than|: slower than|: as fast as) full prefill",
+                         driver.find_element(By.TAG_NAME, "body").text)
+    assert sentence and delta.text.split(": ", 1)[1] in sentence.group(0)   # the caption says the same
+
+
 def test_app_in_headless_chromium(tmp_path):
     chromium, chromedriver = chromium_or_skip()
     from selenium.webdriver.common.by import By
@@ -214,8 +276,11 @@ def test_app_in_headless_chromium(tmp_path):
         click_button("Ingest")
         wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "Ingested 7 file(s)"))
 
+        ratio_in_force = shown_ratio_in_force(driver)
+
         question = text_input("Question")
         question.send_keys(QUESTION, Keys.ENTER)
+        record_shown_texts(driver)
         click_button("Ask")
         wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "TTFT with fusion"))
         wait.until(EC.text_to_be_present_in_element((By.TAG_NAME, "body"), "TTFT over this session"))
@@ -225,6 +290,9 @@ def test_app_in_headless_chromium(tmp_path):
         body = driver.find_element(By.TAG_NAME, "body").text
         assert "1987" in body
         assert "TTFT with fusion" in body and "TTFT full prefill" in body
+        assert_waiting_was_shown(driver, body)
+        assert f"Ran query_aware at ratio {ratio_in_force:g}" in body   # the ratio in force ran
+        assert_ratio_the_right_way_round(driver)
         shot = tmp_path / "streamlit_app.png"
         driver.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000

@@ -1,5 +1,7 @@
 """`ragblend demo` end to end on the real default model."""
 
+import re
+
 import pytest
 
 from ragblend.cli import main
@@ -20,6 +22,15 @@ def test_demo_prints_both_answers_and_ttfts(capsys, tmp_path):
     assert "query_aware 0.1" in blend and "Kite Festival" in blend
     assert out.count("1987") >= 2
     assert "reused" in out and "recomputed" in out
+    # both paths warmed up before the timed pair, and the ratio worded from the printed TTFTs
+    assert out.index("Warm-up, untimed") < out.index("[BlendLLM] TTFT")
+    fused, full = re.findall(r"\] TTFT (\d+\.\d+) s", out)
+    line = re.search(r"=> fused (\d+\.\d+)x( faster than|: slower than|: as fast as) full prefill "
+                     rf"\(TTFT {fused} s against {full} s\)", out)
+    assert line, out
+    ratio = float(full) / float(fused)
+    assert abs(float(line[1]) - ratio) <= 0.05 + 0.03 * ratio   # (from the TTFTs before they were rounded)
+    assert {" faster than": float(fused) < float(full), ": slower than": float(fused) > float(full)}.get(line[2], True)
 
 
 def test_cli_reports_bad_input_as_an_error(capsys, tmp_path):
