@@ -73,6 +73,7 @@ def _ingest(args) -> int:
     # First the chunks and their embeddings (searchable), then the KV (faster answers).
     report = rag.ingest_documents(documents, report, kv="skip")
     _print_ingest_report(report, rag)
+    print(rag.kv_projection(warn=False).describe())
     return _ingest_kv(args, rag)
 
 
@@ -335,28 +336,7 @@ def _cache(args) -> int:
     # Only a folder that is a ragblend store is read or changed (--kv-dir may be any folder).
     check_store_folder(folder, create=False)
     if args.action == "stats":
-        store = _disk_store(args)
-        disk = store.stats()["disk"]
-        lookups = disk["hits"] + disk["misses"]
-        rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
-        print(f"KV store: {disk['directory']}")
-        print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
-              f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
-        by_dtype = store.entries_by_dtype()
-        if by_dtype:
-            print("  by dtype:    " + "; ".join(f"{dtype}: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB"
-                                              for dtype, row in sorted(by_dtype.items())))
-        if disk["faults"]:
-            print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
-        print("  memory tier: lives inside each process (see engine.store.stats())")
-        coverage = _index_coverage(args, store)
-        if coverage is not None:
-            # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
-            fill = f"`ragblend cache fill{_index_option(args)}`"
-            hint = (f" ({fill} computes them)" if coverage.pending else
-                    f" (each chunk's own entry; {fill} also adds any lead entries missing)")
-            print(f"  index:       {coverage.describe()}{hint}")
-        return 0
+        return _cache_stats(args)
     if args.action == "clear":
         return _clear(args)
     # verify: needs the model to know which fingerprint and shape entries must have
@@ -375,6 +355,50 @@ def _cache(args) -> int:
     print(f"{checked} entries checked: {checked - len(bad)} sound, {len(bad)} failing"
           + (" (removed)" if args.fix and bad else ""))
     return 1 if bad and not args.fix else 0
+
+
+def _cache_stats(args) -> int:
+    """`ragblend cache stats`: the store's entries (by dtype), hit rate, the index's coverage and projected KV."""
+    store = _disk_store(args)
+    disk = store.stats()["disk"]
+    lookups = disk["hits"] + disk["misses"]
+    rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
+    print(f"KV store: {disk['directory']}")
+    print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
+          f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+    by_dtype = store.entries_by_dtype()
+    if by_dtype:
+        print("  by dtype:    " + "; ".join(f"{dtype}: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB"
+                                          for dtype, row in sorted(by_dtype.items())))
+    if disk["faults"]:
+        print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
+    print("  memory tier: lives inside each process (see engine.store.stats())")
+    coverage = _index_coverage(args, store)
+    projection = _stored_projection(coverage, by_dtype, disk["max_bytes"])
+    if projection is not None:
+        print(f"  projected:   {projection.describe()}")
+    if coverage is not None:
+        # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
+        fill = f"`ragblend cache fill{_index_option(args)}`"
+        hint = (f" ({fill} computes them)" if coverage.pending else
+                f" (each chunk's own entry; {fill} also adds any lead entries missing)")
+        print(f"  index:       {coverage.describe()}{hint}")
+    return 0
+
+
+def _stored_projection(coverage, by_dtype: dict, budget: int):
+    """The projected KV of the whole index from what its stored chunks weigh (no model loaded:
+    the bytes of the store's entries over the index's chunks that have theirs); None without an
+    index or before any chunk of it is stored."""
+    from ragblend.core.kv_budget import Projection
+
+    if coverage is None or not coverage.stored:
+        return None
+    stored = sum(row["bytes"] for row in by_dtype.values())
+    per_chunk = stored / coverage.stored
+    dtype = next(iter(by_dtype)) if len(by_dtype) == 1 else ""
+    return Projection(coverage.keyed, round(per_chunk * coverage.keyed), budget, dtype,
+                      f"{per_chunk / 2**20:.2f} MiB a chunk, as the {coverage.stored:,} stored weigh")
 
 
 def _index_coverage(args, store):
@@ -486,6 +510,17 @@ def _calibrate(args) -> int:
     return 0
 
 
+def _print_stored_kv(engine) -> None:
+    """`ragblend info`: what the engine stores a token of KV in, its weight, and why that dtype."""
+    from ragblend.core.kv_budget import CHUNK_TOKENS, DEFAULT_KV_DTYPE_WHY, bytes_per_token, entry_bytes
+
+    dtype = str(engine.kv_dtype).split(".")[-1]
+    shape, entries = engine.kv_shape, len(engine.ingestion.variants)
+    chunk = entries * entry_bytes(shape, CHUNK_TOKENS, dtype)
+    print(f"Stored KV (kv_dtype={dtype!r}): {bytes_per_token(shape, dtype):,.0f} bytes a token; a {CHUNK_TOKENS}-token "
+          f"chunk {chunk / 2**20:.1f} MiB ({entries} entr{'y' if entries == 1 else 'ies'}). {DEFAULT_KV_DTYPE_WHY}")
+
+
 def _info(args) -> int:
     from ragblend.core.kernels import cpu_summary
     from ragblend.core.model import int4_available, int8_available, kernel_plan_for
@@ -519,6 +554,7 @@ def _info(args) -> int:
     print(f"Decoding step (decode_dtype={engine.decode_dtype!r}, chosen on this host): linear layers {layers}")
     print(f"Decoding K/V (decode_kv_dtype={engine.options.decode_kv_dtype!r}, chosen on this host): "
           f"{str(engine.answers.kv_dtype).split('.')[-1]}")
+    _print_stored_kv(engine)
     drafts = engine.options.prompt_lookup_num_tokens
     if drafts == 0:
         print("Drafts (prompt lookup): off (prompt_lookup_num_tokens=0)")

@@ -44,7 +44,8 @@ from .errors import InvalidInputError, PromptTooLongError
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
-from .kv import ChunkRef, calibration_key, check_namespace, lead_key
+from .kv import ChunkRef, calibration_key, check_namespace, check_uint4_shape, lead_key
+from .kv_budget import KVShape, Projection, entry_bytes, project, store_budget
 from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, return_freed_memory, with_linears
 from .omp import release_thread_pool
 from .options import EngineOptions
@@ -73,6 +74,8 @@ class BlendEngine:
         self.options = options = EngineOptions.merged(options, keywords, engine_only=True)
         self.hf_model, self.tokenizer, self.lock = hf_model, tokenizer, threading.RLock()
         self.adapter, self.kernel_plan = _fast_adapter(hf_model)
+        if options.storage_dtype == torch.uint4:
+            check_uint4_shape(self.adapter.shape.head_dim)
         self.store = store if store is not None else MemoryStore()
         self.prompts = PromptBuilder(tokenizer, separator=options.separator, use_chat_template=options.use_chat_template,
                                      max_tokens=self.adapter.shape.context_window)
@@ -119,6 +122,8 @@ class BlendEngine:
         self.name = options.name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
         self.last_stats: Stats | None = None
         self.last_prompt: PromptTrace | None = None
+        self._warned_budget: set[str] = set()   # "index", "prompt": each KV budget warning is logged once
+        self._precomputed: dict[str, int] = {}   # key -> tokens of every chunk precompute() stored here
         release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
         return_freed_memory()     # the start-up measurements' buffers (glibc keeps freed memory otherwise)
 
@@ -209,9 +214,10 @@ class BlendEngine:
                    skip_unusable: bool = False, namespace: str = "") -> list[ChunkRef | None]:
         """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`. ``namespace``
         ("": shared, the default) is who may find the chunks in flat prompts (see :meth:`find_chunks`)."""
-        return self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
+        refs = self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
                                          progress=progress, skip_unusable=skip_unusable,
                                          namespace=check_namespace(namespace))
+        return self._count_precomputed(refs)
 
     def precompute_ids(self, chunks: Iterable[Sequence[int]], *, namespace: str = "") -> list[ChunkRef]:
         """:meth:`precompute` of chunks given as token ids (a server's client may send ids: LMCache
@@ -224,8 +230,50 @@ class BlendEngine:
             if len(ids) > limit:
                 raise PromptTooLongError(f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context "
                                          f"window ({self.context_window}) after the sink prefix. Split it.")
-        return self.ingestion.precompute_ids(chunks, self.store, batch_tokens=self.precompute_batch_tokens,
-                                             namespace=check_namespace(namespace))
+        return self._count_precomputed(self.ingestion.precompute_ids(
+            chunks, self.store, batch_tokens=self.precompute_batch_tokens, namespace=check_namespace(namespace)))
+
+    def _count_precomputed(self, refs: list) -> list:
+        """Count the chunks this engine precomputed, and warn once (:meth:`kv_projection`) when its
+        store's budget cannot keep the KV of all of them: the ones evicted are computed per query."""
+        for ref in refs:
+            if ref is not None:
+                self._precomputed[ref.key] = ref.num_tokens
+        if self._precomputed:
+            tokens = -(-sum(self._precomputed.values()) // len(self._precomputed))
+            self.kv_projection(len(self._precomputed), tokens)
+        return refs
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """The part of the model's shape its stored KV's size depends on."""
+        shape = self.adapter.shape
+        return KVShape(shape.num_layers, shape.num_kv_heads, shape.head_dim)
+
+    def kv_projection(self, chunks: int, tokens_per_chunk: int, *, warn: bool = True) -> Projection:
+        """The projected size of the KV of ``chunks`` chunks of ``tokens_per_chunk`` tokens in this
+        engine's stored dtype (both entries of a chunk where it keeps lead entries), against its
+        store's budget. ``warn``: log once (per engine) when the budget holds only part of it."""
+        projection = project(self.kv_shape, self.kv_dtype, chunks, tokens_per_chunk, len(self.ingestion.variants),
+                             store_budget(self.store))
+        if warn and not projection.fits and "index" not in self._warned_budget:
+            self._warned_budget.add("index")
+            log.warning("ragblend: %s", projection.describe())
+        return projection
+
+    def _check_prompt_budget(self, layout: PromptLayout) -> None:
+        """Say once when the KV store cannot hold even one prompt's chunks: the prompt is answered,
+        the chunks the store cannot keep computed each time."""
+        if "prompt" in self._warned_budget or not layout.chunk_spans:
+            return
+        budget = store_budget(self.store)
+        needed = sum(entry_bytes(self.kv_shape, len(span.token_ids), self.kv_dtype) for span in layout.chunk_spans)
+        if budget is not None and needed > budget:
+            self._warned_budget.add("prompt")
+            log.warning("ragblend: a prompt's %d chunk(s) need %.1f MiB of KV, more than the KV store keeps (%.1f MiB): "
+                        "they are answered, the chunks it cannot keep computed at each query. Raise memory_bytes / "
+                        "disk_bytes, or store smaller KV (kv_dtype).", len(layout.chunk_spans), needed / 2**20,
+                        budget / 2**20)
 
     def forget(self, keys: Iterable[str]) -> int:
         """Drop the stored KV of these chunk keys (e.g. when their document is deleted), each
@@ -299,6 +347,7 @@ class BlendEngine:
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         pre, self.last_prompt = self.runner.run(layout, plan, self.store, prefetch=self.prefetch,
                                                 write_back=self.write_back, t0=t0)
+        self._check_prompt_budget(layout)
         self.last_stats = pre.stats
         return pre
 

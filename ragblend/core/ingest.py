@@ -24,7 +24,7 @@ import torch
 
 from .cancel import check_cancelled
 from .errors import InvalidInputError, PromptTooLongError
-from .kv import ChunkKV, ChunkRef, chunk_key, lead_key, to_storage
+from .kv import QUANTIZED_DTYPES, ChunkKV, ChunkRef, chunk_key, lead_key, to_storage
 from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
 from .omp import release_thread_pool
@@ -219,8 +219,8 @@ class Ingestion:
         """The entry of a chunk's float K/V, in the storage dtype where its values fit."""
         entry = ChunkKV(self.key_for(token_ids, lead, namespace), list(token_ids), keys, values, namespace=namespace)
         stored = to_storage(entry, self.kv_dtype)
-        if self.kv_dtype == torch.int8:
-            # int8 entries are read back in float16: they need float16's range too.
+        if self.kv_dtype in QUANTIZED_DTYPES:
+            # int8 and uint4 entries are read back in float16: they need float16's range too.
             fits = max(keys.abs().max(), values.abs().max()) <= torch.finfo(torch.float16).max
         else:
             fits = torch.isfinite(stored.keys).all() and torch.isfinite(stored.values).all()

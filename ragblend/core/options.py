@@ -31,7 +31,7 @@ from .kernels import DRAFT_ROWS
 from .prompt import CHUNK_CONTEXT, check_text
 from .store import STORAGE_DTYPES
 
-KV_DTYPES = tuple(STORAGE_DTYPES)                           # ("float32", "float16", "bfloat16", "int8")
+KV_DTYPES = tuple(STORAGE_DTYPES)                    # ("float32", "float16", "bfloat16", "int8", "uint4")
 DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
 DECODE_KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A pass over more rows than this is timed and run as a prefill (kernels.BUCKETS).
@@ -79,8 +79,10 @@ class EngineOptions:
               "KV storage (docs/notes/lead-entries.md). Off when chunk_context is \"\" or sink_prefix is set.")
     use_chat_template: bool | None = option(None, "Wrap prompts in the tokenizer's chat template; None: when it has one.")
     kv_dtype: str | torch.dtype = option(
-        "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, at a small fidelity cost "
-                   "(see docs/benchmarks.md).", flag="--kv-dtype", choices=KV_DTYPES, type=str)
+        "float16", "How chunk KV is stored: 'int8' takes about half the bytes of float16, 'uint4' (4-bit, a step and "
+                   "minimum per group of 32) 0.31x, each at a fidelity cost measured in docs/benchmarks.md ('Stored KV "
+                   "dtypes'); bytes per token per model size: docs/models.md.", flag="--kv-dtype", choices=KV_DTYPES,
+        type=str)
     prefetch: bool = option(True, "Read cached KV from disk (on a GPU, from any tier) ahead of the layer that needs "
                                     "it, in a background thread.")
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")

@@ -24,6 +24,11 @@ Entry format (no pickle anywhere; all integers little-endian)::
     [kv_heads, head_dim], V int8 [kv_heads, tokens, head_dim], V scales float16
     [kv_heads, tokens] (see :func:`ragblend.core.kv.quantize_int8`).
 
+    dtype "uint4" stores each layer as K codes uint8 [kv_heads, tokens, head_dim / 2] (two 4-bit
+    codes a byte), K steps and minimums float16 [kv_heads, 2, ceil(tokens / 32), head_dim], V codes
+    uint8 [kv_heads, tokens, head_dim / 2], V steps and minimums float16 [kv_heads, 2, tokens,
+    head_dim / 32] (see :func:`ragblend.core.kv.quantize_uint4`).
+
 Every read checks the header (magic, CRCs, size, structure, format version, fingerprint,
 shape, the type and range of every number, token ids, file length) and each layer's CRC32.
 A failing entry raises :class:`CorruptEntryError` (layer reads) or is reported missing
@@ -53,7 +58,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, StoreUnavailableError
-from .kv import _NAMESPACE, KV_FORMAT_VERSION, ChunkKV, dequantize_int8, key_matches
+from .kv import _NAMESPACE, KV_FORMAT_VERSION, PACKED_4BIT, UINT4_GROUP, ChunkKV, dequantize, key_matches, value_group
 
 # The folder's own files (opening, removing, the marker) live in store_files; the names that
 # callers import from here stay importable from here.
@@ -78,7 +83,7 @@ MAGIC = b"RBKV"
 # is several times what a 128k-token chunk needs, and bounds what a hostile file can cost.
 MAX_HEADER_BYTES = 4 << 20
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                  "int8": torch.int8}
+                  "int8": torch.int8, "uint4": torch.uint4}
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,10 @@ def _layer_parts(dtype: torch.dtype, kv_heads: int, tokens: int, head_dim: int) 
     if dtype == torch.int8:
         return [(torch.int8, kv), (torch.float16, (kv_heads, head_dim)),
                 (torch.int8, kv), (torch.float16, (kv_heads, tokens))]
+    if dtype == torch.uint4:
+        codes = (kv_heads, tokens, head_dim // 2)
+        return [(PACKED_4BIT, codes), (torch.float16, (kv_heads, 2, -(-tokens // UINT4_GROUP), head_dim)),
+                (PACKED_4BIT, codes), (torch.float16, (kv_heads, 2, tokens, head_dim // value_group(head_dim)))]
     return [(dtype, kv), (dtype, kv)]
 
 
@@ -143,9 +152,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def encode_entry(entry: ChunkKV, fingerprint: str) -> bytes:
     """Serialise ``entry`` (in its own dtype) to the binary format above."""
-    dtype_name = _dtype_name(entry.keys.dtype)
+    dtype_name = _dtype_name(entry.storage_dtype)
     layers = [b"".join(_tensor_bytes(t) for t in _layer_tensors(entry, i)) for i in range(entry.keys.shape[0])]
     num_layers, kv_heads, tokens, head_dim = entry.keys.shape
+    if dtype_name == "uint4":
+        head_dim *= 2   # two codes a byte
     # A shared entry's header is what it always was; a namespaced one says whose it is, so that an
     # engine learning the store (ChunkIndex.learn_store) files it there, also after a restart.
     namespace = {"namespace": entry.namespace} if entry.namespace else {}
@@ -256,6 +267,8 @@ class FileReader(ChunkReader):
             raise bad("stored under another key")
         if type(header.get("dtype")) is not str or header["dtype"] not in STORAGE_DTYPES:
             raise bad("unknown storage dtype")
+        if header["dtype"] == "uint4" and spec.head_dim % 2:
+            raise bad("uint4 entry for a model whose head_dim is odd")
         if [header.get(n) for n in ("layers", "kv_heads", "head_dim")] != [
                 spec.num_layers, spec.num_kv_heads, spec.head_dim]:
             raise bad("KV shape does not match the model")
@@ -313,13 +326,13 @@ class FileReader(ChunkReader):
 
     def decode(self, index: int, buf: bytes):
         tensors = self._unpack(index, buf)
-        return dequantize_int8(*tensors) if self.dtype == torch.int8 else tuple(tensors)
+        return dequantize(self.dtype, *tensors) if len(tensors) == 4 else tuple(tensors)
 
     def read_all(self) -> ChunkKV:
-        """The whole entry as stored (an int8 entry stays int8, with its scales)."""
+        """The whole entry as stored (an int8 or uint4 entry stays so, with its scales)."""
         layers = [self._unpack(i, self.fetch(i)) for i in range(len(self.crcs))]
         stacked = [torch.stack(parts) for parts in zip(*layers)]
-        if self.dtype == torch.int8:
+        if len(stacked) == 4:
             keys, key_scales, values, value_scales = stacked
             return ChunkKV(self.key, list(self.token_ids), keys, values, key_scales, value_scales)
         return ChunkKV(self.key, list(self.token_ids), *stacked)
@@ -597,7 +610,7 @@ class DiskStore(KVStore):
                                         "store opened; restart to recreate the store")
             # The tag (diskcache's own column) records the storage dtype, for entries_by_dtype.
             self.cache.set(entry.key, io.BytesIO(encode_entry(entry, self.spec.fingerprint)), read=True,
-                           tag=_dtype_name(entry.keys.dtype))
+                           tag=_dtype_name(entry.storage_dtype))
         except store_faults() as err:
             if getattr(disk.written, "filename", None):   # written, but its row was never committed
                 disk.remove(disk.written.filename)

@@ -594,6 +594,7 @@ class LocalIndex:
         with index_lock(self.path, self.lock_wait_s):
             self._ingest_locked(documents, report, show_progress, batch_size)
         report.searchable_s = time.perf_counter() - t0
+        self.kv_projection()   # warns once when the store cannot keep the whole index's KV
         # The KV is computed outside the writer lock: another ingest need not wait for it.
         if kv == "background":
             self.kv.start()
@@ -717,6 +718,13 @@ class LocalIndex:
         query_engine.kv_filler = self.kv
         query_engine.blend_llm = llm  # for callers that want this query's per-call stats
         return query_engine
+
+    def kv_projection(self, warn: bool = True):
+        """The projected size of the KV of every chunk in the index (chunks of up to ``chunk_size``
+        tokens, so an upper bound) against the KV store's budget: a
+        :class:`~ragblend.core.kv_budget.Projection` (``.describe()``: one line). ``warn``: log once
+        when the budget holds only part of it (the rest is computed at query time)."""
+        return self.engine.kv_projection(len(self), self.chunk_size, warn=warn)
 
     def kv_coverage(self):
         """How many of the index's chunks have their KV stored: a

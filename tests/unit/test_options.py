@@ -39,7 +39,7 @@ def test_cli_flags_come_from_the_declarations():
     assert (options.kv_dtype, options.model, options.decode_dtype) == ("int8", "m.gguf", "auto")
     with pytest.raises(SystemExit):
         parser.parse_args(["--decode-dtype", "int2"])
-    assert "--kv-dtype {float32,float16,bfloat16,int8}" in parser.format_help()
+    assert "--kv-dtype {float32,float16,bfloat16,int8,uint4}" in parser.format_help()
 
 
 def test_integration_fields_describe_the_options():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, FullReuse
-from ragblend.core.kv import ChunkKV, quantize_int8
+from ragblend.core.kv import ChunkKV, quantize_int8, quantize_uint4
 from ragblend.core.store import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
 
 from ..conftest import PASSAGES, SEGMENTS, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
@@ -57,6 +57,25 @@ def test_int8_entries_round_trip_with_their_scales(tmp_path):
     assert entry.nbytes < 0.6 * half.nbytes
     assert store.verify(entry.key) is None
     flip_byte(entry_path(store, entry.key), -3)        # a flipped bit in a scale is caught too
+    assert store.verify(entry.key) is not None
+
+
+def test_uint4_entries_round_trip_with_their_steps_and_read_back_as_they_decode_in_memory(tmp_path):
+    exact = synthetic_entry(2, tokens=45, dtype=torch.float32)   # 45 tokens: a short last K group
+    entry = quantize_uint4(exact)
+    store = DiskStore(tmp_path, SPEC)
+    store.put(entry)
+    assert store.entries_by_dtype() == {"uint4": {"entries": 1, "bytes": store.nbytes}}
+    back = store.get(entry.key)                        # as stored: packed codes, steps and minimums
+    assert back.storage_dtype == torch.uint4 and torch.equal(back.keys, entry.keys)
+    assert torch.equal(back.key_scales, entry.key_scales) and torch.equal(back.value_scales, entry.value_scales)
+    reader = store.open(entry.key)
+    for layer in range(SPEC.num_layers):               # decoded layer by layer, as the memory tier decodes
+        k, v = reader.layer(layer)
+        assert k.dtype == torch.float16 and torch.equal(k, entry.layer(layer)[0]) and torch.equal(v, entry.layer(layer)[1])
+    reader.close()
+    assert store.verify(entry.key) is None
+    flip_byte(entry_path(store, entry.key), -3)        # a flipped bit in a minimum is caught
     assert store.verify(entry.key) is not None
 
 

@@ -132,6 +132,32 @@ def test_a_float16_entry_relabelled_bfloat16_is_a_miss_and_verify_flags_it(token
     assert "disagrees with its key" in store.verify(victim)
 
 
+def test_a_uint4_entry_relabelled_or_rewritten_as_another_dtype_is_a_miss(tokenizer, tmp_path):
+    from .test_store import entry_path
+
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="uint4")
+    engine.store = store = DiskStore(tmp_path / "kv", engine.entry_spec)
+    engine.precompute_batch_tokens = 0
+    refs = engine.precompute(PASSAGES[:3])
+    segments = [Chunk(p) for p in PASSAGES[:3]] + [QUESTION]
+    clean = engine.prefill(segments, strategy=CacheBlend(0.3))
+    assert clean.stats.chunks_computed == 0 and store.entries_by_dtype().keys() == {"uint4"}
+    victim = refs[1].key
+    entry = store.get(victim)
+    assert entry.storage_dtype == torch.uint4 and store.verify(victim) is None
+    # Its bytes decoded to float16 and written as a sound float16 file under the uint4 key: a miss.
+    k, v = zip(*(entry.layer(i) for i in range(entry.keys.shape[0])))
+    entry_path(store, victim).write_bytes(encode_entry(
+        ChunkKV(victim, entry.token_ids, torch.stack(k), torch.stack(v)), engine.fingerprint))
+    assert "disagrees with its key (dtype float16" in store.verify(victim)
+    again = engine.prefill(segments, strategy=CacheBlend(0.3))
+    assert torch.equal(again.logits, clean.logits) and again.stats.chunks_computed == 1
+    engine.flush()
+    assert store.verify(victim) is None and store.get(victim).storage_dtype == torch.uint4   # written back
+    relabel_dtype(entry_path(store, victim), "int8")   # the header alone edited: a miss as well
+    assert "disagrees with its key (dtype int8" in store.verify(victim)
+
+
 def test_key_matches_accepts_a_float32_fallback_and_lead_entries_only():
     sink, lead, ids = [1, 2], [1], list(range(10, 30))
     own = chunk_key("fp", sink, ids, "torch.float16")
