@@ -555,6 +555,7 @@ def _info(args) -> int:
     print(f"Decoding K/V (decode_kv_dtype={engine.options.decode_kv_dtype!r}, chosen on this host): "
           f"{str(engine.answers.kv_dtype).split('.')[-1]}")
     _print_stored_kv(engine)
+    _print_fusion_cost(engine, args.measure)
     drafts = engine.options.prompt_lookup_num_tokens
     if drafts == 0:
         print("Drafts (prompt lookup): off (prompt_lookup_num_tokens=0)")
@@ -565,6 +566,31 @@ def _info(args) -> int:
               f"{engine.answers.draft_row_cost:.0%} of a one-token pass here, so a pass drafts only what it "
               f"expects to keep at that price")
     return 0
+
+
+def _print_fusion_cost(engine, measure: bool) -> None:
+    """What ``ragblend info`` says of where the engine's own strategy fuses (core.fusion_cost)."""
+    from ragblend.core.fusion_cost import default_constants
+
+    cost, selection = engine.fusion_cost, engine.resolve().selection
+    constants = cost.remeasure() if measure else cost.known()
+    if constants is None:
+        where = ("not measured on this host yet (the first prompt that needs them measures them, about a second; "
+                 "`ragblend info --measure` now), so from scaled defaults")
+        constants = default_constants(engine.adapter)
+    else:
+        where = "measured on this host" if constants.measured else "scaled defaults"
+    speedup = engine.min_fusion_speedup
+    if selection is None or not speedup:
+        print(f"Fusion: always (min_fusion_speedup={speedup:g})")
+        return
+    at = cost.break_even(selection, min_speedup=speedup, constants=constants)
+    print(f"Fusion: the default strategy fuses a prompt where predicted at least {speedup:g}x faster than its full "
+          f"prefill, else runs the full prefill (stats.fusion_skipped); from about "
+          f"{f'{at} prompt tokens' if at else 'no prompt size'} up with ~45 uncached tokens (cost constants "
+          f"{where}: {constants.layer_s * 1e3:.3f} ms a pass, {constants.row_s * 1e6:.2f} us a row, "
+          f"{constants.pair_s * 1e9:.2f} ns an attention pair, {constants.cached_s * 1e6:.3f} us a cached token, "
+          f"per layer)")
 
 
 def _app(args) -> int:
@@ -818,8 +844,8 @@ def _info_parser(sub) -> None:
                                        "(measured once per host, then cached)")
     _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype", "prompt_lookup_num_tokens")
     info.add_argument("--measure", action="store_true",
-                      help="measure the kernels again and cache the new choice (e.g. if the first measurement "
-                           "ran on a busy machine)")
+                      help="measure the kernels and the fusion's cost constants again and cache them (e.g. if "
+                           "the first measurement ran on a busy machine)")
     info.set_defaults(func=_info)
 
 

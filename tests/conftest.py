@@ -80,7 +80,11 @@ def tiny_model(arch):
 
 
 def make_tiny_engine(arch, tokenizer, **kwargs):
-    """A fresh engine (its own store and settings) over the shared tiny model of ``arch``."""
+    """A fresh engine (its own store and settings) over the shared tiny model of ``arch``. It always
+    fuses (``min_fusion_speedup=0``) unless told otherwise: on a tiny model a pass's fixed cost
+    outweighs any saving, so the engine's own strategy would run every prompt as a full prefill,
+    and these tests are of the fusion (tests/unit/test_fusion_cost.py tests the skip)."""
+    kwargs.setdefault("min_fusion_speedup", 0)
     return BlendEngine(tiny_model(arch), tokenizer, **kwargs)
 
 

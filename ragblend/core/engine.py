@@ -41,6 +41,7 @@ from .chunk_index import ChunkIndex
 from .controller import LoadingController
 from .decode_weights import DecodeWeights
 from .errors import InvalidInputError, PromptTooLongError
+from .fusion_cost import FusionCost
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
 from .kernels import KernelPlan
@@ -107,8 +108,11 @@ class BlendEngine:
         self.strategy = check_strategy(default_strategy(self.calibration) if strategy is None else strategy,
                                        self.adapter.shape.num_layers)
         self._controller: LoadingController | None = None
+        # Whether fusing a prompt pays on this host (the engine's own strategy fuses only where it
+        # does): constants measured once per host and model, at the first prompt that needs them.
+        self.fusion_cost = FusionCost(self.adapter, self.model_fingerprint, options.storage_dtype.itemsize)
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading,
-                                    lambda: self.prompts.sentence_end_ids)
+                                    lambda: self.prompts.sentence_end_ids, self.fusion_cost)
         if getattr(self.strategy, "sentence_runs", False):
             self.prompts.sentence_end_ids   # made now (~0.7 s for a 151k-token vocabulary), not in the first TTFT
         self.decode_dtype = options.decode_dtype
@@ -116,7 +120,8 @@ class BlendEngine:
         self.decoding_adapter()   # built now (seconds for 4-bit weights), not in the first answer's TTFT
         self.answers = Answers(self.decode_weights, tokenizer, eos_ids_of(hf_model, tokenizer), self.context_window,
                                self.lock, decode_kv_dtype(self.decode_weights, options.decode_kv_dtype))
-        self.prefetch, self.write_back = options.prefetch, options.write_back   # these four may be changed later
+        self.prefetch, self.write_back = options.prefetch, options.write_back   # these five may be changed later
+        self.min_fusion_speedup = options.min_fusion_speedup
         self.precompute_batch_tokens, self.prompt_lookup_num_tokens = (options.precompute_batch_tokens,
                                                                        options.prompt_lookup_num_tokens)
         self.name = options.name or getattr(hf_model.config, "_name_or_path", "") or self.adapter.arch
@@ -124,6 +129,10 @@ class BlendEngine:
         self.last_prompt: PromptTrace | None = None
         self._warned_budget: set[str] = set()   # "index", "prompt": each KV budget warning is logged once
         self._precomputed: dict[str, int] = {}   # key -> tokens of every chunk precompute() stored here
+        # Prefills that ran as the exact full prefill instead of fusing (Stats.fusion_skipped), and the
+        # last one's reason: what the server's /metrics and a long-running app report.
+        self.fusion_skips = 0
+        self.last_skip_reason = ""
         release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
         return_freed_memory()     # the start-up measurements' buffers (glibc keeps freed memory otherwise)
 
@@ -346,8 +355,11 @@ class BlendEngine:
         plan = strategy if isinstance(strategy, StrategyPlan) else self.resolve(strategy)
         layout = segments if isinstance(segments, PromptLayout) else self.prompts.build(segments, system)
         pre, self.last_prompt = self.runner.run(layout, plan, self.store, prefetch=self.prefetch,
-                                                write_back=self.write_back, t0=t0)
+                                                write_back=self.write_back, t0=t0, min_speedup=self.min_fusion_speedup)
         self._check_prompt_budget(layout)
+        if pre.stats.fusion_skipped:
+            self.fusion_skips += 1
+            self.last_skip_reason = pre.stats.skip_reason
         self.last_stats = pre.stats
         return pre
 

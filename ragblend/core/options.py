@@ -85,6 +85,11 @@ class EngineOptions:
         type=str)
     prefetch: bool = option(True, "Read cached KV from disk (on a GPU, from any tier) ahead of the layer that needs "
                                     "it, in a background thread.")
+    min_fusion_speedup: float = option(
+        0.0, "The engine's own strategy fuses a prompt only where that is predicted at least this many times faster "
+             "than its full prefill on this host (stats.fusion_skipped and stats.skip_reason say when it is not: "
+             "short prompts; 1.3 is the intended default once the cost constants are measured on a quiet host); "
+             "0 (today's default): always fuse. A strategy the caller names is always run as asked.", type=float)
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(
@@ -137,6 +142,10 @@ class EngineOptions:
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 0:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "
                                     f"got {batch!r}.")
+        speedup = self.min_fusion_speedup
+        if isinstance(speedup, bool) or not isinstance(speedup, numbers.Real) or not 0 <= speedup < 100:
+            raise InvalidInputError(f"min_fusion_speedup must be a number from 0 (always fuse) to 100, got {speedup!r}.")
+        object.__setattr__(self, "min_fusion_speedup", float(speedup))
         drafts = self.prompt_lookup_num_tokens
         if isinstance(drafts, bool) or not isinstance(drafts, numbers.Integral) or not 0 <= drafts <= MAX_DRAFT_TOKENS:
             raise InvalidInputError(f"prompt_lookup_num_tokens must be an integer from 0 (no drafting) to "

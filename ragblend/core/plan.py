@@ -33,6 +33,9 @@ class StrategyPlan:
     # What the fused prefill runs (the strategy's Selection), made once here; None until
     # CacheBlend's "auto" ratio is settled.
     selection: Selection | None = None
+    # The engine's own choice (none was given for this call or the engine): it fuses a prompt only
+    # where that is predicted to pay (.fusion_cost); a strategy the caller names is run as asked.
+    engine_default: bool = False
 
     def __post_init__(self):
         if self.ratio is None:
@@ -103,4 +106,5 @@ def resolve_strategy(strategy, *, engine_strategy, engine_chose: bool, calibrati
             from_calibration = calibration is not None
     else:
         ratio = None   # the strategy's own
-    return StrategyPlan(chosen, reason, calibration.fingerprint if from_calibration else None, ratio)
+    return StrategyPlan(chosen, reason, calibration.fingerprint if from_calibration else None, ratio,
+                        engine_default=strategy is None and engine_chose)

@@ -38,7 +38,9 @@ class Stats:
     decode_rechecks: int = 0       # of them, low-bit passes made again on float32 weights at a near tie
     finish_reason: str | None = None
     strategy_reason: str = ""      # why this strategy and ratio (caller's choice, calibration, default)
-    fusion_skipped: bool = False   # the fusion would have computed more than a full prefill, which ran instead
+    fusion_skipped: bool = False   # the exact full prefill ran instead of the fusion: see skip_reason
+    skip_reason: str = ""          # why, e.g. "predicted 1.1x: prompt 380 tokens, 60% recomputed"
+    predicted_speedup: float | None = None   # the fusion's predicted speed-up over a full prefill, where predicted
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
 
     @property

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import PromptTooLongError
+from .fusion_cost import FusionCost, FusionVerdict
 from .ingest import Ingestion
 from .model import ModelAdapter
 from .omp import release_thread_pool
@@ -65,17 +66,21 @@ class PrefillRunner:
     """Runs fused prefills for one engine: ``ingestion`` computes missing chunks, ``index``
     learns them, ``loading`` (a function giving the loading controller) settles
     CacheBlend's ``ratio="auto"``; model passes hold ``lock``; ``sentence_end_ids`` (a function
-    giving the ids of tokens that end a sentence) is read for selections in runs of sentences."""
+    giving the ids of tokens that end a sentence) is read for selections in runs of sentences;
+    ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy)."""
 
-    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids):
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
+                 fusion_cost: FusionCost):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
-        self.sentence_end_ids = sentence_end_ids
+        self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
         self.background = Background()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
 
     def run(self, layout: PromptLayout, plan: StrategyPlan, store: KVStore, *, prefetch: bool,
-            write_back: bool, t0: float) -> tuple[Prefill, PromptTrace]:
-        """The fused prefill of ``layout`` as ``plan`` says, reading ``store``; ``t0``: when the call began."""
+            write_back: bool, t0: float, min_speedup: float = 0.0) -> tuple[Prefill, PromptTrace]:
+        """The fused prefill of ``layout`` as ``plan`` says, reading ``store``; ``t0``: when the call began.
+        ``min_speedup``: the engine's own strategy fuses only where predicted at least this much
+        faster than a full prefill (0: always)."""
         n, window = len(layout.token_ids), self.adapter.shape.context_window
         if n > window:
             raise PromptTooLongError(f"The prompt has {n} tokens but the model's context window is {window}; "
@@ -88,7 +93,8 @@ class PrefillRunner:
         attempts = len(layout.chunk_spans) + 1
         for attempt in range(attempts):
             try:
-                fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back)
+                fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back,
+                                                       min_speedup)
                 break
             except CorruptEntryError as err:
                 store.delete(err.key)
@@ -112,7 +118,8 @@ class PrefillRunner:
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
 
-    def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back):
+    def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back,
+              min_speedup: float):
         """One fusion attempt. Returns the fused prefill, its source, and a mask of the
         prompt tokens whose KV came from the store (not computed during this call)."""
         n = len(layout.token_ids)
@@ -120,6 +127,9 @@ class PrefillRunner:
         if spanned and plan.selection is not None and not plan.selection.cheaper_than_a_prefill(n, spanned):
             # Decided before the store is read or a missing chunk computed: both would be wasted.
             return self._full_prefill(layout, plan, stats, spanned)
+        verdict = self.fusion_pays(plan, None, n, spanned, min_speedup) if plan.selection is not None else None
+        if verdict is not None and not verdict.pays:   # even with every chunk in memory: decided before reading
+            return self._full_prefill(layout, plan, stats, spanned, verdict)
         found = self._find(layout, plan, stats, computed, store, write_back)
         try:
             tiers = _count_tiers(found, stats)
@@ -130,6 +140,12 @@ class PrefillRunner:
                 for reader in found.readers:
                     reader.close()
                 return self._full_prefill(layout, plan, stats, reused)
+            verdict = self.fusion_pays(plan, found, n, reused, min_speedup)
+            if verdict is not None and not verdict.pays:
+                for reader in found.readers:
+                    reader.close()
+                return self._full_prefill(layout, plan, stats, reused, verdict)
+            stats.predicted_speedup = verdict.speedup if verdict is not None else None
             stats.ratio, stats.cached_attention_scale = plan.ratio, plan.cached_attention_scale
             windows = [slice(sp.offset, sp.offset + sp.num_tokens) for sp in found.spans]
             # Reading ahead pays off for slow tiers, and on a GPU (the thread stages each layer in
@@ -155,16 +171,38 @@ class PrefillRunner:
         self._promote(store, [r.key for r in found.readers if r.tier == "disk"])
         return fused, source, found.from_store
 
-    def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int):
+    def fusion_pays(self, plan: StrategyPlan, found: _Found | None, n: int, reused: int,
+                    min_speedup: float) -> FusionVerdict | None:
+        """Whether fusing this prompt, ``reused`` of its ``n`` tokens from the chunks ``found`` (None:
+        not looked up yet, all taken to be in memory), is predicted to be at least ``min_speedup``
+        times faster than its full prefill on this host (:mod:`.fusion_cost`). None where that is
+        not asked: a strategy the caller named, or ``min_speedup`` 0."""
+        if not (plan.engine_default and min_speedup > 0 and reused):
+            return None
+        disk_tokens = 0 if found is None else sum(
+            sp.num_tokens for sp, reader in zip(found.spans, found.readers) if reader.tier == "disk")
+        with self.lock:   # the first prompt on a host may measure the constants: model passes
+            return self.fusion_cost.verdict(plan.selection, n, reused, disk_tokens, min_speedup)
+
+    def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int,
+                      verdict: FusionVerdict | None = None):
         """The exact full prefill, where ``plan``'s fusion would compute more than it (QueryAware
-        runs the uncached tokens twice: see Selection.cheaper_than_a_prefill). Nothing is read
-        from the store; the stats say what ran and why."""
+        runs the uncached tokens twice: see Selection.cheaper_than_a_prefill), or where it is
+        predicted not to be clearly faster (``verdict``). Nothing is read from the store; the stats
+        say what ran and why."""
         n = len(layout.token_ids)
         stats.strategy, stats.ratio, stats.cached_attention_scale = FullRecompute.name, None, None
         stats.chunks_reused, stats.chunks_missing, stats.tiers, stats.fusion_skipped = 0, 0, {}, True
-        stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill of "
-                                 f"this prompt ({cached} of {n} tokens in cached chunks), so it ran as one; the "
-                                 f"strategy was {plan.reason}")
+        if verdict is None:
+            stats.skip_reason = f"fusing would compute more than a full prefill ({cached} of {n} tokens cached)"
+            stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} would compute more than a full prefill of "
+                                     f"this prompt ({cached} of {n} tokens in cached chunks), so it ran as one; the "
+                                     f"strategy was {plan.reason}")
+        else:
+            stats.skip_reason, stats.predicted_speedup = verdict.reason, verdict.speedup
+            stats.strategy_reason = (f"{plan.name} at ratio {plan.ratio} was {verdict.reason} (under "
+                                     f"{verdict.min_speedup:g}x{'' if verdict.measured else ', from default constants'}"
+                                     f"), so the exact full prefill ran; the strategy was {plan.reason}")
         source = SequentialSource([], self.adapter.device, windows=[])
         try:
             with self.lock:

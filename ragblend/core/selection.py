@@ -233,10 +233,10 @@ class QuestionAttention(Selection):
     def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
         # The uncached tokens run twice (the question pass, then the fused pass) when any
         # reused token is to be chosen: over a mostly uncached prompt that is more than a prefill.
-        budget = self._budget(num_reused)
+        budget = self.budget(num_reused)
         return budget == 0 or 2 * (num_tokens - num_reused) + budget < num_tokens
 
-    def _budget(self, num_reused: int) -> int:
+    def budget(self, num_reused: int) -> int:
         return math.ceil(self.ratio * num_reused - 1e-9)
 
     def scores(self, prompt: FusionPrompt, relevance: torch.Tensor) -> torch.Tensor:
@@ -285,7 +285,7 @@ class QuestionAttention(Selection):
         return (totals / lengths)[sentence] + SENTENCE_OWN_SHARE * claims
 
     def first(self, prompt, probe):
-        budget = self._budget(prompt.num_reused)
+        budget = self.budget(prompt.num_reused)
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
         relevance = self.scores(prompt, probe())

@@ -129,6 +129,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
         self.reused_tokens = self.recomputed_tokens = self.prompt_tokens = self.generated_tokens = 0
+        self.fusion_skipped = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
 
@@ -143,6 +144,7 @@ class Metrics:
             self.recomputed_tokens += stats.recomputed_tokens
             self.prompt_tokens += stats.prompt_tokens
             self.generated_tokens += stats.generated_tokens
+            self.fusion_skipped += bool(stats.fusion_skipped)
             self.ttft_sum += stats.ttft_s
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
             self.ttft_counts[bucket] += 1
@@ -172,7 +174,9 @@ class Metrics:
                     ("ragblend_reused_tokens_total", self.reused_tokens, "Prompt tokens whose stored KV the fusion kept (an "
                      "answer's cached_tokens also counts the stored tokens it recomputed)."),
                     ("ragblend_recomputed_tokens_total", self.recomputed_tokens, "Prompt tokens computed through every layer."),
-                    ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated.")):
+                    ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated."),
+                    ("ragblend_fusion_skipped_total", self.fusion_skipped, "Answers whose prompt ran as the exact full "
+                     "prefill because fusing it was not predicted to pay (short prompts; stats.skip_reason says why).")):
                 metric(name, "counter", help_text, [("", value)])
         tiers = _tiers(store)
         metric("ragblend_store_bytes", "gauge", "Bytes of KV held per store tier.",

@@ -22,7 +22,7 @@ class Allocated(QuestionAttention):
         self.power, self.cap = power, cap
 
     def first(self, prompt, probe):
-        budget = self._budget(prompt.num_reused)
+        budget = self.budget(prompt.num_reused)
         rel = self.scores(prompt, probe()).float()
         n = len(prompt.spans)
         sizes = torch.zeros(n).index_add_(0, prompt.chunk_of.cpu(), torch.ones_like(rel).cpu())
