@@ -527,9 +527,13 @@ def _info(args) -> int:
 
     engine = _load_engine(args, kv_dir=False)
     plan = engine.kernel_plan
-    if args.measure and plan is not None:
-        print("Measuring the kernels again (a few seconds; best on an otherwise idle machine)...", flush=True)
-        plan = kernel_plan_for(engine.hf_model, remeasure=True)   # cached for the next engines
+    if plan is not None and plan.source != "fixed" and (args.measure or plan.measured is None or plan.measuring):
+        print(f"Kernels: {plan.state()}.", flush=True)
+        if plan.background is not None:   # this process's own, started as the engine loaded: finished first
+            plan.background.join()
+        if args.measure or plan.measured is None:
+            print("Measuring the kernels now (a few seconds; best on an otherwise idle machine)...", flush=True)
+            plan = kernel_plan_for(engine.hf_model, remeasure=True)   # cached for the next engines
     print(f"Host: {cpu_summary()}")
     print(f"Model: {engine.name} ({engine.adapter.arch}, {engine.adapter.shape.num_layers} layers, "
           f"{engine.adapter.dtype}, {engine.adapter.device})")
@@ -543,8 +547,10 @@ def _info(args) -> int:
     elif plan is None:
         print("Kernels: the model does not run in float32 on the CPU, so its own (transformers') kernels run it.")
     else:
-        when = "measured just now" if plan.source == "measured" else "measured earlier on this host, cached"
+        when = {"measured": "measured just now", "cache": "measured earlier on this host, cached"}.get(
+            plan.source, "not measured")
         print(f"Kernels per pass size ({when}; RAGBLEND_KERNELS=linear keeps F.linear everywhere):")
+        print(f"  choice {plan.state()}")
         for line in plan.describe():
             print(f"  {line}")
     for bits, why_not in (("4", int4_available()), ("8", int8_available())):
@@ -844,8 +850,8 @@ def _info_parser(sub) -> None:
                                        "(measured once per host, then cached)")
     _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype", "prompt_lookup_num_tokens")
     info.add_argument("--measure", action="store_true",
-                      help="measure the kernels and the fusion's cost constants again and cache them (e.g. if "
-                           "the first measurement ran on a busy machine)")
+                      help="measure the kernels and the fusion's cost constants again now and cache them (e.g. "
+                           "if the first measurement ran on a busy machine: `choice unsettled`)")
     info.set_defaults(func=_info)
 
 

@@ -119,7 +119,7 @@ def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=None) 
         row_cost = (seconds["4"] / seconds["1"] - 1) / 3
         log.info("ragblend: a decoding pass over %d keys: %.1f ms for one token, %.1f ms for four; a drafted "
                  "token costs %.0f%% of a pass", MEASURED_KEYS, seconds["1"] * 1e3, seconds["4"] * 1e3, row_cost * 100)
-        # past MAX_ROW_COST, or below 0, the timing was disturbed: it serves this process, not later ones
+        # past MAX_ROW_COST, or below 0, the timing was disturbed: kept as unsettled (.host_cache)
         return min(MAX_ROW_COST, max(0.0, row_cost)), 0.0 <= row_cost < MAX_ROW_COST
 
     if measure is not None:   # a test's timer: nothing kept

@@ -44,10 +44,19 @@ from .errors import InvalidInputError, PromptTooLongError
 from .fusion_cost import FusionCost
 from .generate import Decoding, SamplingParams, sampling_params
 from .ingest import Ingestion
-from .kernels import KernelPlan
+from .kernels import KernelPlan, measure_in_background
 from .kv import ChunkRef, calibration_key, check_namespace, check_uint4_shape, lead_key
 from .kv_budget import KVShape, Projection, entry_bytes, project, store_budget
-from .model import CpuLinear, ModelAdapter, cache_dir, kernel_plan_for, load_model, return_freed_memory, with_linears
+from .model import (
+    CpuLinear,
+    ModelAdapter,
+    cache_dir,
+    kernel_layers,
+    kernel_plan_for,
+    load_model,
+    return_freed_memory,
+    with_linears,
+)
 from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
@@ -135,6 +144,9 @@ class BlendEngine:
         self.last_skip_reason = ""
         release_thread_pool()     # as every prefill, precompute and answer ends: see .omp
         return_freed_memory()     # the start-up measurements' buffers (glibc keeps freed memory otherwise)
+        if self.kernel_plan is not None:   # measured (or refined) off the answering thread, between passes
+            self.kernel_plan.attach(self.lock)
+            measure_in_background(self.kernel_plan, *kernel_layers(hf_model))
 
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike | None = None, *, strategy: Strategy | None = None,
@@ -426,8 +438,8 @@ def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
     if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
         return adapter, None
     # The same weights through the CPU kernels measured fastest on this host (core.kernels);
-    # the model itself is left as it is.
-    plan = kernel_plan_for(hf_model)
+    # the model itself is left as it is. Nothing waits for a measurement: F.linear until one is in.
+    plan = kernel_plan_for(hf_model, wait=False)
     return ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, plan))), plan
 
 

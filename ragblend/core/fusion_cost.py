@@ -229,8 +229,9 @@ class FusionCost:
         return self._constants
 
     def _measured_twice(self) -> tuple[dict, bool]:
-        """Two measurements, kept for the host only where :func:`trusted`; an untrusted pair
-        serves this process with the scaled defaults and is measured again by the next one."""
+        """Two measurements, settled for the host only where :func:`trusted`; an untrusted pair
+        gives the scaled defaults, kept unsettled (:func:`~.host_cache.remembered`: measured
+        again at the first quiet start)."""
         first, second = measure_constants(self.adapter), measure_constants(self.adapter)
         if not trusted(first, second):
             log.info("ragblend: the fusion's cost measured %.3g and %.3g s a row on a busy host; using the "

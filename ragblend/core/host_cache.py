@@ -9,6 +9,10 @@ and flags, thread count, torch: :func:`~ragblend.core.kernels.host_key`) and by 
 later processes read it and answer alike. A file that is unreadable, foreign, of another format
 or not a regular file is ignored and measured again, never trusted; one that cannot be written
 leaves the choice to this process.
+
+A measurement taken while the machine was busy is kept too, marked unsettled: later processes
+use it (they would otherwise all measure again, on a busy 2-core host for tens of seconds each)
+and the first one that starts on a quiet host (:func:`host_is_quiet`) measures again.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -33,8 +38,8 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
                directory: Path | None = None) -> T:
     """The value ``measure`` gave for ``name`` and ``key`` on this host: read from the cache dir
     if a sound file holds one that ``valid`` accepts, else measured now. ``measure`` returns
-    ``(value, trustworthy)``; an untrustworthy one (the machine was busy) serves this process
-    and is not stored."""
+    ``(value, trustworthy)``; an untrustworthy one (the machine was busy) is stored as
+    unsettled: used by later processes, and measured again by the first to start on a quiet host."""
     if directory is None:
         from .model import cache_dir
 
@@ -42,29 +47,55 @@ def remembered(name: str, key: dict, measure: Callable[[], tuple[T, bool]], vali
     key = {"measure": name} | key
     path = record_path(directory, key, f"{name}-")
     record, why = read_record(path, FORMAT, VERSION, key)
+    unsettled = None
     if record is not None:
-        if valid(record.get("value")):
+        if not valid(record.get("value")):
+            why = f"a value out of range ({str(record.get('value'))[:40]})"
+        elif record.get("settled", True) is not False or not host_is_quiet():
             return record["value"]
-        why = f"a value out of range ({str(record.get('value'))[:40]})"
+        else:   # measured on a busy machine, and the host is quiet now: measured again
+            unsettled = record["value"]
     if why:
         log.warning("ragblend: ignoring the host measurement %s (%s); measuring again.", path, why)
+    load = load_average()
     value, trustworthy = measure()
-    if trustworthy:
-        record = {"format": FORMAT, "version": VERSION, "key": key, "value": value}
-        # No sound file: the first process to write wins, and the others take its value (they may
-        # have measured at the same moment); a bad file is replaced.
-        if not write_record(path, record, replace=why is not None):
-            record, _ = read_record(path, FORMAT, VERSION, key)
-            if record is not None and valid(record.get("value")):
-                return record["value"]
+    if unsettled is not None and not trustworthy:
+        return unsettled   # no sounder: keep choosing as the other processes do
+    record = {"format": FORMAT, "version": VERSION, "key": key, "value": value, "settled": trustworthy,
+              "measured_at": time.time(), "load_average": load}
+    # No sound file: the first process to write wins, and the others take its value (they may
+    # have measured at the same moment); a bad or unsettled file is replaced.
+    if not write_record(path, record, replace=why is not None or unsettled is not None):
+        record, _ = read_record(path, FORMAT, VERSION, key)
+        if record is not None and valid(record.get("value")):
+            return record["value"]
     return value
+
+
+# The host counts as quiet while its 1-minute load average is below this share of its cores.
+QUIET_LOAD_SHARE = 0.5
+
+
+def load_average() -> float | None:
+    """The host's 1-minute load average, or None where the OS does not say."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def host_is_quiet() -> bool:
+    """Whether other work leaves this host's cores free enough to measure on (the 1-minute load
+    average below ``QUIET_LOAD_SHARE`` of the cores; True where the OS does not say)."""
+    load = load_average()
+    return load is None or load < QUIET_LOAD_SHARE * (os.cpu_count() or 1)
 
 
 def measured_twice(verdict: Callable[[], T], fallback: T) -> tuple[T, bool]:
     """A choice made from a timing, made twice: ``(the choice, whether the two agree)``, as
     :func:`remembered`'s ``measure`` wants it. Two that disagree were near a tie or disturbed
     (the machine was busy): ``fallback`` (the conservative choice) is taken, so that processes
-    still choose alike, and nothing is kept for the host."""
+    still choose alike, and kept as unsettled (measured again at a quiet start)."""
     first, second = verdict(), verdict()
     return (first, True) if first == second else (fallback, False)
 

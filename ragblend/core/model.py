@@ -533,13 +533,18 @@ def with_linears(hf_model, make):
     return twin
 
 
-def kernel_plan_for(hf_model, remeasure: bool = False) -> KernelPlan:
-    """The CPU kernel per row bucket for ``hf_model``'s linear layers on this host, measured
-    once and cached (:func:`ragblend.core.kernels.plan_for`)."""
+def kernel_layers(hf_model) -> tuple[list[list[torch.nn.Linear]], list[torch.nn.Linear]]:
+    """``(each decoder layer's linear layers, [the LM head])``: what the kernel plan is measured on."""
     decoder = [[m for m in layer.modules() if type(m) is torch.nn.Linear] for layer in hf_model.model.layers]
     head = getattr(hf_model, "lm_head", None)
-    return plan_for([layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else [],
-                    remeasure=remeasure)
+    return [layer for layer in decoder if layer], [head] if type(head) is torch.nn.Linear else []
+
+
+def kernel_plan_for(hf_model, remeasure: bool = False, wait: bool = True) -> KernelPlan:
+    """The CPU kernel per row bucket for ``hf_model``'s linear layers on this host, measured
+    once and cached (:func:`ragblend.core.kernels.plan_for`; without ``wait``, ``F.linear``
+    until :func:`ragblend.core.kernels.measure_in_background` has measured it)."""
+    return plan_for(*kernel_layers(hf_model), remeasure=remeasure, wait=wait)
 
 
 def weight_samples(hf_model):

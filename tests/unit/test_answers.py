@@ -112,7 +112,7 @@ def test_auto_kv_dtype_is_float16_only_on_low_bit_weights_and_when_it_measures_f
         make_tiny_engine("llama", tokenizer, decode_kv_dtype="int8")
 
 
-def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_not_kept(tokenizer, tmp_path, monkeypatch):
+def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_kept_unsettled(tokenizer, tmp_path, monkeypatch):
     import ragblend.core.answers as answers
 
     weights = make_tiny_engine("llama", tokenizer, decode_dtype="int4", decode_kv_dtype="float32").decode_weights
@@ -121,8 +121,13 @@ def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_not_kept(t
     timings = iter([_fake_times(10.0, 7.0), _fake_times(10.0, 12.0)] + [_fake_times(10.0, 7.0)] * 2)
     monkeypatch.setattr(answers, "fastest_rounds", lambda work: next(timings)(work))
     assert decode_kv_dtype(weights, "auto") == torch.float32   # a near tie or a busy machine: float32
-    assert not list((tmp_path / "host").glob("decode-kv-dtype-*.json"))
-    monkeypatch.setattr(answers, "_MEASURED", {})   # a later process: measures again, both agree, kept
+    # issue 59: kept, marked unsettled (measured again at a quiet start), not measured by every process
+    (path,) = (tmp_path / "host").glob("decode-kv-dtype-*.json")
+    assert json.loads(path.read_text())["settled"] is False
+    monkeypatch.setattr(answers, "_MEASURED", {})   # a later process on a quiet host: measures again, both agree
+    import ragblend.core.host_cache as host_cache
+
+    monkeypatch.setattr(host_cache, "host_is_quiet", lambda: True)
     assert decode_kv_dtype(weights, "auto") == torch.float16
     [path] = (tmp_path / "host").glob("decode-kv-dtype-*.json")
     assert json.loads(path.read_text())["value"] == "float16"

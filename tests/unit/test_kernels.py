@@ -98,15 +98,27 @@ def test_a_corrupt_or_foreign_cache_is_measured_again(tmp_path, damage, caplog):
     assert "ignoring the kernel cache" in caplog.text
 
 
-def test_a_measurement_disturbed_by_a_busy_machine_is_not_cached(tmp_path):
-    rounds = iter([1.0, 1.0, 1.0, 5.0] * 100)   # one round in four much slower: someone else ran
+def busy_timer(calls=None):
+    """Rounds of 1 s but one in four of 5 s, as when someone else ran: a spread of 5x."""
+    rounds = iter([1.0, 1.0, 1.0, 5.0] * 1000)
 
     def busy(kernel, inputs, layer_list):
+        if calls is not None:
+            calls.append(NAME_OF[kernel])
         return next(rounds)
+    return busy
 
-    plan = plan_for(layers(), directory=tmp_path, timer=busy)
-    assert plan.source == "measured" and not list(tmp_path.glob("*.json"))
+
+def test_a_measurement_disturbed_by_a_busy_machine_is_cached_with_its_spread(tmp_path):
+    # Issue 59: such a measurement was not cached, so every process on a busy host measured again.
+    plan = plan_for(layers(), directory=tmp_path, timer=busy_timer())
+    assert plan.source == "measured" and len(list(tmp_path.glob("*.json"))) == 1
     assert {c.kernel for c in plan.choices.values()} == {"linear"}   # fastest rounds tie: F.linear stays
+    assert plan.measured.spread == 5.0 and plan.measured.rounds == kernels.ROUNDS and not plan.measured.settled
+    calls = []
+    again = plan_for(layers(), directory=tmp_path, timer=fake_timer({}, calls))
+    assert calls == [] and again.source == "cache" and again.measured == plan.measured   # used, not measured again
+    assert "unsettled" in again.state() and "5.0x apart" in again.state()
 
 
 def test_the_cache_key_names_host_threads_torch_and_shapes(monkeypatch):

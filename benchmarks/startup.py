@@ -1,0 +1,131 @@
+"""Start-up and the first answer of a fresh process (issue 59), each in fresh subprocesses.
+
+    python -m benchmarks.startup            # the embedded SmolLM2, on this host as it is
+    python -m benchmarks.startup --busy     # the same with 2 CPU-bound neighbour processes running
+
+Prints, in one run:
+
+* import + load (``import ragblend``, ``BlendEngine.from_pretrained()``) of a fresh process with
+  an empty cache dir (``RAGBLEND_CACHE_DIR``: the GGUF's config and tokenizer, every start-up
+  measurement and the kernel choice made again), and how long its kernel measurement then ran
+  in the background;
+* the same with that cache dir warm (``--loads`` processes, the median);
+* a fresh process's first fused answer against its second on the same prompt (the sample
+  passages, their KV precomputed on disk, so the first reads disk as ``ragblend ask`` does),
+  as the library runs it and after a one-token full prefill (``ragblend ask --compare``'s
+  warm-up), TTFT and whole answer.
+
+Targets (issue 59): warm import + load <= 5 s on a quiet host and <= 2x that with a
+neighbour using both cores; first fused answer <= 1.3x the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LOAD = r"""
+import json, sys, time
+start = time.perf_counter()
+import ragblend
+imported = time.perf_counter()
+engine = ragblend.BlendEngine.from_pretrained(kv_dir=False)
+loaded = time.perf_counter()
+plan = engine.kernel_plan
+source = plan.source if plan is not None else "none"
+settle = None
+if plan is not None and plan.background is not None and sys.argv[1] == "settle":
+    plan.background.join()   # the kernels measured in the background, cached for the next processes
+    settle = time.perf_counter() - loaded
+print(json.dumps({"import_s": imported - start, "load_s": loaded - imported, "kernels": source,
+                  "settle_s": settle, "state": plan.state() if plan is not None else ""}))
+"""
+
+ANSWERS = r"""
+import json, sys, time
+import ragblend
+from ragblend import Chunk, FullRecompute
+from ragblend.data import load_sample
+sample = load_sample()
+chunks = sample["chunks"][:4]
+engine = ragblend.BlendEngine.from_pretrained(kv_dir=sys.argv[1])
+if sys.argv[2] == "setup":
+    engine.precompute(chunks)
+    engine.flush()
+    sys.exit()
+segments = [Chunk(c) for c in chunks] + ["Question: " + sample["question"]]
+if sys.argv[2] == "compare":   # ragblend ask --compare's untimed warm-up
+    engine.generate(segments, strategy=FullRecompute(), max_new_tokens=1)
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    out = engine.generate(segments, max_new_tokens=16)
+    times.append({"ttft_s": out.stats.ttft_s, "answer_s": time.perf_counter() - start,
+                  "tiers": out.stats.tiers, "load_s": out.stats.load_s})
+print(json.dumps(times))
+"""
+
+
+def child(code: str, args: list[str], cache: str, timeout: float = 1800) -> str:
+    env = {**os.environ, "RAGBLEND_CACHE_DIR": cache, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"a child process failed:\n{out.stderr[-3000:]}")
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def neighbours(count: int) -> list[subprocess.Popen]:
+    """``count`` processes that keep a core busy each until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--busy", action="store_true", help="run 2 CPU-bound neighbour processes meanwhile")
+    parser.add_argument("--loads", type=int, default=3, help="warm-cache loads to time (default 3; the median)")
+    args = parser.parse_args(argv)
+    from ragblend.core.kernels import cpu_summary
+
+    print(f"Host: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+          f"load average before {os.getloadavg()[0]:.1f}{'; 2 CPU-bound neighbours' if args.busy else ''}", flush=True)
+    busy = neighbours(2) if args.busy else []
+    try:
+        with tempfile.TemporaryDirectory(prefix="ragblend-startup-") as tmp:
+            cache = str(Path(tmp) / "cache")
+            empty = json.loads(child(LOAD, ["settle"], cache))
+            print(f"empty cache: import {empty['import_s']:.2f} s + load {empty['load_s']:.2f} s "
+                  f"(kernels: {empty['kernels']}; measured in the background in {empty['settle_s'] or 0:.1f} s "
+                  f"after the load)", flush=True)
+            warm = [json.loads(child(LOAD, ["no"], cache)) for _ in range(args.loads)]
+            total = statistics.median(w["import_s"] + w["load_s"] for w in warm)
+            print(f"warm cache ({args.loads} processes): import + load median {total:.2f} s "
+                  f"(import {statistics.median(w['import_s'] for w in warm):.2f} s, load "
+                  f"{statistics.median(w['load_s'] for w in warm):.2f} s; kernels {warm[-1]['kernels']}: "
+                  f"{warm[-1]['state']})", flush=True)
+            kv = str(Path(tmp) / "kv")
+            child(ANSWERS, [kv, "setup"], cache)
+            for mode in ("plain", "compare"):
+                first, second = json.loads(child(ANSWERS, [kv, mode], cache))
+                label = "as the library runs it" if mode == "plain" else "after a 1-token full prefill (--compare)"
+                print(f"first fused answer {label}: TTFT {first['ttft_s']:.2f} s / answer {first['answer_s']:.2f} s "
+                      f"({first['tiers']}); second {second['ttft_s']:.2f} s / {second['answer_s']:.2f} s "
+                      f"({second['tiers']}); ratio TTFT {first['ttft_s'] / second['ttft_s']:.2f}x, answer "
+                      f"{first['answer_s'] / second['answer_s']:.2f}x", flush=True)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    print(f"load average after {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
