@@ -3,11 +3,18 @@
 For every prompt: the float32 engine's full prefill (the reference) and its full prefill of the
 chunks in reversed order (the model's order noise), then the quantized engine's full prefill and
 its fused prefill (the default strategy), each against the float32 engine's same prefill: first-
-token KL, and whether the greedy answers (``--greedy-tokens``) are identical. The rule (issue 55):
+token KL, and whether the greedy answers (``--greedy-tokens``) are identical, both engines
+decoding in float32 (``--decode-dtype``) so that the answers differ by the prefill alone. The rule (issue 55):
 mean KL under 5% of the mean order noise, identical answers on >= 95% of prompts.
 
     python -m benchmarks.quantized --models smollm2 --sets fidelity:6 squad:16
     python -m benchmarks.quantized --sets fidelity:4 --chunk-chars 700 --full-only --greedy-tokens 12   # ~1k tokens
+    python -m benchmarks.quantized --models smollm2 --sets squad:20 --chunk-chars 400 \
+        --greedy-tokens 12 --max-minutes 30     # docs/benchmarks.md (one process per model there)
+
+``--max-minutes`` bounds each model's prompts (on a busy machine): a model stops taking new
+prompts once it has run that long, and its verdict says on how many it was measured. The report
+(per prompt, then the verdicts) goes to ``--out``/quantized-fidelity.md.
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ import torch
 
 from ragblend import BlendEngine, Chunk, FullRecompute
 from ragblend.core.calibration import first_token_kl
+from ragblend.core.options import DECODE_DTYPES
+from ragblend.core.quantized import describe
 
-from .common import MUSIQUE, SYSTEM, prompt_sets
+from .common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
 from .models import MODELS, model_path
 
 
@@ -35,6 +44,15 @@ def run(engine, prompt, strategy, tokens, reverse=False):
     return out.logits, out.token_ids, out.stats
 
 
+def parting(what: str, ids: list[int], ref_ids: list[int], tokenizer) -> str:
+    """Where two greedy answers part, and the two texts ("" where they are the same)."""
+    if ids == ref_ids:
+        return ""
+    at = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
+    return (f"\n      {what} answers part at token {at}: {tokenizer.decode(ref_ids)!r} (float32) vs "
+            f"{tokenizer.decode(ids)!r}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
@@ -42,7 +60,12 @@ def main(argv=None) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=16)
     parser.add_argument("--chunk-chars", type=int, default=0, help="cut each chunk to this many characters (0: whole)")
     parser.add_argument("--full-only", action="store_true", help="the full prefill only (no precompute, no fused prefill)")
+    parser.add_argument("--decode-dtype", default="float32", choices=DECODE_DTYPES,
+                        help="both engines' decoding (default float32: the answers differ by the prefill alone)")
+    parser.add_argument("--max-minutes", type=float, default=0, help="stop a model's new prompts after this long (0: none)")
+    parser.add_argument("--out", default=RUNS_DIR, help="folder of the report (quantized-fidelity.md)")
     args = parser.parse_args(argv)
+    started, report = time.perf_counter(), []
     sets = prompt_sets(args.sets, MUSIQUE)
     if args.chunk_chars:
         for prompts in sets.values():
@@ -50,11 +73,13 @@ def main(argv=None) -> None:
                 prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
     for name in args.models:
         path = model_path(name)
-        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False)
-        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False)
-        rows = []
+        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype=args.decode_dtype)
+        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype=args.decode_dtype)
+        rows, model_started = [], time.perf_counter()
         for set_name, prompts in sets.items():
             for prompt in prompts:
+                if args.max_minutes and time.perf_counter() - model_started > 60 * args.max_minutes:
+                    break
                 ref, ref_ids, ref_stats = run(exact, prompt, FullRecompute(), args.greedy_tokens)
                 noise, _, _ = run(exact, prompt, FullRecompute(), 0, reverse=True)
                 full, full_ids, full_stats = run(quantized, prompt, FullRecompute(), args.greedy_tokens)
@@ -70,17 +95,28 @@ def main(argv=None) -> None:
                              "fused_same": fused_ids == fused_ref_ids, "ttft_exact": ref_stats.ttft_s,
                              "ttft_quantized": full_stats.ttft_s})
                 r = rows[-1]
-                print(f"{name} {set_name} {len(rows):3d}: noise {r['noise']:.4f} full KL {r['full_kl']:.5f} "
-                      f"fused KL {r['fused_kl']:.5f} same {r['full_same']}/{r['fused_same']} "
-                      f"TTFT full {r['ttft_exact']:.2f}s -> {r['ttft_quantized']:.2f}s", flush=True)
+                line = (f"{name} {set_name} {len(rows):3d}: noise {r['noise']:.4f} full KL {r['full_kl']:.5f} "
+                        f"fused KL {r['fused_kl']:.5f} same {r['full_same']}/{r['fused_same']} "
+                        f"TTFT full {r['ttft_exact']:.2f}s -> {r['ttft_quantized']:.2f}s")
+                line += parting("full", full_ids, ref_ids, exact.tokenizer)
+                line += parting("fused", fused_ids, fused_ref_ids, exact.tokenizer)
+                print(line, flush=True)
+                report.append(f"    {line}")
         noise = statistics.mean(r["noise"] for r in rows)
+        forms = [f"{name}'s quantized weights: " + "; ".join(describe(quantized.hf_model))]
         for what in ("full",) if args.full_only else ("full", "fused"):
             kl = statistics.mean(r[f"{what}_kl"] for r in rows)
-            same = sum(r[f"{what}_same"] for r in rows) / len(rows)
-            print(f"{name} {what} prefill on quantized weights: mean KL {kl:.5f} = {kl / noise:.1%} of the order "
-                  f"noise ({noise:.4f}); greedy answers ({args.greedy_tokens} tokens) identical on {same:.0%} of "
-                  f"{len(rows)} prompts: {'meets' if kl < 0.05 * noise and same >= 0.95 else 'MISSES'} the rule")
+            same = sum(r[f"{what}_same"] for r in rows)
+            line = (f"{name} {what} prefill on quantized weights: mean KL {kl:.5f} = {kl / noise:.2%} of the order "
+                    f"noise ({noise:.4f}); greedy answers ({args.greedy_tokens} tokens) identical on {same} of "
+                    f"{len(rows)} prompts: {'meets' if kl < 0.05 * noise and same >= 0.95 * len(rows) else 'MISSES'} "
+                    "the rule")
+            print(line, flush=True)
+            report += ["", line]
+        report += ["", *forms]
         del exact, quantized
+        write_report(args.out, "quantized-fidelity.md", "Prefill on quantized weights against float32",
+                     command_line("benchmarks.quantized", argv), time.perf_counter() - started, report)
 
 
 if __name__ == "__main__":

@@ -539,14 +539,13 @@ def _info(args) -> int:
           f"{engine.adapter.dtype}, {engine.adapter.device})")
     from ragblend.core.quantized import describe, is_quantized
 
-    if is_quantized(engine.hf_model):
-        print(f"Weights: the GGUF file's, held {engine.weights_form} (float32 on request: dtype=torch.float32 in "
-              "BlendEngine.from_pretrained):")
-        for line in describe(engine.hf_model):
-            print(f"  {line}")
-    elif plan is None:
+    print(f"Weights: held {engine.weights_form}, because: "
+          f"{getattr(engine.hf_model, 'ragblend_weights_reason', None) or 'the model was passed in as it is'}")
+    for line in describe(engine.hf_model):
+        print(f"  {line}")
+    if plan is None and not is_quantized(engine.hf_model):   # (a quantized or 16-bit model's: described above)
         print("Kernels: the model does not run in float32 on the CPU, so its own (transformers') kernels run it.")
-    else:
+    elif plan is not None:
         when = {"measured": "measured just now", "cache": "measured earlier on this host, cached"}.get(
             plan.source, "not measured")
         print(f"Kernels per pass size ({when}; RAGBLEND_KERNELS=linear keeps F.linear everywhere):")
@@ -732,6 +731,9 @@ whole_number = whole_number_from(0)
 ENGINE_FLAG_HELP = {
     "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
     "kv_dir": "KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)",
+    "dtype": "how the weights are held in memory: auto (default: a GGUF in float32 up to 4 GiB of it, else "
+             "quantized; an HF dir as stored, bf16/fp16 staying 16-bit), float32, bfloat16, float16, or quantized "
+             "(GGUF files only); see docs/models.md",
 }
 
 
@@ -796,7 +798,7 @@ def _ingest_parser(sub) -> None:
                              "progress bar; Ctrl-C stops safely and `ragblend cache fill` resumes), background "
                              "(a `ragblend cache fill` process; this command returns at once) or skip (questions "
                              "compute the KV of the chunks they use)")
-    _add_engine_options(ingest, "model")
+    _add_engine_options(ingest, "model", "dtype")
     _add_index(ingest)
     ingest.set_defaults(func=_ingest)
 
@@ -809,7 +811,7 @@ def _ask_parser(sub) -> None:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
-    _add_engine_options(ask, "model", "decode_dtype", "decode_kv_dtype")
+    _add_engine_options(ask, "model", "dtype", "decode_dtype", "decode_kv_dtype")
     _add_answer_options(ask)
     _add_index(ask)
     ask.set_defaults(func=_ask)
@@ -819,7 +821,7 @@ def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="ingest the sample documents and answer sample questions, "
                                        "with fusion and with a full prefill")
     demo.add_argument("--questions", type=int, default=3, help="how many sample questions to ask")
-    _add_engine_options(demo, "model")
+    _add_engine_options(demo, "model", "dtype")
     _add_answer_options(demo)
     demo.add_argument("--index", default=None, help="index folder (default: <user cache>/ragblend/demo-index)")
     demo.set_defaults(func=_demo)
@@ -841,14 +843,14 @@ def _calibrate_parser(sub) -> None:
     calibrate.add_argument("--answer-margin", type=number_in(0.0, 100.0, low_open=True), default=None, metavar="SHARE",
                            help="also require that answer-level KL within this share of the order noise's, e.g. 1.0 "
                                 "(default: reported, not required; a safer ratio, often a slower one)")
-    _add_engine_options(calibrate, "model")
+    _add_engine_options(calibrate, "model", "dtype")
     calibrate.set_defaults(func=_calibrate)
 
 
 def _info_parser(sub) -> None:
     info = sub.add_parser("info", help="show this host's CPU and the matmul kernels chosen for the model "
                                        "(measured once per host, then cached)")
-    _add_engine_options(info, "model", "decode_dtype", "decode_kv_dtype", "prompt_lookup_num_tokens")
+    _add_engine_options(info, "model", "dtype", "decode_dtype", "decode_kv_dtype", "prompt_lookup_num_tokens")
     info.add_argument("--measure", action="store_true",
                       help="measure the kernels and the fusion's cost constants again now and cache them (e.g. "
                            "if the first measurement ran on a busy machine: `choice unsettled`)")
@@ -873,7 +875,7 @@ def _serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    _add_engine_options(serve, "model", "kv_dir", "kv_dtype", "decode_dtype", "decode_kv_dtype")
+    _add_engine_options(serve, "model", "dtype", "kv_dir", "kv_dtype", "decode_dtype", "decode_kv_dtype")
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     serve.add_argument("--api-key", action="append", default=None,
                        help="require Authorization: Bearer KEY on every endpoint but /health (default: "
@@ -913,7 +915,7 @@ def _cache_parser(sub) -> None:
     _add_collection(cache)
     # Not the engine's kv_dir option: the store to inspect (verify loads its engine with no store).
     cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
-    _add_engine_options(cache, "model")
+    _add_engine_options(cache, "model", "dtype")
     cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
     cache.set_defaults(func=_cache)
 

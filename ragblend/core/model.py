@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
 from .kernels import DRAFT_ROWS, KernelPlan, plan_for
+from .sixteen_bit import SIXTEEN_BIT, hold_in_16_bit
 
 log = logging.getLogger("ragblend")
 
@@ -213,10 +214,46 @@ def check_memory(needed: int, what: str) -> None:
 FLOAT32_GGUF_BYTES = 4 << 30
 
 
+@dataclass(frozen=True)
+class PrefillFidelity:
+    """The fidelity rule (issue 55) measured for the prefill on quantized weights against the
+    float32 prefill of the same file, on one model: the mean first-token KL as a share of the
+    model's order noise and the prompts whose greedy answers were identical, each the worse of
+    the full and the fused (default strategy) prefill."""
+
+    model: str
+    kl_share: float
+    same: int
+    prompts: int
+
+    @property
+    def meets(self) -> bool:
+        return self.kl_share < 0.05 and self.same >= 0.95 * self.prompts
+
+    def __str__(self) -> str:
+        return (f"on {self.model}: first-token KL {self.kl_share:.1%} of the order noise, greedy answers identical on "
+                f"{self.same} of {self.prompts} prompts (docs/benchmarks.md)")
+
+
+# The rule measured per GGUF architecture, on its benchmark model (benchmarks.quantized). Where an
+# architecture missed it, a model of it that would be held quantized by default is held in float32
+# instead (the nearest exact path), and `ragblend info` says why; dtype="quantized" still holds it
+# quantized, saying it missed. An architecture not here is not measured.
+QUANTIZED_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
+    # benchmarks.quantized --sets squad:N --chunk-chars 400 --greedy-tokens 12, 2026-12-06, AVX-512 host (busy)
+    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0123, 10, 12),
+    "gemma3": PrefillFidelity("Gemma 3 270M Q4_K_M", 0.1384, 5, 11),
+    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0035, 4, 7),
+}
+
+
 def gguf_in_float32(gguf) -> bool:
     """Whether a GGUF model loads in float32 by default: its float32 weights take at most
     :data:`FLOAT32_GGUF_BYTES`. By size alone, never by the memory free at the moment: the two
-    forms' KV is keyed apart, so a model must load in the same form every time."""
+    forms' KV is keyed apart, so a model must load in the same form every time. A larger model
+    is held quantized even where its architecture's prefill on quantized weights missed the
+    fidelity rule (:data:`QUANTIZED_PREFILL_FIDELITY`): float32 is the nearest exact path, but
+    at 1-8B it would take 4-32 GiB; the reason ``ragblend info`` prints says so."""
     return sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4 <= FLOAT32_GGUF_BYTES
 
 
@@ -239,18 +276,23 @@ def quantized_estimate(gguf) -> int:
 def _weights_form(gguf_path: Path, dtype, device) -> tuple:
     """``(gguf, dtype)``: the GGUF file's checked header (None for an HF directory) and the dtype
     its weights load in (None: the quantized form), after refusing what cannot load."""
-    quantized = dtype == "quantized"
-    if isinstance(dtype, str) and not quantized:
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise InvalidInputError(f"dtype {dtype!r} is not a torch dtype; use None (the default), \"quantized\" "
-                                    "or a dtype such as \"float32\".")
-        dtype = getattr(torch, dtype)
+    asked, quantized = dtype, dtype == "quantized"
+    if dtype == "auto":
+        dtype = None
+    elif isinstance(dtype, str) and not quantized:
+        dtype = getattr(torch, dtype, None)
     elif quantized:
         dtype = None
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InvalidInputError(f"dtype {asked!r} is not a floating-point torch dtype; use \"auto\" (the default), "
+                                "\"quantized\" or a dtype such as \"float32\" or \"bfloat16\".")
     if not (gguf_path.suffix == ".gguf" and gguf_path.is_file()):
         if quantized:
-            raise InvalidInputError("dtype=\"quantized\" is for a GGUF file's weights; an HF directory loads in a "
-                                    "torch dtype (leave dtype out for float32).")
+            raise InvalidInputError(
+                f"dtype=\"quantized\" (--dtype quantized) needs a GGUF file, and {gguf_path} is not one: a Hugging "
+                "Face directory's weights are held as stored (bfloat16 or float16 stay 16-bit) or in the dtype you "
+                "name (\"float32\", \"bfloat16\", \"float16\"). To hold it quantized, convert it to a GGUF "
+                "file (llama.cpp's convert_hf_to_gguf.py, then llama-quantize) and load that.")
         return None, dtype
     from .gguf_file import read_gguf
 
@@ -266,6 +308,46 @@ def _weights_form(gguf_path: Path, dtype, device) -> tuple:
     return gguf, dtype
 
 
+def _named(dtype) -> str:
+    return str(dtype).split(".")[-1]
+
+
+def hf_weights_reason(stored: torch.dtype, asked, device) -> str:
+    """Why an HF directory's weights are held as they are (for ``ragblend info``)."""
+    held = "float32" if stored not in (torch.float32, torch.bfloat16, torch.float16) else _named(stored)
+    why = "as stored in the checkpoint" if asked in (None, "auto") else f"asked for (dtype={_named(asked)!r})"
+    if held == "float32":
+        return f"float32, {why}"
+    if str(device) != "cpu":
+        return f"{held}, {why}; computed in {held} on {device}"
+    return (f"{held}, {why}; computed in float32 one matrix at a time, so the numbers are those of dtype='float32' "
+            "(which holds twice the memory)")
+
+
+def gguf_weights_reason(gguf, asked, dtype, device) -> str:
+    """Why a GGUF file's weights are held as they are (for ``ragblend info``)."""
+    float32_gib = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4 / 2**30
+    verdict = QUANTIZED_PREFILL_FIDELITY.get(gguf.architecture)
+    fidelity = (f"the prefill on quantized weights {'met' if verdict.meets else 'MISSED'} the fidelity rule {verdict}"
+                if verdict is not None else
+                f"the fidelity of the prefill on quantized weights is not measured for the {gguf.architecture} "
+                "architecture")
+    if str(device) != "cpu":
+        return f"float32: quantized weights run on the CPU only, and this model runs on {device}"
+    if asked not in (None, "auto"):
+        held = "the file's quantized form" if dtype is None else _named(dtype)
+        return f"{held}, asked for (dtype={asked if isinstance(asked, str) else _named(asked)!r})" + \
+            (f"; {fidelity}" if dtype is None else "")
+    if dtype is not None:
+        return (f"float32, the default for a small model: its float32 weights take {float32_gib:.1f} GiB (at most "
+                f"{FLOAT32_GGUF_BYTES / 2**30:.0f} GiB), where the prefill on float32 weights measured faster than on "
+                "quantized ones (docs/models.md); dtype='quantized' holds the file's form")
+    exact = "" if verdict is None or verdict.meets else \
+        "; dtype=torch.float32 holds the nearest exact path (float32) where memory allows"
+    return (f"the file's quantized form, the default for a large model: its float32 weights would take "
+            f"{float32_gib:.1f} GiB (over {FLOAT32_GGUF_BYTES / 2**30:.0f} GiB); {fidelity}{exact}")
+
+
 def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | str | None = None,
                device: str | torch.device = "cpu"):
     """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory.
@@ -273,10 +355,14 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     A GGUF file's weights are read straight from the file. ``dtype=None`` (the default) keeps
     them in float32 where that is small (:func:`gguf_in_float32`), else in their quantized form
     (:mod:`.quantized`); ``dtype="quantized"`` asks for the quantized form and ``torch.float32``
-    for float32 whatever the size. An HF directory loads in ``dtype`` (None: float32)."""
+    for float32 whatever the size. An HF directory's weights are held as stored (None or "auto":
+    a bfloat16 or float16 checkpoint stays 16-bit) or in ``dtype``. On the CPU, 16-bit weights are
+    computed in float32 (:mod:`.sixteen_bit`), so they give the numbers of ``dtype=torch.float32``.
+    ``hf_model.ragblend_weights_reason`` says why the weights are held as they are."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = default_gguf_path() if model is None else Path(model).expanduser()
+    asked = dtype
     gguf, dtype = _weights_form(gguf_path, dtype, device)
     model_dir = resolve_model_dir(model)
     if (model_dir / "tokenizer.json").exists():
@@ -302,14 +388,23 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
                                                             dtype=dtype, attn_implementation="sdpa")
             hf_model.config.architectures = [type(hf_model).__name__]
         else:
-            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32,
+            # As stored (dtype="auto"): a bfloat16 or float16 checkpoint stays 16-bit in memory.
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or "auto",
                                                             attn_implementation="sdpa")
+            stored = hf_model.get_input_embeddings().weight.dtype
+            if stored not in (torch.float32, *SIXTEEN_BIT):
+                hf_model = hf_model.float()
+            hf_model.ragblend_weights_reason = hf_weights_reason(stored, asked, device)
+        if getattr(hf_model.get_input_embeddings(), "weight", None) is not None and \
+                hf_model.get_input_embeddings().weight.dtype in SIXTEEN_BIT and str(device) == "cpu":
+            hf_model = hold_in_16_bit(hf_model)   # 16-bit in memory, computed in float32 (as a GGUF's are)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
     hf_model.to(device).eval()
     if gguf is not None:
         _FROM_GGUF.add(hf_model)
+        hf_model.ragblend_weights_reason = gguf_weights_reason(gguf, asked, dtype, device)
         return_freed_memory()
     return hf_model, tokenizer
 

@@ -32,6 +32,7 @@ from .prompt import CHUNK_CONTEXT, check_text
 from .store import STORAGE_DTYPES
 
 KV_DTYPES = tuple(STORAGE_DTYPES)                    # ("float32", "float16", "bfloat16", "int8", "uint4")
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "quantized")   # EngineOptions.dtype by name
 DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
 DECODE_KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A pass over more rows than this is timed and run as a prefill (kernels.BUCKETS).
@@ -61,9 +62,11 @@ class EngineOptions:
     memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes.", load=True, type=int)
     disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes.", load=True, type=int)
     dtype: torch.dtype | str | None = option(
-        None, "Dtype the model's weights are loaded in. None: a GGUF file's in float32 where that takes at "
-              "most 4 GiB, else in its quantized form (\"quantized\" asks for that: docs/models.md); an HF "
-              "directory's in float32.", load=True)
+        None, "How the model's weights are held in memory: 'auto' (or None, the default): a GGUF file's in float32 "
+              "where that takes at most 4 GiB, else in its quantized form; an HF directory's as stored (bfloat16 or "
+              "float16 stay 16-bit). 'quantized': a GGUF file's quantized form whatever its size. 'float32', "
+              "'bfloat16', 'float16': that dtype. On the CPU, 16-bit and quantized weights are computed in float32 "
+              "(docs/models.md).", flag="--dtype", choices=WEIGHT_DTYPES, load=True, type=str)
     device: str | torch.device = option("cpu", "Device the model runs on.", load=True)
     # -- the engine around it
     separator: str = option("\n\n", "What joins the segments of a prompt.")

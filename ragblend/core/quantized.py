@@ -496,16 +496,30 @@ def quantized_bytes(model) -> int:
 
 
 def describe(model) -> list[str]:
-    """Lines for ``ragblend info``: how a quantized model holds its weights and runs them."""
+    """Lines for ``ragblend info``: how a model holds its weights (a quantized or 16-bit one's
+    :class:`QuantLinear` layers by kind; any other's matrices by dtype), their bytes, and how
+    they run."""
+    layers = {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}.values()
     kinds: dict[str, list[str]] = {}
-    for module in {id(m): m for m in model.modules() if isinstance(m, QuantLinear)}.values():
+    for module in layers:
         kinds.setdefault(module.kind, []).append(module.source_type)
     names = {"int4": "4-bit (groups of 32, bfloat16 scales)", "int8": "8-bit (a scale per row)",
              "float": "as stored (16/32-bit)"}
     lines = [f"{len(sources)} matrices {names[kind]}, from {', '.join(sorted(set(sources)))}"
              for kind, sources in sorted(kinds.items())]
+    if not layers:
+        dtypes: dict[str, int] = {}
+        weights = {id(m.weight): m.weight for m in model.modules()
+                   if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and m.weight is not None}
+        for weight in weights.values():   # a tied head's weight once
+            name = str(weight.dtype).split(".")[-1]
+            dtypes[name] = dtypes.get(name, 0) + 1
+        lines += [f"{count} matrices {name}" for name, count in dtypes.items()]
     lines.append(f"{quantized_bytes(model) / 2**20:.0f} MiB of weights in memory")
-    lines.append(f"passes of up to {DRAFT_ROWS} rows (decoding): PyTorch's int4/int8 CPU kernels on bfloat16 "
-                 "activations; longer passes (precompute, prefill): each matrix dequantized into one reused "
-                 "float32 buffer, then F.linear in float32")
+    if "int4" in kinds or "int8" in kinds:
+        lines.append(f"passes of up to {DRAFT_ROWS} rows (decoding): PyTorch's int4/int8 CPU kernels on bfloat16 "
+                     "activations; longer passes (precompute, prefill): each matrix dequantized into one reused "
+                     "float32 buffer, then F.linear in float32")
+    elif kinds:
+        lines.append("every pass: each 16-bit matrix copied into one reused float32 buffer, then F.linear in float32")
     return lines

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, EngineOptions, field_default, field_help
+from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
 from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
@@ -22,6 +22,7 @@ from ragblend.serving.protocol import cached_tokens
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
 KvDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 DecodeDtype = Literal[DECODE_DTYPES]  # type: ignore[valid-type]
+WeightDtype = Literal[WEIGHT_DTYPES]  # type: ignore[valid-type]
 
 
 class EngineFields(BaseModel):
@@ -29,6 +30,7 @@ class EngineFields(BaseModel):
 
     # The engine's own options: their help and defaults are declared once, in ragblend.core.options.
     model_path: Optional[str] = Field(default=field_default("model"), description=field_help("model"))
+    dtype: Optional[WeightDtype] = Field(default=field_default("dtype"), description=field_help("dtype"))
     kv_dir: Optional[str] = Field(default=field_default("kv_dir"), description=field_help("kv_dir"))
     kv_dtype: KvDtype = Field(default=field_default("kv_dtype"), description=field_help("kv_dtype"))
     decode_dtype: DecodeDtype = Field(default=field_default("decode_dtype"), description=field_help("decode_dtype"))
@@ -44,7 +46,7 @@ class EngineFields(BaseModel):
 
     def engine_options(self) -> EngineOptions:
         """The :class:`~ragblend.core.options.EngineOptions` of the local engine these fields ask for."""
-        return EngineOptions(model=self.model_path, kv_dir=self.kv_dir, kv_dtype=self.kv_dtype,
+        return EngineOptions(model=self.model_path, dtype=self.dtype, kv_dir=self.kv_dir, kv_dtype=self.kv_dtype,
                              decode_dtype=self.decode_dtype)
 
     def check_strategy(self) -> None:

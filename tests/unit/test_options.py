@@ -47,7 +47,7 @@ def test_integration_fields_describe_the_options():
     from ragblend.integrations.common import EngineFields
 
     fields = EngineFields.model_fields
-    for field, option in [("model_path", "model"), ("kv_dir", "kv_dir"), ("kv_dtype", "kv_dtype"),
+    for field, option in [("model_path", "model"), ("dtype", "dtype"), ("kv_dir", "kv_dir"), ("kv_dtype", "kv_dtype"),
                           ("decode_dtype", "decode_dtype")]:
         assert fields[field].description == field_help(option)
     assert (fields["kv_dtype"].default, fields["decode_dtype"].default) == ("float16", "auto")

@@ -1,0 +1,160 @@
+"""How a model's weights are held in memory (``dtype`` / ``--dtype``): an HF directory stored in
+bfloat16 or float16 stays 16-bit and computes the float32 load's numbers; ``quantized`` needs a
+GGUF file; ``ragblend info`` prints the form, its bytes and why."""
+
+import pytest
+import torch
+
+from ragblend import BlendEngine, Chunk, FullRecompute
+from ragblend.cli import build_parser, main
+from ragblend.core import options as engine_options
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.model import load_model
+from ragblend.core.quantized import QuantLinear, quantized_bytes
+
+from ..conftest import tiny_model
+
+SEGMENTS = [Chunk("The lighthouse on the north cape was first lit in 1871 by its keeper, Ada Moss."),
+            Chunk("Ships from the northern ports sailed past it every winter, in fog and in storm."),
+            "Question: when was the lighthouse first lit?"]
+
+
+def save_tiny(folder, tokenizer, arch="llama", dtype=torch.bfloat16):
+    """A tiny random model of ``arch`` saved as an HF directory whose safetensors are ``dtype``."""
+    import copy
+
+    copy.deepcopy(tiny_model(arch)).to(dtype).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("gemma3", torch.bfloat16),
+                                        ("qwen2", torch.float16)])
+def test_a_16_bit_hf_dir_stays_16_bit_and_computes_the_float32_loads_numbers(tmp_path, tokenizer, arch, dtype):
+    folder = save_tiny(tmp_path / "model", tokenizer, arch, dtype)
+    held = BlendEngine.from_pretrained(folder, kv_dir=False)
+    exact = BlendEngine.from_pretrained(folder, dtype="float32", kv_dir=False)
+    name = str(dtype).split(".")[-1]
+    assert held.weights_form == name and exact.weights_form == "float32"
+    matrices = [m for m in held.hf_model.modules() if isinstance(m, QuantLinear)]
+    assert matrices and all(m.weight.dtype == dtype for m in matrices)
+    float32_bytes = sum(p.numel() * p.element_size() for p in exact.hf_model.parameters())
+    assert quantized_bytes(held.hf_model) < 0.52 * float32_bytes   # ~2 bytes a weight (norms stay float32)
+    # the same model to ragblend (calibration and KV entries shared), and the same numbers
+    assert held.fingerprint == exact.fingerprint
+    for strategy in (FullRecompute(), None):
+        if strategy is None:
+            for engine in (held, exact):
+                engine.precompute([s.text for s in SEGMENTS[:2]])
+        logits = [e.prefill(SEGMENTS, strategy=strategy).logits for e in (held, exact)]
+        assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=0), (logits[0] - logits[1]).abs().max()
+    answers = [e.generate(SEGMENTS, max_new_tokens=8).token_ids for e in (held, exact)]
+    assert answers[0] == answers[1] and len(answers[0]) == 8
+
+
+def test_a_float32_hf_dir_stays_float32_and_16_bit_is_held_on_request(tmp_path, tokenizer):
+    folder = save_tiny(tmp_path / "model", tokenizer, dtype=torch.float32)
+    model, _ = load_model(folder)
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert model.ragblend_weights_reason == "float32, as stored in the checkpoint"
+    model, _ = load_model(folder, dtype="bfloat16")
+    assert model.ragblend_weights_form == "bfloat16"
+    assert model.ragblend_weights_reason.startswith("bfloat16, asked for (dtype='bfloat16'); computed in float32")
+
+
+def test_quantized_on_an_hf_dir_is_refused_saying_it_needs_a_gguf(tmp_path, tokenizer, capsys):
+    folder = save_tiny(tmp_path / "model", tokenizer)
+    with pytest.raises(InvalidInputError, match=r"dtype=\"quantized\" \(--dtype quantized\) needs a GGUF file.*"
+                                                r"convert it to a GGUF"):
+        load_model(folder, dtype="quantized")
+    assert main(["info", "--model", folder, "--dtype", "quantized"]) == 2
+    assert "needs a GGUF file" in capsys.readouterr().err
+    with pytest.raises(InvalidInputError, match="is not a floating-point torch dtype; use \"auto\""):
+        load_model(folder, dtype="int3")
+
+
+@pytest.mark.parametrize("command", [["serve"], ["info"], ["ask", "a question?"], ["calibrate"], ["cache", "stats"]])
+def test_the_dtype_flag_reaches_the_engine_options_of_every_command_that_loads_a_model(command):
+    parser = build_parser()
+    for value in ("auto", "float32", "bfloat16", "float16", "quantized"):
+        args = parser.parse_args([*command, "--dtype", value])
+        assert engine_options.from_args(args).dtype == value
+    assert engine_options.from_args(parser.parse_args(command)).dtype is None   # the default: auto
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--dtype", "int4"])   # argparse names the choices
+
+
+def test_ragblend_info_prints_the_weights_form_its_bytes_and_why(tmp_path, tokenizer, capsys):
+    folder = save_tiny(tmp_path / "model", tokenizer)
+    assert main(["info", "--model", folder]) == 0
+    out = capsys.readouterr().out
+    assert "Weights: held bfloat16, because: bfloat16, as stored in the checkpoint; computed in float32" in out
+    assert "matrices as stored (16/32-bit), from BF16" in out and "MiB of weights in memory" in out
+    assert "each 16-bit matrix copied into one reused float32 buffer" in out
+    assert main(["info", "--model", folder, "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "Weights: held float32, because: float32, asked for (dtype='float32')" in out
+    assert "matrices float32" in out
+
+
+def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    from ragblend.core import model as model_module
+    from ragblend.core.gguf_file import read_gguf
+    from ragblend.core.quantized import build_quantized_model, describe
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")   # (no tokenizer in it: the model is built, not loaded)
+    gguf = read_gguf(path)
+    reason = model_module.gguf_weights_reason
+    assert reason(gguf, None, torch.float32, "cpu").startswith("float32, the default for a small model")
+    assert reason(gguf, "quantized", None, "cpu").startswith("the file's quantized form, asked for (dtype='quantized')")
+    assert reason(gguf, torch.float32, torch.float32, "cpu") == "float32, asked for (dtype='float32')"
+    monkeypatch.setattr(model_module, "FLOAT32_GGUF_BYTES", 0)
+    monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {})   # an architecture not measured
+    assert model_module._weights_form(path, "auto", "cpu")[1] is None   # too large for float32: quantized
+    assert reason(gguf, "auto", None, "cpu").startswith("the file's quantized form, the default for a large model")
+    lines = describe(build_quantized_model(gguf, AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)))
+    assert any("4-bit (groups of 32" in line for line in lines) and any("8-bit (a scale per row)" in line
+                                                                        for line in lines)
+    assert any("int4/int8 CPU kernels" in line for line in lines) and lines[-2].endswith("MiB of weights in memory")
+
+
+def test_blend_chat_model_passes_its_dtype_to_the_engine(tmp_path, tokenizer):
+    from ragblend.integrations.langchain_chat import BlendChatModel
+
+    folder = save_tiny(tmp_path / "model", tokenizer)
+    assert BlendChatModel(model_path=folder).engine_options().dtype is None   # auto
+    chat = BlendChatModel(model_path=folder, dtype="float32", kv_dir=str(tmp_path / "kv"), max_tokens=2)
+    assert chat.invoke("Hi").content is not None
+    assert chat._engine.weights_form == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        BlendChatModel(dtype="int4")
+
+
+def test_an_architecture_that_missed_the_fidelity_rule_is_held_quantized_when_large_saying_why(tmp_path, monkeypatch):
+    from ragblend.core import model as model_module
+    from ragblend.core.gguf_file import read_gguf
+    from ragblend.core.model import PrefillFidelity
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = read_gguf(path)
+    monkeypatch.setattr(model_module, "FLOAT32_GGUF_BYTES", 0)   # large enough to be held quantized by default
+    monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {"llama": PrefillFidelity("Tiny", 0.02, 20, 20)})
+    assert model_module._weights_form(path, None, "cpu")[1] is None
+    assert "the prefill on quantized weights met the fidelity rule on Tiny: first-token KL 2.0% of the order " \
+           "noise, greedy answers identical on 20 of 20" in model_module.gguf_weights_reason(gguf, None, None, "cpu")
+    missed = PrefillFidelity("Tiny", 0.02, 18, 20)   # 90% of the answers: misses
+    monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {"llama": missed})
+    # a large model stays quantized (float32 would not fit at 1-8B); the reason says it missed
+    assert not missed.meets and model_module._weights_form(path, None, "cpu")[1] is None
+    reason = model_module.gguf_weights_reason(gguf, None, None, "cpu")
+    assert "MISSED the fidelity rule on Tiny" in reason and "dtype=torch.float32 holds the nearest exact path" in reason
+    assert model_module._weights_form(path, "quantized", "cpu")[1] is None   # asked for: held quantized, saying so
+    assert "MISSED the fidelity rule" in model_module.gguf_weights_reason(gguf, "quantized", None, "cpu")
+    monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {})
+    assert "not measured for the llama architecture" in model_module.gguf_weights_reason(gguf, None, None, "cpu")
