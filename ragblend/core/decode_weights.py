@@ -27,7 +27,7 @@ from .model import (
     on_int4_grid,
     with_linears,
 )
-from .quantized import QuantLinear, is_quantized, quantized_matmuls
+from .quantized import QuantLinear, exact_twin, is_quantized, quantized_matmuls
 
 log = logging.getLogger("ragblend")
 
@@ -44,6 +44,7 @@ class DecodeWeights:
         self.hf_model, self.adapter, self.kernel_plan = hf_model, adapter, kernel_plan
         self.decode_dtype, self.lock = decode_dtype, lock
         self._adapter: ModelAdapter | None = None
+        self._exact: ModelAdapter | None = None
 
     def decoding_adapter(self) -> ModelAdapter:
         """The adapter decoding runs on: the engine's own, or a twin (built with the engine) whose
@@ -61,6 +62,16 @@ class DecodeWeights:
                         twins[self.decode_dtype] = self._build()
                     self._adapter = twins[self.decode_dtype] or self.adapter
         return self._adapter
+
+    def exact_adapter(self) -> ModelAdapter:
+        """The adapter a near-tied greedy pick is made again on: the engine's own, or for a
+        quantized model (whose prefill twin may run bfloat16 matmuls) its float32 twin."""
+        if is_quantized(self.hf_model):
+            with self.lock:
+                if self._exact is None:
+                    self._exact = ModelAdapter(exact_twin(self.hf_model))
+            return self._exact
+        return self.adapter
 
     def layer_counts(self) -> dict[str, int]:
         """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``

@@ -61,7 +61,7 @@ from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
-from .quantized import exact_twin, is_quantized
+from .quantized import is_quantized, prefill_twin, scoring_twin
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
 from .store import EntrySpec, KVStore, MemoryStore, open_store
@@ -432,9 +432,12 @@ def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
     """The adapter the engine computes with, and its CPU kernel plan (None off float32 CPU)."""
     adapter = ModelAdapter(hf_model)   # checks the architecture first
     if is_quantized(hf_model):
-        # Prefill on the quantized weights dequantized per layer, in float32 (core.quantized);
-        # decoding steps run the model itself, on the low-bit kernels (core.decode_weights).
-        return ModelAdapter(exact_twin(hf_model)), None
+        # Prefill on the quantized weights dequantized per layer (core.quantized); QueryAware's
+        # question pass on the low-bit kernels up to the rows measured faster on this host; decoding
+        # steps run the model itself, on the low-bit kernels (core.decode_weights).
+        adapter = ModelAdapter(prefill_twin(hf_model))
+        adapter.scoring = ModelAdapter(scoring_twin(hf_model))
+        return adapter, None
     if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
         return adapter, None
     # The same weights through the CPU kernels measured fastest on this host (core.kernels);

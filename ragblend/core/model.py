@@ -790,6 +790,9 @@ class ModelAdapter:
             )
         self.hf_model = hf_model
         self.arch = arch
+        # What QueryAware's question pass (it only scores the reused tokens) runs on: this adapter,
+        # or for a quantized model a twin on the low-bit kernels (see quantized.scoring_twin).
+        self.scoring: ModelAdapter = self
         cfg = hf_model.config
         self.base = hf_model.model
         self.layers = list(self.base.layers)

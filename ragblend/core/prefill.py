@@ -108,8 +108,9 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         relevance = torch.zeros(adapter.shape.num_layers, prompt.num_reused, device=adapter.device)
         query_tokens = getattr(selection, "query_tokens", None)
         start = prompt.question_start if query_tokens is None else max(0, prompt.num_tokens - query_tokens)
-        run = _walk(adapter, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
-                    None, rope, observe=_question_attention(adapter, prompt, relevance, start))
+        scoring = adapter.scoring   # the question pass only ranks reused tokens: low-bit kernels may run it
+        run = _walk(scoring, ids, prompt, layers, UncachedTokens().first(prompt, probe), frozenset(),
+                    None, rope, observe=_question_attention(scoring, prompt, relevance, start))
         probe_runs.append(run)
         return relevance
 

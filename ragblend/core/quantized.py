@@ -10,16 +10,21 @@ Each weight is held in one form, the nearest PyTorch's CPU kernels read:
   the rounding is a fraction of the file's own step), for ``aten._weight_int8pack_mm``: ~1 byte.
 * F32, F16, BF16: the file's values in their own dtype.
 
-A pass of up to ``kernels.DRAFT_ROWS`` rows (a decoding step) runs the low-bit kernel on
-bfloat16 activations, as the decoding twins of :mod:`.decode_weights` do. A longer pass (a
-chunk's precompute, a fused or full prefill) dequantizes the layer into one reused float32
-scratch buffer and runs ``F.linear`` on float32 activations: the same weights, float32 math,
-at a cost of one pass over the weight per matmul, small beside a matmul of many rows.
+A pass of up to ``kernel_rows`` rows (a decoding step: ``kernels.DRAFT_ROWS``) runs the
+low-bit kernel on bfloat16 activations, as the decoding twins of :mod:`.decode_weights` do. A
+longer pass (a chunk's precompute, a fused or full prefill) dequantizes the layer into one reused
+scratch buffer and runs ``F.linear``: at a cost of one pass over the weight per matmul, small
+beside a matmul of many rows. The engine prefills on a twin (:func:`prefill_twin`) whose
+long-pass dtype and kernel rows are measured on the running host (:func:`long_pass_plan`):
+bfloat16 matmuls where the CPU multiplies bfloat16 natively and that measures clearly faster,
+else float32; the low-bit kernel up to the rows where it still beats the dequantized matmul.
+A near-tied greedy pick is checked again on the float32 twin (:func:`exact_twin`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import numpy as np
@@ -27,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .gguf_file import EIGHT_BIT, FOUR_BIT, GGUFFile, TensorInfo
-from .kernels import DRAFT_ROWS
+from .kernels import DRAFT_ROWS, fastest_rounds
 
 log = logging.getLogger("ragblend")
 
@@ -36,12 +41,13 @@ SCRATCH_WEIGHTS = 16 << 20      # a longer pass dequantizes at most this many we
 _scratch = threading.local()    # per thread: engines on other threads may run passes at once
 
 
-def scratch(count: int) -> torch.Tensor:
-    """A float32 buffer of at least ``count`` values, reused by every layer of this thread."""
-    buffer = getattr(_scratch, "buffer", None)
+def scratch(count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer of at least ``count`` values of ``dtype``, reused by every layer of this thread."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(dtype)
     if buffer is None or buffer.numel() < count:
         with torch.inference_mode(False):   # a normal tensor: passes in and out of inference mode write it
-            buffer = _scratch.buffer = torch.empty(count)
+            buffer = buffers[dtype] = torch.empty(count, dtype=dtype)
     return buffer[:count]
 
 
@@ -124,6 +130,7 @@ class QuantLinear(torch.nn.Module):
         super().__init__()
         self.out_features, self.in_features, self.kind, self.source_type = out_features, in_features, kind, source_type
         self.kernel_rows = DRAFT_ROWS   # passes of at most this many rows run the low-bit kernel (0: none)
+        self.long_pass_dtype = torch.float32   # what a longer pass dequantizes to and multiplies in
         for name, tensor in tensors.items():
             self.register_buffer(name, tensor)
         self.bias = None if bias is None else torch.nn.Parameter(bias.float(), requires_grad=False)
@@ -191,11 +198,12 @@ class QuantLinear(torch.nn.Module):
             else:
                 out = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
             return out.float() if self.bias is None else out.float() + self.bias
-        step = self.rows_per_slice()
-        outs = [F.linear(flat, self.dequantize(start, min(start + step, self.out_features)),
-                         None if self.bias is None else self.bias[start:start + step])
+        step, dtype = self.rows_per_slice(), self.long_pass_dtype
+        x = flat.to(dtype)
+        outs = [F.linear(x, self.dequantize(start, min(start + step, self.out_features), dtype)).float()
                 for start in range(0, self.out_features, step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if self.bias is None else out + self.bias
 
     def rows_per_slice(self) -> int:
         """Output rows dequantized at a time: all of them up to SCRATCH_WEIGHTS (a whole LM head
@@ -203,17 +211,18 @@ class QuantLinear(torch.nn.Module):
         step = max(64, SCRATCH_WEIGHTS // self.in_features // 64 * 64)
         return self.out_features if step >= self.out_features else step
 
-    def dequantize(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """float32 weight rows ``start:stop``, in this thread's scratch buffer (valid until the next call)."""
+    def dequantize(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight rows ``start:stop`` in ``dtype`` (float32 or bfloat16), in this thread's scratch
+        buffer (valid until the next call)."""
         stop = self.out_features if stop is None else stop
         count = stop - start
-        out = scratch(count * self.in_features).view(count, self.in_features)
+        out = scratch(count * self.in_features, dtype).view(count, self.in_features)
         if self.kind == "float":
-            if self.weight.dtype == torch.float32:
+            if self.weight.dtype == dtype:
                 return self.weight[start:stop]
             return out.copy_(self.weight[start:stop])
         if self.kind == "int8":
-            return torch.mul(self.codes[start:stop], self.scales[start:stop, None], out=out)
+            return torch.mul(self.codes[start:stop], self.scales[start:stop, None].to(dtype), out=out)
         # The codes go straight into the buffer (each nibble half of a 64-row block, converted in one
         # copy), then weight = code * scale + (zero - 8 * scale) in one fused pass: three passes over
         # the buffer in all, where unpacking first took ten.
@@ -221,7 +230,7 @@ class QuantLinear(torch.nn.Module):
         halves = out.view(count // 64, 2, 32, self.in_features)
         halves[:, 0].copy_((blocks & 15).transpose(1, 2))
         halves[:, 1].copy_((blocks >> 4).transpose(1, 2))
-        sz = self.scales_and_zeros[:, start:stop].float()   # [groups, rows, 2]
+        sz = self.scales_and_zeros[:, start:stop].float()   # [groups, rows, 2]; the sum in float32, rounded once
         scale = sz[..., 0].T[..., None]
         groups = out.view(count, -1, GROUP)
         torch.addcmul(sz[..., 1].T[..., None] - 8 * scale, groups, scale, out=groups)
@@ -470,19 +479,126 @@ def is_quantized(model) -> bool:
     return hasattr(model, "gguf_weight_samples")
 
 
-def exact_twin(model):
-    """A twin of a quantized model (its weights shared, not copied) whose every pass, decoding
-    passes included, dequantizes and runs in float32: what the engine prefills with, and what a
-    greedy pick at a near tie is made again on (``Decoding.exact_adapter``), while decoding steps
-    run ``model`` itself, on the low-bit kernels."""
+def _twin(model, kernel_rows: int, long_pass_dtype: torch.dtype):
+    """A twin of a quantized model (its weights shared, not copied) whose layers run passes of
+    up to ``kernel_rows`` rows on the low-bit kernels and longer ones dequantized to ``long_pass_dtype``."""
     import copy
 
     shared = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     twin = copy.deepcopy(model, memo=shared)
     for module in twin.modules():
         if isinstance(module, QuantLinear):
-            module.kernel_rows = 0
+            module.kernel_rows, module.long_pass_dtype = kernel_rows, long_pass_dtype
     return twin
+
+
+def exact_twin(model):
+    """A twin whose every pass, decoding passes included, dequantizes and runs in float32: what a
+    greedy pick at a near tie is made again on (``Decoding.exact_adapter``), while decoding steps
+    run ``model`` itself, on the low-bit kernels."""
+    return _twin(model, 0, torch.float32)
+
+
+def prefill_twin(model):
+    """The twin the engine prefills with (chunk precompute, fused and full prefill): float32
+    long passes, as :func:`exact_twin` but decoding's rows on the low-bit kernels; with
+    ``RAGBLEND_QUANTIZED_PREFILL=fast``, the plan :func:`long_pass_plan` measured on this host
+    (bfloat16 matmuls where they measure clearly faster, the low-bit kernels up to the rows where
+    they win: faster, but activations rounded to bfloat16, which changed one greedy answer in
+    two on SmolLM2, so not the default)."""
+    plan = long_pass_plan(model)
+    if os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower() in ("fast", "bfloat16"):
+        return _twin(model, plan["kernel_rows"], getattr(torch, plan["dtype"]))
+    return _twin(model, DRAFT_ROWS, torch.float32)
+
+
+def scoring_twin(model):
+    """The twin QueryAware's question pass runs on: it only ranks the reused tokens by the
+    attention the question pays them (the answer's logits come from the float32 pass after it),
+    so it takes the low-bit kernels up to the rows :func:`long_pass_plan` measured faster,
+    sparing the prefill one dequantization of every weight."""
+    plan = long_pass_plan(model)
+    return _twin(model, plan["kernel_rows"], torch.float32)
+
+
+LONG_PASS_ROWS = 256            # a long pass's rows when timing float32 against bfloat16
+KERNEL_ROW_BUCKETS = (16, 32, 64, 128)
+CLEARLY_FASTER = 1.3            # bfloat16 is taken only this much faster: it rounds the activations
+
+
+def _bfloat16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): elsewhere
+    PyTorch emulates it, slower than float32, and it is not worth timing."""
+    cpu = torch.backends.cpu
+    checks = [getattr(torch._C._cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(check() for check in checks if check is not None) and hasattr(cpu, "get_cpu_capability")
+
+
+def long_pass_plan(model) -> dict:
+    """``{"dtype": "float32" | "bfloat16", "kernel_rows": n}`` for a quantized model's prefill on
+    this host, measured once on one decoder layer's matmuls and remembered for the host
+    (:mod:`.host_cache`). ``RAGBLEND_QUANTIZED_PREFILL=float32`` takes the float32 path without
+    measuring (the low-bit kernel only for decoding's rows); ``=bfloat16`` takes bfloat16 and the
+    kernel up to 64 rows without measuring (for judging its fidelity)."""
+    exact = {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
+    forced = os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower()
+    if forced in ("float32", "bfloat16"):   # bfloat16 (to judge it): the low-bit kernel up to 64 rows, too
+        return exact if forced == "float32" else {"dtype": "bfloat16", "kernel_rows": 64}
+    cached = getattr(model, "ragblend_long_pass", None)
+    if cached is not None:
+        return cached
+    layer = [m for m in quantized_matmuls(model) if m.kind == "int4"]
+    if not layer:
+        return exact
+    from .host_cache import measured_twice, remembered
+    from .kernels import host_key
+
+    first = [m for m in layer if ".0." in _name_of(model, m)] or layer[:7]
+    shapes = sorted({(m.out_features, m.in_features) for m in first})
+
+    def inputs(rows: int) -> dict[int, torch.Tensor]:
+        return {width: torch.randn(rows, width) for width in {m.in_features for m in first}}
+
+    def verdict() -> dict:
+        dtype = "float32"
+        if _bfloat16_native():
+            x = inputs(LONG_PASS_ROWS)
+            times = fastest_rounds({name: (lambda d=d: _run(first, x, d, 0)) for name, d in
+                                    (("float32", torch.float32), ("bfloat16", torch.bfloat16))}, rounds=3)
+            dtype = "bfloat16" if times["float32"] > CLEARLY_FASTER * times["bfloat16"] else "float32"
+        rows = DRAFT_ROWS
+        for bucket in KERNEL_ROW_BUCKETS:
+            x = inputs(bucket)
+            times = fastest_rounds({"kernel": lambda: _run(first, x, torch.float32, bucket),
+                                    "long": lambda: _run(first, x, getattr(torch, dtype), 0)}, rounds=3)
+            if times["kernel"] >= times["long"]:
+                break
+            rows = bucket
+        return {"dtype": dtype, "kernel_rows": rows}
+
+    def valid(value) -> bool:
+        return (isinstance(value, dict) and value.get("dtype") in ("float32", "bfloat16")
+                and value.get("kernel_rows") in (DRAFT_ROWS, *KERNEL_ROW_BUCKETS))
+
+    with torch.inference_mode():
+        plan = remembered("quantized-long-pass", host_key(shapes), lambda: measured_twice(verdict, exact), valid)
+    model.ragblend_long_pass = plan   # measured once per model (and ragblend info reads it)
+    return plan
+
+
+def _name_of(model, module) -> str:
+    return next((name for name, m in model.named_modules() if m is module), "")
+
+
+def _run(layers: list[QuantLinear], x: dict[int, torch.Tensor], dtype: torch.dtype, kernel_rows: int) -> None:
+    """One pass through each of ``layers`` (``x``: an input per width) as a twin would run it."""
+    for layer in layers:
+        saved = layer.kernel_rows, layer.long_pass_dtype
+        layer.kernel_rows, layer.long_pass_dtype = kernel_rows, dtype
+        try:
+            layer.rows(x[layer.in_features])
+        finally:
+            layer.kernel_rows, layer.long_pass_dtype = saved
 
 
 def quantized_bytes(model) -> int:
@@ -517,9 +633,13 @@ def describe(model) -> list[str]:
         lines += [f"{count} matrices {name}" for name, count in dtypes.items()]
     lines.append(f"{quantized_bytes(model) / 2**20:.0f} MiB of weights in memory")
     if "int4" in kinds or "int8" in kinds:
-        lines.append(f"passes of up to {DRAFT_ROWS} rows (decoding): PyTorch's int4/int8 CPU kernels on bfloat16 "
-                     "activations; longer passes (precompute, prefill): each matrix dequantized into one reused "
-                     "float32 buffer, then F.linear in float32")
+        plan = getattr(model, "ragblend_long_pass", None) or {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
+        fast = os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower() in ("fast", "bfloat16")
+        lines.append(f"decoding passes: PyTorch's int4/int8 CPU kernels on bfloat16 activations (a near-tied greedy "
+                     f"pick checked again in float32); QueryAware's question pass the same up to {plan['kernel_rows']} "
+                     "rows (measured on this host); the prefill: each matrix dequantized into one reused buffer, then "
+                     "F.linear " + (f"in {plan['dtype']}, kernels up to {plan['kernel_rows']} rows "
+                                    "(RAGBLEND_QUANTIZED_PREFILL)" if fast else "in float32"))
     elif kinds:
         lines.append("every pass: each 16-bit matrix copied into one reused float32 buffer, then F.linear in float32")
     return lines

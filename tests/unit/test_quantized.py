@@ -194,3 +194,50 @@ def test_a_model_too_large_for_memory_is_refused_with_the_estimate(tiny_gguf, mo
     monkeypatch.setattr(model_module, "available_memory", lambda: 1000)
     with pytest.raises(InvalidInputError, match=r"needs about [\d.]+ GiB of memory and 0.0 GiB is available"):
         model_module.load_model(tiny_gguf)
+
+
+def test_a_bfloat16_prefill_twin_stays_near_float32_and_rechecks_in_float32(models, tokenizer, monkeypatch):
+    """The prefill twin may multiply in bfloat16 (where measured faster); a near tie is still
+    checked again on the float32 twin, and the answer stays within rounding of float32's."""
+    monkeypatch.setenv("RAGBLEND_QUANTIZED_PREFILL", "bfloat16")
+    quantized, exact = models
+    fast = BlendEngine(quantized, tokenizer)
+    layers = [m for m in fast.adapter.hf_model.modules() if isinstance(m, QuantLinear)]
+    assert {m.long_pass_dtype for m in layers} == {torch.bfloat16} and {m.kernel_rows for m in layers} == {64}
+    recheck = [m for m in fast.decode_weights.exact_adapter().hf_model.modules() if isinstance(m, QuantLinear)]
+    assert {m.long_pass_dtype for m in recheck} == {torch.float32} and {m.kernel_rows for m in recheck} == {0}
+    reference = BlendEngine(exact, tokenizer)
+    segments = [Chunk(p) for p in PASSAGES] + ["Question: when was the lighthouse first lit?"]
+    ref = reference.prefill(segments, strategy=FullRecompute()).logits
+    noise = first_token_kl(ref, reference.prefill([Chunk(p) for p in PASSAGES[::-1]] + segments[-1:],
+                                                  strategy=FullRecompute()).logits)
+    assert first_token_kl(ref, fast.prefill(segments, strategy=FullRecompute()).logits) < 0.05 * noise
+
+
+def test_the_long_pass_plan_is_measured_once_per_host(models, tmp_path, monkeypatch):
+    from ragblend.core.quantized import KERNEL_ROW_BUCKETS, long_pass_plan
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
+    monkeypatch.delattr(models[0], "ragblend_long_pass", raising=False)   # measured by an earlier engine
+    plan = long_pass_plan(models[0])
+    assert plan["dtype"] in ("float32", "bfloat16") and plan["kernel_rows"] in (8, *KERNEL_ROW_BUCKETS)
+    records = list((tmp_path / "host").glob("quantized-long-pass-*.json"))
+    if records:   # a busy host's two measurements may disagree: then nothing is kept, the float32 path serves
+        monkeypatch.delattr(models[0], "ragblend_long_pass")
+        assert long_pass_plan(models[0]) == plan   # read back from the host's record
+    else:
+        assert plan == {"dtype": "float32", "kernel_rows": 8}
+    monkeypatch.setenv("RAGBLEND_QUANTIZED_PREFILL", "float32")
+    assert long_pass_plan(models[0]) == {"dtype": "float32", "kernel_rows": 8}
+
+
+def test_the_question_pass_runs_on_the_low_bit_kernels_and_the_prefill_in_float32(models, tokenizer, monkeypatch):
+    monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
+    engine = BlendEngine(models[0], tokenizer)
+    plan = models[0].ragblend_long_pass
+    prefill = [m for m in engine.adapter.hf_model.modules() if isinstance(m, QuantLinear)]
+    scoring = [m for m in engine.adapter.scoring.hf_model.modules() if isinstance(m, QuantLinear)]
+    assert {(m.kernel_rows, m.long_pass_dtype) for m in prefill} == {(8, torch.float32)}
+    assert {(m.kernel_rows, m.long_pass_dtype) for m in scoring} == {(plan["kernel_rows"], torch.float32)}
+    assert [b.data_ptr() for b in prefill[0].buffers()] == [b.data_ptr() for b in scoring[0].buffers()]  # shared

@@ -1,0 +1,218 @@
+"""ragblend and llama-cpp-python on the same GGUF file, at the model sizes people run (1.5-7B).
+
+No 1-8B weights can be downloaded here: the files are random-weight GGUFs of Qwen2.5 1.5B, 3B
+and 7B's exact shapes with the real Qwen2.5 tokenizer (:mod:`benchmarks.random_gguf`), Q4_0.
+Timings, memory and KV sizes are those of the real model; the answers are noise, so no quality
+is reported (fidelity on quantized weights is measured on real models: ``benchmarks.quantized``).
+
+Each shape runs in a process of its own (so that one shape's memory is not counted in the
+next's), which prints, in one run:
+
+* the file's size; ragblend's load time and resident memory (the process's RSS after loading
+  minus before, weights in their quantized form; and the peak), the chunks' precompute time
+  and the KV bytes stored per token (float16);
+* llama-cpp-python's load time and resident memory on the same file (mmap, its default);
+* TTFT of the ~3k-token 6-chunk benchmark prompt (``ragblend.data.load_sample``) with the chunks
+  in a new order every round (prefix caches hit only the system prompt): ragblend's default
+  strategy over the precomputed chunks, ragblend's full prefill, and llama.cpp (its RAM
+  prompt cache on); then decoding tokens/s over ``--tokens`` forced greedy tokens (end of
+  sequence suppressed). Medians of ``--runs`` interleaved rounds after one warm-up round.
+
+    python -m benchmarks.model_sizes --shapes qwen2.5-1.5b qwen2.5-3b --runs 2
+    python -m benchmarks.model_sizes --shapes qwen2.5-7b --runs 1 --no-full-prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from .common import RUNS_DIR, command_line, write_report
+from .random_gguf import SHAPES, write_random_gguf
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool) -> dict:
+    """One shape's figures (run in a process of its own)."""
+    import torch
+
+    path = str(write_random_gguf(name))
+    result = {"shape": name, "file_bytes": os.path.getsize(path), "threads": torch.get_num_threads()}
+    try:
+        import llama_cpp  # noqa: F401  (imported before measuring, so its code is not counted as ragblend's)
+    except ImportError:
+        pass
+    engine, ragblend, sample = load_ragblend(path, tokens, result)
+    peers = {"ragblend default": ragblend}
+    if full_prefill:
+        peers["ragblend full prefill"] = FullPrefillPeer(engine, tokens)
+    peers.update(load_llama(path, tokens, result))
+    times = timed_rounds(name, engine, peers, sample, runs)
+    result["ttft_s"] = {p: statistics.median(t for t, _, _ in v) for p, v in times.items()}
+    result["decode_tps"] = {p: statistics.median((tokens - 1) / max(a - t, 1e-9) for t, a, _ in v)
+                            for p, v in times.items()}
+    result["ragblend_peak"] = max(result["ragblend_peak"], peak_rss_bytes())
+    return result
+
+
+def load_ragblend(path: str, tokens: int, result: dict):
+    """``(engine, its peer with the sample's chunks precomputed, the sample)``; load time,
+    resident memory and KV bytes into ``result``."""
+    from ragblend import BlendEngine, Chunk
+    from ragblend.data import load_sample
+
+    from .peers import RagblendPeer
+
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    # No prompt-lookup drafts: random weights repeat themselves, which drafts would turn into a
+    # decoding speed real answers do not get (llama.cpp drafts nothing either).
+    engine = BlendEngine.from_pretrained(path, kv_dir=False, prompt_lookup_num_tokens=0)
+    result["load_s"] = time.perf_counter() - t0
+    result["ragblend_rss"] = rss_bytes() - before
+    sample = load_sample()
+    t0 = time.perf_counter()
+    ragblend = RagblendPeer(engine, sample["chunks"], tokens)
+    result["precompute_s"] = time.perf_counter() - t0
+    result["prompt_tokens"] = len(engine.build_prompt([Chunk(c) for c in sample["chunks"]] + [sample["question"]]).token_ids)
+    config = engine.hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    result["kv_bytes_per_token"] = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    result["ragblend_rss_with_kv"] = rss_bytes() - before
+    result["ragblend_peak"] = peak_rss_bytes()
+    result["long_pass"] = getattr(engine.hf_model, "ragblend_long_pass", None)
+    return engine, ragblend, sample
+
+
+def load_llama(path: str, tokens: int, result: dict) -> dict:
+    """``{"llama-cpp-python": peer}`` on the same file (empty when it is not installed)."""
+    from .peers import LlamaCppPeer
+
+    try:
+        before = rss_bytes()
+        t0 = time.perf_counter()
+        llama = LlamaCppPeer(path, tokens, n_ctx=1 << (result["prompt_tokens"] + tokens).bit_length())
+    except ImportError:
+        result["llama_skipped"] = "llama-cpp-python is not installed (make bench-peers builds it)"
+        return {}
+    result["llama_load_s"] = time.perf_counter() - t0
+    result["llama_rss"] = rss_bytes() - before
+    return {"llama-cpp-python": llama}
+
+
+def timed_rounds(name: str, engine, peers: dict, sample: dict, runs: int) -> dict[str, list]:
+    """``{peer: [(TTFT s, answer s, round)]}`` over ``runs`` rounds after a warm-up, the chunks
+    in a new order each round, the peers interleaved."""
+    from ragblend import Chunk
+
+    chunks, question = sample["chunks"], sample["question"]
+    rng = random.Random(0)
+    times = {peer: [] for peer in peers}
+    for round_ in range(runs + 1):                      # round 0 warms every peer up
+        order = chunks[:]
+        while order[0] == chunks[0]:
+            rng.shuffle(order)
+        segments = [Chunk(c) for c in order] + [question]
+        token_ids = engine.build_prompt(segments).token_ids
+        for peer_name, peer in peers.items():
+            ttft, total = peer.answer(token_ids if peer_name == "llama-cpp-python" else segments)
+            print(f"{name} round {round_} {peer_name:24} TTFT {ttft:7.2f} s, answer {total:7.2f} s",
+                  file=sys.stderr, flush=True)   # progress: stdout carries the result
+            if round_:
+                times[peer_name].append((ttft, total, round_))
+    return times
+
+
+class FullPrefillPeer:
+    """ragblend's exact full prefill (every token computed; the chunks' KV unused)."""
+
+    def __init__(self, engine, tokens: int):
+        from ragblend import FullRecompute
+
+        self.engine, self.tokens, self.strategy = engine, tokens, FullRecompute()
+
+    def answer(self, segments) -> tuple[float, float]:
+        t0, first = time.perf_counter(), None
+        for _ in self.engine.stream(segments, strategy=self.strategy, max_new_tokens=self.tokens):
+            first = first or time.perf_counter()
+        return first - t0, time.perf_counter() - t0
+
+
+def report(results: list[dict], tokens: int, runs: int) -> list[str]:
+    gb = 1e9
+    lines = ["Random weights in real shapes (Q4_0): answers are noise, so only time and memory are "
+             f"reported. TTFT: the ~3k-token 6-chunk prompt, chunks in a new order each round; decoding: "
+             f"{tokens} forced greedy tokens; medians of {runs} interleaved rounds after a warm-up.", "",
+             "| shape | file GB | ragblend load s | ragblend memory GB (x file) | llama.cpp memory GB | "
+             "KV KiB/token | precompute s | TTFT ragblend s | TTFT full prefill s | TTFT llama.cpp s | "
+             "TTFT llama.cpp / ragblend | decode ragblend tok/s | decode llama.cpp tok/s | decode ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ttft, tps = r["ttft_s"], r["decode_tps"]
+        fused, full, llama = (ttft.get(k) for k in ("ragblend default", "ragblend full prefill", "llama-cpp-python"))
+        r_tps, l_tps = tps.get("ragblend default"), tps.get("llama-cpp-python")
+
+        def fmt(value, spec=".2f"):
+            return "-" if value is None else format(value, spec)
+
+        lines.append(
+            f"| {r['shape']} | {r['file_bytes'] / gb:.2f} | {r['load_s']:.1f} | {r['ragblend_rss'] / gb:.2f} "
+            f"({r['ragblend_rss'] / r['file_bytes']:.2f}x) | {fmt(r.get('llama_rss') and r['llama_rss'] / gb)} | "
+            f"{r['kv_bytes_per_token'] / 1024:.0f} | {r['precompute_s']:.1f} | {fmt(fused)} | {fmt(full)} | "
+            f"{fmt(llama)} | {fmt(llama and fused and llama / fused, '.1f')}x | {fmt(r_tps, '.1f')} | "
+            f"{fmt(l_tps, '.1f')} | {fmt(l_tps and r_tps / l_tps)}x |")
+    lines += ["", "Prompt tokens, peak memory and settings:", ""]
+    for r in results:
+        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend peak RSS "
+                     f"{r['ragblend_peak'] / gb:.2f} GB (whole process), {r['ragblend_rss_with_kv'] / gb:.2f} GB "
+                     f"with the chunks' KV in memory; {r['threads']} torch threads; prefill matmuls "
+                     f"{r.get('long_pass')}"
+                     + (f"; llama.cpp: {r['llama_skipped']}" if "llama_skipped" in r else
+                        f"; llama.cpp load {r['llama_load_s']:.1f} s"))
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-3b"], choices=sorted(SHAPES))
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32, help="forced greedy tokens decoded per answer")
+    parser.add_argument("--no-full-prefill", action="store_true", help="skip ragblend's full prefill (the 7B's is minutes)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)   # the per-shape child process
+    parser.add_argument("--out", default=RUNS_DIR)
+    args = parser.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill)))
+        return
+    started, results = time.perf_counter(), []
+    for shape in args.shapes:
+        write_random_gguf(shape)
+        child = [sys.executable, "-m", "benchmarks.model_sizes", "--one", shape, "--runs", str(args.runs),
+                 "--tokens", str(args.tokens)] + (["--no-full-prefill"] if args.no_full_prefill else [])
+        out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
+        results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    lines = report(results, args.tokens, args.runs)
+    print("\n".join(lines))
+    write_report(args.out, "model-sizes-run.md", "Model sizes", command_line("benchmarks.model_sizes", argv),
+                 time.perf_counter() - started, lines)
+
+
+if __name__ == "__main__":
+    main()
