@@ -119,6 +119,8 @@ def _index_option(args) -> str:
     options = ["--index", args.index] if args.index else []
     if getattr(args, "model", None):   # the KV of another model would be another's entries
         options += ["--model", args.model]
+    if getattr(args, "dtype", None):   # another weights form keys its KV apart too
+        options += ["--dtype", args.dtype]
     if args.chroma_url and args.chroma_url != os.environ.get("RAGBLEND_CHROMA_URL"):
         options += ["--chroma-url", args.chroma_url]
     if args.collection != _env_collection():
@@ -137,6 +139,8 @@ def _spawn_fill(args, rag) -> tuple[int, str]:
     command += ["--collection", rag.collection_name]
     if args.model:
         command += ["--model", args.model]
+    if getattr(args, "dtype", None):
+        command += ["--dtype", args.dtype]
     log_file = rag.path / "kv-fill.log"
     with open(log_file, "ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -119,8 +119,11 @@ def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=None) 
         row_cost = (seconds["4"] / seconds["1"] - 1) / 3
         log.info("ragblend: a decoding pass over %d keys: %.1f ms for one token, %.1f ms for four; a drafted "
                  "token costs %.0f%% of a pass", MEASURED_KEYS, seconds["1"] * 1e3, seconds["4"] * 1e3, row_cost * 100)
-        # past MAX_ROW_COST, or below 0, the timing was disturbed: kept as unsettled (.host_cache)
-        return min(MAX_ROW_COST, max(0.0, row_cost)), 0.0 <= row_cost < MAX_ROW_COST
+        # past MAX_ROW_COST, or below 0, the timing was disturbed: the conservative price (drafts
+        # dear, so few are drafted), kept as unsettled and measured again at a quiet start (.host_cache)
+        if not 0.0 <= row_cost < MAX_ROW_COST:
+            return MAX_ROW_COST, False
+        return row_cost, True
 
     if measure is not None:   # a test's timer: nothing kept
         return measured()[0]

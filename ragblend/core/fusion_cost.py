@@ -7,8 +7,9 @@ tokens attend through masks instead of one causal call, and every cached token i
 rotated at every layer. On a short prompt (a few hundred tokens, a 135M-parameter model) that
 outweighs the saving: fused answers came no faster than full prefill's and, on a user's
 ~380-token LlamaIndex prompts, were wrong more often (issue 59). So the engine's own strategy
-fuses a prompt only where it is predicted to be clearly faster (``min_fusion_speedup``,
-default 1.3x); otherwise the exact full prefill runs and ``Stats.fusion_skipped`` says why.
+can fuse a prompt only where it is predicted to be clearly faster (``min_fusion_speedup``, e.g.
+1.3; the engine's default is still 0, always fuse, until the constants are judged on a quiet
+host); otherwise the exact full prefill runs and ``Stats.fusion_skipped`` says why.
 A strategy the caller names is run as asked.
 
 The prediction is a per-layer cost model of the two paths, in four constants of this host and
@@ -45,7 +46,7 @@ from .store import MemoryReader
 
 log = logging.getLogger("ragblend")
 
-DEFAULT_MIN_SPEEDUP = 1.3   # fuse where predicted at least this much faster than a full prefill
+DEFAULT_MIN_SPEEDUP = 1.3   # the speed-up asked of a prediction where none is given (engines default to 0: off)
 DISK_BYTES_PER_S = 1e9       # reading cached KV from the disk tier (often the page cache): not measured
 # The measurement's prompts: three full prefills (to separate a pass's fixed cost, a row's and a
 # pair's) and one fused prefill of mostly cached tokens (a cached token's cost).
@@ -259,7 +260,9 @@ def trusted(first: CostConstants, second: CostConstants, load: float | None = No
     running several times its cores, the threads' spinning counts as CPU time: a row measured
     40x its quiet cost, which would skip fusion everywhere."""
     if load is None:
-        load = os.getloadavg()[0]
+        from .host_cache import load_average
+
+        load = load_average() or 0.0   # None where the OS does not say
     rows = sorted((first.row_s, second.row_s))
     return rows[1] <= 2 * rows[0] and load <= (os.cpu_count() or 1)
 

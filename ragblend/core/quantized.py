@@ -500,8 +500,8 @@ def exact_twin(model):
 
 
 def prefill_twin(model):
-    """The twin the engine prefills with (chunk precompute, fused and full prefill): float32
-    long passes, as :func:`exact_twin` but decoding's rows on the low-bit kernels; with
+    """The twin the engine prefills with (chunk precompute, fused and full prefill): every pass
+    in float32, as :func:`exact_twin`; with
     ``RAGBLEND_QUANTIZED_PREFILL=fast``, the plan :func:`long_pass_plan` measured on this host
     (bfloat16 matmuls where they measure clearly faster, the low-bit kernels up to the rows where
     they win: faster, but activations rounded to bfloat16, which changed one greedy answer in
@@ -509,7 +509,9 @@ def prefill_twin(model):
     plan = long_pass_plan(model)
     if os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower() in ("fast", "bfloat16"):
         return _twin(model, plan["kernel_rows"], getattr(torch, plan["dtype"]))
-    return _twin(model, DRAFT_ROWS, torch.float32)
+    # Every pass in float32, the shortest too: the last layer's single row, a short sink, and
+    # decode_dtype="float32" (which decodes on this adapter) stay exact.
+    return _twin(model, 0, torch.float32)
 
 
 def scoring_twin(model):

@@ -70,7 +70,7 @@ class PrefillRunner:
     ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy)."""
 
     def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
-                 fusion_cost: FusionCost):
+                 fusion_cost: FusionCost | None = None):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
         self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
         self.background = Background()
@@ -177,7 +177,7 @@ class PrefillRunner:
         not looked up yet, all taken to be in memory), is predicted to be at least ``min_speedup``
         times faster than its full prefill on this host (:mod:`.fusion_cost`). None where that is
         not asked: a strategy the caller named, or ``min_speedup`` 0."""
-        if not (plan.engine_default and min_speedup > 0 and reused):
+        if not (plan.engine_default and min_speedup > 0 and reused and self.fusion_cost is not None):
             return None
         disk_tokens = 0 if found is None else sum(
             sp.num_tokens for sp, reader in zip(found.spans, found.readers) if reader.tier == "disk")

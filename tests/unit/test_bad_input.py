@@ -194,6 +194,7 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
         ("core/calibration.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
         ("core/store.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
         ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
+        ("core/fusion_cost.py", "ValueError"),        # caught in FusionCost.constants: the scaled defaults serve
         ("core/model.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
     }   # NotImplementedError (abstract methods, unsupported framework constructors) is a protocol too
     package = Path(ragblend.__file__).parent
