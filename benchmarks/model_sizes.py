@@ -76,6 +76,7 @@ def load_ragblend(path: str, tokens: int, result: dict):
     """``(engine, its peer with the sample's chunks precomputed, the sample)``; load time,
     resident memory and KV bytes into ``result``."""
     from ragblend import BlendEngine, Chunk
+    from ragblend.core.kv_budget import bytes_per_token
     from ragblend.data import load_sample
 
     from .peers import RagblendPeer
@@ -92,9 +93,7 @@ def load_ragblend(path: str, tokens: int, result: dict):
     ragblend = RagblendPeer(engine, sample["chunks"], tokens)
     result["precompute_s"] = time.perf_counter() - t0
     result["prompt_tokens"] = len(engine.build_prompt([Chunk(c) for c in sample["chunks"]] + [sample["question"]]).token_ids)
-    config = engine.hf_model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    result["kv_bytes_per_token"] = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    result["kv_bytes_per_token"] = bytes_per_token(engine.kv_shape, "float16")   # as stored, headers included
     result["ragblend_rss_with_kv"] = rss_bytes() - before
     result["ragblend_peak"] = peak_rss_bytes()
     result["long_pass"] = getattr(engine.hf_model, "ragblend_long_pass", None)
