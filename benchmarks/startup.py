@@ -10,10 +10,11 @@ Prints, in one run:
   measurement and the kernel choice made again), and how long its kernel measurement then ran
   in the background;
 * the same with that cache dir warm (``--loads`` processes, the median);
-* a fresh process's first fused answer against its second on the same prompt (the sample
-  passages, their KV precomputed on disk, so the first reads disk as ``ragblend ask`` does),
-  as the library runs it and after a one-token full prefill (``ragblend ask --compare``'s
-  warm-up), TTFT and whole answer.
+* a fresh process's first fused answer against its second (the sample question over four
+  sample passages, then over them in reverse order: the same work, no repeated prompt; the
+  passages' KV precomputed on disk, so the first reads disk as ``ragblend ask`` does),
+  as the library runs it, after a one-token full prefill (``ragblend ask --compare``'s
+  warm-up), and through a fresh ``ragblend serve`` with the openai client: TTFT and whole answer.
 
 Targets (issue 59): warm import + load <= 5 s on a quiet host and <= 2x that with a
 neighbour using both cores; first fused answer <= 1.3x the second.
@@ -60,17 +61,69 @@ if sys.argv[2] == "setup":
     engine.precompute(chunks)
     engine.flush()
     sys.exit()
-segments = [Chunk(c) for c in chunks] + ["Question: " + sample["question"]]
 if sys.argv[2] == "compare":   # ragblend ask --compare's untimed warm-up
-    engine.generate(segments, strategy=FullRecompute(), max_new_tokens=1)
+    engine.generate([Chunk(c) for c in chunks] + [sample["question"]], strategy=FullRecompute(), max_new_tokens=1)
 times = []
-for _ in range(2):
+for order in (chunks, chunks[::-1]):   # the same work twice, but no repeat of the first prompt
     start = time.perf_counter()
-    out = engine.generate(segments, max_new_tokens=16)
+    out = engine.generate([Chunk(c) for c in order] + [sample["question"]], max_new_tokens=16)
     times.append({"ttft_s": out.stats.ttft_s, "answer_s": time.perf_counter() - start,
                   "tiers": out.stats.tiers, "load_s": out.stats.load_s})
 print(json.dumps(times))
 """
+
+
+def server_answers(cache: str, kv: str) -> list[dict]:
+    """A fresh ``ragblend serve`` process over the stored chunks: its first and second fused
+    answers (two questions, chunks marked as the serving docs show), timed by the server's stats
+    and by the official openai client (request to the whole reply)."""
+    import socket
+
+    from openai import OpenAI
+
+    from ragblend.data import load_sample
+
+    sample = load_sample()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "RAGBLEND_CACHE_DIR": cache, "PYTHONPATH": os.getcwd()}
+    server = subprocess.Popen([sys.executable, "-m", "ragblend.cli", "serve", "--port", str(port), "--kv-dir", kv],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=600)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                model = client.models.list().data[0].id
+                break
+            except Exception:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"ragblend serve did not start:\n{server.stderr.read()[-3000:]}")
+                time.sleep(0.5)
+        times = []
+        for order in (sample["chunks"][:4], sample["chunks"][:4][::-1]):   # as in ANSWERS
+            content = []
+            for chunk in order:
+                content += [{"type": "text", "text": chunk, "cache_control": {"type": "ephemeral"}},
+                            {"type": "text", "text": "\n\n"}]
+            start = time.perf_counter()
+            reply = client.chat.completions.create(
+                model=model, max_tokens=16, temperature=0,
+                messages=[{"role": "user", "content": content + [{"type": "text", "text": sample["question"]}]}])
+            stats = reply.model_extra["ragblend"]
+            times.append({"ttft_s": stats["ttft_s"], "answer_s": time.perf_counter() - start,
+                          "tiers": stats.get("tiers"), "cached": reply.usage.prompt_tokens_details.cached_tokens})
+        return times
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def ratio_line(label: str, first: dict, second: dict) -> str:
+    return (f"first fused answer {label}: TTFT {first['ttft_s']:.2f} s / answer {first['answer_s']:.2f} s "
+            f"({first['tiers']}); second {second['ttft_s']:.2f} s / {second['answer_s']:.2f} s ({second['tiers']}); "
+            f"ratio TTFT {first['ttft_s'] / second['ttft_s']:.2f}x, answer {first['answer_s'] / second['answer_s']:.2f}x")
 
 
 def child(code: str, args: list[str], cache: str, timeout: float = 1800) -> str:
@@ -116,10 +169,9 @@ def main(argv=None) -> None:
             for mode in ("plain", "compare"):
                 first, second = json.loads(child(ANSWERS, [kv, mode], cache))
                 label = "as the library runs it" if mode == "plain" else "after a 1-token full prefill (--compare)"
-                print(f"first fused answer {label}: TTFT {first['ttft_s']:.2f} s / answer {first['answer_s']:.2f} s "
-                      f"({first['tiers']}); second {second['ttft_s']:.2f} s / {second['answer_s']:.2f} s "
-                      f"({second['tiers']}); ratio TTFT {first['ttft_s'] / second['ttft_s']:.2f}x, answer "
-                      f"{first['answer_s'] / second['answer_s']:.2f}x", flush=True)
+                print(ratio_line(label, first, second), flush=True)
+            first, second = server_answers(cache, kv)
+            print(ratio_line("of a fresh `ragblend serve` (openai client)", first, second), flush=True)
     finally:
         for process in busy:
             process.kill()

@@ -34,6 +34,7 @@ only if its spread is smaller.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import math
@@ -512,6 +513,21 @@ class _GaveUp(Exception):
     pass
 
 
+# Set at interpreter exit: a background measurement stops before its next workload, so that a
+# short process (``ragblend ask``) exits cleanly instead of tearing down a thread inside a
+# PyTorch kernel ("terminate called without an active exception").
+_EXITING = threading.Event()
+_RUNNING: set[threading.Thread] = set()
+
+
+@atexit.register
+def _stop_background_measurements(wait_s: float = 5.0) -> None:
+    _EXITING.set()
+    deadline = time.monotonic() + wait_s
+    for thread in list(_RUNNING):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
 def measure_in_background(plan: KernelPlan, decoder_layers: Sequence[Sequence[torch.nn.Linear]],
                           head: Sequence[torch.nn.Linear] = (), *, timer: Callable = time_workload,
                           idle_s: float = IDLE_S, limit_s: float = BACKGROUND_LIMIT_S,
@@ -533,6 +549,7 @@ def measure_in_background(plan: KernelPlan, decoder_layers: Sequence[Sequence[to
     thread = threading.Thread(target=_measure_later, args=(plan, list(decoder_layers), list(head), timer, idle_s,
                                                            limit_s, why), name="ragblend-kernels", daemon=True)
     plan.background = thread
+    _RUNNING.add(thread)
     thread.start()
     return thread
 
@@ -548,7 +565,7 @@ def _measure_later(plan: KernelPlan, decoder_layers, head, timer: Callable, idle
         quiet_since = time.monotonic()
         while True:
             now = time.monotonic()
-            if now > deadline:
+            if now > deadline or _EXITING.is_set():
                 raise _GaveUp
             if plan.engines_busy():
                 quiet_since = now
@@ -568,11 +585,13 @@ def _measure_later(plan: KernelPlan, decoder_layers, head, timer: Callable, idle
                 if time.monotonic() > deadline:
                     raise _GaveUp
     except _GaveUp:
-        log.info("ragblend: gave up measuring the CPU kernels in the background after %.0f s (no quiet moment); "
-                 "the plan stays as it is.", limit_s)
+        if not _EXITING.is_set():
+            log.info("ragblend: gave up measuring the CPU kernels in the background after %.0f s (no quiet "
+                     "moment); the plan stays as it is.", limit_s)
     except Exception as err:   # a measurement that fails leaves the plan as it is
         log.warning("ragblend: measuring the CPU kernels in the background failed (%s: %s); the plan stays as "
                     "it is.", type(err).__name__, err)
     finally:
         release_thread_pool()
         plan.measuring = False
+        _RUNNING.discard(threading.current_thread())

@@ -111,11 +111,45 @@ def _packs_alike() -> bool:
 
 
 def dequantized_rows(gguf: GGUFFile, info: TensorInfo, rows: slice | torch.Tensor) -> np.ndarray:
-    """float32 ``[rows, cols]`` of some rows of a tensor, by gguf's reference dequantizer."""
+    """float32 ``[rows, cols]`` of some rows of a tensor: bit for bit gguf's reference dequantizer
+    (as transformers loads a GGUF), in PyTorch for the block types a start-up meets most."""
     from gguf import GGMLQuantizationType, dequantize
 
-    raw = gguf.blocks(info)[rows]
-    return dequantize(np.ascontiguousarray(raw), GGMLQuantizationType(info.type_id)).reshape(raw.shape[0], -1)
+    raw = np.array(gguf.blocks(info)[rows])   # a copy: torch wants writable memory
+    fast = _SIMPLE_BLOCKS.get(info.type_name)
+    if fast is not None:
+        return fast(torch.from_numpy(raw)).reshape(raw.shape[0], -1).numpy()
+    return dequantize(raw, GGMLQuantizationType(info.type_id)).reshape(raw.shape[0], -1)
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The float16 at byte ``start`` of each block, as float32 ``[..., 1]``."""
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """A block's 4-bit codes in element order: the low nibbles, then the high ones."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+
+
+def _q4_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    return _half(blocks, 0) * (_nibbles(blocks[..., 2:]) - 8)
+
+
+def _q4_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.reshape(raw.shape[0], -1, 20)
+    return _half(blocks, 0) * _nibbles(blocks[..., 4:]) + _half(blocks, 2)
+
+
+def _q8_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    return blocks[..., 2:].contiguous().view(torch.int8).float() * _half(blocks, 0)
+
+
+# The same arithmetic as gguf's reference (float32 products and sums, in its order), so the
+# weights are identical: tests/unit/test_gguf_quantized.py compares them on every type.
+_SIMPLE_BLOCKS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0}
 
 
 # ------------------------------------------------------------------------------ the layers

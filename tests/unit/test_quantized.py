@@ -111,6 +111,24 @@ def test_fingerprint_samples_are_the_float32_models(models):
         assert np.array_equal(a, b), name
 
 
+def test_dequantized_weights_are_ggufs_reference_bit_for_bit(tiny_gguf):
+    """The PyTorch dequantizer of Q4_0/Q4_1/Q8_0 (start-up's hot path) gives gguf's own floats."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from ragblend.core.quantized import dequantized_rows
+
+    gguf = read_gguf(tiny_gguf)
+    seen = set()
+    for info in gguf.tensors.values():
+        raw = np.array(gguf.blocks(info))
+        reference = dequantize(raw, GGMLQuantizationType(info.type_id)).reshape(raw.shape[0], -1)
+        order = np.arange(raw.shape[0])[::-1].copy()
+        for rows, expected in ((slice(None), reference), (order, reference[order])):
+            assert np.array_equal(dequantized_rows(gguf, info, rows).view(np.uint32), expected.view(np.uint32)), info.name
+        seen.add(info.type_name)
+    assert {"Q4_0", "Q4_1", "Q8_0"} <= seen
+
+
 def test_float32_on_request_is_transformers_float32_model(tiny_gguf, models):
     """dtype=torch.float32 dequantizes the file as transformers does (no float32 copy on disk either)."""
     from transformers import AutoConfig

@@ -202,3 +202,28 @@ def test_openmp_workers_spin_alike_from_the_first_answer(first, env, expected):
                          timeout=300, env={**clean, **env, "PYTHONPATH": os.getcwd()})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == expected
+
+
+EXITS_WHILE_MEASURING = r"""
+import sys, time, torch
+from ragblend.core import kernels
+from ragblend.core.kernels import measure_in_background, plan_for
+kernels.SMALL_MODEL_WEIGHTS = 0
+torch.manual_seed(0)
+layers = [[torch.nn.Linear(1024, 1024) for _ in range(4)] for _ in range(4)]   # seconds to measure
+plan = plan_for(layers, directory=__import__("pathlib").Path(sys.argv[1]), wait=False)
+measure_in_background(plan, layers, idle_s=0.01)
+time.sleep(0.5)
+print("exiting", plan.measuring, flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_its_kernels_are_measured_in_the_background(tmp_path):
+    """A short process (``ragblend ask``) ends its background measurement at exit: no abort from
+    a thread torn down inside a PyTorch kernel, and no long wait."""
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", EXITS_WHILE_MEASURING, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and "exiting True" in out.stdout, out.stderr[-2000:]
+    assert "terminate called" not in out.stderr
+    assert time.perf_counter() - started < 60
