@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from . import low_bit_cache
 from .host_cache import measured_twice, remembered
 from .kernels import DRAFT_ROWS, MIN_GAIN, KernelPlan, fastest_rounds, host_key
 from .model import (
@@ -34,6 +35,14 @@ log = logging.getLogger("ragblend")
 _TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # hf_model -> {decode_dtype: ModelAdapter}
 _TWINS_LOCK = threading.Lock()
 _KIND_NAMES = {Int4Linear: "4-bit", Int8Linear: "8-bit", Int8Head: "8-bit", HalfLinear: "float16"}
+
+
+def _parts(layer: CpuLinear | None) -> dict[str, torch.Tensor]:
+    """A layer's cached form: its kind, and its tensors (:mod:`.low_bit_cache`)."""
+    if layer is None:
+        return {"kind": low_bit_cache.kind_tensor("none")}
+    kind = {Int4Linear: "int4", Int8Linear: "int8", Int8Head: "int8head"}[type(layer)]
+    return {"kind": low_bit_cache.kind_tensor(kind), **layer.parts()}
 
 
 class DecodeWeights:
@@ -149,21 +158,42 @@ class DecodeWeights:
         return layers
 
     def _quantized_layers(self, wanted: str) -> tuple[dict[int, CpuLinear], list[str]]:
-        """Every linear layer ``wanted`` quantizes, by weight id, and the shapes that could not be."""
+        """Every linear layer ``wanted`` quantizes, by weight id, and the shapes that could not be.
+        ``"auto"``'s choice is cached on disk for a model read from a file (:mod:`.low_bit_cache`)."""
+        path = low_bit_cache.cache_path(self.hf_model, wanted) if wanted == "auto" else None
+        cached = low_bit_cache.read(path)
+        if cached is not None:
+            try:
+                return self._cached_layers(cached), []
+            except (KeyError, ValueError, RuntimeError) as err:   # a cache: a file that does not fit is a miss
+                log.warning("ragblend: the cached decoding weights %s do not fit this model (%s); building them "
+                            "again.", path.name, err)
+        by_name, skipped = self._built_layers(wanted)
+        if path is not None:
+            low_bit_cache.write(path, {f"{name}|{part}": tensor for name, layer in by_name.items()
+                                       for part, tensor in _parts(layer).items()})
+        return {id(layer.weight): layer for layer in by_name.values() if layer is not None}, skipped
+
+    def _linears(self):
+        """``(name, linear layer, whether it is the LM head)`` of every plain linear layer."""
+        head_weight = getattr(getattr(self.hf_model, "lm_head", None), "weight", None)
+        for name, module in self.hf_model.named_modules():
+            if type(module) is torch.nn.Linear:
+                yield name, module, module.weight is head_weight
+
+    def _built_layers(self, wanted: str) -> tuple[dict[str, CpuLinear | None], list[str]]:
+        """Each linear layer's low-bit form (None: it stays float32), by name, and the shapes that could not be."""
         runnable = {kind for kind, why_not in (("int4", int4_available()), ("int8", int8_available())) if not why_not}
         eight_bit = from_gguf(self.hf_model)   # "auto": 8-bit only for weights a GGUF file had quantized already
-        head_weight = getattr(getattr(self.hf_model, "lm_head", None), "weight", None)
-        layers: dict[int, CpuLinear] = {}
+        layers: dict[str, CpuLinear | None] = {}
         skipped = []
-        for module in self.hf_model.modules():
-            if type(module) is not torch.nn.Linear:
-                continue
-            is_head = module.weight is head_weight
+        for name, module, is_head in self._linears():
             if wanted == "auto":
                 kinds = ["int4"] if not is_head and on_int4_grid(module.weight) else []
                 kinds += ["int8"] if eight_bit else []
             else:
                 kinds = [wanted] if wanted == "int8" or not is_head else []
+            layers[name] = None
             for kind in (k for k in kinds if k in runnable):
                 try:
                     kind_class = Int4Linear if kind == "int4" else Int8Head if is_head else Int8Linear
@@ -173,9 +203,26 @@ class DecodeWeights:
                     continue
                 if wanted == "auto" and kind == "int4" and layer.quantization_error > EXACT_INT4:
                     continue
-                layers[id(module.weight)] = layer
+                layers[name] = layer
                 break
         return layers, skipped
+
+    def _cached_layers(self, cached: dict[str, torch.Tensor]) -> dict[int, CpuLinear]:
+        """The layers ``cached`` holds, rebuilt over this model's float32 weights (KeyError/ValueError
+        where the file does not describe every layer of this model)."""
+        layers = {}
+        for name, module, is_head in self._linears():
+            kind = low_bit_cache.kind_of(cached, name)
+            if kind is None:
+                raise KeyError(f"no entry for {name}")
+            if kind == "none":
+                continue
+            kind_class = {"int4": Int4Linear, "int8": Int8Linear, "int8head": Int8Head}[kind]
+            if (kind_class is Int8Head) != is_head:
+                raise ValueError(f"{name}: a {kind} entry for a layer that is {'' if is_head else 'not '}the head")
+            parts = {key.split("|", 1)[1]: tensor for key, tensor in cached.items() if key.startswith(f"{name}|")}
+            layers[id(module.weight)] = kind_class.from_parts(module, self.kernel_plan, parts)
+        return layers
 
     def keep_faster(self, layers: dict[int, CpuLinear]) -> dict[int, CpuLinear]:
         """``layers`` less each kind (4-bit, 8-bit) whose decoding step -- one row through all
@@ -224,19 +271,31 @@ class FusedRows(torch.nn.Module):
     ``weights``, ``biases``: the parts' own float32 tensors (the same, not copies), which a
     longer pass runs on through the host's kernel plan, as the parts themselves would."""
 
-    def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None):
+    def __init__(self, kind: type[CpuLinear], linears: list[torch.nn.Linear], plan: KernelPlan | None,
+                 low_bit_parts: list[CpuLinear] | None = None):
         super().__init__()
         self.sizes = [linear.out_features for linear in linears]
         self.weights = [linear.weight for linear in linears]
         self.biases = [linear.bias for linear in linears]
-        stacked = torch.nn.utils.skip_init(torch.nn.Linear, linears[0].in_features, sum(self.sizes),
-                                           bias=any(bias is not None for bias in self.biases))
-        with torch.no_grad():
-            stacked.weight.copy_(torch.cat(self.weights))
-            if stacked.bias is not None:
-                stacked.bias.copy_(torch.cat([bias if bias is not None else weight.new_zeros(weight.shape[0])
-                                              for weight, bias in zip(self.weights, self.biases)]))
-        self.low_bit = kind(stacked, plan)
+        has_bias = any(bias is not None for bias in self.biases)
+        bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(self.weights, self.biases)]) \
+            if has_bias else None
+        if low_bit_parts is not None and _stackable(kind, self.sizes):
+            # The parts' low-bit tensors, stacked: the same bytes packing the stacked weight gives
+            # (4-bit packing works in blocks of 64 rows), without quantizing the weights again.
+            stacked = torch.nn.Linear(linears[0].in_features, sum(self.sizes), bias=False, device="meta")
+            stacked.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+            parts = [part.parts() for part in low_bit_parts]
+            joined = {name: torch.cat([p[name] for p in parts], dim=1 if name == "scales_and_zeros" else 0)
+                      for name in parts[0] if name != "error"}
+            self.low_bit = kind.from_parts(stacked, plan, {**joined, "error": parts[0]["error"]})
+        else:
+            stacked = torch.nn.utils.skip_init(torch.nn.Linear, linears[0].in_features, sum(self.sizes), bias=has_bias)
+            with torch.no_grad():
+                stacked.weight.copy_(torch.cat(self.weights))
+                if bias is not None:
+                    stacked.bias.copy_(bias)
+            self.low_bit = kind(stacked, plan)
         self.low_bit.weight = None   # the stacked float32 copy: a decoding pass never reads it
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -246,6 +305,11 @@ class FusedRows(torch.nn.Module):
         else:   # past a decoding pass a low-bit layer runs on float32 weights: here the parts'
             outputs = [self.low_bit.plan.run(flat, weight, bias) for weight, bias in zip(self.weights, self.biases)]
         return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs)
+
+
+def _stackable(kind: type[CpuLinear], sizes: list[int]) -> bool:
+    """Whether parts of ``sizes`` output rows stack by concatenating their low-bit tensors."""
+    return kind is not Int4Linear or all(size % 64 == 0 for size in sizes[:-1])
 
 
 FUSABLE = {"self_attn": ("fused_qkv", ("q_proj", "k_proj", "v_proj")), "mlp": ("fused_gate_up", ("gate_proj", "up_proj"))}
@@ -270,7 +334,8 @@ def fused_groups(hf_model, low_bit: dict[int, CpuLinear],
             if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear}:
                 continue
             try:
-                groups.append((f"model.layers.{index}.{owner_name}", attribute, FusedRows(kinds.pop(), parts, plan)))
+                groups.append((f"model.layers.{index}.{owner_name}", attribute,
+                               FusedRows(kinds.pop(), parts, plan, [low_bit[id(part.weight)] for part in parts])))
             except (ValueError, RuntimeError) as err:   # a stacked shape the packing does not take
                 log.info("ragblend: layer %d's %s decode unfused (%s)", index, "/".join(part_names), err)
                 continue

@@ -404,9 +404,16 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     hf_model.to(device).eval()
     if gguf is not None:
         _FROM_GGUF.add(hf_model)
+        hf_model.ragblend_source = source_stamp(gguf_path)   # keys the decoding weights' cache
         hf_model.ragblend_weights_reason = gguf_weights_reason(gguf, asked, dtype, device)
         return_freed_memory()
     return hf_model, tokenizer
+
+
+def source_stamp(path: Path) -> dict:
+    """What identifies a model file's contents cheaply: its resolved path, size and modification time."""
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def return_freed_memory() -> None:
@@ -530,6 +537,24 @@ class Int4Linear(CpuLinear):
         # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
         self.scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
 
+    def parts(self) -> dict[str, torch.Tensor]:
+        """What :meth:`from_parts` rebuilds the layer from (cached between processes: :mod:`.low_bit_cache`)."""
+        return {"packed": self.packed, "scales_and_zeros": self.scales_and_zeros,
+                "error": torch.tensor(self.quantization_error)}
+
+    @classmethod
+    def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
+        """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
+        packed, scales = parts["packed"], parts["scales_and_zeros"]
+        if packed.shape[0] != linear.out_features or \
+                tuple(scales.shape) != (linear.in_features // INT4_GROUP, linear.out_features, 2):
+            raise ValueError(f"cached 4-bit parts {tuple(packed.shape)} do not fit a {tuple(linear.weight.shape)} weight")
+        layer = cls.__new__(cls)
+        CpuLinear.__init__(layer, linear, plan)
+        layer.packed, layer.scales_and_zeros = packed, scales
+        layer.quantization_error = float(parts["error"])
+        return layer
+
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > DRAFT_ROWS:
             return super().rows(flat)
@@ -581,6 +606,22 @@ class Int8Linear(CpuLinear):
         error = (codes.float() * scales[:, None] - weight).abs().max()
         self.quantization_error = float(error / weight.abs().max().clamp_min(1e-30))
         self.codes, self.scales = codes, scales.to(torch.bfloat16)
+
+    def parts(self) -> dict[str, torch.Tensor]:
+        """What :meth:`from_parts` rebuilds the layer from (cached between processes: :mod:`.low_bit_cache`)."""
+        return {"codes": self.codes, "scales": self.scales, "error": torch.tensor(self.quantization_error)}
+
+    @classmethod
+    def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
+        """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
+        codes, scales = parts["codes"], parts["scales"]
+        if codes.shape != linear.weight.shape or tuple(scales.shape) != (linear.out_features,):
+            raise ValueError(f"cached 8-bit parts {tuple(codes.shape)} do not fit a {tuple(linear.weight.shape)} weight")
+        layer = cls.__new__(cls)
+        CpuLinear.__init__(layer, linear, plan)
+        layer.codes, layer.scales = codes, scales
+        layer.quantization_error = float(parts["error"])
+        return layer
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > DRAFT_ROWS:

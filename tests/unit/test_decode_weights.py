@@ -285,6 +285,26 @@ def test_fused_projections_compute_what_their_parts_compute():
                 assert torch.allclose(out, part(long), atol=1e-5, rtol=0)   # the parts' float32 weights
 
 
+@pytest.mark.parametrize("sizes", [(128, 64, 64), (192, 64, 96), (64, 32, 32)])   # the last: 4-bit packs again
+def test_fused_rows_from_their_parts_hold_the_bytes_of_the_stacked_weight(sizes):
+    """Stacking the parts' own low-bit tensors (no second quantization) gives the bytes packing
+    the stacked weight gives, where 4-bit packing's 64-row blocks allow it."""
+    from ragblend.core.decode_weights import FusedRows
+    from ragblend.core.model import Int8Linear
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(64, size) for size in sizes]
+    for kind in (Int4Linear, Int8Linear):
+        packed = FusedRows(kind, linears, None)
+        stacked = FusedRows(kind, linears, None, [kind(linear) for linear in linears])
+        for name, tensor in packed.low_bit.parts().items():
+            if name != "error":
+                assert torch.equal(stacked.low_bit.parts()[name], tensor), (kind.__name__, name)
+        assert torch.equal(stacked.low_bit.bias, packed.low_bit.bias)
+        x = torch.randn(2, 64)
+        assert all(torch.equal(a, b) for a, b in zip(stacked(x), packed(x)))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])   # biases; q/k norms; sandwich norms, windows
 def test_a_fused_twin_decodes_like_an_unfused_one(arch, tokenizer, monkeypatch):
     import copy
@@ -332,3 +352,56 @@ def test_a_group_whose_parts_decode_in_different_formats_stays_unfused():
     assert set(low_bit) == {id(attn.q_proj.weight), id(attn.k_proj.weight)}   # fused parts' own layers let go
     low_bit = {**four_bit(), id(attn.v_proj.weight): Int8Linear(attn.v_proj)}   # 4-bit q and k beside 8-bit v
     assert [name for _, name, _ in fused_groups(model, low_bit, None)] == ["fused_gate_up"]
+
+
+def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monkeypatch, tmp_path, caplog):
+    """The 4-bit/8-bit decoding weights of a model read from a file are cached on disk: a later
+    process (here: another copy of the model) reads them instead of packing them again, and
+    decodes the same tokens; an unreadable cache file is a miss, built again."""
+    import copy
+
+    from ragblend import BlendEngine
+    from ragblend.core import model as model_module
+
+    from ..conftest import tiny_model
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    low_bit_measures(monkeypatch, faster=True)
+    gguf = snapped_to_int4(tiny_model("llama"))
+    gguf.lm_head.weight = torch.nn.Parameter(torch.randn_like(gguf.lm_head.weight))   # a Q8_0-like head
+    gguf.ragblend_source = {"path": str(tmp_path / "model.gguf"), "size": 1, "mtime_ns": 1}   # as load_model sets
+
+    def copy_of_the_model():
+        model = copy.deepcopy(gguf)
+        model_module._FROM_GGUF.add(model)   # as load_model marks a model read from a GGUF file
+        return model
+
+    first = BlendEngine(copy_of_the_model(), tokenizer)
+    counts = first.decode_weights.layer_counts()
+    expected = first.generate(segments(), max_new_tokens=10, temperature=0).token_ids
+    cached = list((tmp_path / "decoding").glob("*.safetensors"))
+    assert len(cached) == 1 and counts == {"4-bit": 7 * gguf.config.num_hidden_layers, "8-bit": 1}
+
+    packed = []
+    with monkeypatch.context() as patched:
+        for kind in (Int4Linear, model_module.Int8Linear):
+            def counting(self, *args, _init=kind.__init__, **kwargs):
+                packed.append(type(self))
+                _init(self, *args, **kwargs)
+            patched.setattr(kind, "__init__", counting)
+        second = BlendEngine(copy_of_the_model(), tokenizer)
+        assert second.decode_weights.layer_counts() == counts
+        assert second.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected
+    # Nothing is quantized again, but for fused groups whose 4-bit parts do not stack (the tiny
+    # model's 32-row projections; a real model's come in 64s)
+    from ragblend.core.decode_weights import FusedRows, _stackable
+
+    groups = [m for m in second.decoding_adapter().hf_model.modules() if isinstance(m, FusedRows)]
+    assert groups and len(packed) == sum(not _stackable(type(g.low_bit), g.sizes) for g in groups)
+
+    cached[0].write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        third = BlendEngine(copy_of_the_model(), tokenizer)
+        assert third.decode_weights.layer_counts() == counts
+    assert "could not read the cached decoding weights" in caplog.text
+    assert third.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected

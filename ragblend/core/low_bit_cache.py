@@ -1,0 +1,84 @@
+"""The decoding twin's low-bit weights, kept on disk so that later processes do not build them again.
+
+A float32 model loaded from a GGUF file decodes on 4-bit and 8-bit copies of its weights
+(:mod:`.decode_weights`). Building them -- finding which weights lie on the 4-bit grid, packing
+them for PyTorch's kernel, rounding the LM head to 8 bits -- took ~0.9 s of SmolLM2's ~4 s warm
+start on a quiet 2-core host, every process. So the first process writes what it built to
+``<cache>/decoding/<key>.safetensors`` and later ones read it (~0.1 s).
+
+The key covers what the packed bytes depend on: the GGUF file (path, size, modification time),
+the torch version (its packing layout), the choice rule's version and ``decode_dtype``. Only
+tensors are stored (safetensors: nothing is unpickled), and a file that cannot be read or does
+not hold every layer it names is a miss: the weights are built again, as if nothing was cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .model import cache_dir
+
+log = logging.getLogger("ragblend")
+
+FORMAT_VERSION = 1
+# Per linear layer ``name``: ``name|kind`` (one of KINDS, as a 0-d tensor of its index) and the
+# kind's tensors, ``name|<tensor>``.
+KINDS = ("none", "int4", "int8", "int8head")
+
+
+def cache_path(hf_model, decode_dtype: str) -> Path | None:
+    """Where ``hf_model``'s decoding weights are cached, or None (a model not read from a file)."""
+    stamp = getattr(hf_model, "ragblend_source", None)   # set by model.load_model for a GGUF file
+    if stamp is None:
+        return None
+    key = json.dumps({"source": stamp, "torch": torch.__version__, "decode_dtype": decode_dtype,
+                      "format": FORMAT_VERSION}, sort_keys=True)
+    return cache_dir() / "decoding" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".safetensors")
+
+
+def read(path: Path | None) -> dict[str, torch.Tensor] | None:
+    """The cached tensors, or None where there are none or they cannot be read (logged)."""
+    if path is None or not path.is_file() or path.is_symlink():
+        return None
+    try:
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    except Exception as err:   # a cache: an unreadable file is a miss
+        log.warning("ragblend: could not read the cached decoding weights %s (%s: %s); building them again.",
+                    path.name, type(err).__name__, err)
+        return None
+
+
+def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
+    """Store ``tensors`` at ``path`` (written whole, then renamed into place); failures are logged."""
+    if path is None:
+        return
+    try:
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(partial))
+        os.replace(partial, path)
+    except Exception as err:
+        log.warning("ragblend: could not cache the decoding weights (%s: %s); the next process builds them "
+                    "again.", type(err).__name__, err)
+
+
+def kind_of(tensors: dict[str, torch.Tensor], name: str) -> str | None:
+    """The kind stored for layer ``name``, or None if the file does not name it."""
+    code = tensors.get(f"{name}|kind")
+    if code is None or code.numel() != 1 or not 0 <= int(code) < len(KINDS):
+        return None
+    return KINDS[int(code)]
+
+
+def kind_tensor(kind: str) -> torch.Tensor:
+    return torch.tensor(KINDS.index(kind), dtype=torch.int8)
