@@ -14,7 +14,9 @@ Prints, in one run:
   sample passages, then over them in reverse order: the same work, no repeated prompt; the
   passages' KV precomputed on disk, so the first reads disk as ``ragblend ask`` does),
   as the library runs it, after a one-token full prefill (``ragblend ask --compare``'s
-  warm-up), and through a fresh ``ragblend serve`` with the openai client: TTFT and whole answer.
+  warm-up), and through a fresh ``ragblend serve`` with the openai client: TTFT and whole answer;
+* the Streamlit app's first and second fused answers (two sample questions, in Streamlit's own
+  ``AppTest`` runner: the app's code as a browser session runs it).
 
 Targets (issue 59): warm import + load <= 5 s on a quiet host and <= 2x that with a
 neighbour using both cores; first fused answer <= 1.3x the second.
@@ -120,14 +122,46 @@ def server_answers(cache: str, kv: str) -> list[dict]:
         server.wait(30)
 
 
+APP = r"""
+import json
+from pathlib import Path
+from streamlit.testing.v1 import AppTest
+from ragblend.data import load_sample
+at = AppTest.from_file(str(Path.cwd() / "apps" / "streamlit_app.py"), default_timeout=900)
+at.run()
+button = lambda key: next(b for b in at.button if b.key == key)
+at.checkbox[0].uncheck()   # the fused answer alone, as a user who turned the comparison off
+for question in load_sample()["demo"][:2]:   # two questions over the same index: no repeated prompt
+    at.text_input(key="question").input(question["question"])
+    button("ask").click().run()
+    assert not at.exception, at.exception
+last = at.session_state["history"]
+print(json.dumps([row["TTFT with fusion (s)"] for row in last]))
+"""
+
+
+def app_answers(cache: str, tmp: str) -> list[float]:
+    """The Streamlit app (Streamlit's own AppTest runner, in a fresh process): its first and
+    second fused answers' TTFT, over the sample documents ingested before (``ragblend ingest --kv now``)."""
+    from ragblend.data import sample_dir
+
+    env = {"RAGBLEND_INDEX_DIR": str(Path(tmp) / "app-index"), "RAGBLEND_FILES_ROOT": str(sample_dir())}
+    index = env["RAGBLEND_INDEX_DIR"]
+    out = subprocess.run([sys.executable, "-m", "ragblend.cli", "ingest", str(sample_dir()), "--index", index, "--kv",
+                          "now"], capture_output=True, text=True, env={**os.environ, "RAGBLEND_CACHE_DIR": cache})
+    if out.returncode != 0:
+        raise SystemExit(f"ragblend ingest failed:\n{out.stderr[-3000:]}")
+    return json.loads(child(APP, [], cache, env=env))
+
+
 def ratio_line(label: str, first: dict, second: dict) -> str:
     return (f"first fused answer {label}: TTFT {first['ttft_s']:.2f} s / answer {first['answer_s']:.2f} s "
             f"({first['tiers']}); second {second['ttft_s']:.2f} s / {second['answer_s']:.2f} s ({second['tiers']}); "
             f"ratio TTFT {first['ttft_s'] / second['ttft_s']:.2f}x, answer {first['answer_s'] / second['answer_s']:.2f}x")
 
 
-def child(code: str, args: list[str], cache: str, timeout: float = 1800) -> str:
-    env = {**os.environ, "RAGBLEND_CACHE_DIR": cache, "PYTHONPATH": os.getcwd()}
+def child(code: str, args: list[str], cache: str, timeout: float = 1800, env: dict | None = None) -> str:
+    env = {**os.environ, **(env or {}), "RAGBLEND_CACHE_DIR": cache, "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
                          timeout=timeout)
     if out.returncode != 0:
@@ -172,6 +206,9 @@ def main(argv=None) -> None:
                 print(ratio_line(label, first, second), flush=True)
             first, second = server_answers(cache, kv)
             print(ratio_line("of a fresh `ragblend serve` (openai client)", first, second), flush=True)
+            first, second = app_answers(cache, tmp)
+            print(f"first fused answer of the Streamlit app (a fresh process, after its untimed warm-up): TTFT "
+                  f"{first:.2f} s; second (another question) {second:.2f} s; ratio {first / second:.2f}x", flush=True)
     finally:
         for process in busy:
             process.kill()

@@ -521,7 +521,7 @@ _RUNNING: set[threading.Thread] = set()
 
 
 @atexit.register
-def _stop_background_measurements(wait_s: float = 5.0) -> None:
+def _stop_background_measurements(wait_s: float = 30.0) -> None:   # one workload: well under that
     _EXITING.set()
     deadline = time.monotonic() + wait_s
     for thread in list(_RUNNING):

@@ -49,7 +49,9 @@ def read(path: Path | None) -> dict[str, torch.Tensor] | None:
     try:
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        # Copied into PyTorch's own (64-byte aligned) memory: the low-bit kernels crashed on
+        # tensors read in place from the file, whose offsets only safetensors' 8-byte alignment holds.
+        return {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
     except Exception as err:   # a cache: an unreadable file is a miss
         log.warning("ragblend: could not read the cached decoding weights %s (%s: %s); building them again.",
                     path.name, type(err).__name__, err)

@@ -381,6 +381,10 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
     expected = first.generate(segments(), max_new_tokens=10, temperature=0).token_ids
     cached = list((tmp_path / "decoding").glob("*.safetensors"))
     assert len(cached) == 1 and counts == {"4-bit": 7 * gguf.config.num_hidden_layers, "8-bit": 1}
+    from ragblend.core import low_bit_cache
+
+    # in PyTorch's aligned memory: the 8-bit kernel crashed (SIGSEGV) on tensors read in place from the file
+    assert all(t.data_ptr() % 64 == 0 for t in low_bit_cache.read(cached[0]).values() if t.numel())
 
     packed = []
     with monkeypatch.context() as patched:
