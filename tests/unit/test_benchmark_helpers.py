@@ -266,3 +266,49 @@ def test_the_near_tie_table_compares_each_steps_top_two_with_the_reference_layer
     cells = near_tie_line("tiny", "int4", moved).strip("| ").split(" | ")
     assert cells[:3] == ["tiny", "int4", str(len(moved))]
     assert int(cells[6]) == sum(step["differs"] for step in moved)
+
+
+def test_the_user_like_benchmark_judges_each_bucket_by_issue_59s_rule():
+    """``benchmarks.userlike``: a repeating answer is three of the same words in a row, and a setting
+    fails a bucket on lost accuracy, KL over the order noise, a repeat full prefill does not give,
+    or a fused prefill slower than full prefill's beyond the timing noise."""
+    from benchmarks.userlike import judge, repeats, timing_noise
+
+    assert repeats("The answer is: 2022-09-24 2022-09-24 2022-09-24")
+    assert repeats("a king size king size king size")
+    assert not repeats("a 2-in-1, which is a 2-in-1, a 2-in-1,") and not repeats("The Sanderling.")
+
+    def row(right=1.0, kl=0.01, repeating=False, cpu=0.5, skipped=False):
+        return {"full_right": 1.0, "full_repeats": False, "noise_kl": 0.02, "full_cpu": 1.0, "full_cpu_again": 1.02,
+                "always_right": right, "always_kl": kl, "always_repeats": repeating, "always_cpu": cpu,
+                "always_skipped": skipped}
+
+    noise = timing_noise([row()] * 4)
+    assert noise == 0.05   # the floor: the two full prefills differ by 2%
+    assert judge([row()] * 20, "always", noise) == []
+    assert judge([row()] * 19 + [row(right=0.0)], "always", noise) == []          # 1 in 20 lost: within
+    assert judge([row()] * 8 + [row(right=0.0)], "always", noise) == ["accuracy 89% against 100%"]
+    assert "KL median" in " ".join(judge([row(kl=0.05)] * 3, "always", noise))
+    assert judge([row(), row(repeating=True)], "always", noise) == ["1 repeating answer(s) full prefill does not give"]
+    assert judge([row(cpu=1.2)], "always", noise) == ["1 fused prompt(s) slower than full prefill beyond noise"]
+    assert judge([row(cpu=1.2, skipped=True)], "always", noise) == []   # a skipped prompt ran the full prefill
+
+
+def test_the_user_like_benchmark_fills_size_buckets_from_the_retrieved_chunks():
+    """A configuration is chosen where the retrieved chunks put the prompt well inside the bucket, the
+    chunk sizes taken in turn; the Reddit set's one huge article becomes documents of 5 paragraphs."""
+    from benchmarks.common import SQUAD_SHIFTS
+    from benchmarks.userlike import PROMPT_OVERHEAD, choose_config, squad_corpus
+
+    estimates = {128: [120, 240, 360, 480, 600, 720], 512: [500, 1000, 1500, 2000, 2500, 3000]}
+    assert choose_config(estimates, (300, 600), 0) == (128, 3)      # 360 + the overhead, near the middle
+    low, high = 2000, 3200
+    chunk_size, top_k = choose_config(estimates, (low, high), 0)
+    assert chunk_size == 512 and low < estimates[512][top_k - 1] + PROMPT_OVERHEAD < high
+    assert {choose_config(estimates, (600, 1200), turn)[0] for turn in range(2)} == {128, 512}
+    assert choose_config({128: [100, 200]}, (2000, 3200), 0) is None
+
+    documents, questions = squad_corpus(SQUAD_SHIFTS[0], 10)
+    assert len(documents) == 6 and len(questions) == 10
+    for item in questions:
+        assert any(answer in document for answer in item["answers"] for document in documents)
