@@ -165,7 +165,7 @@ class DecodeWeights:
         if cached is not None:
             try:
                 return self._cached_layers(cached), []
-            except (KeyError, ValueError, RuntimeError) as err:   # a cache: a file that does not fit is a miss
+            except Exception as err:   # a cache: a file that does not fit is a miss
                 log.warning("ragblend: the cached decoding weights %s do not fit this model (%s); building them "
                             "again.", path.name, err)
         by_name, skipped = self._built_layers(wanted)
@@ -288,7 +288,8 @@ class FusedRows(torch.nn.Module):
             parts = [part.parts() for part in low_bit_parts]
             joined = {name: torch.cat([p[name] for p in parts], dim=1 if name == "scales_and_zeros" else 0)
                       for name in parts[0] if name != "error"}
-            self.low_bit = kind.from_parts(stacked, plan, {**joined, "error": parts[0]["error"]})
+            error = max(p["error"] for p in parts)
+            self.low_bit = kind.from_parts(stacked, plan, {**joined, "error": error})
         else:
             stacked = torch.nn.utils.skip_init(torch.nn.Linear, linears[0].in_features, sum(self.sizes), bias=has_bias)
             with torch.no_grad():

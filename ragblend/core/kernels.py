@@ -522,10 +522,13 @@ _RUNNING: set[threading.Thread] = set()
 
 @atexit.register
 def _stop_background_measurements(wait_s: float = 30.0) -> None:   # one workload: well under that
-    _EXITING.set()
+    _EXITING.set()   # no measurement starts from now on (measure_in_background)
     deadline = time.monotonic() + wait_s
-    for thread in list(_RUNNING):
-        thread.join(max(0.0, deadline - time.monotonic()))
+    while _RUNNING and time.monotonic() < deadline:
+        for thread in list(_RUNNING):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if not thread.is_alive():
+                _RUNNING.discard(thread)
 
 
 def measure_in_background(plan: KernelPlan, decoder_layers: Sequence[Sequence[torch.nn.Linear]],
@@ -542,7 +545,7 @@ def measure_in_background(plan: KernelPlan, decoder_layers: Sequence[Sequence[to
     (:meth:`KernelPlan.adopt`) if it is sounder than the plan's; past it, it gives up."""
     with plan._guard:
         why = "asked" if force and not plan.measuring and plan.path is not None else needs_measuring(plan)
-        if why is None:
+        if why is None or _EXITING.is_set():
             return None
         plan.measuring = True
     plan.last_used = time.monotonic()   # the engine's start-up just ran: begin after a quiet moment
@@ -550,7 +553,12 @@ def measure_in_background(plan: KernelPlan, decoder_layers: Sequence[Sequence[to
                                                            limit_s, why), name="ragblend-kernels", daemon=True)
     plan.background = thread
     _RUNNING.add(thread)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:   # no thread to be had (e.g. the interpreter is shutting down)
+        _RUNNING.discard(thread)
+        plan.measuring = False
+        return None
     return thread
 
 
@@ -582,7 +590,7 @@ def _measure_later(plan: KernelPlan, decoder_layers, head, timer: Callable, idle
         _keep(plan.path, plan.key, choices, measured, always=False)
         if _better(measured, plan.measured):
             while not plan.adopt(choices, "measured", measured):
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or _EXITING.is_set():
                     raise _GaveUp
     except _GaveUp:
         if not _EXITING.is_set():

@@ -6,8 +6,9 @@ them for PyTorch's kernel, rounding the LM head to 8 bits -- took ~0.9 s of Smol
 start on a quiet 2-core host, every process. So the first process writes what it built to
 ``<cache>/decoding/<key>.safetensors`` and later ones read it (~0.1 s).
 
-The key covers what the packed bytes depend on: the GGUF file (path, size, modification time),
-the torch version (its packing layout), the choice rule's version and ``decode_dtype``. Only
+The key covers what the packed bytes depend on: the GGUF file (path, inode, size, modification
+and change times), the CPU and torch version (PyTorch's 4-bit layout differs between AVX-512,
+AVX2 and plain builds), a hash of the code that makes them, and ``decode_dtype``. Only
 tensors are stored (safetensors: nothing is unpickled), and a file that cannot be read or does
 not hold every layer it names is a miss: the weights are built again, as if nothing was cached.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .kernels import host_key
 from .model import cache_dir
 
 log = logging.getLogger("ragblend")
@@ -37,9 +39,22 @@ def cache_path(hf_model, decode_dtype: str) -> Path | None:
     stamp = getattr(hf_model, "ragblend_source", None)   # set by model.load_model for a GGUF file
     if stamp is None:
         return None
-    key = json.dumps({"source": stamp, "torch": torch.__version__, "decode_dtype": decode_dtype,
-                      "format": FORMAT_VERSION}, sort_keys=True)
+    host = host_key([])   # PyTorch packs 4-bit weights differently per CPU capability (AVX-512, AVX2, ...)
+    key = json.dumps({"source": stamp, "decode_dtype": decode_dtype, "format": FORMAT_VERSION,
+                      "code": _code_version(), **{k: host[k] for k in ("cpu", "cpu_flags", "capability",
+                                                                          "isa_settings", "torch")}}, sort_keys=True)
     return cache_dir() / "decoding" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".safetensors")
+
+
+def _code_version() -> str:
+    """A hash of the code that decides and makes the low-bit weights: a change to it is a miss."""
+    import inspect
+
+    from . import model
+
+    parts = [inspect.getsource(f) for f in (model.quantize_int4, model.int4_error, model.on_int4_grid,
+                                             model.quantize_int8, model.Int4Linear, model.Int8Linear)]
+    return hashlib.sha256(("".join(parts) + repr(model.EXACT_INT4)).encode()).hexdigest()[:16]
 
 
 def read(path: Path | None) -> dict[str, torch.Tensor] | None:
@@ -67,8 +82,11 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(partial))
-        os.replace(partial, path)
+        try:
+            save_file({name: t.contiguous() for name, t in tensors.items()}, str(partial))
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
     except Exception as err:
         log.warning("ragblend: could not cache the decoding weights (%s: %s); the next process builds them "
                     "again.", type(err).__name__, err)

@@ -412,8 +412,9 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
 
 def source_stamp(path: Path) -> dict:
     """What identifies a model file's contents cheaply: its resolved path, size and modification time."""
-    stat = path.stat()
-    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    stat = path.stat()   # ctime too: a copy that keeps the mtime (cp -p, rsync -a) gets a new one
+    return {"path": str(path.resolve()), "inode": stat.st_ino, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "ctime_ns": stat.st_ctime_ns}
 
 
 def return_freed_memory() -> None:
@@ -546,9 +547,11 @@ class Int4Linear(CpuLinear):
     def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
         """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
         packed, scales = parts["packed"], parts["scales_and_zeros"]
-        if packed.shape[0] != linear.out_features or \
-                tuple(scales.shape) != (linear.in_features // INT4_GROUP, linear.out_features, 2):
-            raise ValueError(f"cached 4-bit parts {tuple(packed.shape)} do not fit a {tuple(linear.weight.shape)} weight")
+        out_features, in_features = linear.out_features, linear.in_features
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2) or \
+                scales.dtype != torch.bfloat16 or tuple(scales.shape) != (in_features // INT4_GROUP, out_features, 2) \
+                or parts["error"].numel() != 1 or not (packed.is_contiguous() and scales.is_contiguous()):
+            raise ValueError(f"cached 4-bit parts {tuple(packed.shape)} do not fit a {out_features}x{in_features} weight")
         layer = cls.__new__(cls)
         CpuLinear.__init__(layer, linear, plan)
         layer.packed, layer.scales_and_zeros = packed, scales
@@ -615,7 +618,9 @@ class Int8Linear(CpuLinear):
     def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
         """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
         codes, scales = parts["codes"], parts["scales"]
-        if codes.shape != linear.weight.shape or tuple(scales.shape) != (linear.out_features,):
+        if codes.dtype != torch.int8 or codes.shape != linear.weight.shape or scales.dtype != torch.bfloat16 or \
+                tuple(scales.shape) != (linear.out_features,) or parts["error"].numel() != 1 or \
+                not (codes.is_contiguous() and scales.is_contiguous()):
             raise ValueError(f"cached 8-bit parts {tuple(codes.shape)} do not fit a {tuple(linear.weight.shape)} weight")
         layer = cls.__new__(cls)
         CpuLinear.__init__(layer, linear, plan)

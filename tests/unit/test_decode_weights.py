@@ -409,3 +409,31 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
         assert third.decode_weights.layer_counts() == counts
     assert "could not read the cached decoding weights" in caplog.text
     assert third.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected
+
+
+def test_the_decoding_weights_cache_is_keyed_by_cpu_and_file(tmp_path, monkeypatch):
+    """PyTorch packs 4-bit weights differently per CPU capability, and a file copied over another
+    may keep its size and mtime: either is another cache entry, never a wrong hit."""
+    import os
+
+    from ragblend.core import kernels, low_bit_cache
+    from ragblend.core.model import source_stamp
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    weights = tmp_path / "model.gguf"
+    weights.write_bytes(b"x" * 64)
+    model = torch.nn.Module()
+    model.ragblend_source = source_stamp(weights)
+    here = low_bit_cache.cache_path(model, "auto")
+    assert here is not None and here.parent == tmp_path / "decoding"
+    monkeypatch.setattr(kernels, "_torch_capability", lambda: "AVX2")
+    assert low_bit_cache.cache_path(model, "auto") != here
+    monkeypatch.undo()
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    stat = weights.stat()
+    replacement = tmp_path / "other.gguf"
+    replacement.write_bytes(b"y" * 64)
+    os.replace(replacement, weights)   # same path and size
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))   # and mtime kept, as cp -p does
+    model.ragblend_source = source_stamp(weights)
+    assert low_bit_cache.cache_path(model, "auto") != here
