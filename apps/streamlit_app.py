@@ -40,6 +40,7 @@ import streamlit as st
 from ragblend.core.calibration import UNCALIBRATED
 from ragblend.core.errors import RagblendError
 from ragblend.core.model import cache_dir
+from ragblend.core.strategies import takes_ratio as strategy_takes_ratio
 from ragblend.data import load_sample, sample_dir
 from ragblend.integrations.compare import FULL_PREFILL, warm_up, warmed_paths
 from ragblend.integrations.compare import compare as compare_stats
@@ -174,7 +175,7 @@ in_force_ratio = in_force.ratio if isinstance(in_force.ratio, float) else None
 calibrated = in_force.calibration_id is not None
 with st.sidebar:
     strategy = st.selectbox("Strategy", list(STRATEGIES), format_func=STRATEGIES.get)
-    takes_ratio = strategy in ("query_aware", "cacheblend")   # the others recompute a fixed set
+    takes_ratio = strategy != "default" and strategy_takes_ratio(strategy)   # the others recompute a fixed set
     # Its default is the ratio in force; under "default" it only shows it (the engine's choice runs).
     ratio = st.slider("Recompute ratio (QueryAware, CacheBlend)", 0.01, 1.0,
                       round(in_force_ratio or UNCALIBRATED.ratio, 2), 0.01, disabled=not takes_ratio)

@@ -40,6 +40,7 @@ from .calibration import Calibration, calibrate_and_save, load_calibration
 from .chunk_index import ChunkIndex
 from .controller import LoadingController
 from .decode_weights import DecodeWeights
+from .description import EngineDescription, describe
 from .errors import InvalidInputError, PromptTooLongError
 from .fusion_cost import FusionCost
 from .generate import Decoding, SamplingParams, sampling_params
@@ -176,6 +177,10 @@ class BlendEngine:
     @kv_dtype.setter
     def kv_dtype(self, dtype: torch.dtype) -> None:
         self.ingestion.kv_dtype = dtype
+
+    def describe(self) -> EngineDescription:
+        """What the engine is, in plain values (what ``ragblend info`` prints): see :mod:`.description`."""
+        return describe(self)
 
     @property
     def loading(self) -> LoadingController:
@@ -380,13 +385,12 @@ class BlendEngine:
         return self.decode_weights.decoding_adapter()
 
     def begin(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-              strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
-              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-              stop: Sequence[str] | None = None) -> Decoding:
+              strategy: Strategy | None = None, params: SamplingParams | None = None, **sampling) -> Decoding:
         """Prefill with fusion and return the answer's decoding, not stepped yet: iterate it for text
         deltas, or step it with others (:class:`~.batching.BatchDecoder`); :meth:`finish` completes its
-        ``stats``. Sampling is ``params`` or, as shortcuts, the keywords after it (not both)."""
-        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
+        ``stats``. Sampling is ``params`` or, as keywords, any of its fields (``max_new_tokens=256``,
+        ``temperature=0.0``, ``top_p=1.0``, ``seed``, ``stop``), not both."""
+        params = sampling_params(params, **sampling)
         pre = self.prefill(segments, system=system, strategy=strategy)
         return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens)
 
@@ -396,12 +400,10 @@ class BlendEngine:
         return decoding.stats
 
     def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-                 strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
-                 temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                 stop: Sequence[str] | None = None) -> Generation:
+                 strategy: Strategy | None = None, params: SamplingParams | None = None, **sampling) -> Generation:
         """Prefill with fusion, then decode the whole answer (:meth:`begin`'s arguments;
         ``temperature=0``, the default, is greedy)."""
-        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
+        params = sampling_params(params, **sampling)
         decoding = self.begin(segments, system=system, strategy=strategy, params=params)
         for _ in decoding:
             pass
@@ -410,12 +412,10 @@ class BlendEngine:
                           pre.token_ids, pre.logits)
 
     def stream(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
-               strategy: Strategy | None = None, params: SamplingParams | None = None, max_new_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-               stop: Sequence[str] | None = None) -> TextStream:
+               strategy: Strategy | None = None, params: SamplingParams | None = None, **sampling) -> TextStream:
         """Iterate the answer's text as it is decoded (:meth:`begin`'s arguments, checked now, not at
         the first delta); the stream's ``stats`` are this call's, complete once it is exhausted."""
-        params = sampling_params(params, max_new_tokens, temperature, top_p, seed, stop)
+        params = sampling_params(params, **sampling)
         text_stream = TextStream()
 
         def run():

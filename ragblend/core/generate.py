@@ -16,7 +16,7 @@ import contextlib
 import math
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator
 
 import torch
@@ -39,7 +39,7 @@ NEAR_TIE = 0.03
 # temperature of 1e-300 divides by zero (the probabilities turn to NaN), a top_p of 1e-300 keeps
 # no token at all, and the draw fails. Such values are refused. Subnormal ones (below float32's
 # smallest normal number, ~1.2e-38) still work here, but not where denormals are flushed to
-# zero, so the server refuses them too (protocol.sampling_fields).
+# zero, so the server refuses them too (serving.requests.CompletionOptions).
 MIN_SAMPLING_VALUE = float(torch.finfo(torch.float32).tiny)
 
 
@@ -455,14 +455,21 @@ def _accepted_drafts(logits: torch.Tensor, draft: list[int]) -> int:
     return accepted
 
 
-def sampling_params(params, max_new_tokens, temperature, top_p, seed, stop) -> SamplingParams:
-    """``params``, or the sampling shortcuts as :class:`SamplingParams` (not both)."""
-    shortcuts = SamplingParams(max_new_tokens, temperature, top_p, seed, tuple(stop or ()))
+SAMPLING_OPTIONS = tuple(f.name for f in fields(SamplingParams))
+
+
+def sampling_params(params: SamplingParams | None = None, **options) -> SamplingParams:
+    """``params``, or ``options`` (any of :class:`SamplingParams`' fields, as keywords) as one
+    (not both): how :meth:`BlendEngine.generate` and its kin take their sampling settings."""
+    unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+    if unknown:
+        raise InvalidInputError(f"{unknown[0]!r} is not a sampling option; SamplingParams takes "
+                                f"{', '.join(SAMPLING_OPTIONS)}.")
     if params is None:
-        return shortcuts
+        return SamplingParams(**options)
     if not isinstance(params, SamplingParams):
         raise InvalidInputError(f"params must be a ragblend SamplingParams, got {type(params).__name__}.")
-    if shortcuts != SamplingParams():
+    if SamplingParams(**options) != SamplingParams():
         raise InvalidInputError("Pass sampling options either as params=SamplingParams(...) or as keywords, not both.")
     return params
 

@@ -202,13 +202,18 @@ STRATEGIES = (FullRecompute, FullReuse, LegoLink, CacheBlend, QueryAware)
 STRATEGY_NAMES = ("default", *(cls.name for cls in STRATEGIES))
 
 
+def takes_ratio(name: str) -> bool:
+    """Whether the strategy named ``name`` takes a recompute ratio (the others recompute a fixed
+    set of tokens); "default" takes one too (QueryAware at that ratio)."""
+    return name in ("default", QueryAware.name, CacheBlend.name)
+
+
 def strategy_from_name(name: str, ratio: float | str | None = None, legolink_k: int = 16) -> Strategy | None:
-    """A strategy from its ``name`` (each class's ``name``), as configuration files and the CLI
-    give it. ``"default"`` is None, the engine's own (calibrated) choice, unless a ``ratio``
-    is given: then it is :class:`QueryAware` at that ratio. ``ratio=None`` keeps CacheBlend's
-    default ratio and gives QueryAware the engine's own."""
-    takes_no_ratio = {cls.name for cls in STRATEGIES if cls not in (QueryAware, CacheBlend)}
-    if ratio is not None and name in takes_no_ratio:
+    """A strategy from its ``name`` (each class's ``name``), as configuration files, the CLI, the
+    app and the server's ``ragblend`` field give it. ``"default"`` is None, the engine's own
+    (calibrated) choice, unless a ``ratio`` is given: then it is :class:`QueryAware` at that
+    ratio. ``ratio=None`` keeps CacheBlend's default ratio and gives QueryAware the engine's own."""
+    if ratio is not None and name in STRATEGY_NAMES and not takes_ratio(name):
         raise InvalidInputError(f"Strategy {name!r} takes no ratio (it recomputes a fixed set of tokens); "
                                 f"drop the ratio, or use 'query_aware' or 'cacheblend' with it.")
     if ratio == "auto" and name != CacheBlend.name:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
+from ragblend.core.generate import SamplingParams
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
 from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
@@ -23,6 +24,9 @@ StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
 KvDtype = Literal[KV_DTYPES]  # type: ignore[valid-type]
 DecodeDtype = Literal[DECODE_DTYPES]  # type: ignore[valid-type]
 WeightDtype = Literal[WEIGHT_DTYPES]  # type: ignore[valid-type]
+
+
+SAMPLING = SamplingParams()   # the sampling defaults, declared once (ragblend.core.generate)
 
 
 class EngineFields(BaseModel):
@@ -37,9 +41,9 @@ class EngineFields(BaseModel):
     strategy: StrategyName = Field(default="default", description="Fusion strategy; default = the engine's calibrated choice.")
     ratio: Optional[float | str] = Field(default=None, description="Recompute ratio in (0, 1] (CacheBlend also 'auto'); None = the strategy's default.")
     legolink_k: int = Field(default=16, description="LegoLink: tokens recomputed at the start of each chunk.")
-    temperature: float = Field(default=0.0, description="0 = greedy decoding.")
-    top_p: float = Field(default=1.0, description="Nucleus sampling mass (with temperature > 0).")
-    seed: Optional[int] = Field(default=None, description="Seed for sampling.")
+    temperature: float = Field(default=SAMPLING.temperature, description="0 = greedy decoding.")
+    top_p: float = Field(default=SAMPLING.top_p, description="Nucleus sampling mass (with temperature > 0).")
+    seed: Optional[int] = Field(default=SAMPLING.seed, description="Seed for sampling.")
     base_url: Optional[str] = Field(default=None, description="A server to answer instead of a local model: `ragblend serve` or vLLM + LMCache (http://host:port).")
     api_key: Optional[str] = Field(default=None, description="Bearer key for base_url (None = $RAGBLEND_API_KEY, if set).", repr=False)
     backend: Backend = Field(default="ragblend", description="What base_url runs: 'ragblend' (ragblend serve) or 'vllm-lmcache' (vLLM with LMCache blending).")

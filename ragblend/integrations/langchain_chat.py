@@ -43,10 +43,18 @@ from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
 from ragblend.serving.protocol import is_marked, segments_of, text_of
 
-from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, template_role, token_usage
+from .common import (
+    SAMPLING,
+    EngineFields,
+    iterate_in_thread,
+    lazy_engine,
+    split_conversation,
+    template_role,
+    token_usage,
+)
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MAX_TOKENS = 256   # what max_tokens=None generates at most
+DEFAULT_MAX_TOKENS = SAMPLING.max_new_tokens   # what max_tokens=None generates at most
 
 
 def _role(message: BaseMessage) -> str:
@@ -85,7 +93,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
     from ``model_path``/``kv_dir`` on first use, so constructing the class is cheap.
     """
 
-    max_tokens: Optional[int] = Field(default=256, description="Most tokens to generate (None = 256).")
+    max_tokens: Optional[int] = Field(default=SAMPLING.max_new_tokens, description="Most tokens to generate (None = 256).")
     stop: Optional[list[str]] = Field(default=None, description="Stop strings.")
     streaming: bool = Field(default=False, description="Stream by default in invoke (LangChain convention).")
     # Standard LangChain parameters with no meaning for a local model; accepted so generic

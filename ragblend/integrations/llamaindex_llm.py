@@ -42,7 +42,15 @@ from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import PromptLayout, Segment
 
-from .common import EngineFields, iterate_in_thread, lazy_engine, split_conversation, template_role, token_usage
+from .common import (
+    SAMPLING,
+    EngineFields,
+    iterate_in_thread,
+    lazy_engine,
+    split_conversation,
+    template_role,
+    token_usage,
+)
 
 
 @dataclass
@@ -75,7 +83,7 @@ class BlendLLM(EngineFields, CustomLLM):
     kind (an answer beginning ``"user: "``).
     """
 
-    max_new_tokens: int = Field(default=256, description="Most tokens to generate per call.")
+    max_new_tokens: int = Field(default=SAMPLING.max_new_tokens, description="Most tokens to generate per call.")
     context_window: Optional[int] = Field(default=None, description="Report a smaller window than the model's to synthesizers (None = the model's).")
 
     _engine: BlendEngine = PrivateAttr()

@@ -60,29 +60,26 @@ from ragblend.core.errors import InvalidInputError, PromptTooLongError, Ragblend
 from ragblend.core.net import is_loopback
 from ragblend.core.prompt import PromptLayout, TooLong, check_text
 
+from .options import SERVER_DEFAULTS
 from .protocol import (
     BLEND_SPECIAL_STR,
     MAX_JSON_VALUES,
-    MAX_TEXTS,
     ApiError,
     ChatPrompt,
     ClientGone,
     TextLimit,
-    cache_salt,
     cached_tokens,
-    check_options,
     check_prompt,
     completion_layout,
     is_lmcache_warmup,
     parse_json,
     passages,
-    requested_strategy,
-    sampling,
     usage,
 )
+from .requests import ChunksRequest, TokenizeRequest, check_options, requested_strategy, sampling
 from .reuse import PassageKeeper
 from .tenants import OPERATOR, Tenants
-from .worker import DEFAULT_MAX_BATCH, DEFAULT_MAX_KV_BYTES, Decode, Job, Worker
+from .worker import Decode, Job, Worker
 
 log = logging.getLogger("ragblend.server")
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -616,21 +613,14 @@ def _warm_up(engine: BlendEngine, ids: list[int], namespace: str) -> None:
 @endpoint("/v1/chunks")
 async def chunks(server: Server, request: Request):
     body = await server.read_json(request)
-    texts = body.get("texts")
-    if isinstance(texts, list) and len(texts) > MAX_TEXTS:
-        raise ApiError(400, f"texts has {len(texts)} texts; send at most {MAX_TEXTS} per request.", param="texts")
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-        raise ApiError(400, "texts must be a non-empty list of non-empty strings.", param="texts")
-    skip = body.get("skip_unusable", False)
-    if not isinstance(skip, bool):
-        raise ApiError(400, "skip_unusable must be true or false.", param="skip_unusable")
+    request_body = ChunksRequest.of(body)   # its salt too, checked before any work
+    texts, skip = request_body.texts, request_body.skip_unusable
     # A text over the character limit cannot fit the window: refused, or skipped, untokenized.
     fits = [len(t) <= server.limit.max_chars for t in texts]
     if not skip:
         for i, text in enumerate(texts):
             server.limit.check(len(text), f"texts[{i}]", f"texts[{i}]")
     kept = [t for t, ok in zip(texts, fits) if ok]
-    cache_salt(body)   # checked before any work
     namespace = server.namespace_of(request, body)   # the operator's chunks are shared, a tenant's its own
     refs = await server.run_job(request, lambda job: server.engine.precompute(kept, skip_unusable=skip,
                                                                               namespace=namespace) if kept else [])
@@ -648,13 +638,7 @@ async def chunks(server: Server, request: Request):
 @endpoint("/tokenize")
 async def tokenize(server: Server, request: Request):
     body = await server.read_json(request)
-    for name in ("tools", "chat_template", "continue_final_message"):
-        if body.get(name) not in (None, False, []):
-            raise ApiError(400, f"{name} is not supported by this server's /tokenize; leave it out.",
-                           param=name, code="unsupported_parameter")
-    for name in ("add_generation_prompt", "add_special_tokens"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise ApiError(400, f"{name} must be true or false.", param=name)
+    TokenizeRequest.of(body)
     ids = await server.run_job(request, _tokenize_job(server, body))
     server.record("/tokenize", what=f"{len(ids)} tokens")
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.engine.context_window})
@@ -693,9 +677,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException):   # unknow
 
 def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict[str, str] | None = None,
                operator_key: str | None = None, shared_cache: bool = False, partition_by_user: bool = False,
-               queue_size: int = 16, request_timeout_s: float = 300.0, max_body_bytes: int = 4 << 20,
-               model_name: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-               max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
+               queue_size: int = SERVER_DEFAULTS.queue_size, request_timeout_s: float = SERVER_DEFAULTS.request_timeout_s,
+               max_body_bytes: int = SERVER_DEFAULTS.max_body_bytes, model_name: str | None = None,
+               max_batch: int = SERVER_DEFAULTS.max_batch, max_kv_bytes: int | None = SERVER_DEFAULTS.max_kv_bytes):
     """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
     answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker).
 

@@ -36,7 +36,7 @@ from typing import Any, Iterable, Iterator, Literal, Sequence
 
 from ragblend.core.engine import Stats, TextStream
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
-from ragblend.core.generate import SamplingParams
+from ragblend.core.generate import SamplingParams, sampling_params
 from ragblend.core.kv import ChunkRef
 from ragblend.core.prompt import Chunk, PromptBuilder, check_segments, check_text
 
@@ -232,13 +232,11 @@ class RemoteEngine:
     # ------------------------------------------------------------------ generation
 
     def stream(self, prompt: RemotePrompt | Sequence, *, system: str | None = None, strategy=None,
-               params: SamplingParams | None = None, max_new_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None) -> TextStream:
+               params: SamplingParams | None = None, **sampling) -> TextStream:
         """Stream the answer's text from the server; ``stats`` complete once exhausted."""
         if not isinstance(prompt, RemotePrompt):
             prompt = self.build_prompt(prompt, system=system)
-        params = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          seed=seed, stop=tuple(stop or ()))
+        params = sampling_params(params, **sampling)   # as BlendEngine.stream takes them
         stream = TextStream()
         stream.stats = Stats()
         path, body = self._request_body(prompt, strategy, params)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
-from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams
 from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, TooLong, check_text
 from ragblend.core.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 
@@ -85,10 +83,6 @@ class ClientGone(ApiError):
         super().__init__(499, "The client closed the connection.", kind="client_closed_request")
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 # ---------------------------------------------------------------------------- request bodies
 
 
@@ -130,96 +124,10 @@ def check_unsupported(body: dict) -> None:
                                 "Leave the field out.", param=name, code="unsupported_parameter")
 
 
-def check_options(body: dict) -> None:
-    """Type checks of the fields every completion request may carry (each error names its field)."""
-    check_unsupported(body)
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ApiError(400, "stream must be true or false.", param="stream")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise ApiError(400, "stream_options must be an object such as {\"include_usage\": true}.",
-                           param="stream_options")
-        if options.get("include_usage") is not None and not isinstance(options["include_usage"], bool):
-            raise ApiError(400, "stream_options.include_usage must be true or false.",
-                           param="stream_options.include_usage")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise ApiError(400, "user must be a string.", param="user")
-    cache_salt(body)
-    sampling_fields(body)
-
-
-MAX_SALT_CHARS = 1024
-
-
-def cache_salt(body: dict) -> str:
-    """The request's ``cache_salt`` (vLLM's field: requests with different salts never share
-    cached KV), checked; "" when absent."""
-    salt = body.get("cache_salt")
-    if salt is None:
-        return ""
-    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_SALT_CHARS:
-        raise ApiError(400, f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters.",
-                       param="cache_salt")
-    return salt
-
-
-def sampling_fields(body: dict) -> dict:
-    """The OpenAI sampling fields, checked: ``max_tokens`` (or None), ``temperature``,
-    ``top_p``, ``seed`` and ``stop`` as SamplingParams takes them."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    requested = body.get(name)
-    if requested is not None and (type(requested) is not int or requested < 1):
-        raise ApiError(400, f"{name} must be an integer >= 1, got {requested!r}.", param=name)
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise ApiError(400, f"n must be 1: this server answers one choice per request (got {n!r}).", param="n")
-    temperature, top_p, seed = body.get("temperature"), body.get("top_p"), body.get("seed")
-    if temperature is not None and not (_is_number(temperature) and 0 <= temperature <= 2):
-        raise ApiError(400, f"temperature must be a number from 0 to 2, got {temperature!r}.", param="temperature")
-    if top_p is not None and not (_is_number(top_p) and 0 < top_p <= 1):
-        raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}.", param="top_p")
-    # Sampling computes in float32: a positive value below its smallest normal number is zero or
-    # subnormal there, and the request's draw would fail (see generate.MIN_SAMPLING_VALUE).
-    for name, value in (("temperature", temperature), ("top_p", top_p)):
-        if value is not None and 0 < value < MIN_SAMPLING_VALUE:
-            raise ApiError(400, f"{name} {value!r} rounds to zero or to a subnormal number in float32, where "
-                                f"sampling computes; use {'0 for greedy decoding or ' if name == 'temperature' else ''}"
-                                f"at least {MIN_SAMPLING_VALUE:.3g}.", param=name)
-    if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
-        raise ApiError(400, f"seed must be an integer in [0, 2**63), got {seed!r}.", param="seed")
-    stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else None
-    if stop is not None and (stops is None or len(stops) > MAX_STOPS
-                             or not all(isinstance(s, str) and s for s in stops)):
-        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings.",
-                       param="stop")
-    return {"requested": requested, "temperature": 1.0 if temperature is None else temperature,
-            "top_p": 1.0 if top_p is None else top_p, "seed": seed, "stop": tuple(stops or ())}
-
-
 def check_window(engine: BlendEngine, prompt_tokens: int) -> None:
     if prompt_tokens >= engine.context_window:
         raise PromptTooLongError(f"The prompt has {prompt_tokens} tokens and fills the model's context window "
                                  f"({engine.context_window}); shorten it.")
-
-
-def sampling(body: dict, engine: BlendEngine, prompt_tokens: int) -> SamplingParams:
-    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left."""
-    check_window(engine, prompt_tokens)
-    room = engine.context_window - prompt_tokens
-    fields = sampling_fields(body)
-    return SamplingParams(max_new_tokens=min(fields["requested"] or room, room), temperature=fields["temperature"],
-                          top_p=fields["top_p"], seed=fields["seed"], stop=fields["stop"])
-
-
-def requested_strategy(body: dict):
-    """The strategy a request asks for in its ``ragblend`` field (None: the engine's own)."""
-    options = body.get("ragblend") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "ragblend must be an object such as {\"strategy\": \"cacheblend\", \"ratio\": 0.3}.",
-                       param="ragblend")
-    return strategy_from_json(options)
 
 
 # ---------------------------------------------------------------------------- strategies

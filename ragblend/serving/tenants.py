@@ -31,7 +31,7 @@ from typing import Mapping
 
 from ragblend.core.errors import InvalidInputError
 
-from .protocol import cache_salt
+from .requests import cache_salt
 
 OPERATOR = ""   # the tenant name of the operator's key (and of a server with no key): the shared namespace
 

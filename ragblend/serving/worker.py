@@ -30,12 +30,13 @@ from ragblend.core.batching import BatchDecoder, Member
 from ragblend.core.cancel import Cancelled, cancellable
 from ragblend.core.generate import Decoding
 
+from .options import SERVER_DEFAULTS
 from .protocol import ApiError
 
 log = logging.getLogger("ragblend.server")
 
-DEFAULT_MAX_BATCH = 8             # kernels.DRAFT_ROWS: the most rows a pass runs on the decoding kernels
-DEFAULT_MAX_KV_BYTES = 2 << 30    # ~45 answers of 1,000 positions with SmolLM2 (46 KB a position)
+DEFAULT_MAX_BATCH = SERVER_DEFAULTS.max_batch
+DEFAULT_MAX_KV_BYTES = SERVER_DEFAULTS.max_kv_bytes
 
 # ---------------------------------------------------------------------------- the work queue
 

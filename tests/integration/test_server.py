@@ -352,7 +352,7 @@ def test_langchain_ingestion_warms_the_server(server, bench_prompt, smol_engine)
 
 
 def test_timeouts_and_the_window_cap(smol_engine):
-    from ragblend.serving.protocol import sampling
+    from ragblend.serving.requests import sampling
 
     assert sampling({"max_tokens": 10**6}, smol_engine, 8000).max_new_tokens == smol_engine.context_window - 8000
     assert sampling({}, smol_engine, 100).max_new_tokens == smol_engine.context_window - 100

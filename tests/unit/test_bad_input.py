@@ -277,7 +277,7 @@ def test_ctrl_c_during_ingest_says_how_to_resume(capsys, tmp_path, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_open_index", interrupted)
+    monkeypatch.setattr(cli.ingest, "open_index", interrupted)
     assert cli.main(["ingest", str(tmp_path / "a.md"), "--index", str(tmp_path / "index")]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "run the same command again" in err and "Traceback" not in err

@@ -242,3 +242,27 @@ def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
                                 strategy=QueryAware(0.3))
     assert fused.stats.strategy == "query_aware" and fused.stats.compute_fraction < 1.0
     assert not fused.stats.fusion_skipped and tiny_engine.last_prompt.chunk_spans
+
+
+def test_describe_reports_the_engine_in_plain_values(tokenizer):
+    from ragblend.core.description import EngineDescription
+    from ragblend.core.kv_budget import KVShape, bytes_per_token
+
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer, kv_dtype="int8", prompt_lookup_num_tokens=3,
+                              min_fusion_speedup=1.3)
+    about = engine.describe()
+    assert isinstance(about, EngineDescription)
+    assert (about.arch, about.num_layers, about.dtype, about.device) == ("llama", 4, "torch.float32", "cpu")
+    assert about.weights_form == "float32" and about.weights_reason and not about.quantized
+    assert about.kernels is not None and about.kernels.state and about.kernels.buckets   # float32 on the CPU
+    assert set(about.low_bit_decoding) == {"int4", "int8"} and sum(about.decode_layers.values()) > 0
+    assert about.stored_kv.dtype == "int8"
+    assert about.stored_kv.bytes_per_token == bytes_per_token(KVShape(4, 2, 16), "int8")
+    assert about.stored_kv.chunk_bytes > 0 and about.stored_kv.entries_per_chunk in (1, 2)
+    assert about.fusion.min_speedup == 1.3 and not about.fusion.always
+    assert about.fusion.constants_source in ("unmeasured", "measured", "defaults")
+    assert about.drafts.max_tokens == 3 and 0 < about.drafts.row_cost
+    engine.min_fusion_speedup = 0
+    assert engine.describe().fusion.always   # read at each call: the engine's settings now

@@ -116,7 +116,7 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
         (docs / f"{i:02d}.md").write_text(f"Note {i}: {PASSAGES[i % len(PASSAGES)]} It was recorded in {1900 + i}.\n")
     engine = make_tiny_engine("llama", tokenizer)
     engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, memory_bytes=0, disk_bytes=150_000)
-    monkeypatch.setattr(cli, "_open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
+    monkeypatch.setattr(cli.ingest, "open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
     out = capsys.readouterr().out

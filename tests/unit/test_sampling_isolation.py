@@ -19,7 +19,8 @@ from ragblend.core.errors import InvalidInputError  # noqa: E402
 from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams  # noqa: E402
 from ragblend.core.strategies import FullRecompute  # noqa: E402
 from ragblend.serving.app import Server, _decode_job  # noqa: E402
-from ragblend.serving.protocol import ApiError, ChatPrompt, check_options, sampling_fields  # noqa: E402
+from ragblend.serving.protocol import ApiError, ChatPrompt  # noqa: E402
+from ragblend.serving.requests import check_options, sampling_fields  # noqa: E402
 from ragblend.serving.worker import Decode, Job  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402

@@ -1,0 +1,7 @@
+"""``python -m ragblend.cli``: the ``ragblend`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

@@ -1,0 +1,206 @@
+"""`ragblend cache stats|fill|clear|verify`: the on-disk KV store of an index."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ragblend.core.errors import InvalidInputError, StoreUnavailableError
+
+from .args import add_collection, add_engine_options, check_model, index_option, load_engine, open_index
+
+
+def _store_folder(args):
+    from pathlib import Path
+
+    from ragblend.integrations.local_index import index_folder
+
+    # The KV that `ragblend ingest/ask` use lives in the index folder.
+    folder = Path(args.kv_dir).expanduser() if args.kv_dir else index_folder(args.index) / "kv"
+    if folder.exists() and not folder.is_dir():
+        raise InvalidInputError(f"{folder} is a file, not a KV store folder; pass the folder given as kv_dir "
+                                "(or an index folder with --index).")
+    return folder
+
+
+def _disk_store(args, spec=None):
+    from ragblend.core.store import DiskStore, EntrySpec, NotAStoreError, store_faults
+
+    folder = _store_folder(args)
+    try:
+        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0))
+    except NotAStoreError:
+        raise   # its message says what to do; nothing in the folder was touched
+    except store_faults() as err:
+        if _is_broken_database(err):
+            advice = f"`ragblend cache clear --kv-dir {folder}` removes the broken store"
+        else:
+            advice = "try again once the folder is writable and no other process holds the store"
+        raise StoreUnavailableError(f"the KV store in {folder} cannot be opened ({type(err).__name__}: {err}). "
+                                    f"Engines still answer (they keep KV in memory); {advice}.") from err
+
+
+def _is_broken_database(err: BaseException) -> bool:
+    """A database that is garbage or malformed, as opposed to locked, read-only or missing."""
+    import sqlite3
+
+    return isinstance(err, sqlite3.DatabaseError) and not isinstance(err, sqlite3.OperationalError)
+
+
+def run(args) -> int:
+    from ragblend.core.store import check_store_folder
+
+    if args.action == "fill":   # opens (or creates) the index's store like ingest does
+        return _fill(args)
+    folder = _store_folder(args)
+    if not (folder / "cache.db").exists():   # look, never create
+        print(f"No KV store at {folder}: nothing has been stored there yet.")
+        return 0
+    # Only a folder that is a ragblend store is read or changed (--kv-dir may be any folder).
+    check_store_folder(folder, create=False)
+    if args.action == "stats":
+        return _cache_stats(args)
+    if args.action == "clear":
+        return _clear(args)
+    # verify: needs the model to know which fingerprint and shape entries must have
+    engine = load_engine(args, kv_dir=False)   # (args.kv_dir is the store verified, not the engine's)
+    store = _disk_store(args, engine.entry_spec)
+    bad, checked = {}, 0
+    for key in store.keys():
+        checked += 1
+        reason = store.verify(key)
+        if reason is not None:
+            bad[key] = reason
+    for key, reason in bad.items():
+        print(f"  {key[:16]}...  {reason}")
+        if args.fix:
+            store.delete(key)
+    print(f"{checked} entries checked: {checked - len(bad)} sound, {len(bad)} failing"
+          + (" (removed)" if args.fix and bad else ""))
+    return 1 if bad and not args.fix else 0
+
+
+def _cache_stats(args) -> int:
+    """`ragblend cache stats`: the store's entries (by dtype), hit rate, the index's coverage and projected KV."""
+    store = _disk_store(args)
+    disk = store.stats()["disk"]
+    lookups = disk["hits"] + disk["misses"]
+    rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
+    print(f"KV store: {disk['directory']}")
+    print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
+          f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+    by_dtype = store.entries_by_dtype()
+    if by_dtype:
+        print("  by dtype:    " + "; ".join(f"{dtype}: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB"
+                                          for dtype, row in sorted(by_dtype.items())))
+    if disk["faults"]:
+        print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
+    print("  memory tier: lives inside each process (see engine.store.stats())")
+    coverage = _index_coverage(args, store)
+    projection = _stored_projection(coverage, by_dtype, disk["max_bytes"])
+    if projection is not None:
+        print(f"  projected:   {projection.describe()}")
+    if coverage is not None:
+        # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
+        fill = f"`ragblend cache fill{index_option(args)}`"
+        hint = (f" ({fill} computes them)" if coverage.pending else
+                f" (each chunk's own entry; {fill} also adds any lead entries missing)")
+        print(f"  index:       {coverage.describe()}{hint}")
+    return 0
+
+
+def _stored_projection(coverage, by_dtype: dict, budget: int):
+    """The projected KV of the whole index from what its stored chunks weigh (no model loaded:
+    the bytes of the store's entries over the index's chunks that have theirs); None without an
+    index or before any chunk of it is stored."""
+    from ragblend.core.kv_budget import Projection
+
+    if coverage is None or not coverage.stored:
+        return None
+    stored = sum(row["bytes"] for row in by_dtype.values())
+    per_chunk = stored / coverage.stored
+    dtype = next(iter(by_dtype)) if len(by_dtype) == 1 else ""
+    return Projection(coverage.keyed, round(per_chunk * coverage.keyed), budget, dtype,
+                      f"{per_chunk / 2**20:.2f} MiB a chunk, as the {coverage.stored:,} stored weigh")
+
+
+def _index_coverage(args, store):
+    """How much of the index's chunks' KV ``store`` holds; None without an index (e.g. --kv-dir
+    alone) or when its Chroma database holds no ragblend collection. Needs no model."""
+    from ragblend.integrations.kv_fill import coverage_of
+    from ragblend.integrations.local_index import chroma_client, index_folder
+
+    if args.kv_dir is not None:
+        return None
+    folder = index_folder(args.index)
+    if args.chroma_url is None and not (folder / "chroma").is_dir():
+        return None
+    try:
+        collection = chroma_client(folder, args.chroma_url).get_collection(args.collection)
+    except Exception:   # no such collection (chromadb raises its own NotFoundError or ValueError)
+        return None
+    return coverage_of(collection, store.keys())
+
+
+def _fill(args) -> int:
+    """`ragblend cache fill`: compute the KV of the index's chunks that have none, and the lead
+    entries of those that have only their own (as far as the store has room)."""
+    from ragblend.core.extras import require
+    from ragblend.integrations.kv_fill import KVFillBusyError
+
+    if args.kv_dir is not None:
+        raise InvalidInputError("cache fill works on an index (--index FOLDER), whose KV store is its kv folder; "
+                                "--kv-dir does not apply.")
+    require("llamaindex", "ragblend cache fill")
+    check_model(args)
+    rag = open_index(args)
+    before = rag.kv_coverage()
+    print(f"Index at {rag.path}: {before.describe()}.", flush=True)
+    if not before.to_compute:
+        return 0
+    try:
+        rag.kv.run(progress=sys.stderr.isatty())
+    except KVFillBusyError as err:
+        print(f"ragblend: {err}", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        print(f"\nragblend: interrupted; {rag.kv_coverage().describe()}. Run it again to go on.", file=sys.stderr)
+        return 130
+    print(f"Done: {rag.kv_coverage().describe()}.")
+    return 0
+
+
+def _clear(args) -> int:
+    """Empty the store; a store too broken to open has its own files removed instead."""
+    from ragblend.core.store import DiskStore
+
+    folder = _store_folder(args)
+    try:
+        store = _disk_store(args)
+    except StoreUnavailableError as err:
+        if not _is_broken_database(err.__cause__):
+            raise   # locked by another process or read-only: its files are not ours to remove now
+        print(f"ragblend: {err}", file=sys.stderr)
+        removed = DiskStore.remove_files(folder)
+        print(f"Removed the broken store's database and {removed} entry file(s).")
+        return 0
+    print(f"Removed {store.clear()} entries.")
+    return 0
+
+
+def add_parser(sub) -> None:
+    cache = sub.add_parser("cache", help="inspect or clear the on-disk KV store")
+    cache.add_argument("action", choices=["stats", "fill", "clear", "verify"],
+                       help="stats: entries (by dtype), bytes, hit rate, and how many of the index's chunks have "
+                            "KV; fill: compute the KV the index's chunks lack (resumes an interrupted ingest's); "
+                            "clear: delete every entry; verify: check every entry against the model (exit 1 if "
+                            "any fails)")
+    cache.add_argument("--index", default=None, help="index folder whose KV store to use (default: the default index)")
+    cache.add_argument("--chroma-url", default=os.environ.get("RAGBLEND_CHROMA_URL") or None,
+                       help="the index's Chroma server, if it uses one (default: $RAGBLEND_CHROMA_URL)")
+    add_collection(cache)
+    # Not the engine's kv_dir option: the store to inspect (verify loads its engine with no store).
+    cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
+    add_engine_options(cache, "model", "dtype")
+    cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
+    cache.set_defaults(func=run)
