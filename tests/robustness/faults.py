@@ -1173,7 +1173,7 @@ class Hostile:
         def app_box():
             from streamlit.testing.v1 import AppTest
 
-            app_file = str(Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py")
+            app_file = str(Path(__file__).resolve().parents[2] / "apps" / "streamlit_app.py")
             root = self.folder("shared")
             (root / "leak.txt").symlink_to(out / "secret.txt")
             saved = {k: os.environ.get(k) for k in ("RAGBLEND_INDEX_DIR", "RAGBLEND_FILES_ROOT")}
@@ -1275,7 +1275,9 @@ class Hostile:
         index = self.sandbox / "index6"   # the overlap makes it; the later cases damage it
 
         def holds(done) -> str:
-            return done.stdout.rsplit("holds ", 1)[-1].strip() if "holds " in done.stdout else "?"
+            # the index line ("The index at ... holds N chunk(s)."), not the KV budget's projection
+            found = re.findall(r"The index at .* holds (\d+ chunk\(s\))", done.stdout)
+            return found[-1] if found else "?"
 
         def locked():
             busy = self.sandbox / "index-busy"
@@ -1404,7 +1406,7 @@ class Hostile:
                 seen.append(f"{bomb}: exit {code}, {seconds:.1f} s, peak {rss / 2**20:.0f} MB, '{reason[:70]}'")
             return ok, "; ".join(seen)
 
-        app_file = str(Path(__file__).resolve().parents[1] / "apps" / "streamlit_app.py")
+        app_file = str(Path(__file__).resolve().parents[2] / "apps" / "streamlit_app.py")
 
         def app_test(index: str):
             from streamlit.testing.v1 import AppTest
