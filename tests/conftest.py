@@ -83,8 +83,12 @@ def make_tiny_engine(arch, tokenizer, **kwargs):
     """A fresh engine (its own store and settings) over the shared tiny model of ``arch``. It always
     fuses (``min_fusion_speedup=0``) unless told otherwise: on a tiny model a pass's fixed cost
     outweighs any saving, so the engine's own strategy would run every prompt as a full prefill,
-    and these tests are of the fusion (tests/unit/test_fusion_cost.py tests the skip)."""
+    and these tests are of the fusion (tests/unit/test_fusion_cost.py tests the skip). For the same
+    reason it has no prefix tier unless told (``prefix_cache_bytes``): the tests of the fusion and
+    of the store ask a prompt again to read the store, which the tier would answer instead
+    (tests/unit/test_prefix_cache.py tests the tier)."""
     kwargs.setdefault("min_fusion_speedup", 0)
+    kwargs.setdefault("prefix_cache_bytes", 0)
     return BlendEngine(tiny_model(arch), tokenizer, **kwargs)
 
 
@@ -96,7 +100,9 @@ def tiny_engine(request, tokenizer):
 
 @pytest.fixture(scope="session")
 def smol_engine(tmp_path_factory):
-    return BlendEngine.from_pretrained(kv_dir=tmp_path_factory.mktemp("kv"))
+    # No prefix tier, as make_tiny_engine: one engine for the session, whose tests ask prompts again to
+    # read the store (the tier would answer them instead); the tier's tests build their own engines.
+    return BlendEngine.from_pretrained(kv_dir=tmp_path_factory.mktemp("kv"), prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="session")

@@ -63,15 +63,16 @@ def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None
     """Answer ``question`` with ``strategy`` and with a full prefill, each path warmed up first
     (untimed, see ragblend.integrations.compare), and print both and how they compare; returns
     full prefill's TTFT over the fused one (None when either answer had no model call)."""
-    from ragblend.integrations.compare import FULL_PREFILL, compare, compare_line, warm_up, warm_up_note
+    from ragblend.integrations.compare import FULL_PREFILL, compare, compare_line, fusion_only, warm_up, warm_up_note
 
-    note = warm_up_note(warm_up(rag, question, (strategy, FULL_PREFILL), ratio=ratio, **options))
-    if note:
-        print(note + "\n")
-    fused = rag.ask(question, strategy=strategy, ratio=ratio, **options)
-    print_answer(label, fused)
-    full = rag.ask(question, strategy=FULL_PREFILL, ratio=None, **options)   # --ratio is not a full prefill's
-    print_answer("full prefill", full)
+    with fusion_only(rag):
+        note = warm_up_note(warm_up(rag, question, (strategy, FULL_PREFILL), ratio=ratio, **options))
+        if note:
+            print(note + "\n")
+        fused = rag.ask(question, strategy=strategy, ratio=ratio, **options)
+        print_answer(label, fused)
+        full = rag.ask(question, strategy=FULL_PREFILL, ratio=None, **options)   # --ratio is not a full prefill's
+        print_answer("full prefill", full)
     speed = compare(fused.stats, full.stats)
     if speed is not None:
         print(compare_line(speed) + "\n")

@@ -12,7 +12,7 @@ def run(args) -> int:
     from ragblend.core.extras import require
     from ragblend.core.model import cache_dir
     from ragblend.data import load_sample, sample_dir
-    from ragblend.integrations.compare import FULL_PREFILL, SpeedRatio, warm_up, warm_up_note
+    from ragblend.integrations.compare import FULL_PREFILL, SpeedRatio, fusion_only, warm_up, warm_up_note
 
     require("llamaindex", "ragblend demo")
     check_options(args)
@@ -32,8 +32,9 @@ def run(args) -> int:
     # read their chunks' KV as a new question does (the chunks they share with it excepted: each
     # answer's line names the tiers).
     spare = questions[args.questions:] or questions
-    note = warm_up_note(warm_up(rag, spare[-1]["question"], ("default", FULL_PREFILL), ratio=args.ratio,
-                                top_k=args.top_k))
+    with fusion_only(rag):
+        note = warm_up_note(warm_up(rag, spare[-1]["question"], ("default", FULL_PREFILL), ratio=args.ratio,
+                                    top_k=args.top_k))
     if note:
         print(note + "\n")
     ratios = []

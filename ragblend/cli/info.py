@@ -29,8 +29,18 @@ def run(args) -> int:
     print(f"Decoding K/V (decode_kv_dtype={about.decode_kv_option!r}, chosen on this host): {about.decode_kv_dtype}")
     _print_stored_kv_line(about.stored_kv)
     _print_fusion_line(about.fusion)
+    _print_prefix_tier(about.prefix_tier)
     _print_drafts(about)
     return 0
+
+
+def _print_prefix_tier(tier: dict) -> None:
+    if not tier:
+        print("Prefix tier: off (prefix_cache_bytes=0)")
+        return
+    print(f"Prefix tier (recent prompts' and answers' K/V, reused by exact prefix): up to "
+          f"{tier['max_bytes'] / 2**20:,.0f} MiB in memory per process; {tier['entries']} entries "
+          f"({tier['bytes'] / 2**20:,.1f} MiB), {tier['hits']} hits, {tier['hit_tokens']} tokens served")
 
 
 def _print_kernels(about) -> None:

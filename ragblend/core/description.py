@@ -81,6 +81,7 @@ class EngineDescription:
     stored_kv: StoredKVDescription
     fusion: FusionDescription
     drafts: DraftsDescription
+    prefix_tier: dict[str, int]          # the prefix tier's entries, bytes, max_bytes, hits...; {} when off
 
 
 def _dtype_name(dtype) -> str:
@@ -120,7 +121,8 @@ def describe(engine) -> EngineDescription:
         decode_dtype=engine.decode_dtype, decode_layers=dict(engine.decode_weights.layer_counts()),
         decode_kv_option=engine.options.decode_kv_dtype, decode_kv_dtype=_dtype_name(answers.kv_dtype),
         stored_kv=_stored_kv(engine), fusion=_fusion(engine),
-        drafts=DraftsDescription(engine.options.prompt_lookup_num_tokens, answers.can_draft, answers.draft_row_cost))
+        drafts=DraftsDescription(engine.options.prompt_lookup_num_tokens, answers.can_draft, answers.draft_row_cost),
+        prefix_tier=engine.prefix_info())
 
 
 def _stored_kv(engine) -> StoredKVDescription:

@@ -61,6 +61,7 @@ from .model import (
 from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
+from .prefix_cache import PrefixCache
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .quantized import is_quantized, prefill_twin, scoring_twin
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
@@ -121,8 +122,10 @@ class BlendEngine:
         # Whether fusing a prompt pays on this host (the engine's own strategy fuses only where it
         # does): constants measured once per host and model, at the first prompt that needs them.
         self.fusion_cost = FusionCost(self.adapter, self.model_fingerprint, options.storage_dtype.itemsize)
+        # The K/V of recent prompts and answers, which a prompt starting alike reuses (.prefix_cache).
+        self.prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading,
-                                    lambda: self.prompts.sentence_end_ids, self.fusion_cost)
+                                    lambda: self.prompts.sentence_end_ids, self.fusion_cost, self.prefix)
         if getattr(self.strategy, "sentence_runs", False):
             self.prompts.sentence_end_ids   # made now (~0.7 s for a 151k-token vocabulary), not in the first TTFT
         self.decode_dtype = options.decode_dtype
@@ -339,8 +342,13 @@ class BlendEngine:
         """:meth:`find_chunks` of a prompt's token ids. No span covers the template's opening
         (:meth:`.prompt.PromptBuilder.opening_length`): its KV is the prompt's own."""
         namespaces = ("", check_namespace(namespace)) if namespace else ("",)
-        return self.index.mark(token_ids, self.store, namespaces=namespaces,
-                               start=self.prompts.opening_length(token_ids))
+        layout = self.index.mark(token_ids, self.store, namespaces=namespaces,
+                                 start=self.prompts.opening_length(token_ids))
+        return replace(layout, namespace=namespace)
+
+    def prefix_info(self) -> dict:
+        """The prefix tier's entries, bytes (and budget), hits, misses and tokens served; {} when off."""
+        return self.prefix.info() if self.prefix is not None else {}
 
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""
@@ -395,8 +403,11 @@ class BlendEngine:
         return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens)
 
     def finish(self, decoding: Decoding) -> Stats:
-        """The stats of a decoding from :meth:`begin`, completed with its answer's."""
+        """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix tier."""
         self.last_stats = decoding.finish_stats(decoding.stats)
+        if decoding.prefill is not None:
+            adapter = self.decoding_adapter()
+            self.runner.remember_answer(decoding, exact_decoding=adapter is self.decode_weights.adapter)
         return decoding.stats
 
     def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,

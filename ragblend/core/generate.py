@@ -116,9 +116,9 @@ class KVDecoder:
         return self.extend([token])[0]
 
     @torch.inference_mode()
-    def extend(self, tokens: list[int], adapter=None) -> torch.Tensor:
+    def extend(self, tokens: list[int], adapter=None, *, last_only: bool = False) -> torch.Tensor:
         """Append ``tokens`` at the next positions in one pass; return the logits after each
-        ``[len(tokens), vocab]``. One pass reads every weight once, whatever the number of
+        ``[len(tokens), vocab]`` (``last_only``: after the last, ``[1, vocab]``: a prompt's rest). One pass reads every weight once, whatever the number of
         tokens, which is what makes verifying drafted tokens (:class:`PromptLookup`) cheap.
         ``adapter``: another adapter of the same model to run this pass on (the float32 one
         that re-runs a low-bit pass, see :attr:`Decoding.exact_adapter`)."""
@@ -133,6 +133,8 @@ class KVDecoder:
         plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their masks
         hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
         for layer in range(adapter.shape.num_layers):
+            if n > 1:
+                check_cancelled()   # a prompt's rest (core.prefix_cache) may be long; a failed pass changes nothing
             cos, sin = rope.layer(layer)
             x = adapter.attn_input(layer, hidden)
             q, k, v = adapter.qkv(layer, x)
@@ -154,7 +156,7 @@ class KVDecoder:
             else:
                 attn = adapter.attention(q.to(self.dtype), keys, values, *masks)
             hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
-        logits = adapter.logits(hidden)
+        logits = adapter.logits(hidden[-1:] if last_only else hidden)
         self.length = end   # only once the pass completed: a failed one leaves the decoder as it was
         return logits
 

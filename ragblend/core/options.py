@@ -93,6 +93,11 @@ class EngineOptions:
              "than its full prefill on this host (stats.fusion_skipped and stats.skip_reason say when it is not: "
              "short prompts); 0 (the default): always fuse, since on the user-like benchmark 1.3 only ran prompts "
              "under 600 tokens as full prefills that fusing answered as well and faster (docs/benchmarks.md). A strategy the caller names is always run as asked.", type=float)
+    prefix_cache_bytes: int = option(
+        512 << 20, "Memory for the prefix tier, in bytes (0: off): the K/V of recent prompts and answers, which a "
+                   "prompt starting with the same tokens reuses as they are (an exact repeat computes its last token "
+                   "only; a conversation's next turn, its new text). Per namespace (a server's tenant); least "
+                   "recently used out first. Read by the engine's own strategy only.", type=int)
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(
@@ -141,6 +146,10 @@ class EngineOptions:
         if self.decode_kv_dtype not in DECODE_KV_DTYPES:
             raise InvalidInputError(f"decode_kv_dtype must be one of {', '.join(map(repr, DECODE_KV_DTYPES))}, "
                                     f"got {self.decode_kv_dtype!r}.")
+        prefix_bytes = self.prefix_cache_bytes
+        if isinstance(prefix_bytes, bool) or not isinstance(prefix_bytes, numbers.Integral) or prefix_bytes < 0:
+            raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0 (0: no prefix tier), got {prefix_bytes!r}.")
+        object.__setattr__(self, "prefix_cache_bytes", int(prefix_bytes))
         batch = self.precompute_batch_tokens
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 0:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "

@@ -111,6 +111,7 @@ class ChunkSpan:
 class PromptLayout:
     token_ids: list[int]
     chunk_spans: list[ChunkSpan]
+    namespace: str = ""   # whose prompt it is: the prefix tier (core.prefix_cache) reuses only its K/V
 
 
 def check_segments(segments: Sequence[Segment]) -> list[Segment]:
@@ -588,7 +589,7 @@ class PromptBuilder:
                 spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens), namespace=namespace))
             ids += tokens
         ids += suffix
-        return PromptLayout(ids, spans)
+        return PromptLayout(ids, spans, namespace)
 
 
 class ChunkFinder:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -20,6 +20,7 @@ from .omp import release_thread_pool
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import fused_prefill
+from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix
 from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
 from .selection import EveryToken, ReusedSpan
@@ -70,9 +71,11 @@ class PrefillRunner:
     ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy)."""
 
     def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
-                 fusion_cost: FusionCost | None = None):
+                 fusion_cost: FusionCost | None = None, prefix: PrefixCache | None = None):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
         self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
+        self.prefix = prefix   # the prefix tier (None: off); the K/V it holds are in kv_dtype
+        self.kv_dtype = adapter.dtype
         self.background = Background()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
 
@@ -88,11 +91,15 @@ class PrefillRunner:
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
+        hit = self._prefix_hit(layout, plan)
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per entry.
         attempts = len(layout.chunk_spans) + 1
         for attempt in range(attempts):
             try:
+                if hit is not None:
+                    fused, source, from_store = self._extend(layout, hit, plan, stats)
+                    break
                 fused, source, from_store = self._fuse(layout, plan, stats, computed, store, prefetch, write_back,
                                                        min_speedup)
                 break
@@ -108,6 +115,7 @@ class PrefillRunner:
         stats.chunks_computed = len({tuple(entry.token_ids) for entry in computed.values()})   # chunks, not entries
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
+        stats.prefix_tokens = 0 if hit is None else hit.num_tokens
         # A skipped fusion computed every chunk token as plain text: none counts as a chunk's.
         trace = PromptTrace(layout.token_ids, fused.recomputed, [] if stats.fusion_skipped else layout.chunk_spans)
         # The bias the answer's tokens keep: none unless the strategy asks for it (QueryAware's
@@ -115,8 +123,74 @@ class PrefillRunner:
         decoding_bias = fused.key_bias if getattr(plan.strategy, "scale_in_decoding", False) else None
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, decoding_bias)
+        prefill.prefix_kept = self._remember(layout, plan, fused, hit)
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
+
+    # The prefix tier (.prefix_cache)
+
+    def _prefix_hit(self, layout: PromptLayout, plan: StrategyPlan) -> PrefixHit | None:
+        """The stored K/V of the longest prefix of this prompt that it pays to reuse, or None. Only
+        the engine's own strategy reads the tier (a strategy the caller names runs as asked), and
+        only where the prefix is at least as long as the chunk tokens after it, which fusing the
+        whole prompt instead could reuse. The last token is always computed: its logits are the answer's."""
+        if self.prefix is None or not plan.engine_default:
+            return None
+        n = len(layout.token_ids)
+        hit = self.prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
+                                 layout.token_ids, limit=n - 1)
+        if hit is not None:
+            after = sum(span.end - max(span.start, hit.num_tokens) for span in layout.chunk_spans
+                        if span.token_ids and span.end > hit.num_tokens) if plan.reuses else 0
+            hit = hit if after <= hit.num_tokens else None
+        self.prefix.count(hit)
+        return hit
+
+    def prefix_scope(self, exact: bool, namespace: str) -> PrefixScope:
+        """What this engine's K/V in the prefix tier are keyed under, besides their token ids."""
+        return PrefixScope(self.ingestion.fingerprint, str(self.kv_dtype), exact, namespace)
+
+    def _extend(self, layout: PromptLayout, hit: PrefixHit, plan: StrategyPlan, stats: Stats):
+        """The prefill of a prompt whose first tokens are ``hit``'s: the rest runs in full over them."""
+        n, p = len(layout.token_ids), hit.num_tokens
+        stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
+                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and the rest "
+                                 f"computed in full; the strategy was {plan.reason}")
+        with self.lock:
+            fused = extend_prefix(self.adapter, hit, layout.token_ids)
+        from_store = torch.zeros(n, dtype=torch.bool)
+        from_store[:p] = True
+        return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
+
+    def _remember(self, layout: PromptLayout, plan: StrategyPlan, fused, hit: PrefixHit | None) -> KeptPrefix | None:
+        """Keep this prompt's K/V in the prefix tier; how they were kept (None: not kept).
+        A fusion's K/V are kept only for the engine's own strategy (which alone reads them back)."""
+        n = len(layout.token_ids)
+        exact = hit.scope.exact if hit is not None else all(len(p) == n for p in fused.layer_positions)
+        if self.prefix is None or not (exact or plan.engine_default):
+            return None
+        self.kv_dtype = fused.keys[0].dtype
+        scope = self.prefix_scope(exact, layout.namespace)
+        self.prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias)
+        return KeptPrefix(scope, fused.key_bias)
+
+    def remember_answer(self, decoding, exact_decoding: bool) -> None:
+        """Keep the K/V of a finished answer's prompt and tokens in the prefix tier (the next turn of
+        a conversation starts with them), where its prompt's were kept; as exact only where
+        ``exact_decoding`` (decoded on the prefill's weights, over K/V in its dtype)."""
+        pre, decoder = decoding.prefill, decoding.decoder
+        kept: KeptPrefix | None = getattr(pre, "prefix_kept", None)
+        n = len(pre.token_ids)
+        answered = decoder.length - n   # the last token's K/V are never computed
+        if self.prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
+            return
+        length, dtype = decoder.length, self.kv_dtype
+        keys = [k[:, :length].to(dtype, copy=True) for k in decoder.keys]
+        values = [v[:, :length].to(dtype, copy=True) for v in decoder.values]
+        # the prompt's own bias (decoding may have run without it), none on the answer's keys
+        bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
+        scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
+        self.prefix.store(scope, list(pre.token_ids) + list(decoding.token_ids[:answered]), keys, values, bias)
 
     def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back,
               min_speedup: float):

@@ -40,6 +40,7 @@ a 400, never ignored.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -146,8 +147,9 @@ class Metrics:
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
             self.ttft_counts[bucket] += 1
 
-    def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None) -> str:
-        """The Prometheus text of the counters, the queue, the store and the background KV fill."""
+    def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None) -> str:
+        """The Prometheus text of the counters, the queue, the store, the background KV fill and the
+        prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -188,6 +190,12 @@ class Metrics:
             metric("ragblend_kv_fill_failed_total", "counter",
                    "Passages whose KV could not be stored (store full or broken); their next prompt computes it.",
                    [("", keeper.failed)])
+        for name, kind, field, help_text in (
+                ("ragblend_prefix_hits_total", "counter", "hits", "Prompts that reused a recent prompt's K/V (prefix tier)."),
+                ("ragblend_prefix_hit_tokens_total", "counter", "hit_tokens", "Prompt tokens served by the prefix tier."),
+                ("ragblend_prefix_bytes", "gauge", "bytes", "Bytes of K/V the prefix tier holds.")):
+            if prefix:
+                metric(name, kind, help_text, [("", prefix[field])])
         return "\n".join(lines) + "\n"
 
 
@@ -464,7 +472,8 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
     them reuses it."""
     check_options(body)
-    run = _decode_job(server, body, layout_of)
+    # Whatever route laid the prompt out, its K/V are its namespace's in the prefix tier (core.prefix_cache).
+    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=namespace))
     reply = Reply(server.model_id, chat)
     call = Call(server, request, run)
     if not body.get("stream"):
@@ -566,7 +575,8 @@ async def models(request: Request):
 @router.get("/metrics")
 async def prometheus(request: Request):
     server = request.app.state.server
-    return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper),
+    return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
+                                                   server.engine.prefix_info()),
                              media_type="text/plain; version=0.0.4")
 
 

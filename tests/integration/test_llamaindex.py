@@ -348,7 +348,8 @@ def test_chunk_hints_let_an_unknown_node_be_computed_and_written_back(smol_engin
 
     rag = LocalIndex(tmp_path / "index", engine=smol_engine)
     rag.ingest([sample_dir()], show_progress=False)
-    fresh = BlendEngine.from_pretrained(kv_dir=tmp_path / "other-kv")  # knows no chunk at all
+    # knows no chunk at all; no prefix tier, which would answer the repeated query instead of the store
+    fresh = BlendEngine.from_pretrained(kv_dir=tmp_path / "other-kv", prefix_cache_bytes=0)
     llm = BlendLLM(engine=fresh, max_new_tokens=8)
     plain = rag.index.as_query_engine(llm=llm, similarity_top_k=2)
     plain.query(QUESTION)

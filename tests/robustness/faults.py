@@ -515,7 +515,9 @@ class Hostile:
 
     def __init__(self, bound: float):
         self.bound = bound
-        self.engine = BlendEngine.from_pretrained(kv_dir=False)   # the default model (SmolLM2)
+        # the default model (SmolLM2); no prefix tier, as the tests' engines: cases ask a prompt again to
+        # read the store, which the tier would answer instead
+        self.engine = BlendEngine.from_pretrained(kv_dir=False, prefix_cache_bytes=0)
         self.engine.generate(["Hi"], max_new_tokens=2)   # the first pass measures this host's kernels: not a case's time
         self.tok = self.engine.tokenizer
         self.sandbox = Path(tempfile.mkdtemp(prefix="ragblend-hostile-"))

@@ -359,3 +359,37 @@ def test_the_cli_makes_a_lone_key_the_operators_and_several_keys_tenants(tmp_pat
     assert both["tenants"] == {"ka": "alice", "kb": "bob", "k1": both["tenants"]["k1"]}
     monkeypatch.setenv("RAGBLEND_API_KEY", "from-env")
     assert keys()["operator_key"] == "from-env" and keys("--api-key", "k9")["operator_key"] == "k9"
+
+
+def test_the_prefix_tier_serves_a_tenants_repeat_and_never_another_tenants(tokenizer):
+    pytest.importorskip("fastapi")
+    """The official openai client: A's repeat is answered from A's prefix tier (all but its last
+    token cached, the same answer); B's identical prompt finds nothing of A's, then B's own repeat hits."""
+    from openai import OpenAI
+
+    from tests.servers import RunningServer
+
+    engine = make_tiny_engine("llama", tokenizer, prefix_cache_bytes=64 << 20)
+    server = RunningServer(engine, tenants={A_KEY: "a", B_KEY: "b"}, operator_key=OPERATOR_KEY)
+    try:
+        a, b = (OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60).chat.completions
+                for key in (A_KEY, B_KEY))
+        messages = [{"role": "system", "content": A_SYSTEM}, {"role": "user", "content": "When does it change?"}]
+
+        def ask(chat):
+            answer = chat.create(model="m", messages=messages, max_tokens=4, temperature=0)
+            return answer, answer.usage.prompt_tokens_details.cached_tokens, answer.model_extra["ragblend"]
+
+        first, first_cached, _ = ask(a)
+        n = first.usage.prompt_tokens
+        repeat, repeat_cached, repeat_stats = ask(a)
+        assert first_cached == 0 and repeat_cached == repeat_stats["prefix_tokens"] == n - 1
+        assert repeat.choices[0].message.content == first.choices[0].message.content
+        other, other_cached, other_stats = ask(b)
+        assert other_cached == other_stats["prefix_tokens"] == other_stats["reused_tokens"] == 0
+        assert other.choices[0].message.content == first.choices[0].message.content
+        assert ask(b)[1] == n - 1   # B's own repeat
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
+        assert "ragblend_prefix_hits_total 2" in metrics and f"ragblend_prefix_hit_tokens_total {2 * (n - 1)}" in metrics
+    finally:
+        server.stop()

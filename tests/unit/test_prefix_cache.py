@@ -1,0 +1,235 @@
+"""The prefix tier (ragblend.core.prefix_cache): exact repeats and conversations reuse the K/V
+computed before, exactly; the tier is bounded, namespaced and keyed by what makes K/V differ."""
+
+import copy
+
+import pytest
+import torch
+
+from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
+from ragblend.core.prefix_cache import PrefixCache, PrefixScope
+from ragblend.core.prompt import PromptLayout
+
+from ..conftest import PASSAGES, TINY_ARCHS, make_tiny_engine, tiny_model
+
+TIER = 64 << 20   # the tests' engines have no prefix tier unless given one (tests/conftest.py)
+SEGMENTS = [Chunk(p) for p in PASSAGES[:3]] + ["Question: who ran the ferry?"]
+SCOPE = PrefixScope("model", "torch.float32", True)
+
+
+@pytest.fixture(params=TINY_ARCHS)
+def tiny_engine(request, tokenizer):
+    return make_tiny_engine(request.param, tokenizer, prefix_cache_bytes=TIER)
+
+
+def forward_logits(engine, token_ids):
+    with torch.no_grad():
+        return engine.hf_model(torch.tensor([token_ids])).logits[0, -1]
+
+
+def text_ids(engine, n: int, seed: int = 0) -> list[int]:
+    """``n`` ids of plain text (no chunk in them) after the template's opening."""
+    ids = engine.build_prompt([" ".join(PASSAGES)]).token_ids
+    g = torch.Generator().manual_seed(seed)
+    return ids[:8] + torch.randint(10, 1000, (n - 8,), generator=g).tolist()
+
+
+def kv(tokens: int, layers: int = 2, fill: float = 0.0):
+    keys = [torch.full((2, tokens, 4), fill) for _ in range(layers)]
+    return keys, [k.clone() for k in keys]
+
+
+def test_an_exact_repeat_computes_its_last_token_only_and_answers_as_the_first_time(tiny_engine):
+    tiny_engine.precompute(PASSAGES[:3])
+    first = tiny_engine.prefill(SEGMENTS)          # fused: the engine's own strategy
+    repeat = tiny_engine.prefill(SEGMENTS)
+    n = len(first.token_ids)
+    assert first.stats.prefix_tokens == 0 and first.stats.chunks_reused == 3
+    assert repeat.stats.prefix_tokens == n - 1 and repeat.stats.recomputed_tokens == 1
+    assert repeat.stats.cache_hit_tokens == repeat.stats.reused_tokens == n - 1   # a server's cached_tokens
+    assert (repeat.logits - first.logits).abs().max() <= 1e-4
+    for layer in range(tiny_engine.adapter.shape.num_layers):
+        assert torch.allclose(repeat.keys[layer], first.keys[layer], atol=1e-4)
+        assert torch.allclose(repeat.values[layer], first.values[layer], atol=1e-4)
+    assert tiny_engine.prefix_info()["hits"] == 1
+
+
+def test_a_stored_prefix_and_a_new_suffix_equal_the_full_prefill_of_the_whole(tiny_engine):
+    ids = text_ids(tiny_engine, 120)   # past the tiny Mistral's and Gemma's 48-token windows
+    first = tiny_engine.prefill(PromptLayout(ids[:80], []))
+    assert first.stats.prefix_tokens == 0
+    longer = tiny_engine.prefill(PromptLayout(ids, []))
+    assert longer.stats.prefix_tokens == 80 and longer.stats.recomputed_tokens == 40
+    full = tiny_engine.prefill(PromptLayout(ids, []), strategy=FullRecompute())   # a named strategy: no tier
+    assert full.stats.prefix_tokens == 0
+    assert (longer.logits - full.logits).abs().max() <= 1e-4
+    assert (longer.logits - forward_logits(tiny_engine, ids)).abs().max() <= 1e-4
+    for layer in range(tiny_engine.adapter.shape.num_layers):
+        assert torch.allclose(longer.keys[layer], full.keys[layer], atol=1e-4)
+        assert torch.allclose(longer.values[layer], full.values[layer], atol=1e-4)
+
+
+def test_the_next_turn_reuses_the_answer_the_engine_generated(tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    ids = text_ids(engine, 60)
+    answer = engine.generate(PromptLayout(ids, []), max_new_tokens=6, stop=None)
+    assert len(answer.token_ids) == 6
+    # The next turn: the prompt, the answer, then new text; the last answer token's K/V were never computed.
+    turn = ids + answer.token_ids + text_ids(engine, 30, seed=1)[8:]
+    nxt = engine.prefill(PromptLayout(turn, []))
+    assert nxt.stats.prefix_tokens == len(ids) + 5
+    assert (nxt.logits - forward_logits(engine, turn)).abs().max() <= 1e-4
+
+
+def test_the_tier_is_bounded_in_bytes_least_recently_used_out_first():
+    one = sum(t.numel() * t.element_size() for t in sum(kv(32), []))
+    cache = PrefixCache(2 * one + one // 2)
+    prompts = [[i] * 32 for i in range(3)]
+    assert cache.store(SCOPE, prompts[0], *kv(32))
+    assert cache.store(SCOPE, prompts[1], *kv(32))
+    assert cache.lookup([SCOPE], prompts[0]).num_tokens == 32   # touched: prompts[1] is now the oldest
+    assert cache.store(SCOPE, prompts[2], *kv(32))
+    assert cache.lookup([SCOPE], prompts[1]) is None
+    assert cache.lookup([SCOPE], prompts[0]) is not None and cache.lookup([SCOPE], prompts[2]) is not None
+    info = cache.info()
+    assert info["bytes"] <= info["max_bytes"] and info["evictions"] == 1 and info["entries"] == 2
+    assert not cache.store(SCOPE, [5] * 96, *kv(96))   # over the whole budget: not kept, and no error
+    assert len(cache) == 2
+
+
+def test_an_engine_over_its_prefix_budget_answers_every_prompt(tiny_engine):
+    per_token = 2 * 4 * tiny_engine.adapter.shape.num_kv_heads * tiny_engine.adapter.shape.head_dim * 4
+    budget = tiny_engine.prefix.max_bytes = 150 * per_token   # one prompt's K/V, not two
+    for seed in range(4):
+        ids = text_ids(tiny_engine, 100 + 10 * seed, seed=seed)
+        pre = tiny_engine.prefill(PromptLayout(ids, []))
+        assert (pre.logits - forward_logits(tiny_engine, ids)).abs().max() <= 1e-4
+        assert 0 < tiny_engine.prefix.nbytes <= budget
+    tiny_engine.prefill(PromptLayout(text_ids(tiny_engine, 200, seed=9), []))   # more than the whole budget
+    assert tiny_engine.prefix_info()["evictions"] == 3 and len(tiny_engine.prefix) == 1
+
+
+def test_a_longer_entry_replaces_its_prefix_and_lookups_stop_at_the_first_difference():
+    cache = PrefixCache(1 << 20)
+    assert cache.store(SCOPE, list(range(40)), *kv(40))
+    assert cache.store(SCOPE, list(range(70)), *kv(70))
+    assert len(cache) == 1                                   # the 40-token entry served nothing more
+    assert not cache.store(SCOPE, list(range(50)), *kv(50))   # held already by the longer one
+    hit = cache.lookup([SCOPE], list(range(45)) + [999] * 10)
+    assert hit.num_tokens == 45 and hit.keys[0].shape[1] == 45   # past the last whole block, token by token
+    assert cache.lookup([SCOPE], [999] + list(range(1, 70))) is None
+    assert cache.lookup([SCOPE], list(range(70)), limit=69).num_tokens == 69
+
+
+def test_namespaces_never_share_a_prefix(tiny_engine):
+    ids = text_ids(tiny_engine, 90)
+    tiny_engine.prefill(PromptLayout(ids, [], namespace="tenant-a"))
+    other = tiny_engine.prefill(PromptLayout(ids, [], namespace="tenant-b"))
+    shared = tiny_engine.prefill(PromptLayout(ids, []))
+    again = tiny_engine.prefill(PromptLayout(ids, [], namespace="tenant-a"))
+    assert other.stats.prefix_tokens == 0 and other.stats.cache_hit_tokens == 0
+    assert shared.stats.prefix_tokens == 0
+    assert again.stats.prefix_tokens == len(ids) - 1
+    # find_chunks / build_prompt lay a prompt out in the namespace they were given
+    assert tiny_engine.find_chunks("Hello there", namespace="tenant-a").namespace == "tenant-a"
+
+
+def test_k_v_of_another_model_or_dtype_are_never_reused(tokenizer):
+    llama = make_tiny_engine("llama", tokenizer, prefix_cache_bytes=TIER)
+    qwen = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    half = BlendEngine(copy.deepcopy(tiny_model("llama")).to(torch.bfloat16), tokenizer, min_fusion_speedup=0)
+    assert half.prefix.max_bytes == 512 << 20   # on by default
+    for other in (qwen, half):
+        other.prefix = other.runner.prefix = llama.prefix   # one tier for all three
+    ids = text_ids(llama, 70)
+    llama.prefill(PromptLayout(ids, []))
+    for other in (qwen, half):
+        pre = other.prefill(PromptLayout(ids, []))
+        assert pre.stats.prefix_tokens == 0
+    assert llama.prefill(PromptLayout(ids, [])).stats.prefix_tokens == len(ids) - 1
+    cache = PrefixCache(1 << 20)
+    cache.store(SCOPE, list(range(32)), *kv(32))
+    for scope in (PrefixScope("model", "torch.float16", True), PrefixScope("other", "torch.float32", True)):
+        assert cache.lookup([scope], list(range(32))) is None
+
+
+def test_a_corrupt_entry_is_a_miss_and_is_dropped(tiny_engine):
+    ids = text_ids(tiny_engine, 70)
+    tiny_engine.prefill(PromptLayout(ids, []))
+    (entry,) = tiny_engine.prefix._entries.values()
+    entry.keys[1] = entry.keys[1][:, :-3]   # K/V that do not hold the entry's tokens
+    pre = tiny_engine.prefill(PromptLayout(ids, []))
+    assert pre.stats.prefix_tokens == 0
+    assert (pre.logits - forward_logits(tiny_engine, ids)).abs().max() <= 1e-4
+    cache = PrefixCache(1 << 20)
+    cache.store(SCOPE, list(range(32)), *kv(32))
+    (entry,) = cache._entries.values()
+    entry.token_ids = (7,) * 32   # ids that are not what its blocks were hashed from
+    assert cache.lookup([SCOPE], list(range(32))) is None and len(cache) == 0
+
+
+def test_a_named_strategy_runs_as_asked_and_the_tier_can_be_off(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, prefix_cache_bytes=TIER)
+    engine.precompute(PASSAGES[:3])
+    engine.prefill(SEGMENTS)
+    named = engine.prefill(SEGMENTS, strategy=CacheBlend(ratio=0.3))
+    assert named.stats.prefix_tokens == 0 and named.stats.chunks_reused == 3
+    off = make_tiny_engine("llama", tokenizer, prefix_cache_bytes=0)
+    assert off.prefix is None and off.prefix_info() == {}
+    off.prefill(SEGMENTS)
+    assert off.prefill(SEGMENTS).stats.prefix_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1G"])
+def test_prefix_cache_bytes_must_be_a_byte_count(tokenizer, bad):
+    from ragblend.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="prefix_cache_bytes"):
+        make_tiny_engine("llama", tokenizer, prefix_cache_bytes=bad)
+
+
+def test_a_repeat_after_an_answer_gives_the_same_answer(tiny_engine):
+    # Chunks computed in the call (none precomputed): QueryAware fuses, its score bias on the cached
+    # tokens is kept with the answer's K/V, so that the repeat's last token sees what the first saw.
+    first = tiny_engine.generate(SEGMENTS, max_new_tokens=12)
+    repeat = tiny_engine.generate(SEGMENTS, max_new_tokens=12)
+    assert repeat.stats.prefix_tokens == len(first.prompt_token_ids) - 1
+    assert (repeat.logits - first.logits).abs().max() <= 1e-4
+    assert repeat.token_ids == first.token_ids
+
+
+def test_clients_at_once_on_overlapping_prompts_get_the_answers_each_gets_alone(tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = make_tiny_engine("qwen3", tokenizer, prefix_cache_bytes=TIER)
+    alone = make_tiny_engine("qwen3", tokenizer, prefix_cache_bytes=0)
+    front = text_ids(engine, 64)
+    prompts = [front + text_ids(engine, 20 + i, seed=i)[8:] for i in range(8)] * 2   # each asked twice
+
+    def answer(on, ids):
+        return on.generate(PromptLayout(ids, []), max_new_tokens=5).token_ids
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(lambda ids: answer(engine, ids), prompts))
+    assert together == [answer(alone, ids) for ids in prompts]
+    assert engine.prefix_info()["hits"] >= 8
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_a_comparison_times_fusion_not_the_prefix_tier(tiny_engine):
+    """``ask --compare``, the demo and the app warm up on the prompt they then time: under
+    :func:`fusion_only` the timed answer is fused again, not served from the tier."""
+    from types import SimpleNamespace
+
+    from ragblend.integrations.compare import fusion_only
+
+    rag = SimpleNamespace(engine=tiny_engine)
+    tiny_engine.precompute(PASSAGES[:3])
+    with fusion_only(rag):
+        tiny_engine.prefill(SEGMENTS)   # the warm-up
+        timed = tiny_engine.prefill(SEGMENTS)
+    assert timed.stats.prefix_tokens == 0 and timed.stats.chunks_reused == 3
+    tiny_engine.prefill(SEGMENTS)   # the tier is back afterwards: kept, then served
+    assert tiny_engine.prefill(SEGMENTS).stats.prefix_tokens > 0
+    with fusion_only(SimpleNamespace(engine=None)):   # a remote engine (or none) is left as it is
+        pass
