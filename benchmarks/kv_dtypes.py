@@ -150,8 +150,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     def measure(model: str) -> list[str]:
-        base = BlendEngine.from_pretrained(model_path(model), kv_dir=False, kv_dtype="float16")
-        engines = {"float16": base, **{name: BlendEngine(base.hf_model, base.tokenizer, kv_dtype=name, name=base.name)
+        base = BlendEngine.from_pretrained(model_path(model), kv_dir=False, kv_dtype="float16", prefix_cache_bytes=0)
+        engines = {"float16": base, **{name: BlendEngine(base.hf_model, base.tokenizer, kv_dtype=name, name=base.name,
+                                                   prefix_cache_bytes=0)
                                        for name in args.dtypes}}
         return report(model, engines, prompt_sets(args.sets, MUSIQUE), args.tokens, args.runs)
 

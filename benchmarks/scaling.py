@@ -82,7 +82,7 @@ def disk_read_s(engine: BlendEngine, chunks: list[str], folder: Path) -> tuple[f
 
 
 def measure(model: str, sizes: list[int], runs: int) -> list[str]:
-    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, prefix_cache_bytes=0)   # fusion, timed
     corpus = paragraphs()
     lines = [f"## {model} (window {engine.context_window:,}; default strategy "
              f"{engine.strategy.name}({getattr(engine.strategy, 'ratio', '')}), {torch.get_num_threads()} threads)", "",
@@ -130,7 +130,8 @@ def random_engine(shape: str, device: str, ratio: float) -> BlendEngine:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     # KV of a 16K-token prompt is ~2 GB here (twice, with lead entries): a memory store that holds it
-    return BlendEngine(model, tokenizer, strategy=QueryAware(ratio), kv_dtype="float16", store=MemoryStore(32 << 30))
+    return BlendEngine(model, tokenizer, strategy=QueryAware(ratio), kv_dtype="float16", store=MemoryStore(32 << 30),
+                       prefix_cache_bytes=0)
 
 
 def numbered_passages(engine: BlendEngine, size: int) -> list[str]:

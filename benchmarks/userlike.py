@@ -236,7 +236,8 @@ def run_model(model: str, questions: int, deadline: float, sets=SETS) -> tuple[l
     from ragblend.integrations.local_index import default_embed_model
 
     started = time.monotonic()
-    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False)
+    # no prefix tier: each prompt runs on several paths, which must not answer one another's repeat
+    engine = BlendEngine.from_pretrained(model_path(model), kv_dir=False, prefix_cache_bytes=0)
     default_speedup = EngineOptions().min_fusion_speedup
     default_name = next((name for name, s in SETTINGS.items() if s == default_speedup), None)
     if default_name is None:

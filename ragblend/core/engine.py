@@ -363,6 +363,7 @@ class BlendEngine:
         self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress, **options)
         if self._engine_chose:
             self.strategy = result.strategy
+            self.runner.prefix is None or self.runner.prefix.clear()   # its fused K/V were the old strategy's
         return result
 
     def resolve(self, strategy: Strategy | None = None) -> StrategyPlan:

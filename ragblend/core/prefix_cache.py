@@ -26,6 +26,8 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import itertools
 import logging
 import threading
@@ -72,6 +74,7 @@ class PrefixEntry:
     key_bias: torch.Tensor | None   # float [tokens] on each key's attention scores (QueryAware), or None
     nbytes: int
     blocks: list[int]               # the chain hashes of its whole blocks
+    usable_from: int = 0            # the shortest hit it serves (fused K/V: the whole prompt they were fused for)
     key: int = -1                   # what the cache holds it under
 
 
@@ -136,7 +139,7 @@ class PrefixCache:
             if not holders:
                 break
             entry = self._entries[next(reversed(holders))]
-        if entry is None:
+        if entry is None or entry.scope != scope:   # another scope's blocks: a hash collision, a miss
             return None
         # Past the last whole block, token by token; every token compared, so that a hash collision
         # (or an entry that is not what its blocks say) is a miss.
@@ -150,6 +153,10 @@ class PrefixCache:
             if length < self.block_tokens:
                 log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
             self._drop(entry)
+            return None
+        if length < entry.usable_from:
+            # Fused K/V were selected for their whole prompt (QueryAware: by its question): a prompt
+            # that shares only their front (the chunks, not the question) fuses anew.
             return None
         self._entries.move_to_end(entry.key)
         bias = None if entry.key_bias is None else entry.key_bias[:length]
@@ -169,25 +176,27 @@ class PrefixCache:
         return ok
 
     def store(self, scope: PrefixScope, token_ids: Sequence[int], keys: list[torch.Tensor],
-              values: list[torch.Tensor], key_bias: torch.Tensor | None = None) -> bool:
+              values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0) -> bool:
         """Keep the K/V of ``token_ids`` (held as given: nothing may write to them later). Entries
         it makes redundant (a prefix of it in its scope) go; the least recently used go while the
         total is over the budget. Returns whether it was kept (not when shorter than a block, larger
-        than the budget, or already held by a longer entry)."""
+        than the budget, or already held by a longer entry). ``usable_from``: the shortest prefix of
+        it a lookup may be served (for fused K/V, their whole prompt's)."""
         token_ids = tuple(token_ids)
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
         nbytes += 0 if key_bias is None else key_bias.numel() * key_bias.element_size()
         if len(token_ids) < self.block_tokens or nbytes > self.max_bytes:
             return False
         blocks = self.chain(scope, token_ids)
-        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks)
+        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from)
         with self._lock:
             covered = self._longest(scope, list(token_ids), len(token_ids))
             if covered is not None and covered.num_tokens == len(token_ids):
                 return False   # a longer entry holds these tokens already (and was just touched)
             for h in blocks:   # a stored prefix of this one serves nothing this one does not
                 for older in [self._entries[i] for i in self._blocks.get(h, ())]:
-                    if len(older.token_ids) <= len(token_ids) and token_ids[:len(older.token_ids)] == older.token_ids:
+                    if older.scope == scope and len(older.token_ids) <= len(token_ids) and \
+                            token_ids[:len(older.token_ids)] == older.token_ids:
                         self._drop(older)
             entry.key = next(self._ids)
             self._entries[entry.key] = entry
@@ -224,6 +233,25 @@ class PrefixCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+# Set while a caller times fusion against a full prefill (integrations.compare.fusion_only): the
+# tier is neither read nor written in this context (a contextvar: other threads answer as usual).
+_BYPASSED: contextvars.ContextVar[bool] = contextvars.ContextVar("ragblend_prefix_bypassed", default=False)
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Within it, this thread's (and context's) prompts neither read nor fill the prefix tier."""
+    token = _BYPASSED.set(True)
+    try:
+        yield
+    finally:
+        _BYPASSED.reset(token)
+
+
+def is_bypassed() -> bool:
+    return _BYPASSED.get()
 
 
 @torch.inference_mode()

@@ -5,6 +5,7 @@ background (:class:`Background`)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,12 +21,14 @@ from .omp import release_thread_pool
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import fused_prefill
-from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix
+from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
 from .selection import EveryToken, ReusedSpan
 from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
 from .strategies import FullRecompute
+
+log = logging.getLogger("ragblend")
 
 
 class Background:
@@ -134,16 +137,17 @@ class PrefillRunner:
         the engine's own strategy reads the tier (a strategy the caller names runs as asked), and
         only where the prefix is at least as long as the chunk tokens after it, which fusing the
         whole prompt instead could reuse. The last token is always computed: its logits are the answer's."""
-        if self.prefix is None or not plan.engine_default:
+        prefix = self.prefix   # read once: a caller may switch the tier off meanwhile
+        if prefix is None or is_bypassed() or not plan.engine_default:
             return None
         n = len(layout.token_ids)
-        hit = self.prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
-                                 layout.token_ids, limit=n - 1)
+        hit = prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
+                            layout.token_ids, limit=n - 1)
         if hit is not None:
             after = sum(span.end - max(span.start, hit.num_tokens) for span in layout.chunk_spans
                         if span.token_ids and span.end > hit.num_tokens) if plan.reuses else 0
             hit = hit if after <= hit.num_tokens else None
-        self.prefix.count(hit)
+        prefix.count(hit)
         return hit
 
     def prefix_scope(self, exact: bool, namespace: str) -> PrefixScope:
@@ -167,11 +171,14 @@ class PrefillRunner:
         A fusion's K/V are kept only for the engine's own strategy (which alone reads them back)."""
         n = len(layout.token_ids)
         exact = hit.scope.exact if hit is not None else all(len(p) == n for p in fused.layer_positions)
-        if self.prefix is None or not (exact or plan.engine_default):
+        prefix = self.prefix
+        if prefix is None or is_bypassed() or not (exact or plan.engine_default):
             return None
         self.kv_dtype = fused.keys[0].dtype
         scope = self.prefix_scope(exact, layout.namespace)
-        self.prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias)
+        # fused K/V serve only their own prompt again (a repeat computes its last token over n - 1)
+        prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
+                     usable_from=0 if exact else n - 1)
         return KeptPrefix(scope, fused.key_bias)
 
     def remember_answer(self, decoding, exact_decoding: bool) -> None:
@@ -180,17 +187,26 @@ class PrefillRunner:
         ``exact_decoding`` (decoded on the prefill's weights, over K/V in its dtype)."""
         pre, decoder = decoding.prefill, decoding.decoder
         kept: KeptPrefix | None = getattr(pre, "prefix_kept", None)
+        prefix = self.prefix
         n = len(pre.token_ids)
         answered = decoder.length - n   # the last token's K/V are never computed
-        if self.prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
+        if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
             return
         length, dtype = decoder.length, self.kv_dtype
-        keys = [k[:, :length].to(dtype, copy=True) for k in decoder.keys]
-        values = [v[:, :length].to(dtype, copy=True) for v in decoder.values]
-        # the prompt's own bias (decoding may have run without it), none on the answer's keys
-        bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
-        scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
-        self.prefix.store(scope, list(pre.token_ids) + list(decoding.token_ids[:answered]), keys, values, bias)
+        size = sum(2 * k.shape[0] * length * k.shape[2] for k in decoder.keys) * torch.empty((), dtype=dtype).element_size()
+        if size > prefix.max_bytes:
+            return   # the tier would refuse it: copy nothing
+        try:
+            keys = [k[:, :length].to(dtype, copy=True) for k in decoder.keys]
+            values = [v[:, :length].to(dtype, copy=True) for v in decoder.values]
+            # the prompt's own bias (decoding may have run without it), none on the answer's keys
+            bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
+            scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
+            # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
+            prefix.store(scope, list(pre.token_ids) + list(decoding.token_ids[:answered]), keys, values, bias,
+                         usable_from=0 if scope.exact else n - 1)
+        except Exception as err:   # the tier never fails an answer that is done
+            log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
 
     def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back,
               min_speedup: float):

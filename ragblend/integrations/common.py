@@ -5,6 +5,7 @@ only, which both LlamaIndex and LangChain build on)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 from typing import Any, Literal, Optional, Sequence
@@ -157,7 +158,8 @@ async def iterate_in_thread(make_iterator):
                 close()   # a generator's own cleanup runs (a stopped stream releases the engine)
         hand_over(done)
 
-    threading.Thread(target=pump, daemon=True, name="ragblend-stream").start()
+    # in the caller's context (its contextvars: e.g. compare.fusion_only's prefix-tier bypass)
+    threading.Thread(target=contextvars.copy_context().run, args=(pump,), daemon=True, name="ragblend-stream").start()
     try:
         while True:
             item = await queue.get()

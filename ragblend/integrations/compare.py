@@ -27,6 +27,7 @@ import contextlib
 import weakref
 from dataclasses import dataclass
 
+from ragblend.core.prefix_cache import bypassed as prefix_bypassed
 from ragblend.core.results import Stats
 
 FULL_PREFILL = "full_recompute"   # the strategy every comparison is against
@@ -88,18 +89,12 @@ def speed_ratio(fused_ttft_s: float, full_ttft_s: float) -> SpeedRatio | None:
 
 @contextlib.contextmanager
 def fusion_only(rag):
-    """While it lasts, ``rag``'s local engine answers without its prefix tier (a remote one is
-    left as it is): what is timed is the fused prefill and the full one, as asked."""
-    runner = getattr(getattr(rag, "engine", None), "runner", None)
-    kept = getattr(runner, "prefix", None)
-    if kept is None:
+    """While it lasts, answers in this thread (and its context) neither read nor fill the engine's
+    prefix tier: what is timed is the fused prefill and the full one, as asked. Other threads (a
+    second app session, a server's requests) use the tier as usual. ``rag`` is unused, kept for
+    the callers' reading."""
+    with prefix_bypassed():
         yield
-        return
-    runner.prefix = None
-    try:
-        yield
-    finally:
-        runner.prefix = kept
 
 
 def warmed_paths(engine) -> set[str]:

@@ -472,8 +472,10 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
     them reuses it."""
     check_options(body)
-    # Whatever route laid the prompt out, its K/V are its namespace's in the prefix tier (core.prefix_cache).
-    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=namespace))
+    # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.prefix_cache),
+    # even where --shared-cache shares passages: prompts and answers are never shared.
+    own = server.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body, own=True)
+    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own))
     reply = Reply(server.model_id, chat)
     call = Call(server, request, run)
     if not body.get("stream"):

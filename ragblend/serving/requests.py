@@ -194,7 +194,7 @@ class ChunksRequest(CacheSalted):
         return texts
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(CacheSalted):
     """``POST /tokenize`` (vLLM's): the options this server reads besides ``messages`` or ``prompt``."""
 
     messages_table: ClassVar[dict] = {**MESSAGES, **{(name,): f"{name} must be true or false."

@@ -85,11 +85,12 @@ class Tenants:
                 found = name
         return found
 
-    def namespace(self, tenant: str, body: dict) -> str:
+    def namespace(self, tenant: str, body: dict, *, own: bool = False) -> str:
         """The namespace of a request of ``tenant`` with this body (its ``cache_salt`` and ``user``,
-        checked by the caller): "" (shared) or a hex digest."""
+        checked by the caller): "" (shared) or a hex digest. ``own``: the tenant's own even under
+        ``--shared-cache`` (the prefix tier: whole prompts and answers are never shared, passages may be)."""
         parts = {}
-        if tenant != OPERATOR and not self.shared_cache:
+        if tenant != OPERATOR and (own or not self.shared_cache):
             parts["tenant"] = tenant
         user = body.get("user")
         if self.partition_by_user and isinstance(user, str) and user:

@@ -233,3 +233,14 @@ def test_a_comparison_times_fusion_not_the_prefix_tier(tiny_engine):
     assert tiny_engine.prefill(SEGMENTS).stats.prefix_tokens > 0
     with fusion_only(SimpleNamespace(engine=None)):   # a remote engine (or none) is left as it is
         pass
+
+
+@pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
+def test_a_new_question_over_the_same_chunks_is_fused_anew_not_served_anothers_fusion(tiny_engine):
+    """QueryAware chose the recomputed tokens by the first question's attention: a second question
+    over the same chunks shares their K/V's front, but is fused for itself."""
+    tiny_engine.precompute(PASSAGES[:3])
+    tiny_engine.prefill(SEGMENTS)
+    other = tiny_engine.prefill(SEGMENTS[:-1] + ["Question: when was the lighthouse first lit?"])
+    assert other.stats.prefix_tokens == 0 and other.stats.chunks_reused == 3
+    assert tiny_engine.prefill(SEGMENTS).stats.prefix_tokens > 0   # its own repeat still is served

@@ -103,3 +103,10 @@ def test_serve_flags_default_to_the_server_options():
                                                               SERVER_DEFAULTS.max_batch)
     assert int(args.max_kv_mb * 2**20) == SERVER_DEFAULTS.max_kv_bytes
     assert int(args.max_body_mb * 2**20) == SERVER_DEFAULTS.max_body_bytes
+
+
+@pytest.mark.parametrize("salt", [5, ""])
+def test_tokenize_refuses_a_bad_cache_salt_as_completions_do(salt):
+    with pytest.raises(ApiError) as caught:
+        TokenizeRequest.of({"cache_salt": salt})
+    assert caught.value.status == 400 and caught.value.param == "cache_salt"

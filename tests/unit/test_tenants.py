@@ -336,7 +336,10 @@ def test_keys_files_and_tenants_are_checked(tmp_path):
     assert len({tenants.namespace("alice", {}), tenants.namespace("bob", {}),
                 tenants.namespace("alice", {"user": "u1"}), tenants.namespace("alice", {"cache_salt": "s"}),
                 tenants.namespace(OPERATOR, {"cache_salt": "s"})}) == 5
-    assert Tenants.of(tenants={"k": "alice"}, shared_cache=True).namespace("alice", {}) == ""
+    shared = Tenants.of(tenants={"k": "alice", "j": "bob"}, shared_cache=True)
+    assert shared.namespace("alice", {}) == ""
+    # --shared-cache shares passages; prompts and answers in the prefix tier stay each tenant's own
+    assert shared.namespace("alice", {}, own=True) not in ("", shared.namespace("bob", {}, own=True))
     assert Tenants().tenant_of(b"") == OPERATOR   # no key needed: one user, the shared namespace
 
 
