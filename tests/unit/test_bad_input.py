@@ -196,6 +196,9 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
         ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
         ("core/fusion_cost.py", "ValueError"),        # caught in FusionCost.constants: the scaled defaults serve
         ("core/model.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
+        ("core/decode_weights.py", "KeyError"),       # caught in _quantized_layers: a cache file that does not fit
+        ("core/decode_weights.py", "ValueError"),     # is a miss, the weights built again
+        ("serving/requests.py", "ValueError"),        # pydantic's validator protocol: it becomes the request's 400
     }   # NotImplementedError (abstract methods, unsupported framework constructors) is a protocol too
     package = Path(ragblend.__file__).parent
     bare = set()
