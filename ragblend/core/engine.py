@@ -363,7 +363,8 @@ class BlendEngine:
         self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress, **options)
         if self._engine_chose:
             self.strategy = result.strategy
-            self.runner.prefix is None or self.runner.prefix.clear()   # its fused K/V were the old strategy's
+            if self.runner.prefix is not None:   # its fused K/V were the old strategy's
+                self.runner.prefix.clear()
         return result
 
     def resolve(self, strategy: Strategy | None = None) -> StrategyPlan:
