@@ -256,7 +256,7 @@ if st.button("Ask", key="ask"):
     else:
         # What the app times is fusion and full prefill: the prefix tier would serve the prompt the
         # warm-up just ran (ragblend.integrations.compare.fusion_only).
-        with fusion_only(rag):
+        with fusion_only():
             paths = (strategy, FULL_PREFILL) if compare else (strategy,)
             if not paths_are_warm(rag, paths):
                 # Untimed, once per process and path, so that no timed answer pays the process's

@@ -65,7 +65,7 @@ def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None
     full prefill's TTFT over the fused one (None when either answer had no model call)."""
     from ragblend.integrations.compare import FULL_PREFILL, compare, compare_line, fusion_only, warm_up, warm_up_note
 
-    with fusion_only(rag):
+    with fusion_only():
         note = warm_up_note(warm_up(rag, question, (strategy, FULL_PREFILL), ratio=ratio, **options))
         if note:
             print(note + "\n")

@@ -32,7 +32,7 @@ def run(args) -> int:
     # read their chunks' KV as a new question does (the chunks they share with it excepted: each
     # answer's line names the tiers).
     spare = questions[args.questions:] or questions
-    with fusion_only(rag):
+    with fusion_only():
         note = warm_up_note(warm_up(rag, spare[-1]["question"], ("default", FULL_PREFILL), ratio=args.ratio,
                                     top_k=args.top_k))
     if note:

@@ -210,9 +210,11 @@ class DecodeWeights:
     def _cached_layers(self, cached: dict[str, torch.Tensor]) -> dict[int, CpuLinear]:
         """The layers ``cached`` holds, rebuilt over this model's float32 weights (KeyError/ValueError
         where the file does not describe every layer of this model)."""
+        by_layer = low_bit_cache.by_layer(cached)
         layers = {}
         for name, module, is_head in self._linears():
-            kind = low_bit_cache.kind_of(cached, name)
+            parts = by_layer.get(name, {})
+            kind = low_bit_cache.kind_of(parts)
             if kind is None:
                 raise KeyError(f"no entry for {name}")
             if kind == "none":
@@ -220,7 +222,6 @@ class DecodeWeights:
             kind_class = {"int4": Int4Linear, "int8": Int8Linear, "int8head": Int8Head}[kind]
             if (kind_class is Int8Head) != is_head:
                 raise ValueError(f"{name}: a {kind} entry for a layer that is {'' if is_head else 'not '}the head")
-            parts = {key.split("|", 1)[1]: tensor for key, tensor in cached.items() if key.startswith(f"{name}|")}
             layers[id(module.weight)] = kind_class.from_parts(module, self.kernel_plan, parts)
         return layers
 

@@ -15,6 +15,7 @@ not hold every layer it names is a miss: the weights are built again, as if noth
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ def cache_path(hf_model, decode_dtype: str) -> Path | None:
     return cache_dir() / "decoding" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".safetensors")
 
 
+@functools.cache
 def _code_version() -> str:
     """A hash of the code that decides and makes the low-bit weights: a change to it is a miss."""
     import inspect
@@ -92,9 +94,18 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
                     "again.", type(err).__name__, err)
 
 
-def kind_of(tensors: dict[str, torch.Tensor], name: str) -> str | None:
-    """The kind stored for layer ``name``, or None if the file does not name it."""
-    code = tensors.get(f"{name}|kind")
+def by_layer(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The file's tensors by layer name, then by part (``"kind"``, ``"packed"``...)."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name, _, part = key.partition("|")
+        layers.setdefault(name, {})[part] = tensor
+    return layers
+
+
+def kind_of(parts: dict[str, torch.Tensor]) -> str | None:
+    """The kind stored for a layer (its :func:`by_layer` parts), or None if the file does not say."""
+    code = parts.get("kind")
     if code is None or code.numel() != 1 or not 0 <= int(code) < len(KINDS):
         return None
     return KINDS[int(code)]

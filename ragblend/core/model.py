@@ -516,6 +516,27 @@ def on_int4_grid(weight: torch.Tensor) -> bool:
 EXACT_INT4 = 1e-6   # relative error below which 4-bit weights count as the weights themselves
 
 
+def low_bit_from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor],
+                       expected: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+    """A ``cls`` layer (:class:`Int4Linear`, :class:`Int8Linear`) over ``linear``'s float32 weight,
+    holding ``parts`` (cached between processes: :mod:`.low_bit_cache`) as the attributes
+    ``expected`` names: ValueError unless each is contiguous, of its dtype and shape, and the
+    parts' ``error`` one number."""
+    for name, (dtype, shape) in expected.items():
+        tensor = parts[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+            raise ValueError(f"cached {name} {tensor.dtype} {tuple(tensor.shape)} do not fit a "
+                             f"{linear.out_features}x{linear.in_features} weight's {dtype} {shape}")
+    if parts["error"].numel() != 1:
+        raise ValueError("a cached low-bit layer's error is not one number")
+    layer = cls.__new__(cls)
+    CpuLinear.__init__(layer, linear, plan)
+    for name in expected:
+        setattr(layer, name, parts[name])
+    layer.quantization_error = float(parts["error"])
+    return layer
+
+
 class Int4Linear(CpuLinear):
     """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 4-bit
     weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
@@ -546,17 +567,10 @@ class Int4Linear(CpuLinear):
     @classmethod
     def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
         """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
-        packed, scales = parts["packed"], parts["scales_and_zeros"]
         out_features, in_features = linear.out_features, linear.in_features
-        if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, in_features // 2) or \
-                scales.dtype != torch.bfloat16 or tuple(scales.shape) != (in_features // INT4_GROUP, out_features, 2) \
-                or parts["error"].numel() != 1 or not (packed.is_contiguous() and scales.is_contiguous()):
-            raise ValueError(f"cached 4-bit parts {tuple(packed.shape)} do not fit a {out_features}x{in_features} weight")
-        layer = cls.__new__(cls)
-        CpuLinear.__init__(layer, linear, plan)
-        layer.packed, layer.scales_and_zeros = packed, scales
-        layer.quantization_error = float(parts["error"])
-        return layer
+        return low_bit_from_parts(cls, linear, plan, parts, {
+            "packed": (torch.uint8, (out_features, in_features // 2)),
+            "scales_and_zeros": (torch.bfloat16, (in_features // INT4_GROUP, out_features, 2))})
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > DRAFT_ROWS:
@@ -617,16 +631,8 @@ class Int8Linear(CpuLinear):
     @classmethod
     def from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, parts: dict[str, torch.Tensor]):
         """The layer :meth:`parts` describes, over ``linear``'s float32 weight; ValueError if they do not fit it."""
-        codes, scales = parts["codes"], parts["scales"]
-        if codes.dtype != torch.int8 or codes.shape != linear.weight.shape or scales.dtype != torch.bfloat16 or \
-                tuple(scales.shape) != (linear.out_features,) or parts["error"].numel() != 1 or \
-                not (codes.is_contiguous() and scales.is_contiguous()):
-            raise ValueError(f"cached 8-bit parts {tuple(codes.shape)} do not fit a {tuple(linear.weight.shape)} weight")
-        layer = cls.__new__(cls)
-        CpuLinear.__init__(layer, linear, plan)
-        layer.codes, layer.scales = codes, scales
-        layer.quantization_error = float(parts["error"])
-        return layer
+        return low_bit_from_parts(cls, linear, plan, parts, {"codes": (torch.int8, tuple(linear.weight.shape)),
+                                                             "scales": (torch.bfloat16, (linear.out_features,))})
 
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.shape[0] > DRAFT_ROWS:

@@ -193,7 +193,7 @@ class PrefillRunner:
         if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
             return
         length, dtype = decoder.length, self.kv_dtype
-        size = sum(2 * k.shape[0] * length * k.shape[2] for k in decoder.keys) * torch.empty((), dtype=dtype).element_size()
+        size = sum(2 * k.shape[0] * length * k.shape[2] for k in decoder.keys) * dtype.itemsize
         if size > prefix.max_bytes:
             return   # the tier would refuse it: copy nothing
         try:

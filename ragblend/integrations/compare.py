@@ -23,11 +23,13 @@ prefill", "fused 0.8x: slower than full prefill", never a slowdown worded or col
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass
 
-from ragblend.core.prefix_cache import bypassed as prefix_bypassed
+# `with fusion_only():` answers in this thread (and its context) neither read nor fill the engine's
+# prefix tier, so what is timed is the fused prefill and the full one, as asked; other threads
+# (another app session, a server's requests) use the tier as usual.
+from ragblend.core.prefix_cache import bypassed as fusion_only  # noqa: F401 (the callers' name)
 from ragblend.core.results import Stats
 
 FULL_PREFILL = "full_recompute"   # the strategy every comparison is against
@@ -85,16 +87,6 @@ def speed_ratio(fused_ttft_s: float, full_ttft_s: float) -> SpeedRatio | None:
     if not (fused_ttft_s > 0 and full_ttft_s > 0):
         return None
     return SpeedRatio.of(full_ttft_s / fused_ttft_s, fused_ttft_s, full_ttft_s)
-
-
-@contextlib.contextmanager
-def fusion_only(rag):
-    """While it lasts, answers in this thread (and its context) neither read nor fill the engine's
-    prefix tier: what is timed is the fused prefill and the full one, as asked. Other threads (a
-    second app session, a server's requests) use the tier as usual. ``rag`` is unused, kept for
-    the callers' reading."""
-    with prefix_bypassed():
-        yield
 
 
 def warmed_paths(engine) -> set[str]:

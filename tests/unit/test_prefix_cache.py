@@ -219,20 +219,15 @@ def test_clients_at_once_on_overlapping_prompts_get_the_answers_each_gets_alone(
 def test_a_comparison_times_fusion_not_the_prefix_tier(tiny_engine):
     """``ask --compare``, the demo and the app warm up on the prompt they then time: under
     :func:`fusion_only` the timed answer is fused again, not served from the tier."""
-    from types import SimpleNamespace
-
     from ragblend.integrations.compare import fusion_only
 
-    rag = SimpleNamespace(engine=tiny_engine)
     tiny_engine.precompute(PASSAGES[:3])
-    with fusion_only(rag):
+    with fusion_only():
         tiny_engine.prefill(SEGMENTS)   # the warm-up
         timed = tiny_engine.prefill(SEGMENTS)
     assert timed.stats.prefix_tokens == 0 and timed.stats.chunks_reused == 3
     tiny_engine.prefill(SEGMENTS)   # the tier is back afterwards: kept, then served
     assert tiny_engine.prefill(SEGMENTS).stats.prefix_tokens > 0
-    with fusion_only(SimpleNamespace(engine=None)):   # a remote engine (or none) is left as it is
-        pass
 
 
 @pytest.mark.parametrize("tiny_engine", ["llama"], indirect=True)
