@@ -9,8 +9,8 @@ start on a quiet 2-core host, every process. So the first process writes what it
 The key covers what the packed bytes depend on: the GGUF file (path, inode, size, modification
 and change times), the CPU and torch version (PyTorch's 4-bit layout differs between AVX-512,
 AVX2 and plain builds), a hash of the code that makes them, and ``decode_dtype``. Only
-tensors are stored (safetensors: nothing is unpickled), and a file that cannot be read or does
-not hold every layer it names is a miss: the weights are built again, as if nothing was cached.
+tensors are stored (safetensors: nothing is unpickled), with a CRC-32 of their bytes; a file
+that cannot be read, fails its checksum or does not hold every layer it names is a miss: the weights are built again, as if nothing was cached.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -59,16 +60,31 @@ def _code_version() -> str:
     return hashlib.sha256(("".join(parts) + repr(model.EXACT_INT4)).encode()).hexdigest()[:16]
 
 
+def checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """CRC-32 of the tensors' bytes, in name order (written beside them, checked on reading)."""
+    crc = 0
+    for name in sorted(tensors):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(tensors[name].contiguous().reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
 def read(path: Path | None) -> dict[str, torch.Tensor] | None:
-    """The cached tensors, or None where there are none or they cannot be read (logged)."""
+    """The cached tensors, or None where there are none or they cannot be read or fail their
+    checksum (logged): a damaged file is a miss, never weights to decode on."""
     if path is None or not path.is_file() or path.is_symlink():
         return None
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        # Copied into PyTorch's own (64-byte aligned) memory: the low-bit kernels crashed on
-        # tensors read in place from the file, whose offsets only safetensors' 8-byte alignment holds.
-        return {name: tensor.clone() for name, tensor in load_file(str(path)).items()}
+        with safe_open(str(path), framework="pt") as file:
+            expected = (file.metadata() or {}).get("crc32")
+            # Copied into PyTorch's own (64-byte aligned) memory: the low-bit kernels crashed on
+            # tensors read in place from the file, whose offsets only safetensors' 8-byte alignment holds.
+            tensors = {name: file.get_tensor(name).clone() for name in file.keys()}
+        if expected != checksum(tensors):
+            raise ValueError(f"its checksum is {checksum(tensors)}, the file says {expected}")
+        return tensors
     except Exception as err:   # a cache: an unreadable file is a miss
         log.warning("ragblend: could not read the cached decoding weights %s (%s: %s); building them again.",
                     path.name, type(err).__name__, err)
@@ -76,7 +92,8 @@ def read(path: Path | None) -> dict[str, torch.Tensor] | None:
 
 
 def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
-    """Store ``tensors`` at ``path`` (written whole, then renamed into place); failures are logged."""
+    """Store ``tensors`` at ``path`` with their checksum (written whole, then renamed into place);
+    failures are logged."""
     if path is None:
         return
     try:
@@ -85,7 +102,8 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            save_file({name: t.contiguous() for name, t in tensors.items()}, str(partial))
+            tensors = {name: t.contiguous() for name, t in tensors.items()}
+            save_file(tensors, str(partial), metadata={"crc32": checksum(tensors)})
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

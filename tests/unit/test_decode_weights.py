@@ -403,12 +403,18 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
     groups = [m for m in second.decoding_adapter().hf_model.modules() if isinstance(m, FusedRows)]
     assert groups and len(packed) == sum(not _stackable(type(g.low_bit), g.sizes) for g in groups)
 
-    cached[0].write_bytes(b"not a safetensors file")
-    with caplog.at_level(logging.WARNING, logger="ragblend"):
-        third = BlendEngine(copy_of_the_model(), tokenizer)
-        assert third.decode_weights.layer_counts() == counts
-    assert "could not read the cached decoding weights" in caplog.text
-    assert third.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected
+    # Damaged weights behind a sound header (a disk fault, a partial copy) fail the file's checksum:
+    # a miss, built again, never weights to decode on. Then a file that is not safetensors at all.
+    whole = bytearray(cached[0].read_bytes())
+    whole[-64:] = bytes(0x7F for _ in range(64))
+    for damaged, why in ((bytes(whole), "checksum"), (b"not a safetensors file", "")):
+        cached[0].write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ragblend"):
+            third = BlendEngine(copy_of_the_model(), tokenizer)
+            assert third.decode_weights.layer_counts() == counts
+        assert "could not read the cached decoding weights" in caplog.text and why in caplog.text
+        assert third.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected
 
 
 def test_the_decoding_weights_cache_is_keyed_by_cpu_and_file(tmp_path, monkeypatch):
