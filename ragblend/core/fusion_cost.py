@@ -9,7 +9,7 @@ outweighs the saving: fused answers came no faster than full prefill's and, on a
 ~380-token LlamaIndex prompts, were wrong more often (issue 59). So the engine's own strategy
 can fuse a prompt only where it is predicted to be clearly faster (``min_fusion_speedup``, e.g.
 1.3; the engine's default is 0, always fuse: on the user-like benchmark, ``benchmarks.userlike``,
-the gate at 1.3 only skipped prompts under 600 tokens that fusing answered as well and faster);
+SmolLM2's prompts of 300-3,200 tokens fused 1.5-3.2x faster in CPU time and the gate skipped none);
 otherwise the exact full prefill runs and ``Stats.fusion_skipped`` says why.
 A strategy the caller names is run as asked.
 
@@ -17,8 +17,9 @@ The prediction is a per-layer cost model of the two paths, in four constants of 
 model (:class:`CostConstants`, CPU seconds of the process: on a shared host the wall clock also
 counts the neighbours' work): a pass's fixed cost per layer, a token row's (projections and
 MLP), a query-key pair's (attention) and a cached token's (read from the memory tier, rotated,
-placed). :func:`measure_constants` times three full prefills and one fused prefill of random
-tokens (~1-2 s for SmolLM2 on a 2-core host) and solves for them; the result is kept in the
+placed). :func:`measure_constants` times four full prefills and three fused prefills of random
+tokens (QueryAware's two passes among them; a few seconds for SmolLM2 on a 2-core host) and fits
+the constants to them by least squares (:func:`fit_constants`); the result is kept in the
 host cache (:mod:`.host_cache`, keyed like the kernel choice plus the model), so the first
 engine on a host measures, at its first prompt the decision needs them, and later ones read
 it. Until then (or where the measurement fails) :func:`default_constants` scales the
@@ -29,6 +30,7 @@ the prediction leans towards a full prefill there).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -49,11 +51,14 @@ log = logging.getLogger("ragblend")
 
 DEFAULT_MIN_SPEEDUP = 1.3   # the speed-up asked of a prediction where none is given (engines default to 0: off)
 DISK_BYTES_PER_S = 1e9       # reading cached KV from the disk tier (often the page cache): not measured
-# The measurement's prompts: three full prefills (to separate a pass's fixed cost, a row's and a
-# pair's) and one fused prefill of mostly cached tokens (a cached token's cost).
-FULL_SIZES = (64, 256, 768)
+# The measurement's prompts: full prefills of four sizes (a pass's fixed cost, a row's and a
+# pair's) and fused prefills of mostly cached tokens (a cached token's cost, and the fused path as it runs).
+FULL_SIZES = (64, 256, 512, 768)
 FUSED_FRESH, FUSED_CACHED = 48, 720
-MEASURE_VERSION = 1
+# the fused prefills timed: the fresh tokens alone, and QueryAware's two passes at two budgets
+FUSED_SELECTIONS = (UncachedTokens(), QuestionAttention(0.1, cached_attention_scale=0.7),
+                    QuestionAttention(0.3, cached_attention_scale=0.7))
+MEASURE_VERSION = 2   # 2: fitted by least squares to full and fused prefills (1: solved from three full ones)
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,8 @@ class CostConstants:
 
 # SmolLM2-135M (30 layers, 9 heads and 3 K/V heads of 64, 3.5M weights a layer), measured with
 # measure_constants on the project's 2-core AVX-512 EPYC (busy: load 2-3), float16 KV. On 2026-12-06
-# the same host measured 7-15x these, yet on the user-like benchmark these predicted fusion's
-# speed-up closer (median predicted / measured 0.93-1.04 against 0.76-0.83): see docs/benchmarks.md.
+# the same host (at load 10) measured 10x these, in much the same proportions: the user-like benchmark's
+# 1.3x break-even is ~295 tokens on both (see docs/benchmarks.md).
 SMOLLM2 = CostConstants(layer_s=2.0e-4, row_s=4.0e-6, pair_s=1.5e-9, cached_s=4.0e-7, measured=False)
 SMOLLM2_LAYER_WEIGHTS, SMOLLM2_ATTENTION_WIDTH, SMOLLM2_KV_WIDTH = 3_540_096, 576, 192
 
@@ -119,9 +124,53 @@ def default_constants(adapter) -> CostConstants:
         cached_s=SMOLLM2.cached_s * shape.num_kv_heads * shape.head_dim / SMOLLM2_KV_WIDTH, measured=False)
 
 
-def full_prefill_s(c: CostConstants, layers: int, n: int) -> float:
+Terms = tuple[float, float, float, float]   # what multiplies layer_s, row_s, pair_s and cached_s
+
+
+def full_prefill_terms(layers: int, n: int) -> Terms:
     """A full prefill of ``n`` tokens: one pass, one causal attention call (n²/2 pairs)."""
-    return layers * (c.layer_s + c.row_s * n + c.pair_s * n * (n + 1) / 2)
+    return (layers, layers * n, layers * n * (n + 1) / 2, 0.0)
+
+
+def fused_prefill_terms(layers: int, selection: Selection, n: int, reused: int) -> tuple[Terms, int] | None:
+    """``(terms, tokens computed)`` of fusing a prompt of ``n`` tokens, ``reused`` of them cached,
+    as ``selection`` runs it; None for a selection this model does not know."""
+    fresh = n - reused
+
+    def masked_pass(rows: int, pass_layers: int, pairs_per_row: float = 1.0, placed: int = reused) -> Terms:
+        # the selected rows attend to the keys before them through masks: about n keys each
+        return (pass_layers, pass_layers * rows, pass_layers * rows * n * pairs_per_row, pass_layers * placed)
+
+    if isinstance(selection, EveryToken):
+        return full_prefill_terms(layers, n), n
+    if isinstance(selection, QuestionAttention):
+        budget = selection.budget(reused)
+        if budget == 0:
+            return masked_pass(fresh, layers), fresh
+        # the question pass (its attention computed twice: once to run, once to read it), then
+        # the fused pass over the cached K/V the question pass already placed
+        return _add(masked_pass(fresh, layers, pairs_per_row=2.0), masked_pass(fresh + budget, layers, placed=0)), \
+            fresh + budget
+    if isinstance(selection, TopScoreSelection):
+        check = min(selection.check_layers, default=0) + 1   # every token through the check layer
+        keep = math.ceil(selection.schedule[min(selection.check_layers)] * reused - 1e-9) if check > 1 else reused
+        return _add(full_prefill_terms(check, n), masked_pass(fresh + keep, layers - check)), fresh + keep
+    if isinstance(selection, UncachedTokens):
+        return masked_pass(fresh, layers), fresh
+    return None
+
+
+def _add(a: Terms, b: Terms) -> Terms:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def seconds(c: CostConstants, terms: Terms) -> float:
+    return terms[0] * c.layer_s + terms[1] * c.row_s + terms[2] * c.pair_s + terms[3] * c.cached_s
+
+
+def full_prefill_s(c: CostConstants, layers: int, n: int) -> float:
+    """A full prefill of ``n`` tokens, in seconds."""
+    return seconds(c, full_prefill_terms(layers, n))
 
 
 def fused_prefill_s(c: CostConstants, layers: int, selection: Selection, n: int, reused: int,
@@ -129,33 +178,11 @@ def fused_prefill_s(c: CostConstants, layers: int, selection: Selection, n: int,
     """``(seconds, tokens computed)`` of fusing a prompt of ``n`` tokens, ``reused`` of them cached
     (``disk_tokens`` of those read from the disk tier), as ``selection`` runs it; None for a
     selection this model does not know (no prediction: it fuses)."""
-    fresh = n - reused
-
-    def masked_pass(rows: int, pass_layers: int, pairs_per_row: float = 1.0, placed: int = reused) -> float:
-        # the selected rows attend to the keys before them through masks: about n keys each
-        return pass_layers * (c.layer_s + c.row_s * rows + c.pair_s * rows * n * pairs_per_row + c.cached_s * placed)
-
-    if isinstance(selection, EveryToken):
-        seconds, computed = full_prefill_s(c, layers, n), n
-    elif isinstance(selection, QuestionAttention):
-        budget = selection.budget(reused)
-        if budget == 0:
-            seconds, computed = masked_pass(fresh, layers), fresh
-        else:
-            # the question pass (its attention computed twice: once to run, once to read it), then
-            # the fused pass over the cached K/V the question pass already placed
-            seconds = masked_pass(fresh, layers, pairs_per_row=2.0) + masked_pass(fresh + budget, layers, placed=0)
-            computed = fresh + budget
-    elif isinstance(selection, TopScoreSelection):
-        check = min(selection.check_layers, default=0) + 1   # every token through the check layer
-        keep = math.ceil(selection.schedule[min(selection.check_layers)] * reused - 1e-9) if check > 1 else reused
-        seconds = full_prefill_s(c, check, n) + masked_pass(fresh + keep, layers - check)
-        computed = fresh + keep
-    elif isinstance(selection, UncachedTokens):
-        seconds, computed = masked_pass(fresh, layers), fresh
-    else:
+    fused = fused_prefill_terms(layers, selection, n, reused)
+    if fused is None:
         return None
-    return seconds + layers * disk_tokens * disk_bytes_per_token_layer / DISK_BYTES_PER_S, computed
+    terms, computed = fused
+    return seconds(c, terms) + layers * disk_tokens * disk_bytes_per_token_layer / DISK_BYTES_PER_S, computed
 
 
 class FusionCost:
@@ -277,11 +304,41 @@ def _valid_record(value) -> bool:
         return False
 
 
+def fit_constants(timings: list[tuple[Terms, float]]) -> CostConstants:
+    """The constants that best predict ``timings`` (``(terms, seconds)`` of measured prefills),
+    none negative: least squares on the relative error, so that a short prefill counts as much
+    as a long one. Four unknowns: every subset of them is tried and the best fit with no
+    negative constant kept (exact non-negative least squares, small enough to read)."""
+    a = torch.tensor([terms for terms, _ in timings], dtype=torch.float64)
+    b = torch.tensor([t for _, t in timings], dtype=torch.float64)
+    a, b = a / b[:, None], torch.ones_like(b)   # each row divided by its time: relative error
+    scale = a.abs().amax(dim=0).clamp_min(1e-300)   # columns of like size for the solver
+    best, best_error = None, math.inf
+    for used in itertools.product((True, False), repeat=4):
+        if not used[1]:
+            continue   # a row always costs something
+        columns = torch.tensor(used)
+        solution = torch.zeros(4, dtype=torch.float64)
+        solution[columns] = torch.linalg.lstsq(a[:, columns] / scale[columns], b[:, None]).solution[:, 0]
+        if (solution < 0).any():
+            continue
+        error = float((a / scale @ solution - b).pow(2).sum())
+        if error < best_error - 1e-12:
+            best, best_error = solution / scale, error
+    if best is None:
+        raise ValueError("no non-negative fit of the cost constants to the timings")
+    layer_s, row_s, pair_s, cached_s = best.tolist()
+    return CostConstants(float(layer_s), float(row_s), float(pair_s), float(cached_s), measured=True)
+
+
 @torch.inference_mode()
 def measure_constants(adapter, rounds: int = 2) -> CostConstants:
-    """Time full prefills of :data:`FULL_SIZES` random tokens and one fused prefill of
-    :data:`FUSED_FRESH` fresh and :data:`FUSED_CACHED` cached tokens (each the fastest of
-    ``rounds``), and solve the cost model for its four constants."""
+    """Time full prefills of :data:`FULL_SIZES` random tokens and fused prefills of
+    :data:`FUSED_FRESH` fresh and :data:`FUSED_CACHED` cached tokens as the selections of
+    :data:`FUSED_SELECTIONS` run them (each the fastest of ``rounds``), and fit the cost model's
+    four constants to them all (:func:`fit_constants`). Fused prefills are timed as they run,
+    question pass included: a fit to full prefills alone had over-priced the fused path's
+    second pass (predicted 1.04-2.68x where 1.39-3.32x was measured, docs/benchmarks.md)."""
     shape, layers = adapter.shape, adapter.shape.num_layers
     vocab = adapter.hf_model.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -298,33 +355,27 @@ def measure_constants(adapter, rounds: int = 2) -> CostConstants:
         return best / layers
 
     fused_prefill(adapter, ids[:16], [], None, EveryToken())   # warm-up
-    full = [fastest(lambda n=n: fused_prefill(adapter, ids[:n], [], None, EveryToken())) for n in FULL_SIZES]
-    # Solve full(n) = layer + row n + pair n(n+1)/2 through the three sizes.
-    a = torch.tensor([[1.0, n, n * (n + 1) / 2] for n in FULL_SIZES], dtype=torch.float64)
-    layer_s, row_s, pair_s = torch.linalg.solve(a, torch.tensor(full, dtype=torch.float64)).tolist()
-    if pair_s <= 0 or layer_s < 0:   # a disturbed timing: the two line through the ends, no attention term
-        pair_s = 0.0
-        row_s = (full[-1] - full[0]) / (FULL_SIZES[-1] - FULL_SIZES[0])
-        layer_s = max(0.0, full[0] - row_s * FULL_SIZES[0])
-    row_s = max(row_s, 1e-9)
+    timings = [(full_prefill_terms(1, n), fastest(lambda n=n: fused_prefill(adapter, ids[:n], [], None, EveryToken())))
+               for n in FULL_SIZES]
 
-    # A fused prefill that reuses one cached span and computes only the fresh tokens around it.
+    # Fused prefills that reuse one cached span and compute the fresh tokens around it (and, for
+    # the question's selections, the reused tokens it attends to most).
     n, head = FUSED_FRESH + FUSED_CACHED, FUSED_FRESH // 2
     kv = torch.randn(layers, shape.num_kv_heads, FUSED_CACHED, shape.head_dim, generator=generator)
     entry = ChunkKV("0" * 64, ids[head:head + FUSED_CACHED], kv.half(), kv.half())
     span = [ReusedSpan(head, FUSED_CACHED)]
 
-    def fuse():
+    def fuse(selection):
         source = SequentialSource([MemoryReader(entry, "memory")], adapter.device, windows=[slice(0, FUSED_CACHED)])
         try:
-            fused_prefill(adapter, ids[:n], span, source, UncachedTokens())
+            fused_prefill(adapter, ids[:n], span, source, selection)
         finally:
             source.close()
 
-    fused = fastest(fuse)
-    rest = fused - (layer_s + row_s * FUSED_FRESH + pair_s * FUSED_FRESH * n)
-    cached_s = max(0.0, rest / FUSED_CACHED)
-    constants = CostConstants(float(layer_s), float(row_s), float(pair_s), float(cached_s), measured=True)
+    for selection in FUSED_SELECTIONS:
+        terms, _ = fused_prefill_terms(1, selection, n, FUSED_CACHED)
+        timings.append((terms, fastest(lambda selection=selection: fuse(selection))))
+    constants = fit_constants(timings)
     if not constants.valid():
         raise ValueError(f"measured constants out of range: {constants}")
     return constants

@@ -157,3 +157,49 @@ def test_a_busy_or_unsteady_measurement_is_not_kept_for_the_host(engine, tmp_pat
     assert not constants.measured                                  # the scaled defaults, not the busy timing
     (path,) = (tmp_path / "host").glob("fusion-cost-*.json")       # kept unsettled: measured again when quiet
     assert json.loads(path.read_text())["settled"] is False
+
+
+def synthetic_timings(truth: CostConstants, noise: list[float]) -> list:
+    """Per-layer timings of the measurement's prefills on a host whose costs are ``truth``, each
+    off by its share of ``noise`` (a busy host's jitter)."""
+    terms = [fusion_cost.full_prefill_terms(1, n) for n in fusion_cost.FULL_SIZES]
+    n = fusion_cost.FUSED_FRESH + fusion_cost.FUSED_CACHED
+    terms += [fusion_cost.fused_prefill_terms(1, s, n, fusion_cost.FUSED_CACHED)[0] for s in fusion_cost.FUSED_SELECTIONS]
+    return [(t, fusion_cost.seconds(truth, t) * (1 + e)) for t, e in zip(terms, noise, strict=True)]
+
+
+@pytest.mark.parametrize("truth", [OVERHEAD, ROWS_ONLY, CostConstants(3e-3, 3e-5, 6e-8, 0.0, measured=True)])
+def test_the_fit_recovers_the_constants_from_exact_timings(truth):
+    fitted = fusion_cost.fit_constants(synthetic_timings(truth, [0.0] * 7))
+    for name in ("layer_s", "row_s", "pair_s", "cached_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-12)
+    assert fitted.measured and fitted.valid()
+
+
+def test_the_fit_predicts_the_fused_speedup_within_the_timings_noise_and_never_goes_negative():
+    # 5% jitter either way on each timing: the predicted speed-up of QueryAware(0.1) on prompts of
+    # 300-3,000 tokens stays within ~10% of the true one, and no constant comes out negative
+    # (solving three full prefills exactly had put the jitter into a pass's fixed cost)
+    jitter = [0.05, -0.05, 0.05, -0.05, 0.05, -0.05, 0.05]
+    fitted = fusion_cost.fit_constants(synthetic_timings(OVERHEAD, jitter))
+    assert min(fitted.layer_s, fitted.row_s, fitted.pair_s, fitted.cached_s) >= 0
+    selection = QuestionAttention(0.1)
+    for n in (300, 800, 1500, 3000):
+        def speedup(c):
+            return full_prefill_s(c, 30, n) / fused_prefill_s(c, 30, selection, n, n - 90)[0]
+        assert speedup(fitted) == pytest.approx(speedup(OVERHEAD), rel=0.1)
+
+
+def test_measuring_times_the_fused_prefills_as_they_run(engine, monkeypatch):
+    # the fit sees QueryAware's two passes as fusion runs them, not only full prefills
+    ran, real = [], fusion_cost.fused_prefill
+
+    def recording(adapter, ids, spans, source, selection):
+        ran.append((type(selection).__name__, len(ids), sum(s.num_tokens for s in spans)))
+        return real(adapter, ids, spans, source, selection)
+
+    monkeypatch.setattr(fusion_cost, "fused_prefill", recording)
+    constants = fusion_cost.measure_constants(engine.adapter, rounds=1)
+    assert constants.measured and constants.valid() and constants.row_s > 0
+    assert ("QuestionAttention", 768, 720) in ran and ("UncachedTokens", 768, 720) in ran
+    assert {n for name, n, _ in ran if name == "EveryToken"} >= set(fusion_cost.FULL_SIZES)
