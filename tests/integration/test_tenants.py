@@ -92,3 +92,26 @@ def test_the_token_id_warm_up_attack_changes_no_answer_also_after_a_restart(engi
         assert answers(restarted) == expected
     finally:
         restarted.stop()
+
+
+def test_a_shared_chunk_is_found_alike_by_every_tenants_first_request(tmp_path):
+    """A passage the operator stored before the server started is found by each tenant's first
+    request, and one tenant asking first changes nothing the next one sees (else ``cached_tokens``
+    would say that someone asked about it)."""
+    from ragblend import BlendEngine, Chunk
+
+    passage = ("The keeper of the Marrow Point light logs every passing ship in a green ledger; the ledger for "
+               "the winter of 1931 records forty-two vessels, the last a grain barge named Osprey that ran "
+               "aground on the sandbar two miles south of the point in the February storm. ")
+    BlendEngine.from_pretrained(kv_dir=tmp_path / "kv").generate([Chunk(passage), "Which barge?"], max_new_tokens=1)
+    server = tenant_server(BlendEngine.from_pretrained(kv_dir=tmp_path / "kv"))
+    prompt = f"Context information is below.\n---------------------\n{passage}\n---------------------\nQuery: Which barge?"
+    try:
+        seen = {}
+        for key in (A_KEY, B_KEY):
+            chat = client(server, key).chat.completions
+            seen[key] = cached(chat.create(model="m", max_tokens=1, messages=[{"role": "user", "content": prompt}]))
+            wait_idle(server.url, within_s=600, headers={"Authorization": f"Bearer {key}"})
+        assert seen[A_KEY] == seen[B_KEY] > 0
+    finally:
+        server.stop()
