@@ -26,6 +26,16 @@ APP = str(Path(__file__).resolve().parents[2] / "apps" / "streamlit_app.py")
 QUESTION = "In which year did the Lowenmark Kite Festival begin?"
 
 
+@pytest.fixture(autouse=True)
+def engines_freed_after_each_test():
+    """Streamlit keeps ``st.cache_resource`` values for the whole process: without this, every
+    test's engine (and its model) stays in memory until the test run ends."""
+    yield
+    import streamlit as st
+
+    st.cache_resource.clear()
+
+
 def start_app(monkeypatch, index_dir, files_root=None):
     from streamlit.testing.v1 import AppTest
 
