@@ -20,6 +20,7 @@ next's), which prints, in one run:
 
     python -m benchmarks.model_sizes --shapes qwen2.5-1.5b qwen2.5-3b --runs 2
     python -m benchmarks.model_sizes --shapes qwen2.5-7b --runs 1 --no-full-prefill
+    python -m benchmarks.model_sizes --shapes qwen2.5-1.5b --runs 1 --fast-prefill   # both prefill plans
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool) -> dict:
+def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_prefill: bool = False) -> dict:
     """One shape's figures (run in a process of its own)."""
     import torch
 
@@ -63,6 +64,16 @@ def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool) -> dict
     peers = {"ragblend default": ragblend}
     if full_prefill:
         peers["ragblend full prefill"] = FullPrefillPeer(engine, tokens)
+    if fast_prefill:
+        from .peers import RagblendPeer
+
+        fast = fast_prefill_engine(engine)
+        result["fast_long_pass"] = fast.hf_model.ragblend_long_pass
+        t0 = time.perf_counter()
+        peers["ragblend fast default"] = RagblendPeer(fast, sample["chunks"], tokens)
+        result["fast_precompute_s"] = time.perf_counter() - t0
+        if full_prefill:
+            peers["ragblend fast full prefill"] = FullPrefillPeer(fast, tokens)
     peers.update(load_llama(path, tokens, result))
     times = timed_rounds(name, engine, peers, sample, runs)
     result["ttft_s"] = {p: statistics.median(t for t, _, _ in v) for p, v in times.items()}
@@ -96,8 +107,28 @@ def load_ragblend(path: str, tokens: int, result: dict):
     result["kv_bytes_per_token"] = bytes_per_token(engine.kv_shape, "float16")   # as stored, headers included
     result["ragblend_rss_with_kv"] = rss_bytes() - before
     result["ragblend_peak"] = peak_rss_bytes()
-    result["long_pass"] = getattr(engine.hf_model, "ragblend_long_pass", None)
+    from ragblend.core.quantized import fast_prefill, long_pass_plan
+
+    result["long_pass"] = long_pass_plan(engine.hf_model)   # remembered on the model, or forced by the environment
+    result["prefill"] = "fast plan" if fast_prefill(engine.hf_model)[0] else "float32"
     return engine, ragblend, sample
+
+
+def fast_prefill_engine(engine):
+    """A second engine on ``engine``'s weights (shared, not copied) that prefills on the fast plan
+    (``RAGBLEND_QUANTIZED_PREFILL=fast``: bfloat16 matmuls where measured faster), so that one run
+    times both prefills under the same load."""
+    from ragblend import BlendEngine
+
+    saved = os.environ.get("RAGBLEND_QUANTIZED_PREFILL")
+    os.environ["RAGBLEND_QUANTIZED_PREFILL"] = "fast"
+    try:
+        return BlendEngine(engine.hf_model, engine.tokenizer, prompt_lookup_num_tokens=0)
+    finally:
+        if saved is None:
+            del os.environ["RAGBLEND_QUANTIZED_PREFILL"]
+        else:
+            os.environ["RAGBLEND_QUANTIZED_PREFILL"] = saved
 
 
 def load_llama(path: str, tokens: int, result: dict) -> dict:
@@ -177,12 +208,25 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
             f"{r['kv_bytes_per_token'] / 1024:.0f} | {r['precompute_s']:.1f} | {fmt(fused)} | {fmt(full)} | "
             f"{fmt(llama)} | {fmt(llama and fused and llama / fused, '.1f')}x | {fmt(r_tps, '.1f')} | "
             f"{fmt(l_tps, '.1f')} | {fmt(l_tps and r_tps / l_tps)}x |")
+    fast = [r for r in results if "ragblend fast default" in r["ttft_s"]]
+    if fast:
+        lines += ["", "The fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast) on the same weights, in the same rounds:",
+                  "", "| shape | plan | precompute s | TTFT fused s | TTFT full prefill s | TTFT llama.cpp / fused | "
+                  "llama.cpp / full prefill |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in fast:
+        ttft = r["ttft_s"]
+        fused, full, llama = (ttft.get(k) for k in ("ragblend fast default", "ragblend fast full prefill",
+                                                    "llama-cpp-python"))
+        lines.append(f"| {r['shape']} | {r['fast_long_pass']} | {r['fast_precompute_s']:.1f} | {fused:.2f} | "
+                     f"{'-' if full is None else format(full, '.2f')} | "
+                     f"{'-' if llama is None else format(llama / fused, '.1f')}x | "
+                     f"{'-' if llama is None or full is None else format(llama / full, '.2f')}x |")
     lines += ["", "Prompt tokens, peak memory and settings:", ""]
     for r in results:
         lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend peak RSS "
                      f"{r['ragblend_peak'] / gb:.2f} GB (whole process), {r['ragblend_rss_with_kv'] / gb:.2f} GB "
                      f"with the chunks' KV in memory; {r['threads']} torch threads; prefill matmuls "
-                     f"{r.get('long_pass')}"
+                     f"{r.get('long_pass')}, default prefill {r.get('prefill')}"
                      + (f"; llama.cpp: {r['llama_skipped']}" if "llama_skipped" in r else
                         f"; llama.cpp load {r['llama_load_s']:.1f} s"))
     return lines
@@ -194,17 +238,21 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32, help="forced greedy tokens decoded per answer")
     parser.add_argument("--no-full-prefill", action="store_true", help="skip ragblend's full prefill (the 7B's is minutes)")
+    parser.add_argument("--fast-prefill", action="store_true",
+                        help="also time a second engine on the fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast)")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # the per-shape child process
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill)))
+        print("RESULT " + json.dumps(measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill,
+                                                   args.fast_prefill)))
         return
     started, results = time.perf_counter(), []
     for shape in args.shapes:
         write_random_gguf(shape)
         child = [sys.executable, "-m", "benchmarks.model_sizes", "--one", shape, "--runs", str(args.runs),
-                 "--tokens", str(args.tokens)] + (["--no-full-prefill"] if args.no_full_prefill else [])
+                 "--tokens", str(args.tokens)] + (["--no-full-prefill"] if args.no_full_prefill else []) \
+            + (["--fast-prefill"] if args.fast_prefill else [])
         out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
         results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     lines = report(results, args.tokens, args.runs)

@@ -246,6 +246,16 @@ QUANTIZED_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
     "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0035, 4, 7),
 }
 
+# The same rule for the fast prefill plan (quantized.fast_prefill: bfloat16 matmuls where they
+# measure faster, activations rounded to bfloat16), against the same float32 prefill, measured with
+# RAGBLEND_QUANTIZED_PREFILL=bfloat16. An architecture takes that plan by default only where it met the rule.
+FAST_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
+    # the same command with RAGBLEND_QUANTIZED_PREFILL=bfloat16, busy AVX-512 host, 2026-12-06 (SmolLM2's:
+    # --chunk-chars 500 --greedy-tokens 16, 2026-12-06, before the float32-slice dequantization: the same rounding)
+    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.019, 12, 20),
+    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0018, 3, 5),
+}
+
 
 def gguf_in_float32(gguf) -> bool:
     """Whether a GGUF model loads in float32 by default: its float32 weights take at most
@@ -406,6 +416,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
         _FROM_GGUF.add(hf_model)
         hf_model.ragblend_source = source_stamp(gguf_path)   # keys the decoding weights' cache
         hf_model.ragblend_weights_reason = gguf_weights_reason(gguf, asked, dtype, device)
+        hf_model.ragblend_fast_prefill_fidelity = FAST_PREFILL_FIDELITY.get(gguf.architecture)
         return_freed_memory()
     return hf_model, tokenizer
 

@@ -14,11 +14,12 @@ A pass of up to ``kernel_rows`` rows (a decoding step: ``kernels.DRAFT_ROWS``) r
 low-bit kernel on bfloat16 activations, as the decoding twins of :mod:`.decode_weights` do. A
 longer pass (a chunk's precompute, a fused or full prefill) dequantizes the layer into one reused
 scratch buffer and runs ``F.linear``: at a cost of one pass over the weight per matmul, small
-beside a matmul of many rows. The engine prefills on a twin (:func:`prefill_twin`) whose
-long-pass dtype and kernel rows are measured on the running host (:func:`long_pass_plan`):
-bfloat16 matmuls where the CPU multiplies bfloat16 natively and that measures clearly faster,
-else float32; the low-bit kernel up to the rows where it still beats the dequantized matmul.
-A near-tied greedy pick is checked again on the float32 twin (:func:`exact_twin`).
+beside a matmul of many rows. The engine prefills on a twin (:func:`prefill_twin`): in float32,
+or, where the model's architecture met the fidelity rule on it (:func:`fast_prefill`), on the
+plan measured on the running host (:func:`long_pass_plan`): bfloat16 matmuls where the CPU
+multiplies bfloat16 natively and that measures clearly faster (weights dequantized in float32
+and rounded once), else float32; the low-bit kernel up to the rows where it still beats the
+dequantized matmul. A near-tied greedy pick is checked again on the float32 twin (:func:`exact_twin`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ log = logging.getLogger("ragblend")
 
 GROUP = 32                      # weights per 4-bit scale and zero
 SCRATCH_WEIGHTS = 16 << 20      # a longer pass dequantizes at most this many weights at a time (64 MiB float32)
+# A 16-bit dequantization goes through float32 this many weights at a time (16 MiB): a 1.5B MLP matrix
+# in 4 slices took 9.4 ms, in 52 L2-sized ones 12.7 ms; and fewer ops wait less on a busy host's
+# threads (in one burst a 1.1k-token 1.5B prefill took 152 s on 256K-weight slices, 44 s on these).
+SLICE_WEIGHTS = 1 << 22
 _scratch = threading.local()    # per thread: engines on other threads may run passes at once
 
 
@@ -251,6 +256,14 @@ class QuantLinear(torch.nn.Module):
         stop = self.out_features if stop is None else stop
         count = stop - start
         out = scratch(count * self.in_features, dtype).view(count, self.in_features)
+        if dtype != torch.float32 and self.kind != "float":
+            # In float32 a slice at a time, each rounded once into the buffer: bit for bit the
+            # float32 weights rounded to dtype, and ~3x faster than the arithmetic in bfloat16.
+            step = max(64, SLICE_WEIGHTS // self.in_features // 64 * 64)
+            for first in range(start, stop, step):
+                last = min(first + step, stop)
+                out[first - start:last - start].copy_(self.dequantize(first, last))
+            return out
         if self.kind == "float":
             if self.weight.dtype == dtype:
                 return self.weight[start:stop]
@@ -534,18 +547,35 @@ def exact_twin(model):
 
 
 def prefill_twin(model):
-    """The twin the engine prefills with (chunk precompute, fused and full prefill): every pass
-    in float32, as :func:`exact_twin`; with
-    ``RAGBLEND_QUANTIZED_PREFILL=fast``, the plan :func:`long_pass_plan` measured on this host
-    (bfloat16 matmuls where they measure clearly faster, the low-bit kernels up to the rows where
-    they win: faster, but activations rounded to bfloat16, which changed one greedy answer in
-    two on SmolLM2, so not the default)."""
-    plan = long_pass_plan(model)
-    if os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower() in ("fast", "bfloat16"):
+    """The twin the engine prefills with (chunk precompute, fused and full prefill): the fast
+    plan :func:`long_pass_plan` measured on this host (bfloat16 matmuls where they measure
+    clearly faster, the low-bit kernels up to the rows where they win) where
+    :func:`fast_prefill` allows it, else every pass in float32, as :func:`exact_twin`."""
+    if fast_prefill(model)[0]:
+        plan = long_pass_plan(model)
         return _twin(model, plan["kernel_rows"], getattr(torch, plan["dtype"]))
     # Every pass in float32, the shortest too: the last layer's single row, a short sink, and
     # decode_dtype="float32" (which decodes on this adapter) stay exact.
     return _twin(model, 0, torch.float32)
+
+
+def fast_prefill(model) -> tuple[bool, str]:
+    """``(whether the prefill runs the measured fast plan, why)``. The fast plan rounds the
+    activations to bfloat16, so it is the default only for an architecture whose benchmark model
+    met the fidelity rule on it (``model.FAST_PREFILL_FIDELITY``, stamped on the model at load
+    as ``ragblend_fast_prefill_fidelity``); ``RAGBLEND_QUANTIZED_PREFILL=fast`` (or ``bfloat16``)
+    takes it and ``=float32`` refuses it whatever the verdict."""
+    forced = os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower()
+    if forced in ("fast", "bfloat16"):
+        return True, f"RAGBLEND_QUANTIZED_PREFILL={forced}"
+    if forced == "float32":
+        return False, "RAGBLEND_QUANTIZED_PREFILL=float32"
+    verdict = getattr(model, "ragblend_fast_prefill_fidelity", None)
+    if verdict is None:
+        return False, "its fidelity is not measured for this architecture (RAGBLEND_QUANTIZED_PREFILL=fast takes it)"
+    if verdict.meets:
+        return True, f"it met the fidelity rule {verdict}"
+    return False, f"it MISSED the fidelity rule {verdict} (RAGBLEND_QUANTIZED_PREFILL=fast takes it)"
 
 
 def scoring_twin(model):
@@ -560,14 +590,18 @@ def scoring_twin(model):
 LONG_PASS_ROWS = 256            # a long pass's rows when timing float32 against bfloat16
 KERNEL_ROW_BUCKETS = (16, 32, 64, 128)
 CLEARLY_FASTER = 1.3            # bfloat16 is taken only this much faster: it rounds the activations
+PLAN_VERSION = 2                # 2: bfloat16 timed at all (1 never did), its weights made fast
 
 
 def _bfloat16_native() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX-512 BF16 or AMX): elsewhere
-    PyTorch emulates it, slower than float32, and it is not worth timing."""
-    cpu = torch.backends.cpu
-    checks = [getattr(torch._C._cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(check() for check in checks if check is not None) and hasattr(cpu, "get_cpu_capability")
+    PyTorch emulates it, slower than float32, and it is not worth timing. (torch.cpu's checks:
+    the torch._C._cpu names read before have none in torch 2.13, so bfloat16 was never timed.)"""
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    try:
+        return any(check() for check in checks if check is not None)
+    except RuntimeError:
+        return False
 
 
 def long_pass_plan(model) -> dict:
@@ -595,13 +629,15 @@ def long_pass_plan(model) -> dict:
     def inputs(rows: int) -> dict[int, torch.Tensor]:
         return {width: torch.randn(rows, width) for width in {m.in_features for m in first}}
 
-    def verdict() -> dict:
-        dtype = "float32"
-        if _bfloat16_native():
-            x = inputs(LONG_PASS_ROWS)
-            times = fastest_rounds({name: (lambda d=d: _run(first, x, d, 0)) for name, d in
-                                    (("float32", torch.float32), ("bfloat16", torch.bfloat16))}, rounds=3)
-            dtype = "bfloat16" if times["float32"] > CLEARLY_FASTER * times["bfloat16"] else "float32"
+    def dtype_verdict() -> str:
+        if not _bfloat16_native():
+            return "float32"
+        x = inputs(LONG_PASS_ROWS)
+        times = fastest_rounds({name: (lambda d=d: _run(first, x, d, 0)) for name, d in
+                                (("float32", torch.float32), ("bfloat16", torch.bfloat16))}, rounds=3)
+        return "bfloat16" if times["float32"] > CLEARLY_FASTER * times["bfloat16"] else "float32"
+
+    def rows_verdict(dtype: str) -> int:
         rows = DRAFT_ROWS
         for bucket in KERNEL_ROW_BUCKETS:
             x = inputs(bucket)
@@ -610,14 +646,17 @@ def long_pass_plan(model) -> dict:
             if times["kernel"] >= times["long"]:
                 break
             rows = bucket
-        return {"dtype": dtype, "kernel_rows": rows}
+        return rows
 
-    def valid(value) -> bool:
-        return (isinstance(value, dict) and value.get("dtype") in ("float32", "bfloat16")
-                and value.get("kernel_rows") in (DRAFT_ROWS, *KERNEL_ROW_BUCKETS))
-
+    # Two records, so that a busy host's disagreeing row counts do not throw away a clear dtype.
+    key = host_key(shapes) | {"plan": PLAN_VERSION}
     with torch.inference_mode():
-        plan = remembered("quantized-long-pass", host_key(shapes), lambda: measured_twice(verdict, exact), valid)
+        dtype = remembered("quantized-long-pass-dtype", key, lambda: measured_twice(dtype_verdict, "float32"),
+                           lambda value: value in ("float32", "bfloat16"))
+        rows = remembered("quantized-long-pass-rows", key | {"dtype": dtype},
+                          lambda: measured_twice(lambda: rows_verdict(dtype), DRAFT_ROWS),
+                          lambda value: value in (DRAFT_ROWS, *KERNEL_ROW_BUCKETS))
+    plan = {"dtype": dtype, "kernel_rows": rows}
     model.ragblend_long_pass = plan   # measured once per model (and ragblend info reads it)
     return plan
 
@@ -669,13 +708,17 @@ def describe(model) -> list[str]:
         lines += [f"{count} matrices {name}" for name, count in dtypes.items()]
     lines.append(f"{quantized_bytes(model) / 2**20:.0f} MiB of weights in memory")
     if "int4" in kinds or "int8" in kinds:
-        plan = getattr(model, "ragblend_long_pass", None) or {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
-        fast = os.environ.get("RAGBLEND_QUANTIZED_PREFILL", "").lower() in ("fast", "bfloat16")
+        fast, why = fast_prefill(model)
+        # The plan the twin took (remembered on the model, or forced by the environment: no measuring here)
+        plan = long_pass_plan(model) if fast else \
+            getattr(model, "ragblend_long_pass", None) or {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
         lines.append(f"decoding passes: PyTorch's int4/int8 CPU kernels on bfloat16 activations (a near-tied greedy "
                      f"pick checked again in float32); QueryAware's question pass the same up to {plan['kernel_rows']} "
                      "rows (measured on this host); the prefill: each matrix dequantized into one reused buffer, then "
-                     "F.linear " + (f"in {plan['dtype']}, kernels up to {plan['kernel_rows']} rows "
-                                    "(RAGBLEND_QUANTIZED_PREFILL)" if fast else "in float32"))
+                     "F.linear " + (f"in {plan['dtype']} (measured on this host), kernels up to {plan['kernel_rows']} "
+                                    f"rows, because {why}" if fast else
+                                    f"in float32; the fast plan ({plan['dtype']}, measured on this host) is not taken "
+                                    f"because {why}"))
     elif kinds:
         lines.append("every pass: each 16-bit matrix copied into one reused float32 buffer, then F.linear in float32")
     return lines

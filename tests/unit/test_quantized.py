@@ -259,3 +259,83 @@ def test_the_question_pass_runs_on_the_low_bit_kernels_and_the_prefill_in_float3
     assert {(m.kernel_rows, m.long_pass_dtype) for m in prefill} == {(0, torch.float32)}
     assert {(m.kernel_rows, m.long_pass_dtype) for m in scoring} == {(plan["kernel_rows"], torch.float32)}
     assert [b.data_ptr() for b in prefill[0].buffers()] == [b.data_ptr() for b in scoring[0].buffers()]  # shared
+
+
+def test_a_bfloat16_dequantization_is_the_float32_one_rounded_in_one_reused_buffer(models, monkeypatch):
+    """The fast plan's weights: bit for bit the float32 dequantization rounded once to bfloat16,
+    built a cache-sized slice at a time into the thread's one bfloat16 buffer."""
+    from ragblend.core import quantized
+
+    monkeypatch.setattr(quantized, "SLICE_WEIGHTS", 64 * 64)   # several slices even in a tiny layer
+    layers = [m for m in models[0].modules() if isinstance(m, QuantLinear) and m.kind in ("int4", "int8")]
+    assert {m.kind for m in layers} == {"int4", "int8"}
+    for layer in layers:
+        exact = layer.dequantize().clone()
+        rounded = layer.dequantize(dtype=torch.bfloat16)
+        assert torch.equal(rounded, exact.bfloat16())
+        again = layer.dequantize(dtype=torch.bfloat16)
+        assert again.data_ptr() == rounded.data_ptr() == quantized.scratch(1, torch.bfloat16).data_ptr()
+    widest = max(layers, key=lambda m: m.out_features * m.in_features)
+    x = torch.randn(300, widest.in_features)
+    widest.long_pass_dtype, widest.kernel_rows = torch.bfloat16, 0
+    try:
+        fast = widest.rows(x)
+    finally:
+        widest.long_pass_dtype, widest.kernel_rows = torch.float32, quantized.DRAFT_ROWS
+    exact = torch.nn.functional.linear(x, widest.dequantize()) + (0 if widest.bias is None else widest.bias)
+    # bfloat16 inputs and output (8-bit mantissas), float32 sums: ~2^-8 of the output's scale
+    assert fast.dtype == torch.float32
+    assert (fast - exact).abs().max() < 2 ** -6 * exact.abs().max()
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_plan_takes_bfloat16_only_where_it_measured_clearly_faster(models, tmp_path, monkeypatch, faster):
+    from ragblend.core import quantized
+
+    monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
+    monkeypatch.delattr(models[0], "ragblend_long_pass", raising=False)
+    monkeypatch.setattr(quantized, "_bfloat16_native", lambda: True)
+    bfloat16_speed = 2.0 if faster else 1.2   # CLEARLY_FASTER is 1.3
+
+    def timed(workloads, rounds):
+        return {"float32": 1.0, "bfloat16": 1.0 / bfloat16_speed} if "float32" in workloads else \
+            {"kernel": 2.0, "long": 1.0}   # the low-bit kernel never wins here
+    monkeypatch.setattr(quantized, "fastest_rounds", timed)
+    plan = quantized.long_pass_plan(models[0])
+    assert plan == {"dtype": "bfloat16" if faster else "float32", "kernel_rows": 8}
+    monkeypatch.delattr(models[0], "ragblend_long_pass")
+
+
+def test_the_fast_plan_is_the_default_only_where_its_architecture_met_the_rule(models, monkeypatch):
+    from ragblend.core.model import PrefillFidelity
+    from ragblend.core.quantized import describe, fast_prefill, prefill_twin
+
+    monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
+    model = models[0]
+    monkeypatch.setattr(model, "ragblend_long_pass", {"dtype": "bfloat16", "kernel_rows": 32}, raising=False)
+
+    def twin_forms():
+        return {(m.kernel_rows, m.long_pass_dtype) for m in prefill_twin(model).modules() if isinstance(m, QuantLinear)}
+    monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", None, raising=False)
+    assert twin_forms() == {(0, torch.float32)} and "not measured" in fast_prefill(model)[1]
+    monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", PrefillFidelity("Tiny", 0.2, 5, 10))
+    assert twin_forms() == {(0, torch.float32)} and "MISSED" in " ".join(describe(model))
+    monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", PrefillFidelity("Tiny", 0.01, 20, 20))
+    assert twin_forms() == {(32, torch.bfloat16)} and "because it met the fidelity rule" in " ".join(describe(model))
+    monkeypatch.setenv("RAGBLEND_QUANTIZED_PREFILL", "float32")
+    assert twin_forms() == {(0, torch.float32)}
+
+
+def test_bfloat16_is_timed_where_the_cpu_multiplies_it_natively():
+    """The plan times bfloat16 only on such a CPU; a check that always said no (torch 2.13 has no
+    torch._C._cpu names for it) kept every host on float32 without ever timing it."""
+    import pathlib
+
+    from ragblend.core.quantized import _bfloat16_native
+
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    flags = set(cpuinfo.read_text().split())
+    assert _bfloat16_native() == bool({"avx512_bf16", "amx_bf16"} & flags)
