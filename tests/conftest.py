@@ -86,9 +86,12 @@ def make_tiny_engine(arch, tokenizer, **kwargs):
     and these tests are of the fusion (tests/unit/test_fusion_cost.py tests the skip). For the same
     reason it has no prefix tier unless told (``prefix_cache_bytes``): the tests of the fusion and
     of the store ask a prompt again to read the store, which the tier would answer instead
-    (tests/unit/test_prefix_cache.py tests the tier)."""
+    (tests/unit/test_prefix_cache.py tests the tier), and it keeps no history pieces unless told
+    (``history_pieces``: an answered prompt's text would be found as pieces in the next one;
+    tests/unit/test_pieces.py tests them)."""
     kwargs.setdefault("min_fusion_speedup", 0)
     kwargs.setdefault("prefix_cache_bytes", 0)
+    kwargs.setdefault("history_pieces", False)
     return BlendEngine(tiny_model(arch), tokenizer, **kwargs)
 
 
@@ -102,7 +105,8 @@ def tiny_engine(request, tokenizer):
 def smol_engine(tmp_path_factory):
     # No prefix tier, as make_tiny_engine: one engine for the session, whose tests ask prompts again to
     # read the store (the tier would answer them instead); the tier's tests build their own engines.
-    return BlendEngine.from_pretrained(kv_dir=tmp_path_factory.mktemp("kv"), prefix_cache_bytes=0)
+    return BlendEngine.from_pretrained(kv_dir=tmp_path_factory.mktemp("kv"), prefix_cache_bytes=0,
+                                       history_pieces=False)
 
 
 @pytest.fixture(scope="session")

@@ -125,7 +125,8 @@ class BlendEngine:
         # The K/V of recent prompts and answers, which a prompt starting alike reuses (.prefix_cache).
         self.prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading,
-                                    lambda: self.prompts.sentence_end_ids, self.fusion_cost, self.prefix)
+                                    lambda: self.prompts.sentence_end_ids, self.fusion_cost, self.prefix,
+                                    pieces=options.history_pieces)
         if getattr(self.strategy, "sentence_runs", False):
             self.prompts.sentence_end_ids   # made now (~0.7 s for a 151k-token vocabulary), not in the first TTFT
         self.decode_dtype = options.decode_dtype
@@ -405,11 +406,13 @@ class BlendEngine:
         return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens)
 
     def finish(self, decoding: Decoding) -> Stats:
-        """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix tier."""
+        """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix
+        tier, and its turns' text to the KV store as pieces of the conversation (in the background: see .pieces)."""
         self.last_stats = decoding.finish_stats(decoding.stats)
         if decoding.prefill is not None:
             adapter = self.decoding_adapter()
             self.runner.remember_answer(decoding, exact_decoding=adapter is self.decode_weights.adapter)
+            self.runner.remember_pieces(decoding, self.store, self.precompute_batch_tokens)
         return decoding.stats
 
     def generate(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,

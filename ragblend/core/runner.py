@@ -18,11 +18,12 @@ from .fusion_cost import FusionCost, FusionVerdict
 from .ingest import Ingestion
 from .model import ModelAdapter
 from .omp import release_thread_pool
+from .pieces import is_piece, last_message_start, piece_namespace, piece_runs, with_pieces
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import fused_prefill
 from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
-from .prompt import PromptLayout
+from .prompt import ChunkSpan, PromptLayout
 from .results import Prefill, PromptTrace, Stats
 from .selection import EveryToken, ReusedSpan
 from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
@@ -71,13 +72,15 @@ class PrefillRunner:
     learns them, ``loading`` (a function giving the loading controller) settles
     CacheBlend's ``ratio="auto"``; model passes hold ``lock``; ``sentence_end_ids`` (a function
     giving the ids of tokens that end a sentence) is read for selections in runs of sentences;
-    ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy)."""
+    ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy);
+    ``pieces``: keep a conversation's turns as pieces fused like chunks (:mod:`.pieces`)."""
 
     def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
-                 fusion_cost: FusionCost | None = None, prefix: PrefixCache | None = None):
+                 fusion_cost: FusionCost | None = None, prefix: PrefixCache | None = None, pieces: bool = False):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
         self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
         self.prefix = prefix   # the prefix tier (None: off); the K/V it holds are in kv_dtype
+        self.pieces = pieces
         self.kv_dtype = adapter.dtype
         self.background = Background()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
@@ -94,6 +97,10 @@ class PrefillRunner:
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
+        pieces = self.pieces and plan.engine_default and plan.reuses and not is_bypassed()
+        if pieces:   # the conversation's earlier turns, where stored (.pieces)
+            layout = with_pieces(layout, self.index.finder, start=self.ingestion.prompts.opening_length(layout.token_ids),
+                                 end=self.last_message_start(layout.token_ids))
         hit = self._prefix_hit(layout, plan)
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per entry.
@@ -119,6 +126,8 @@ class PrefillRunner:
         stats.load_s, stats.load_wait_s, stats.compute_s = source.load_s, source.wait_s, fused.compute_s
         stats.store_faults = store.faults - faults_before
         stats.prefix_tokens = 0 if hit is None else hit.num_tokens
+        stats.history_tokens = sum(int(from_store[span.start:span.end].sum()) for span in layout.chunk_spans
+                                   if is_piece(span)) if hit is None and not stats.fusion_skipped else 0
         # A skipped fusion computed every chunk token as plain text: none counts as a chunk's.
         trace = PromptTrace(layout.token_ids, fused.recomputed, [] if stats.fusion_skipped else layout.chunk_spans)
         # The bias the answer's tokens keep: none unless the strategy asks for it (QueryAware's
@@ -127,6 +136,7 @@ class PrefillRunner:
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, decoding_bias)
         prefill.prefix_kept = self._remember(layout, plan, fused, hit)
+        prefill.keeps_pieces = pieces
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
 
@@ -207,6 +217,35 @@ class PrefillRunner:
                          usable_from=0 if scope.exact else n - 1)
         except Exception as err:   # the tier never fails an answer that is done
             log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
+
+    def remember_pieces(self, decoding, store: KVStore, batch_tokens: int) -> None:
+        """Store, in the background, the pieces of a finished answer's prompt and answer that no
+        chunk or stored piece covers (:mod:`.pieces`), for the next turn of its conversation."""
+        pre = decoding.prefill
+        if pre is not None and getattr(pre, "keeps_pieces", False):
+            self.background.submit(self._store_pieces, pre.token_ids, pre.layout, decoding.text, store, batch_tokens)
+
+    def last_message_start(self, token_ids) -> int:
+        """Where a prompt's last message begins (:func:`.pieces.last_message_start`)."""
+        prompts = self.ingestion.prompts
+        return last_message_start(token_ids, prompts.text_encoder.control_ids, prompts.template_parts(None)[1])
+
+    def _store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, store: KVStore,
+                      batch_tokens: int) -> None:
+        prompts = self.ingestion.prompts
+        try:
+            # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
+            # be the ids of their own text).
+            ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
+            question = ChunkSpan(self.last_message_start(prompt_ids), len(prompt_ids), ())   # a piece once it is history
+            runs = piece_runs(ids, prompts.text_encoder.control_ids, [*layout.chunk_spans, question],
+                              start=prompts.opening_length(ids),
+                              max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
+            if runs:
+                self.ingestion.precompute_ids(runs, store, batch_tokens=batch_tokens,
+                                              namespace=piece_namespace(layout.namespace))
+        except Exception as err:   # pieces are a cache: the next turn computes their text instead
+            log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)
 
     def _fuse(self, layout, plan: StrategyPlan, stats: Stats, computed: dict, store, prefetch, write_back,
               min_speedup: float):

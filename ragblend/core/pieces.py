@@ -1,0 +1,89 @@
+"""History pieces: a conversation's earlier turns, stored and fused like chunks (issue 60).
+
+Chat engines (LlamaIndex's ``condense_plus_context`` and ``context``, LangChain's history-aware
+chains) put the newly retrieved context in the system message of every turn, so a prompt differs
+from the last one from its system message on and the prefix tier (:mod:`.prefix_cache`) reuses
+almost nothing: the whole history would be computed again. So every turn's text is also kept as
+*pieces*: after an answer, each run of the prompt and answer's ordinary tokens (no control token:
+a message's text, with its role's name, in a chat template) that no chunk or known piece covers,
+before the last message (the question, a piece once it is history: :func:`last_message_start`),
+is computed alone after the sink, exactly as a chunk is at ingestion, and stored in the engine's
+KV store under the piece namespace of the prompt's namespace (:func:`piece_namespace`). The next
+prompt of that namespace has them marked where their token ids appear (:func:`with_pieces`),
+and the fused prefill reuses them with its selective recompute, as it does chunks.
+
+The prefix tier still goes first: where a prompt starts with a recent one, that prefix is
+reused exactly; pieces serve what follows the first difference.
+
+Example::
+
+    namespace = piece_namespace("")                      # "turns:"
+    question = last_message_start(prompt_ids, control_ids, closing)   # never a piece while it is the question
+    runs = piece_runs(prompt_ids + answer_ids, control_ids,
+                      [*layout.chunk_spans, ChunkSpan(question, len(prompt_ids), ())], start=opening)
+    layout = with_pieces(next_layout, finder, start=opening, end=next_question)   # spans of stored pieces
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+from .prompt import ChunkFinder, ChunkSpan, PromptLayout
+
+# Piece entries are kept apart from the chunks of the same namespace: a chunk found in any
+# prompt is the operator's or tenant's document, a piece only their own conversation's text.
+PIECE_PREFIX = "turns:"
+
+
+def piece_namespace(namespace: str) -> str:
+    """The namespace the pieces of ``namespace``'s conversations are stored and found under."""
+    return PIECE_PREFIX + namespace
+
+
+def is_piece(span: ChunkSpan) -> bool:
+    return span.namespace.startswith(PIECE_PREFIX)
+
+
+def piece_runs(token_ids: Sequence[int], control_ids: frozenset[int], spans: Sequence[ChunkSpan], *, start: int,
+               min_tokens: int = ChunkFinder.MIN_RUN, max_tokens: int | None = None) -> list[list[int]]:
+    """The runs of ``token_ids[start:]`` that hold no control token and no token of ``spans``, each
+    of at least ``min_tokens`` (shorter ones are never found again), cut into runs of at most
+    ``max_tokens``."""
+    covered = [False] * len(token_ids)
+    for span in spans:
+        covered[span.start:span.end] = [True] * (span.end - span.start)
+    runs, run = [], []
+    for i in range(start, len(token_ids) + 1):
+        if i < len(token_ids) and not covered[i] and token_ids[i] not in control_ids:
+            run.append(int(token_ids[i]))
+            continue
+        if len(run) >= min_tokens:
+            size = max_tokens or len(run)
+            runs += [run[k:k + size] for k in range(0, len(run), size) if len(run[k:k + size]) >= min_tokens]
+        run = []
+    return runs
+
+
+def last_message_start(token_ids: Sequence[int], control_ids: frozenset[int], closing: Sequence[int]) -> int:
+    """Where a prompt's last message (its question) begins: after the last control token before the
+    template text that closes it (``closing``: what the template puts after the last user message).
+    Without control tokens (the plain layout) that is the first token after BOS: the whole prompt."""
+    ids = list(token_ids)
+    end = len(ids) - len(closing) if closing and ids[-len(closing):] == list(closing) else len(ids)
+    for i in range(end - 1, -1, -1):
+        if ids[i] in control_ids:
+            return i + 1
+    return min(1, len(ids))
+
+
+def with_pieces(layout: PromptLayout, finder: ChunkFinder, *, start: int, end: int) -> PromptLayout:
+    """``layout`` with the known pieces of its namespace marked where no chunk span is, between
+    ``start`` (the template's opening) and ``end`` (the last message: QueryAware asks the question
+    there, so it is never a piece's, as the server's passages leave it out; see :func:`last_message_start`)."""
+    found = finder.find(layout.token_ids, [piece_namespace(layout.namespace)], start=start)
+    taken = [(s.start, s.end) for s in layout.chunk_spans]
+    new = [s for s in found if s.end <= end and not any(s.start < stop and begin < s.end for begin, stop in taken)]
+    if not new:
+        return layout
+    return replace(layout, chunk_spans=sorted([*layout.chunk_spans, *new], key=lambda s: s.start))

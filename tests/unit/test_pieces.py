@@ -1,0 +1,133 @@
+"""History pieces (ragblend.core.pieces): a conversation's earlier turns are stored like chunks once
+answered and fused like chunks in its later turns, even where the prompt's front changed; never
+across namespaces, models or K/V dtypes."""
+
+import pytest
+
+from ragblend import Chunk, FullRecompute
+from ragblend.core.pieces import is_piece, piece_namespace, piece_runs
+from ragblend.core.prompt import ChunkSpan
+from ragblend.core.store import MemoryStore
+
+from ..conftest import PASSAGES, make_tiny_engine
+
+QUESTIONS = ["Tell me about the ferry and the people who ran it across the river, in some detail please.",
+             "And what about the harbour, the breakwater and the lighthouse at the end of it, when was it built?",
+             "Summarise what we have talked about so far in a few sentences for me please, thanks."]
+
+
+def chat(engine, turns: int, namespace: str = "", history: list | None = None, **options) -> list:
+    """A conversation as chat engines hold it: each turn's system message holds new context (another
+    passage, a known chunk) and the earlier turns follow it. The stats of each turn (and, in
+    ``history`` when given, the turns)."""
+    history, prefills = [] if history is None else history, []
+    for turn in range(turns):
+        system = "Context:\n\n" + PASSAGES[turn] + "\n\n" + PASSAGES[(turn + 1) % 4]
+        layout = engine.find_chunks(QUESTIONS[turn], system=system, history=history, namespace=namespace)
+        out = engine.generate(layout, max_new_tokens=40, stop=None, **options)
+        engine.flush()   # the pieces are stored in the background
+        prefills.append(out.stats)
+        history += [("user", QUESTIONS[turn]), ("assistant", out.text)]
+    return prefills
+
+
+def pieces_engine(tokenizer, arch="qwen2", **options):
+    engine = make_tiny_engine(arch, tokenizer, history_pieces=True, **options)
+    engine.precompute(PASSAGES)
+    return engine
+
+
+def test_a_turn_after_a_changed_front_reuses_the_earlier_turns(tokenizer):
+    engine = pieces_engine(tokenizer)
+    stats = chat(engine, 3)
+    assert stats[0].history_tokens == 0
+    # turn 3: both answers, stored once answered, and turn 1's question, stored once it was history
+    assert stats[2].history_tokens >= 3 * 16 and stats[2].chunks_reused >= 5
+    spans = [s for s in engine.last_prompt.chunk_spans if is_piece(s)]
+    assert len(spans) == 3 and {s.namespace for s in spans} == {piece_namespace("")}
+    assert stats[2].reused_tokens > 0 and stats[2].prefix_tokens == 0   # the front changed: no prefix
+
+
+def test_a_question_is_never_a_piece_so_a_repeat_is_fused_as_the_first_time(tokenizer):
+    engine = pieces_engine(tokenizer)
+    segments = [Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), QUESTIONS[0]]   # the question: its last message
+    first = engine.generate(segments, max_new_tokens=8, stop=None)
+    engine.flush()
+    again = engine.generate(segments, max_new_tokens=8, stop=None)
+    assert again.stats.history_tokens == 0 and again.text == first.text
+    assert (again.logits - first.logits).abs().max() <= 1e-4
+
+
+def test_another_namespace_never_reuses_a_conversations_pieces(tokenizer):
+    engine = pieces_engine(tokenizer)
+    history = []
+    chat(engine, 2, namespace="tenant-a", history=history)
+    for namespace, expect in (("tenant-b", False), ("", False), ("tenant-a", True)):
+        layout = engine.find_chunks(QUESTIONS[2], system=f"Context:\n\n{PASSAGES[2]}\n\n{PASSAGES[3]}", history=history,
+                                    namespace=namespace)
+        pre = engine.prefill(layout)
+        assert (pre.stats.history_tokens > 0) is expect, namespace
+
+
+def test_pieces_of_another_model_or_kv_dtype_are_never_reused(tokenizer):
+    store, history = MemoryStore(), []
+    llama = pieces_engine(tokenizer, "llama", store=store)
+    assert chat(llama, 3, history=history)[2].history_tokens > 0
+    pieces = [(ns, ids) for ns, ids in llama.index.finder._chunks if ns == piece_namespace("")]
+    assert pieces and all(llama.ingestion.key_for(ids, namespace=ns) in store for ns, ids in pieces)
+    system = f"Context:\n\n{PASSAGES[2]}\n\n{PASSAGES[3]}"
+    for other in (pieces_engine(tokenizer, "qwen2", store=store),
+                  pieces_engine(tokenizer, "llama", store=store, kv_dtype="int8")):
+        # the same ids are other keys: another model's or dtype's pieces are never read
+        assert not any(other.ingestion.key_for(ids, namespace=ns) in store for ns, ids in pieces)
+        layout = other.find_chunks(QUESTIONS[2], system=system, history=history)
+        assert other.prefill(layout).stats.history_tokens == 0
+
+
+def test_pieces_are_off_for_a_named_strategy_or_when_switched_off(tokenizer):
+    assert chat(pieces_engine(tokenizer), 3, strategy=FullRecompute())[2].history_tokens == 0
+    assert chat(make_tiny_engine("qwen2", tokenizer), 3)[2].history_tokens == 0
+
+
+@pytest.mark.parametrize("spans, expect", [
+    ([], [list(range(10, 30)), list(range(31, 60))]),
+    ([ChunkSpan(35, 50, tuple(range(15)))], [list(range(10, 30))]),   # 31-34 and 50-59: too short
+])
+def test_piece_runs_are_the_uncovered_text_between_control_tokens(spans, expect):
+    ids = list(range(60))
+    assert piece_runs(ids, frozenset({30}), spans, start=10) == expect
+    assert piece_runs(ids, frozenset({30}), [], start=10, max_tokens=20) == [list(range(10, 30)), list(range(31, 51))]
+
+
+def test_through_the_server_another_tenant_never_reuses_a_conversations_pieces(tokenizer):
+    pytest.importorskip("fastapi")
+    import openai
+
+    from tests.servers import RunningServer, wait_idle
+
+    engine = pieces_engine(tokenizer, "llama")
+    keys = {"tenant-a-key": "a", "tenant-b-key": "b"}
+    with RunningServer(engine, tenants=keys) as server:
+        clients = {name: openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+                   for key, name in keys.items()}
+
+        def ask(name, messages):
+            reply = clients[name].chat.completions.create(model="ragblend", messages=messages, max_tokens=24,
+                                                          temperature=0)
+            wait_idle(server.url)
+            engine.flush()   # the pieces are stored in the background
+            return reply
+
+        history = []
+        for turn in range(2):   # tenant a's conversation, new context in its system message each turn
+            messages = [{"role": "system", "content": f"Context:\n\n{PASSAGES[turn]}\n\n{PASSAGES[turn + 1]}"}, *history,
+                        {"role": "user", "content": QUESTIONS[turn]}]
+            reply = ask("a", messages)
+            history += [messages[-1], {"role": "assistant", "content": reply.choices[0].message.content}]
+        stored = {namespace for namespace, _ in engine.index.finder._chunks if namespace.startswith("turns:")}
+        assert len(stored) == 1 and piece_namespace("") not in stored   # a's own piece namespace only
+        third = [{"role": "system", "content": f"Context:\n\n{PASSAGES[2]}\n\n{PASSAGES[3]}"}, *history,
+                 {"role": "user", "content": QUESTIONS[2]}]
+        b = ask("b", third)
+    assert b.model_extra["ragblend"]["history_tokens"] == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == 0
