@@ -218,12 +218,12 @@ def exact_repeat(engine: BlendEngine, sample: dict) -> list[str]:
     difference = (first.logits - repeat.logits).abs().max().item()
     lines = ["", f"Exact repeat of the benchmark prompt ({len(first.prompt_token_ids)} tokens): TTFT in s", "",
              "| run | first | repeat |", "|---|---|---|",
-             f"| ragblend default | {first.stats.ttft_s:.2f} | {repeat.stats.ttft_s:.2f} "
+             f"| ragblend default | {first.stats.ttft_s:.2f} | {repeat.stats.ttft_s:.3f} "
              f"({repeat.stats.prefix_tokens} tokens from the prefix tier; logits within {difference:.1e}) |",
              f"| ragblend full prefill | {full.stats.ttft_s:.2f} | - |"]
     peer = llama_cpp_turns([first.prompt_token_ids] * 2, 1)
     if peer is not None:
-        lines.append(f"| llama-cpp-python, RAM prompt cache | {peer[0]:.2f} | {peer[1]:.2f} |")
+        lines.append(f"| llama-cpp-python, RAM prompt cache | {peer[0]:.2f} | {peer[1]:.3f} |")
     return lines
 
 
@@ -234,6 +234,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunks", type=int, default=3, help="retrieved chunks in every turn")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between a served turn and the next")
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--repeat-only", action="store_true", help="only the exact repeat of the benchmark prompt")
     args = parser.parse_args(argv)
     sample = load_sample()
     chunks = sample["chunks"]
@@ -243,7 +244,7 @@ def main(argv=None) -> None:
         base = BlendEngine.from_pretrained(kv_dir=kv_dir)
         base.precompute(chunks)
         base.flush()
-        for setting in SETTINGS:
+        for setting in [] if args.repeat_only else SETTINGS:
             # A fresh engine (the same weights, memory-only store) per setting: no piece of the other's.
             engine = BlendEngine(base.hf_model, base.tokenizer, options=base.options)
             engine.precompute(chunks)
@@ -269,7 +270,7 @@ def main(argv=None) -> None:
                       f"{statistics.mean(c['rouge'] for c in checks):.2f}), the chunks reversed "
                       f"{', '.join('-' if c['noise'] is None else format(c['noise_rouge'], '.2f') for c in checks)}."]
             print("\n".join(lines), flush=True)
-        if not args.skip_server:
+        if not (args.skip_server or args.repeat_only):
             server = ServedProcess(kv_dir)
             try:
                 served_warm_up(server.url)

@@ -67,23 +67,13 @@ ACCURACY_SLACK = 1 / 20              # issue 59: the default's accuracy within 1
 
 
 def repeats(text: str, min_repeats: int = 3, longest_unit: int = 8) -> bool:
-    """Whether ``text`` degenerates into repetition: some run of 1 to ``longest_unit`` words said
-    ``min_repeats`` times in a row (``"2022-09-24 2022-09-24 2022-09-24"``), or a phrase of 2 or
-    more words said that often with at most its own length of other words between one saying and
-    the next (``"a 2-in-1, which is a 2-in-1, a 2-in-1,"``: in a row only twice, yet as degenerate
-    as ``"a 2-in-1, 2-in-1, 2-in-1,"``; on the 2026-12-06 run's 141 answers no other answer changed)."""
+    """Whether ``text`` degenerates into repetition: some run of 1 to ``longest_unit`` words
+    repeated ``min_repeats`` times in a row (``"2022-09-24 2022-09-24 2022-09-24"``)."""
     words = text.split()
     for unit in range(1, longest_unit + 1):
-        most_between = 0 if unit == 1 else unit   # single words: in a row only ("the" recurs in any sentence)
-        for start in range(0, len(words) - unit + 1):
-            piece, said, end = words[start:start + unit], 1, start + unit
-            while said < min_repeats:
-                follows = [j for j in range(end, min(end + most_between, len(words) - unit) + 1)
-                           if words[j:j + unit] == piece]
-                if not follows:
-                    break
-                said, end = said + 1, follows[0] + unit
-            if said >= min_repeats:
+        for start in range(0, len(words) - unit * min_repeats + 1):
+            piece = words[start:start + unit]
+            if all(words[start + k * unit:start + (k + 1) * unit] == piece for k in range(1, min_repeats)):
                 return True
     return False
 

@@ -8,7 +8,8 @@ used first out), indexed as vLLM's automatic prefix caching does: the token ids 
 hashes mean equal prefixes. A prompt finds the longest stored prefix of its ids, token by token
 past the last whole block, and reuses its K/V as they are: the rest of the prompt runs through
 every layer over them (:func:`extend_prefix`). A hit's logits are the logits of the computation
-that stored it, within float noise; an exact repeat computes only its last token.
+that stored it, within float noise; an exact repeat computes nothing: an entry keeps the logits
+after its prompt (a few hundred KiB), as llama.cpp's prompt cache does.
 
 What makes K/V differ is in the root of every chain (:class:`PrefixScope`): the model (weights
 and their form), the K/V's dtype, whether they are exact, and the namespace (a server's tenant),
@@ -32,7 +33,7 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -76,6 +77,8 @@ class PrefixEntry:
     blocks: list[int]               # the chain hashes of its whole blocks
     usable_from: int = 0            # the shortest hit it serves (fused K/V: the whole prompt they were fused for)
     key: int = -1                   # what the cache holds it under
+    # the next-token logits after its first p tokens, by p (its prompt's: an exact repeat computes nothing)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +90,13 @@ class PrefixHit:
     values: list[torch.Tensor]
     key_bias: torch.Tensor | None
     scope: PrefixScope
+    logits: torch.Tensor | None = None   # the logits after all ``num_tokens`` (a whole prompt stored with its logits)
+
+    def first(self, num_tokens: int) -> PrefixHit:
+        """The hit of its first ``num_tokens`` tokens only (views), without logits."""
+        bias = None if self.key_bias is None else self.key_bias[:num_tokens]
+        return PrefixHit(num_tokens, [k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values],
+                         bias, self.scope)
 
 
 class PrefixCache:
@@ -112,7 +122,8 @@ class PrefixCache:
 
     def lookup(self, scopes: Sequence[PrefixScope], token_ids: Sequence[int], limit: int | None = None) -> PrefixHit | None:
         """The longest stored prefix of ``token_ids`` (at most ``limit`` tokens) under any of
-        ``scopes``; None when none holds a whole block of it (:meth:`count` counts it)."""
+        ``scopes``; None when none holds a whole block of it (:meth:`count` counts it). A hit of
+        all of ``token_ids`` carries the logits after them where they were kept."""
         token_ids = list(token_ids)
         limit = len(token_ids) if limit is None else min(limit, len(token_ids))
         best: PrefixHit | None = None
@@ -132,7 +143,8 @@ class PrefixCache:
                 self.hits += 1
                 self.hit_tokens += hit.num_tokens
 
-    def _longest(self, scope: PrefixScope, token_ids: list[int], limit: int) -> PrefixHit | None:
+    def _match(self, scope: PrefixScope, token_ids: list[int], limit: int) -> tuple[PrefixEntry, int] | None:
+        """The entry holding the longest prefix of ``token_ids[:limit]`` under ``scope``, and its length."""
         entry = None
         for h in self.chain(scope, token_ids[:limit]):
             holders = self._blocks.get(h)
@@ -143,9 +155,8 @@ class PrefixCache:
             return None
         # Past the last whole block, token by token; every token compared, so that a hash collision
         # (or an entry that is not what its blocks say) is a miss.
-        stored = entry.token_ids
         length = 0
-        for a, b in zip(stored[:limit], token_ids[:limit]):
+        for a, b in zip(entry.token_ids[:limit], token_ids[:limit]):
             if a != b:
                 break
             length += 1
@@ -154,6 +165,14 @@ class PrefixCache:
                 log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
             self._drop(entry)
             return None
+        return entry, length
+
+    def _longest(self, scope: PrefixScope, token_ids: list[int], limit: int) -> PrefixHit | None:
+        match = self._match(scope, token_ids, limit)
+        if match is None:
+            return None
+        entry, length = match
+        logits = entry.logits.get(length) if length == len(token_ids) else None
         if length < entry.usable_from:
             # Fused K/V were selected for their whole prompt (QueryAware: by its question): a prompt
             # that shares only their front (the chunks, not the question) fuses anew.
@@ -161,7 +180,7 @@ class PrefixCache:
         self._entries.move_to_end(entry.key)
         bias = None if entry.key_bias is None else entry.key_bias[:length]
         return PrefixHit(length, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values], bias,
-                         entry.scope)
+                         entry.scope, None if logits is None else logits.clone())
 
     @staticmethod
     def _sound(entry: PrefixEntry) -> bool:
@@ -176,37 +195,55 @@ class PrefixCache:
         return ok
 
     def store(self, scope: PrefixScope, token_ids: Sequence[int], keys: list[torch.Tensor],
-              values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0) -> bool:
+              values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0,
+              logits: torch.Tensor | None = None) -> bool:
         """Keep the K/V of ``token_ids`` (held as given: nothing may write to them later). Entries
         it makes redundant (a prefix of it in its scope) go; the least recently used go while the
         total is over the budget. Returns whether it was kept (not when shorter than a block, larger
         than the budget, or already held by a longer entry). ``usable_from``: the shortest prefix of
-        it a lookup may be served (for fused K/V, their whole prompt's)."""
+        it a lookup may be served (for fused K/V, their whole prompt's); ``logits``: the next-token
+        logits after all of ``token_ids`` (kept as given), which an exact repeat is served."""
         token_ids = tuple(token_ids)
-        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+        kept_logits = {} if logits is None else {len(token_ids): logits}
+        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values, *kept_logits.values()))
         nbytes += 0 if key_bias is None else key_bias.numel() * key_bias.element_size()
         if len(token_ids) < self.block_tokens or nbytes > self.max_bytes:
             return False
         blocks = self.chain(scope, token_ids)
-        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from)
+        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from, logits=kept_logits)
         with self._lock:
-            covered = self._longest(scope, list(token_ids), len(token_ids))
-            if covered is not None and covered.num_tokens == len(token_ids):
-                return False   # a longer entry holds these tokens already (and was just touched)
+            covered = self._match(scope, list(token_ids), len(token_ids))
+            if covered is not None and covered[1] == len(token_ids):   # a longer entry holds these tokens
+                holder = covered[0]
+                self._entries.move_to_end(holder.key)
+                if logits is not None and len(token_ids) not in holder.logits and holder.usable_from <= len(token_ids):
+                    holder.logits[len(token_ids)] = logits
+                    holder.nbytes += logits.numel() * logits.element_size()
+                    self.nbytes += logits.numel() * logits.element_size()
+                    self._evict()
+                return False
             for h in blocks:   # a stored prefix of this one serves nothing this one does not
                 for older in [self._entries[i] for i in self._blocks.get(h, ())]:
                     if older.scope == scope and len(older.token_ids) <= len(token_ids) and \
                             token_ids[:len(older.token_ids)] == older.token_ids:
                         self._drop(older)
+                        for p, kept in older.logits.items():   # its prompt's logits still serve a repeat
+                            if p not in entry.logits and entry.usable_from <= p:
+                                entry.logits[p] = kept
+                                entry.nbytes += kept.numel() * kept.element_size()
             entry.key = next(self._ids)
             self._entries[entry.key] = entry
             for h in blocks:
                 self._blocks.setdefault(h, {})[entry.key] = None
-            self.nbytes += nbytes
-            while self.nbytes > self.max_bytes:
-                self._drop(next(iter(self._entries.values())))
-                self.evictions += 1
+            self.nbytes += entry.nbytes
+            self._evict()
         return True
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries while the total is over the budget."""
+        while self.nbytes > self.max_bytes and self._entries:
+            self._drop(next(iter(self._entries.values())))
+            self.evictions += 1
 
     def _drop(self, entry: PrefixEntry) -> None:
         del self._entries[entry.key]

@@ -21,7 +21,7 @@ from .omp import release_thread_pool
 from .pieces import is_piece, last_message_start, piece_namespace, piece_runs, with_pieces
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
-from .prefill import fused_prefill
+from .prefill import FusedPrefill, fused_prefill
 from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .prompt import ChunkSpan, PromptLayout
 from .results import Prefill, PromptTrace, Stats
@@ -136,7 +136,7 @@ class PrefillRunner:
         prefill = Prefill(layout.token_ids, fused.logits, stats, fused.keys, fused.values,
                           fused.recomputed, layout, decoding_bias)
         prefill.prefix_kept = self._remember(layout, plan, fused, hit)
-        prefill.keeps_pieces = pieces
+        prefill.keeps_pieces = pieces and write_back   # a store kept read-only gets no pieces either
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
 
@@ -146,13 +146,16 @@ class PrefillRunner:
         """The stored K/V of the longest prefix of this prompt that it pays to reuse, or None. Only
         the engine's own strategy reads the tier (a strategy the caller names runs as asked), and
         only where the prefix is at least as long as the chunk tokens after it, which fusing the
-        whole prompt instead could reuse. The last token is always computed: its logits are the answer's."""
+        whole prompt instead could reuse. The whole prompt is a hit only with its stored logits (an
+        exact repeat computes nothing); else the last token is computed: its logits are the answer's."""
         prefix = self.prefix   # read once: a caller may switch the tier off meanwhile
         if prefix is None or is_bypassed() or not plan.engine_default:
             return None
         n = len(layout.token_ids)
         hit = prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
-                            layout.token_ids, limit=n - 1)
+                            layout.token_ids, limit=n)
+        if hit is not None and hit.num_tokens == n and hit.logits is None:
+            hit = hit.first(n - 1)   # the whole prompt without its logits: the last token is computed
         if hit is not None:
             after = sum(span.end - max(span.start, hit.num_tokens) for span in layout.chunk_spans
                         if span.token_ids and span.end > hit.num_tokens) if plan.reuses else 0
@@ -167,11 +170,17 @@ class PrefillRunner:
     def _extend(self, layout: PromptLayout, hit: PrefixHit, plan: StrategyPlan, stats: Stats):
         """The prefill of a prompt whose first tokens are ``hit``'s: the rest runs in full over them."""
         n, p = len(layout.token_ids), hit.num_tokens
+        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full"
         stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
-                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and the rest "
-                                 f"computed in full; the strategy was {plan.reason}")
-        with self.lock:
-            fused = extend_prefix(self.adapter, hit, layout.token_ids)
+                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and {rest}; "
+                                 f"the strategy was {plan.reason}")
+        if hit.logits is not None:   # an exact repeat: nothing to compute
+            fused = FusedPrefill(logits=hit.logits, keys=hit.keys, values=hit.values,
+                                 recomputed=torch.zeros(n, dtype=torch.bool), key_bias=hit.key_bias,
+                                 layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
+        else:
+            with self.lock:
+                fused = extend_prefix(self.adapter, hit, layout.token_ids)
         from_store = torch.zeros(n, dtype=torch.bool)
         from_store[:p] = True
         return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
@@ -188,7 +197,7 @@ class PrefillRunner:
         scope = self.prefix_scope(exact, layout.namespace)
         # fused K/V serve only their own prompt again (a repeat computes its last token over n - 1)
         prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
-                     usable_from=0 if exact else n - 1)
+                     usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
         return KeptPrefix(scope, fused.key_bias)
 
     def remember_answer(self, decoding, exact_decoding: bool) -> None:

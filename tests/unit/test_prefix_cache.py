@@ -39,19 +39,21 @@ def kv(tokens: int, layers: int = 2, fill: float = 0.0):
     return keys, [k.clone() for k in keys]
 
 
-def test_an_exact_repeat_computes_its_last_token_only_and_answers_as_the_first_time(tiny_engine):
+def test_an_exact_repeat_computes_nothing_and_answers_as_the_first_time(tiny_engine):
     tiny_engine.precompute(PASSAGES[:3])
     first = tiny_engine.prefill(SEGMENTS)          # fused: the engine's own strategy
     repeat = tiny_engine.prefill(SEGMENTS)
     n = len(first.token_ids)
     assert first.stats.prefix_tokens == 0 and first.stats.chunks_reused == 3
-    assert repeat.stats.prefix_tokens == n - 1 and repeat.stats.recomputed_tokens == 1
-    assert repeat.stats.cache_hit_tokens == repeat.stats.reused_tokens == n - 1   # a server's cached_tokens
-    assert (repeat.logits - first.logits).abs().max() <= 1e-4
+    assert repeat.stats.prefix_tokens == n and repeat.stats.recomputed_tokens == 0
+    assert repeat.stats.cache_hit_tokens == repeat.stats.reused_tokens == n   # a server's cached_tokens
+    assert torch.equal(repeat.logits, first.logits)   # the first computation's own logits, kept
+    repeat.logits.add_(1.0)   # a caller writing to its logits changes no later repeat's
+    assert torch.equal(tiny_engine.prefill(SEGMENTS).logits, first.logits)
     for layer in range(tiny_engine.adapter.shape.num_layers):
         assert torch.allclose(repeat.keys[layer], first.keys[layer], atol=1e-4)
         assert torch.allclose(repeat.values[layer], first.values[layer], atol=1e-4)
-    assert tiny_engine.prefix_info()["hits"] == 1
+    assert tiny_engine.prefix_info()["hits"] == 2
 
 
 def test_a_stored_prefix_and_a_new_suffix_equal_the_full_prefill_of_the_whole(tiny_engine):
@@ -129,7 +131,7 @@ def test_namespaces_never_share_a_prefix(tiny_engine):
     again = tiny_engine.prefill(PromptLayout(ids, [], namespace="tenant-a"))
     assert other.stats.prefix_tokens == 0 and other.stats.cache_hit_tokens == 0
     assert shared.stats.prefix_tokens == 0
-    assert again.stats.prefix_tokens == len(ids) - 1
+    assert again.stats.prefix_tokens == len(ids)   # an exact repeat: all of it, with its logits
     # find_chunks / build_prompt lay a prompt out in the namespace they were given
     assert tiny_engine.find_chunks("Hello there", namespace="tenant-a").namespace == "tenant-a"
 
@@ -146,7 +148,7 @@ def test_k_v_of_another_model_or_dtype_are_never_reused(tokenizer):
     for other in (qwen, half):
         pre = other.prefill(PromptLayout(ids, []))
         assert pre.stats.prefix_tokens == 0
-    assert llama.prefill(PromptLayout(ids, [])).stats.prefix_tokens == len(ids) - 1
+    assert llama.prefill(PromptLayout(ids, [])).stats.prefix_tokens == len(ids)
     cache = PrefixCache(1 << 20)
     cache.store(SCOPE, list(range(32)), *kv(32))
     for scope in (PrefixScope("model", "torch.float16", True), PrefixScope("other", "torch.float32", True)):
@@ -193,7 +195,7 @@ def test_a_repeat_after_an_answer_gives_the_same_answer(tiny_engine):
     # tokens is kept with the answer's K/V, so that the repeat's last token sees what the first saw.
     first = tiny_engine.generate(SEGMENTS, max_new_tokens=12)
     repeat = tiny_engine.generate(SEGMENTS, max_new_tokens=12)
-    assert repeat.stats.prefix_tokens == len(first.prompt_token_ids) - 1
+    assert repeat.stats.prefix_tokens == len(first.prompt_token_ids)
     assert (repeat.logits - first.logits).abs().max() <= 1e-4
     assert repeat.token_ids == first.token_ids
 
@@ -239,3 +241,16 @@ def test_a_new_question_over_the_same_chunks_is_fused_anew_not_served_anothers_f
     other = tiny_engine.prefill(SEGMENTS[:-1] + ["Question: when was the lighthouse first lit?"])
     assert other.stats.prefix_tokens == 0 and other.stats.chunks_reused == 3
     assert tiny_engine.prefill(SEGMENTS).stats.prefix_tokens > 0   # its own repeat still is served
+
+
+def test_a_whole_prompt_is_served_with_its_kept_logits_also_once_its_answer_is_stored():
+    cache, logits = PrefixCache(1 << 20), torch.randn(50)
+    cache.store(SCOPE, list(range(32)), *kv(32), logits=logits)
+    assert torch.equal(cache.lookup([SCOPE], list(range(32))).logits, logits)
+    assert cache.lookup([SCOPE], list(range(33))).logits is None     # a longer prompt computes its rest
+    cache.store(SCOPE, list(range(48)), *kv(48))                     # the answer's K/V replace the prompt's entry
+    assert len(cache) == 1 and torch.equal(cache.lookup([SCOPE], list(range(32))).logits, logits)
+    assert cache.lookup([SCOPE], list(range(40))).logits is None
+    cache.store(SCOPE, list(range(40)), *kv(40), logits=logits + 1)   # held by the longer entry: only its logits kept
+    assert len(cache) == 1 and torch.equal(cache.lookup([SCOPE], list(range(40))).logits, logits + 1)
+    assert cache.nbytes == sum(entry.nbytes for entry in cache._entries.values())

@@ -386,13 +386,13 @@ def test_the_prefix_tier_serves_a_tenants_repeat_and_never_another_tenants(token
         first, first_cached, _ = ask(a)
         n = first.usage.prompt_tokens
         repeat, repeat_cached, repeat_stats = ask(a)
-        assert first_cached == 0 and repeat_cached == repeat_stats["prefix_tokens"] == n - 1
+        assert first_cached == 0 and repeat_cached == repeat_stats["prefix_tokens"] == n
         assert repeat.choices[0].message.content == first.choices[0].message.content
         other, other_cached, other_stats = ask(b)
         assert other_cached == other_stats["prefix_tokens"] == other_stats["reused_tokens"] == 0
         assert other.choices[0].message.content == first.choices[0].message.content
-        assert ask(b)[1] == n - 1   # B's own repeat
+        assert ask(b)[1] == n   # B's own repeat
         metrics = httpx.get(f"{server.url}/metrics", timeout=30, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
-        assert "ragblend_prefix_hits_total 2" in metrics and f"ragblend_prefix_hit_tokens_total {2 * (n - 1)}" in metrics
+        assert "ragblend_prefix_hits_total 2" in metrics and f"ragblend_prefix_hit_tokens_total {2 * n}" in metrics
     finally:
         server.stop()
