@@ -269,18 +269,17 @@ def test_the_near_tie_table_compares_each_steps_top_two_with_the_reference_layer
 
 
 def test_the_user_like_benchmark_judges_each_bucket_by_issue_59s_rule():
-    """``benchmarks.userlike``: a repeating answer says the same words three times, in a row or with
-    at most the phrase's length of other words between (a single word: in a row only), and a setting
+    """``benchmarks.userlike``: a repeating answer is three of the same words in a row, and a setting
     fails a bucket on lost accuracy, KL over the order noise, a repeat full prefill does not give,
     or a fused prefill slower than full prefill's beyond the timing noise."""
     from benchmarks.userlike import judge, repeats, timing_noise
 
     assert repeats("The answer is: 2022-09-24 2022-09-24 2022-09-24")
     assert repeats("a king size king size king size")
-    assert not repeats("The Sanderling.") and not repeats("the cat sat on the mat by the door")
-    # as degenerate as "a 2-in-1, 2-in-1, 2-in-1," (issue 59's 1,200-2,000 bucket: full prefill's answer)
-    assert repeats("a 2-in-1, which is a 2-in-1, a 2-in-1,")
-    assert not repeats("a 2-in-1 is not a 3-in-1 or, as the box says, a 2-in-1")   # said twice
+    assert not repeats("a 2-in-1, which is a 2-in-1, a 2-in-1,") and not repeats("The Sanderling.")
+    assert not repeats("the cat sat on the mat by the door")
+    # lists say their frame again with new words in it: not a degenerate answer
+    assert not repeats("The first step is to mix, the second step is to bake, the third step is to cool.")
 
     def row(right=1.0, kl=0.01, repeating=False, cpu=0.5, skipped=False):
         return {"full_right": 1.0, "full_repeats": False, "noise_kl": 0.02, "full_cpu": 1.0, "full_cpu_again": 1.02,
