@@ -102,7 +102,7 @@ class BlendEngine:
         # float32, but computes KV that differs by float rounding, so its entries are its own.
         self.model_fingerprint = self.adapter.fingerprint(tokenizer)
         self.weights_form = self.adapter.weights_form()
-        self.fingerprint = self.model_fingerprint if self.weights_form != "quantized" else \
+        self.fingerprint = self.model_fingerprint if not self.weights_form.startswith("quantized") else \
             hashlib.sha256(f"{self.model_fingerprint}|{self.weights_form}".encode()).hexdigest()
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,

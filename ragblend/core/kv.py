@@ -24,6 +24,7 @@ KV_METADATA_KEY = "ragblend_kv_key"
 # A namespace is a label (a server's tenants get hex digests): no quotes or brackets, so that a
 # header recording it stays a flat object (store._header_shaped).
 _NAMESPACE = re.compile(r"[A-Za-z0-9._:-]{0,128}")
+PIECE_NAMESPACE_PREFIX = "turns:"   # the engine's own: a namespace's history pieces (core.pieces.piece_namespace)
 
 
 def check_namespace(namespace) -> str:
@@ -33,6 +34,11 @@ def check_namespace(namespace) -> str:
 
         raise InvalidInputError(f"namespace must be a string of at most 128 letters, digits, '.', '_', ':' or '-', "
                                 f"got {str(namespace)[:40]!r}.")
+    if namespace.startswith(PIECE_NAMESPACE_PREFIX):
+        from .errors import InvalidInputError
+
+        raise InvalidInputError(f"namespaces starting with {PIECE_NAMESPACE_PREFIX!r} hold a conversation's "
+                                "history pieces (core.pieces); choose another name.")
     return namespace
 
 

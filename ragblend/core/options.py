@@ -99,10 +99,12 @@ class EngineOptions:
                    "only; a conversation's next turn, its new text). Per namespace (a server's tenant); least "
                    "recently used out first. Read by the engine's own strategy only.", type=int)
     history_pieces: bool = option(
-        True, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces in the KV store "
-              "once answered, fused like chunks in later prompts of the same namespace, so that a turn reuses its "
-              "history even where the prompt's front changed (new context in the system message). Read by the "
-              "engine's own strategy only.")
+        False, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces in the KV store "
+               "once answered, fused like chunks in later prompts of the same namespace, so that a turn reuses its "
+               "history even where the prompt's front changed (new context in the system message). Off by default: "
+               "every answer then costs a background pass over its new text (SmolLM2: ~45% more CPU a single-shot "
+               "query) and store entries that compete with the documents' KV. Read by the engine's own strategy "
+               "only; needs write_back.")
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(

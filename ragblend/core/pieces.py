@@ -12,8 +12,8 @@ KV store under the piece namespace of the prompt's namespace (:func:`piece_names
 prompt of that namespace has them marked where their token ids appear (:func:`with_pieces`),
 and the fused prefill reuses them with its selective recompute, as it does chunks.
 
-The prefix tier still goes first: where a prompt starts with a recent one, that prefix is
-reused exactly; pieces serve what follows the first difference.
+The prefix tier goes first: where a prompt starts with a recent one, that prefix is reused
+exactly and the rest computed in full; pieces serve the prompts it has no hit for.
 
 Example::
 
@@ -29,11 +29,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from .kv import PIECE_NAMESPACE_PREFIX
 from .prompt import ChunkFinder, ChunkSpan, PromptLayout
 
 # Piece entries are kept apart from the chunks of the same namespace: a chunk found in any
 # prompt is the operator's or tenant's document, a piece only their own conversation's text.
-PIECE_PREFIX = "turns:"
+PIECE_PREFIX = PIECE_NAMESPACE_PREFIX
 
 
 def piece_namespace(namespace: str) -> str:

@@ -553,7 +553,12 @@ def prefill_twin(model):
     :func:`fast_prefill` allows it, else every pass in float32, as :func:`exact_twin`."""
     if fast_prefill(model)[0]:
         plan = long_pass_plan(model)
-        return _twin(model, plan["kernel_rows"], getattr(torch, plan["dtype"]))
+        twin = _twin(model, plan["kernel_rows"], getattr(torch, plan["dtype"]))
+        if plan["dtype"] != "float32" or plan["kernel_rows"]:
+            # Its K/V differ from the float32 prefill's by more than float rounding: stored apart
+            # (the engine's fingerprint takes the weights' form).
+            twin.ragblend_weights_form = f"quantized-fast-{plan['dtype']}-{plan['kernel_rows']}"
+        return twin
     # Every pass in float32, the shortest too: the last layer's single row, a short sink, and
     # decode_dtype="float32" (which decodes on this adapter) stay exact.
     return _twin(model, 0, torch.float32)

@@ -5,6 +5,8 @@ across namespaces, models or K/V dtypes."""
 import pytest
 
 from ragblend import Chunk, FullRecompute
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.options import EngineOptions
 from ragblend.core.pieces import is_piece, piece_namespace, piece_runs
 from ragblend.core.prompt import ChunkSpan
 from ragblend.core.store import MemoryStore
@@ -87,6 +89,19 @@ def test_pieces_of_another_model_or_kv_dtype_are_never_reused(tokenizer):
 def test_pieces_are_off_for_a_named_strategy_or_when_switched_off(tokenizer):
     assert chat(pieces_engine(tokenizer), 3, strategy=FullRecompute())[2].history_tokens == 0
     assert chat(make_tiny_engine("qwen2", tokenizer), 3)[2].history_tokens == 0
+    assert EngineOptions().history_pieces is False   # off unless asked for
+    read_only = pieces_engine(tokenizer, write_back=False)   # a store kept read-only gets no pieces either
+    entries = len(read_only.store)
+    assert chat(read_only, 3)[2].history_tokens == 0 and len(read_only.store) == entries
+
+
+def test_the_pieces_namespace_is_the_engines_own(tokenizer):
+    engine = pieces_engine(tokenizer)
+    for namespace in (piece_namespace(""), piece_namespace("x")):
+        with pytest.raises(InvalidInputError, match="history pieces"):
+            engine.find_chunks("Who ran the ferry?", namespace=namespace)
+        with pytest.raises(InvalidInputError, match="history pieces"):
+            engine.precompute(["a planted piece of someone's conversation"], namespace=namespace)
 
 
 @pytest.mark.parametrize("spans, expect", [

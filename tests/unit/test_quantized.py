@@ -323,8 +323,11 @@ def test_the_fast_plan_is_the_default_only_where_its_architecture_met_the_rule(m
     assert twin_forms() == {(0, torch.float32)} and "MISSED" in " ".join(describe(model))
     monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", PrefillFidelity("Tiny", 0.01, 20, 20))
     assert twin_forms() == {(32, torch.bfloat16)} and "because it met the fidelity rule" in " ".join(describe(model))
+    # its K/V are not the float32 prefill's: stored under another fingerprint (engine.fingerprint takes the form)
+    assert prefill_twin(model).ragblend_weights_form == "quantized-fast-bfloat16-32"
     monkeypatch.setenv("RAGBLEND_QUANTIZED_PREFILL", "float32")
     assert twin_forms() == {(0, torch.float32)}
+    assert prefill_twin(model).ragblend_weights_form == "quantized"
 
 
 def test_bfloat16_is_timed_where_the_cpu_multiplies_it_natively():
