@@ -242,7 +242,7 @@ def _text_of(content, where: str) -> tuple[str | None, list]:
     """``(plain text, [])`` for a string content, or ``(None, segments)`` for content blocks
     (blocks marked with cache_control become Chunks), strictly: a request's."""
     if isinstance(content, str):
-        return content, []
+        return _valid_text(content, f"{where}.content"), []
     if not isinstance(content, list) or not content:
         raise ApiError(400, f"{where}.content must be a string or a non-empty list of text blocks.",
                        param=f"{where}.content")
@@ -256,8 +256,17 @@ def _text_of(content, where: str) -> tuple[str | None, list]:
         if mark is not None and not (isinstance(mark, dict) and mark.get("type") == CACHE_CONTROL["type"]):
             raise ApiError(400, f"{where}.content[{i}].cache_control must be {{\"type\": \"ephemeral\"}}.",
                            param=f"{where}.content[{i}].cache_control")
-        segments.append(Chunk(block["text"]) if mark is not None and block["text"] else block["text"])
+        text = _valid_text(block["text"], f"{where}.content[{i}].text")
+        segments.append(Chunk(text) if mark is not None and text else text)
     return None, [s for s in segments if s != ""]
+
+
+def _valid_text(text: str, where: str) -> str:
+    """``text`` if UTF-8 can encode it; else a 400 naming the field the client sent it in."""
+    try:
+        return check_text(text, where)
+    except InvalidInputError as err:
+        raise ApiError(400, str(err), param=where) from None
 
 
 def _joined(text: str | None, segments: list) -> str:
@@ -340,7 +349,10 @@ class ChatPrompt:
                 history.append((role, _joined(text, segments)))
             unmarked += plain
         if last is None:
-            raise ApiError(400, "The last message must be the user's.", param="messages")
+            raise ApiError(400, "The last message must be the user's: end `messages` with a "
+                                "{\"role\": \"user\", \"content\": ...} message (this server answers a user "
+                                "turn; it does not continue an assistant's or answer a system message alone).",
+                           param="messages")
         return cls("\n\n".join(system) or None, history, *last, unmarked, question)
 
     def passages(self) -> list[str]:

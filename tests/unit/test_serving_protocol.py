@@ -94,6 +94,20 @@ def test_a_chat_keeps_every_passage_but_its_question(engine):
     assert chat.passages() == ["Use the context.", "First doc.", "Earlier question?", "An answer.", "Second doc."]
 
 
+
+def test_a_bad_message_is_refused_naming_the_field_and_what_to_do(engine):
+    for content, field in (("caf\udce9", "messages[1].content"),
+                           ([{"type": "text", "text": "ok"}, {"type": "text", "text": "caf\udce9"}],
+                            "messages[1].content[1].text")):
+        with pytest.raises(ApiError, match="not valid Unicode") as caught:
+            ChatPrompt.parse([{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}],
+                             TextLimit(engine))
+        assert caught.value.param == field and field in str(caught.value)
+    with pytest.raises(ApiError, match="end `messages` with a") as caught:
+        ChatPrompt.parse([{"role": "system", "content": "Be brief."}], TextLimit(engine))
+    assert caught.value.param == "messages"
+
+
 @pytest.fixture(scope="module")
 def server(engine):
     with RunningServer(engine) as running:
