@@ -95,8 +95,8 @@ class EngineOptions:
              "under 600 tokens as full prefills that fusing answered as well and faster (docs/benchmarks.md). A strategy the caller names is always run as asked.", type=float)
     prefix_cache_bytes: int = option(
         512 << 20, "Memory for the prefix tier, in bytes (0: off): the K/V of recent prompts and answers, which a "
-                   "prompt starting with the same tokens reuses as they are (an exact repeat computes its last token "
-                   "only; a conversation's next turn, its new text). Per namespace (a server's tenant); least "
+                   "prompt starting with the same tokens reuses as they are (an exact repeat computes nothing: its "
+                   "logits are kept too; a conversation's next turn, its new text). Per namespace (a server's tenant); least "
                    "recently used out first. Read by the engine's own strategy only.", type=int)
     history_pieces: bool = option(
         False, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces in the KV store "

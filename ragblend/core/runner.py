@@ -195,7 +195,7 @@ class PrefillRunner:
             return None
         self.kv_dtype = fused.keys[0].dtype
         scope = self.prefix_scope(exact, layout.namespace)
-        # fused K/V serve only their own prompt again (a repeat computes its last token over n - 1)
+        # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
         prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
                      usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
         return KeptPrefix(scope, fused.key_bias)
