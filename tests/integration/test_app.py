@@ -250,24 +250,48 @@ def assert_ratio_the_right_way_round(driver) -> None:
     assert sentence and delta.text.split(": ", 1)[1] in sentence.group(0)   # the caption says the same
 
 
-def test_app_in_headless_chromium(tmp_path):
+def what_the_app_showed(driver, log: Path) -> str:
+    """What a timed-out browser test saw: the page's text and the end of the app's output."""
+    body = driver.find_element("tag name", "body").text if driver is not None else "(no browser)"
+    return f"page text:\n{body[-3000:]}\n--- app output (end):\n{log.read_text(errors='replace')[-3000:]}"
+
+
+@contextlib.contextmanager
+def app_in_browser(tmp_path, env: dict):
+    """The app in a streamlit process and a headless Chromium on its page. A wait that times out
+    fails with what the page showed and the app's output."""
     chromium, chromedriver = chromium_or_skip()
+    from selenium.common.exceptions import TimeoutException
+
+    port = free_port()
+    log_path = tmp_path / "app.log"
+    with open(log_path, "w") as log:   # a file, not a pipe nobody reads: a full pipe stalls the app
+        server = ServerProcess(
+            [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
+             "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
+            http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        driver = None
+        try:
+            driver = headless_chromium(chromium, chromedriver, tmp_path)
+            driver.get(f"http://127.0.0.1:{port}")
+            yield driver
+        except TimeoutException as timeout:
+            raise AssertionError(what_the_app_showed(driver, log_path)) from timeout
+        finally:
+            if driver is not None:
+                driver.quit()
+            server.stop()
+
+
+def test_app_in_headless_chromium(tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
-    port = free_port()
     env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index"), "RAGBLEND_FILES_ROOT": str(sample_dir())}
-    server = ServerProcess(
-        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    driver = None
-    try:
-        driver = headless_chromium(chromium, chromedriver, tmp_path)
-        driver.get(f"http://127.0.0.1:{port}")
+    with app_in_browser(tmp_path, env) as driver:
         wait = WebDriverWait(driver, 300)
 
         def text_input(label):
@@ -306,10 +330,6 @@ def test_app_in_headless_chromium(tmp_path):
         shot = tmp_path / "streamlit_app.png"
         driver.save_screenshot(str(shot))
         assert shot.stat().st_size > 10_000
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.stop()
 
 
 # ---------------------------------------------------------------------------- hostile uploads and text (issue 58)
@@ -412,25 +432,15 @@ def headless_chromium(chromium, chromedriver, tmp_path):
 def test_document_markdown_stays_text_in_headless_chromium(tmp_path, outside_server):
     """A document with a Markdown image and link to an outside address, raw HTML and a bare URL:
     the browser shows them as text, makes no <img> or <a> of them, and sends no request there."""
-    chromium, chromedriver = chromium_or_skip()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.support.ui import WebDriverWait
 
     address, requests = outside_server
-    port = free_port()
     env = {**os.environ, "RAGBLEND_INDEX_DIR": str(tmp_path / "index")}
     env.pop("RAGBLEND_FILES_ROOT", None)
-    server = ServerProcess(
-        [sys.executable, "-m", "streamlit", "run", APP, "--server.headless", "true", "--server.port", str(port),
-         "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"],
-        http_ok(f"http://127.0.0.1:{port}/_stcore/health"), "the app", timeout_s=60,
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    driver = None
-    try:
-        driver = headless_chromium(chromium, chromedriver, tmp_path)
-        driver.get(f"http://127.0.0.1:{port}")
+    with app_in_browser(tmp_path, env) as driver:
         wait = WebDriverWait(driver, 300)
         upload = tmp_path / "keeper-notes.md"
         upload.write_text(HOSTILE_DOC.format(outside=address))
@@ -461,7 +471,3 @@ def test_document_markdown_stays_text_in_headless_chromium(tmp_path, outside_ser
         fetched = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
         assert not [u for u in fetched if address in u], fetched
         assert requests == []   # nothing reached the outside address
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.stop()
