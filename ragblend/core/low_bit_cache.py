@@ -11,10 +11,15 @@ and change times), the CPU and torch version (PyTorch's 4-bit layout differs bet
 AVX2 and plain builds), a hash of the code that makes them, and ``decode_dtype``. Only
 tensors are stored (safetensors: nothing is unpickled), with a CRC-32 of their bytes; a file
 that cannot be read, fails its checksum or does not hold every layer it names is a miss: the weights are built again, as if nothing was cached.
+
+A new key (another torch, a change to the code, the file replaced) leaves the old file behind, so
+the folder is kept under :data:`MAX_FOLDER_BYTES`: after each write, the files read least
+recently go first (a read marks its file used), never the one just written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -34,6 +39,8 @@ FORMAT_VERSION = 1
 # Per linear layer ``name``: ``name|kind`` (one of KINDS, as a 0-d tensor of its index) and the
 # kind's tensors, ``name|<tensor>``.
 KINDS = ("none", "int4", "int8", "int8head")
+# The decoding folder's budget: SmolLM2's file is ~95 MB, an 8B model's would be ~4.5 GB.
+MAX_FOLDER_BYTES = 6 << 30
 
 
 def cache_path(hf_model, decode_dtype: str) -> Path | None:
@@ -91,6 +98,8 @@ def read(path: Path | None) -> dict[str, torch.Tensor] | None:
         log.warning("ragblend: could not read the cached decoding weights %s (their checksum is %s, the file "
                     "says %s); building them again.", path.name, found, expected)
         return None
+    with contextlib.suppress(OSError):   # marks it used, for the folder's eviction
+        os.utime(path)
     return tensors
 
 
@@ -113,6 +122,33 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
     except Exception as err:
         log.warning("ragblend: could not cache the decoding weights (%s: %s); the next process builds them "
                     "again.", type(err).__name__, err)
+        return
+    evict_beyond(path.parent, MAX_FOLDER_BYTES, keep=path)
+
+
+def evict_beyond(folder: Path, max_bytes: int, keep: Path) -> None:
+    """Delete the least recently used cached files in ``folder`` until the rest fit in
+    ``max_bytes`` (``keep`` stays, whatever its size). Only regular files this module names
+    (``*.safetensors``) are considered; a file another process removes first is skipped."""
+    files = []
+    for entry in os.scandir(folder):
+        if entry.name.endswith(".safetensors") and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(OSError):
+                stat = entry.stat(follow_symlinks=False)
+                files.append((stat.st_mtime, stat.st_size, Path(entry.path)))
+    total = sum(size for _, size, _ in files)
+    for _, size, file in sorted(files):   # least recently used first
+        if total <= max_bytes:
+            break
+        if file == keep:
+            continue
+        try:
+            file.unlink()
+            total -= size
+            log.info("ragblend: removed the cached decoding weights %s (least recently used; the folder "
+                     "keeps under %d MB).", file.name, max_bytes >> 20)
+        except OSError:
+            pass
 
 
 def by_layer(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

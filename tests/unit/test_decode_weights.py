@@ -443,3 +443,27 @@ def test_the_decoding_weights_cache_is_keyed_by_cpu_and_file(tmp_path, monkeypat
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))   # and mtime kept, as cp -p does
     model.ragblend_source = source_stamp(weights)
     assert low_bit_cache.cache_path(model, "auto") != here
+
+
+def test_the_decoding_folder_keeps_under_its_budget_dropping_the_least_recently_used(tmp_path, monkeypatch):
+    """Old keys' files (another torch, changed code) do not pile up: a write evicts the files read
+    least recently beyond the budget, never the one it wrote, and a read marks its file used."""
+    import os
+
+    from ragblend.core import low_bit_cache
+
+    tensors = {"w|packed": torch.zeros(1 << 18, dtype=torch.uint8)}   # 256 KiB a file
+    old, used, other = (tmp_path / f"{name}.safetensors" for name in ("old", "used", "other"))
+    for age, path in enumerate((old, used, other)):
+        low_bit_cache.write(path, tensors)
+        os.utime(path, (1000 + age, 1000 + age))
+    (tmp_path / "notes.txt").write_text("not ours")
+    assert low_bit_cache.read(used) is not None   # used now: the most recent
+    monkeypatch.setattr(low_bit_cache, "MAX_FOLDER_BYTES", 3 * (1 << 18) + (1 << 16))
+    new = tmp_path / "new.safetensors"
+    low_bit_cache.write(new, tensors)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["new.safetensors", "notes.txt", "other.safetensors", "used.safetensors"]
+    monkeypatch.setattr(low_bit_cache, "MAX_FOLDER_BYTES", 0)   # smaller than one file: the new one stays
+    low_bit_cache.write(new, tensors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.safetensors", "notes.txt"]
