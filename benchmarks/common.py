@@ -203,6 +203,18 @@ def answer_contained(prediction: str, gold: str) -> float:
     return float(bool(ref) and f" {ref} " in f" {pred} ")
 
 
+def repeats(text: str, min_repeats: int = 3, longest_unit: int = 8) -> bool:
+    """Whether ``text`` degenerates into repetition: some run of 1 to ``longest_unit`` words
+    repeated ``min_repeats`` times in a row (``"2022-09-24 2022-09-24 2022-09-24"``)."""
+    words = text.split()
+    for unit in range(1, longest_unit + 1):
+        for start in range(0, len(words) - unit * min_repeats + 1):
+            piece = words[start:start + unit]
+            if all(words[start + k * unit:start + (k + 1) * unit] == piece for k in range(1, min_repeats)):
+                return True
+    return False
+
+
 def extract_answer(text: str) -> str:
     """The answer part of a generation: its first non-empty line, without an ``Answer:``
     label, cut after the first sentence (later sentences only dilute F1)."""

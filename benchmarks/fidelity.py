@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
@@ -35,12 +36,15 @@ from .common import (
     RUNS_DIR,
     SYSTEM,
     Prompt,
+    answer_contained,
+    best_over_answers,
     command_line,
     first_token_and_answer,
     in_every,
     pool_by_set,
     prefix_options,
     prompt_sets,
+    repeats,
     rouge_l,
     write_report,
 )
@@ -78,6 +82,43 @@ class QuestionAttentionInRuns(QuestionAttention):
         return super().pool(claims, window)
 
 
+class QuestionAttentionWithHeads(QuestionAttention):
+    """QueryAware's selection plus the first ``head`` tokens of every chunk but the first (Epic's
+    LegoLink heads): on top of the ``ratio`` the question's attention chooses, or, ``within_budget``,
+    out of it (each chunk its head first, an equal share where the budget cannot give each that
+    many; the question's attention chooses the rest, so the compute is the ratio's). Issue 59's lost
+    ferry answer came back with heads on top of 0.1 (docs/runs/userlike.md); held out, neither form
+    beat QueryAware at its compute (docs/notes/answers-by-size.md)."""
+
+    def __init__(self, ratio: float, head: int, within_budget: bool = False, cached_attention_scale: float = 0.7):
+        super().__init__(ratio, cached_attention_scale=cached_attention_scale)
+        self.head, self.within_budget = head, within_budget
+
+    def heads(self, prompt, budget: int | None) -> list[int]:
+        """Prompt positions of each chunk's head (a span starting inside its chunk counts the tokens before it)."""
+        spans = prompt.spans[1:]
+        each = self.head if budget is None or not spans else min(self.head, budget // len(spans))
+        return [p for span in spans for p in range(span.start, span.start + min(max(0, each - span.offset), span.num_tokens))]
+
+    def first(self, prompt, probe):
+        if not self.within_budget:
+            selected = super().first(prompt, probe)
+            selected[self.heads(prompt, None)] = True
+            return selected
+        budget = self.budget(prompt.num_reused)
+        if budget == 0:
+            return prompt.with_reused(prompt.reused_pos[:0])
+        relevance = self.scores(prompt, probe())
+        rows = torch.searchsorted(prompt.reused_pos, torch.tensor(self.heads(prompt, budget), dtype=torch.long,
+                                                                  device=prompt.reused_pos.device))
+        chosen = torch.zeros(prompt.num_reused, dtype=torch.bool, device=relevance.device)
+        chosen[rows] = True
+        remaining = budget - int(chosen.sum())
+        if remaining > 0:
+            chosen[torch.topk(relevance.masked_fill(chosen, float("-inf")), remaining, sorted=False).indices] = True
+        return prompt.with_reused(prompt.reused_pos[chosen])
+
+
 VARIANTS = {
     "FullReuse": FullReuse(),
     "CacheBlend(0.15)": CacheBlend(0.15),
@@ -109,6 +150,14 @@ VARIANTS = {
     **{f"QueryAware({r:.2f}, sentence runs)": QueryAware(r, sentence_runs=True) for r in (0.10, 0.20)},
     # ... or around the strongest single tokens (max-pooled: each peak with its neighbours)
     **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},
+    # the engine's own choice (its calibration's, else the safe default), as a user gets it
+    "default": QueryAware(),
+    # ... and the first tokens of every chunk but the first recomputed beside the chosen ones (issue 59's
+    # lost ferry answer came back so: docs/runs/userlike.md)
+    **{f"QueryAware({r:.2f}) + heads of {k}": QuestionAttentionWithHeads(r, k) for r in (0.10, 0.15) for k in (16, 32)},
+    # ... or out of the budget (the ratio's compute)
+    **{f"QueryAware({r:.2f}, chunk starts {k})": QuestionAttentionWithHeads(r, k, within_budget=True)
+       for r in (0.10, 0.15, 0.20, 0.30) for k in (16, 32)},
 }
 NOISE = "order noise (full prefill, chunks reversed)"
 PREFILL_ONLY = ", scale in the prefill only"
@@ -162,9 +211,14 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
         logits[name] = out
         rows[name] = {"kl": first_token_kl(ref_logits, out), "compute": stats.compute_fraction,
                       "rouge": rouge_l(text, ref_text) if text is not None else float("nan"),
+                      # the gold answer in the greedy answer, and whether it repeats itself (issue 59's rule)
+                      "gold": gold_in(text, prompt.answers), "repeats": float(bool(text) and repeats(text)),
                       "same_first": float(out.argmax() == ref_logits.argmax()),
                       # fusion would have computed more than a prefill: its KL of 0 judges no fusion
                       "full_prefill": float(stats.fusion_skipped)}
+        if name == NOISE:   # the reference's own answer, judged alike (beside the noise's row)
+            rows[name] |= {"reference_gold": gold_in(ref_text, prompt.answers),
+                           "reference_repeats": float(bool(ref_text) and repeats(ref_text))}
         if answer_level:
             if answers:
                 pre = engine.prefill(segs, system=SYSTEM, strategy=strategy)
@@ -181,6 +235,13 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
     return rows
 
 
+def gold_in(text: str | None, answers: list[str]) -> float:
+    """1.0 when a gold answer is in ``text`` (nan without an answer or gold answers)."""
+    if text is None or not answers:
+        return float("nan")
+    return best_over_answers(answer_contained, text, answers)
+
+
 def table(results: list[dict], greedy_tokens: int) -> list[str]:
     """One row per strategy: means and medians over the prompts; with answer-level rows, also how
     many prompts' answer-level KL exceeds 3x the order noise's median (issue 29's outlier bound)."""
@@ -195,6 +256,10 @@ def table(results: list[dict], greedy_tokens: int) -> list[str]:
     if peaks:
         head += " largest step KL mean | largest step KL median |"
         rule += "---:|---:|"
+    gold = "gold" in results[0][NOISE] and results[0][NOISE]["gold"] == results[0][NOISE]["gold"]
+    if gold:   # runs before these columns lack them; fidelity prompts have no gold answers
+        head += " gold answer | repeating answers |"
+        rule += "---:|---:|"
     lines = [head, rule]
     for name in results[0]:
         col = {k: [r[name][k] for r in results] for k in results[0][name]}
@@ -208,7 +273,14 @@ def table(results: list[dict], greedy_tokens: int) -> list[str]:
                      f"{sum(k > bound for k in col['answer_kl'])} |")
         if peaks:
             line += f" {statistics.mean(col['answer_kl_peak']):.3f} | {statistics.median(col['answer_kl_peak']):.3f} |"
+        if gold:
+            hits = [g for g in col.get("gold", []) if g == g]
+            line += (f" {statistics.mean(hits):.0%} | {sum(col['repeats']):.0f} |" if hits else " - | - |")
         lines.append(line)
+    if gold and "reference_gold" in results[0][NOISE]:
+        lines += ["", f"Full prefill (the reference): gold answer "
+                      f"{statistics.mean(r[NOISE]['reference_gold'] for r in results):.0%}, repeating answers "
+                      f"{sum(r[NOISE]['reference_repeats'] for r in results):.0f}."]
     return lines + full_prefill_notes(results)
 
 

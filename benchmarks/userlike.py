@@ -52,6 +52,7 @@ from .common import (
     command_line,
     percentile,
     read_data,
+    repeats,
     write_report,
 )
 from .models import MODELS, model_path
@@ -64,18 +65,6 @@ SETTINGS = {"always": 0.0, "gated": GATED}
 PROMPT_OVERHEAD = 90                 # tokens around the retrieved text: the chat template, LlamaIndex's QA template, the question
 SETS = ("sample", "reddit", "amazon_reviews")   # the sample documents and SQUAD_SHIFTS' sets
 ACCURACY_SLACK = 1 / 20              # issue 59: the default's accuracy within 1 in 20 of full prefill's
-
-
-def repeats(text: str, min_repeats: int = 3, longest_unit: int = 8) -> bool:
-    """Whether ``text`` degenerates into repetition: some run of 1 to ``longest_unit`` words
-    repeated ``min_repeats`` times in a row (``"2022-09-24 2022-09-24 2022-09-24"``)."""
-    words = text.split()
-    for unit in range(1, longest_unit + 1):
-        for start in range(0, len(words) - unit * min_repeats + 1):
-            piece = words[start:start + unit]
-            if all(words[start + k * unit:start + (k + 1) * unit] == piece for k in range(1, min_repeats)):
-                return True
-    return False
 
 
 def bucket_of(tokens: int) -> str | None:
@@ -200,15 +189,20 @@ def measure_question(engine: BlendEngine, llm, query_engine, item: dict, default
     _, full_cpu_again = prefill_cpu(engine, layout, FullRecompute())
 
     texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in response.source_nodes]
-    forward, noise_kl = "\n\n".join(texts), None
+    forward, noise_kl, noise_answer = "\n\n".join(texts), None, None
     if len(texts) > 1 and forward in call.prompt:
         reversed_prompt = call.prompt.replace(forward, "\n\n".join(reversed(texts)))
-        reversed_logits = engine.prefill(engine.find_chunks(reversed_prompt), strategy=FullRecompute()).logits
-        noise_kl = first_token_kl(full_pre.logits, reversed_logits)
+        # its answer too: how many gold answers the model itself loses when only the order changes
+        reversed_out = engine.generate(engine.find_chunks(reversed_prompt), strategy=FullRecompute(),
+                                       max_new_tokens=GREEDY_TOKENS)
+        noise_kl, noise_answer = first_token_kl(full_pre.logits, reversed_out.logits), reversed_out.text
     return row | {"tokens": len(layout.token_ids), "question": item["question"], "gold": item["answers"],
                   "full_answer": full.text, "full_right": best_over_answers(answer_contained, full.text, item["answers"]),
                   "full_repeats": repeats(full.text), "full_ttft": full.stats.ttft_s, "full_cpu": full_cpu,
-                  "full_cpu_again": full_cpu_again, "noise_kl": noise_kl}
+                  "full_cpu_again": full_cpu_again, "noise_kl": noise_kl, "noise_answer": noise_answer,
+                  "noise_right": None if noise_answer is None else
+                  best_over_answers(answer_contained, noise_answer, item["answers"]),
+                  "noise_repeats": None if noise_answer is None else repeats(noise_answer)}
 
 
 def host_constants(engine: BlendEngine) -> dict:
@@ -323,10 +317,11 @@ def slower_than_full(bucket: list[dict], name: str, noise: float) -> int:
 
 def table(rows: list[dict]) -> list[str]:
     noise = timing_noise(rows)
-    lines = ["| model | prompt tokens | prompts | setting | accuracy / full prefill | first-token KL (mean / median) | "
-             "order noise KL (mean / median) | repeating answers / full | TTFT full / setting (median) | prefill CPU-s "
-             "full / setting (median) | slower than full beyond noise | fusion skipped | issue 59 rule |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| model | prompt tokens | prompts | setting | accuracy / full prefill | order noise accuracy, repeating | "
+             "first-token KL (mean / median) | order noise KL (mean / median) | repeating answers / full | TTFT full / "
+             "setting (median) | prefill CPU-s full / setting (median) | slower than full beyond noise | fusion skipped | "
+             "issue 59 rule |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     verdicts = {}
     for model in dict.fromkeys(r["model"] for r in rows):
         for low, high in BUCKETS:
@@ -342,7 +337,7 @@ def table(rows: list[dict]) -> list[str]:
                 lines.append(
                     f"| {model} | {low}-{high} | {len(bucket)} | {label} | "
                     f"{statistics.mean(r[f'{name}_right'] for r in bucket):.0%} / "
-                    f"{statistics.mean(r['full_right'] for r in bucket):.0%} | "
+                    f"{statistics.mean(r['full_right'] for r in bucket):.0%} | {noise_answers(bucket)} | "
                     f"{statistics.mean(kl):.4f} / {statistics.median(kl):.4f} | "
                     + (f"{statistics.mean(noise_kl):.4f} / {statistics.median(noise_kl):.4f}" if noise_kl else "-")
                     + f" | {sum(r[f'{name}_repeats'] for r in bucket)} / {sum(r['full_repeats'] for r in bucket)} | "
@@ -367,6 +362,16 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"- {model}, {name} ({SETTINGS[name]:g}): issue 59's rule "
                      + ("met at every size measured" if not failures else "NOT met: " + "; ".join(failures)))
     return lines
+
+
+def noise_answers(bucket: list[dict]) -> str:
+    """The order noise's answers in a bucket (full prefill, the retrieved chunks reversed): their
+    gold-answer accuracy and how many repeat; "-" where none were generated (runs before 2026-12-06 09:30
+    UTC, or one chunk retrieved)."""
+    noise = [r for r in bucket if r.get("noise_right") is not None]
+    if not noise:
+        return "-"
+    return f"{statistics.mean(r['noise_right'] for r in noise):.0%}, {sum(r['noise_repeats'] for r in noise)}"
 
 
 def constants_lines(model: str, info: dict) -> list[str]:

@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.common import (
     answer_contained,
@@ -297,6 +299,37 @@ def test_the_user_like_benchmark_judges_each_bucket_by_issue_59s_rule():
     assert judge([row(cpu=1.2, skipped=True)], "always", noise) == []   # a skipped prompt ran the full prefill
 
 
+def test_the_user_like_benchmark_shows_the_order_noises_own_answers():
+    """Beside the rule's verdict, the bucket's order noise (full prefill, chunks reversed): its gold
+    accuracy and repeats, so that a lost answer can be read against what the order alone loses; rows
+    of older runs (or one chunk retrieved) have none."""
+    from benchmarks.userlike import noise_answers
+
+    rows = [{"noise_right": 1.0, "noise_repeats": False}, {"noise_right": 0.0, "noise_repeats": True},
+            {"noise_right": None, "noise_repeats": None}, {}]
+    assert noise_answers(rows) == "50%, 1"
+    assert noise_answers([{}, {"noise_right": None}]) == "-"
+
+
+def test_fidelity_judges_gold_answers_and_repeats_beside_the_reference():
+    """``benchmarks.fidelity``: each row's gold answer and repeat, and the reference's own, in the table."""
+    from benchmarks.fidelity import NOISE, gold_in, table
+
+    assert gold_in("The Sanderling.", ["Sanderling"]) == 1.0 and gold_in("LCT app", ["Sanderling"]) == 0.0
+    assert gold_in(None, ["x"]) != gold_in(None, ["x"]) and gold_in("x", []) != gold_in("x", [])   # nan
+
+    def row(gold, repeating, **more):
+        return {"kl": 0.01, "compute": 0.2, "rouge": 0.5, "same_first": 1.0, "full_prefill": 0.0, "gold": gold,
+                "repeats": repeating, **more}
+
+    results = [{"default": row(1.0, 0.0), NOISE: row(0.0, 0.0, reference_gold=1.0, reference_repeats=0.0)},
+               {"default": row(0.0, 1.0), NOISE: row(1.0, 0.0, reference_gold=1.0, reference_repeats=1.0)}]
+    lines = table(results, 32)
+    assert "gold answer | repeating answers |" in lines[0]
+    assert lines[2].endswith("| 50% | 1 |") and lines[3].endswith("| 50% | 0 |")
+    assert "Full prefill (the reference): gold answer 100%, repeating answers 1." in lines
+
+
 def test_the_user_like_benchmark_fills_size_buckets_from_the_retrieved_chunks():
     """A configuration is chosen where the retrieved chunks put the prompt well inside the bucket, the
     chunk sizes taken in turn; the Reddit set's one huge article becomes documents of 5 paragraphs."""
@@ -315,3 +348,35 @@ def test_the_user_like_benchmark_fills_size_buckets_from_the_retrieved_chunks():
     assert len(documents) == 6 and len(questions) == 10
     for item in questions:
         assert any(answer in document for answer in item["answers"] for document in documents)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), offsets=st.data(),
+       ratio=st.floats(0.01, 1.0), head=st.integers(0, 48), seed=st.integers(0, 2**16))
+def test_chunk_heads_within_the_budget_give_every_chunk_its_floor(sizes, offsets, ratio, head, seed):
+    """``benchmarks.fidelity``'s chunk-start variants: within the budget, the recompute is the ratio's
+    exactly and every chunk but the first gets its first tokens, as many as the budget can give each;
+    on top of it, the heads come besides the question's choice."""
+
+    from benchmarks.fidelity import QuestionAttentionWithHeads
+    from ragblend.core.selection import FusionPrompt, QuestionAttention, ReusedSpan
+
+    spans, position = [], 3
+    for size in sizes:
+        spans.append(ReusedSpan(position, size, offset=offsets.draw(st.integers(0, 3))))
+        position += size + 1                              # a fresh token between chunks
+    prompt = FusionPrompt.build(position + 4, spans, "cpu")
+    relevance = torch.rand(prompt.num_reused, generator=torch.Generator().manual_seed(seed))[None]
+    within = QuestionAttentionWithHeads(ratio, head, within_budget=True)
+    selected = within.first(prompt, lambda: relevance)
+    budget = within.budget(prompt.num_reused)
+    assert int(selected[prompt.reused].sum()) == budget and selected[~prompt.reused].all()
+    floor = min(head, budget // max(1, len(spans) - 1))
+    on_top = QuestionAttentionWithHeads(ratio, head).first(prompt, lambda: relevance)
+    plain = QuestionAttention(ratio, cached_attention_scale=0.7).first(prompt, lambda: relevance)
+    assert (on_top >= plain).all()
+    for span in spans[1:]:
+        owed = min(max(0, floor - span.offset), span.num_tokens)
+        assert selected[span.start:span.start + owed].all()
+        heads = min(max(0, head - span.offset), span.num_tokens)
+        assert on_top[span.start:span.start + heads].all()
