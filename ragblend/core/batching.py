@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -166,9 +167,12 @@ class BatchDecoder:
             self.members.remove(member)
 
     @torch.inference_mode()
-    def step(self) -> list[Event]:
+    def step(self, deliver: Callable[[list[Event]], None] | None = None) -> list[Event]:
         """Every member takes its next token (from logits computed before); those that finish
         leave; then one model pass computes the next logits of every member that needs them.
+        ``deliver``: called with the tokens' events before that pass (which are then not
+        returned), so that a server sends each token while the next is computed: an answer's
+        first token (from its prefill's logits) waits for no pass.
 
         One member's failure is its own: it leaves with an Event carrying the error. A pass
         that fails over the whole batch is run again for each member alone, so that only the
@@ -191,6 +195,9 @@ class BatchDecoder:
                 decoding.decode_s = time.perf_counter() - member.joined
                 self.members.remove(member)
             events.append(Event(member, delta, finished))
+        if deliver is not None:
+            deliver(events)
+            events = []
         stepping = [m for m in self.members if m.decoding.needs_step]
         if stepping:
             with stepping[0].decoding.lock or contextlib.nullcontext():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .kv import PIECE_NAMESPACE_PREFIX
 from .prompt import ChunkFinder, PromptLayout
 from .store import KVStore
 
@@ -28,6 +29,11 @@ class ChunkIndex:
             self._keys.add(key)
             self.finder.add(token_ids, namespace)
 
+    def forget(self, key: str, token_ids: Sequence[int], namespace: str = "") -> None:
+        """No longer find the chunk stored under ``key`` (a history piece its memory evicted)."""
+        self._keys.discard(key)
+        self.finder.remove(token_ids, namespace)
+
     def learn_store(self, store: KVStore) -> None:
         """Learn the token ids of entries other processes stored (reads only new headers), each
         under the namespace its header names.
@@ -45,8 +51,12 @@ class ChunkIndex:
             if reader is None:
                 self._keys.add(key)  # foreign or unreadable: do not look again
                 continue
-            self.add(key, reader.token_ids, getattr(reader, "namespace", ""))
+            namespace = getattr(reader, "namespace", "")
             reader.close()
+            if namespace.startswith(PIECE_NAMESPACE_PREFIX):   # a piece an older version stored: pieces are kept in memory
+                self._keys.add(key)
+                continue
+            self.add(key, reader.token_ids, namespace)
         self._store_size = size
 
     def mark(self, token_ids: Sequence[int], store: KVStore, *, namespaces: Sequence[str] = ("",),

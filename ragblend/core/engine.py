@@ -126,7 +126,7 @@ class BlendEngine:
         self.prefix = PrefixCache(options.prefix_cache_bytes) if options.prefix_cache_bytes else None
         self.runner = PrefillRunner(self.adapter, self.ingestion, self.index, self.lock, lambda: self.loading,
                                     lambda: self.prompts.sentence_end_ids, self.fusion_cost, self.prefix,
-                                    pieces=options.history_pieces)
+                                    pieces=options.history_pieces, piece_bytes=options.history_pieces_bytes)
         if getattr(self.strategy, "sentence_runs", False):
             self.prompts.sentence_end_ids   # made now (~0.7 s for a 151k-token vocabulary), not in the first TTFT
         self.decode_dtype = options.decode_dtype
@@ -337,15 +337,17 @@ class BlendEngine:
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         check_text(prompt, "prompt")
         return self.find_chunks_in_ids(self.build_prompt([prompt], system=system, history=history).token_ids,
-                                       namespace=namespace)
+                                       namespace=namespace, conversation=bool(history))
 
-    def find_chunks_in_ids(self, token_ids: Sequence[int], *, namespace: str = "") -> PromptLayout:
+    def find_chunks_in_ids(self, token_ids: Sequence[int], *, namespace: str = "",
+                           conversation: bool = False) -> PromptLayout:
         """:meth:`find_chunks` of a prompt's token ids. No span covers the template's opening
-        (:meth:`.prompt.PromptBuilder.opening_length`): its KV is the prompt's own."""
+        (:meth:`.prompt.PromptBuilder.opening_length`): its KV is the prompt's own. ``conversation``:
+        the ids are of chat messages with earlier turns, whose text is kept as history pieces (.pieces)."""
         namespaces = ("", check_namespace(namespace)) if namespace else ("",)
         layout = self.index.mark(token_ids, self.store, namespaces=namespaces,
                                  start=self.prompts.opening_length(token_ids))
-        return replace(layout, namespace=namespace)
+        return replace(layout, namespace=namespace, conversation=conversation)
 
     def prefix_info(self) -> dict:
         """The prefix tier's entries, bytes (and budget), hits, misses and tokens served; {} when off."""

@@ -185,10 +185,14 @@ class PromptLookup:
     MIN_NGRAM = 1
 
     def __init__(self, token_ids: list[int]):
-        self.tokens: list[int] = []
+        self.tokens: list[int] = list(token_ids)
         self.follower: dict[tuple[int, ...], int] = {}   # n-gram -> where its latest follower is
-        for token in token_ids:
-            self.append(token)
+        # What append() would have filed for each token, built by the dict itself (a 3k-token
+        # prompt: ~1 ms instead of ~6, which every answer's first token waited for): each n-gram
+        # that ends before the last token, the latest place after it winning.
+        head = self.tokens[:-1]
+        for n in range(1, self.MAX_NGRAM + 1):
+            self.follower.update(zip(zip(*(head[k:] for k in range(n))), range(n, len(self.tokens))))
 
     def append(self, token: int) -> None:
         tokens = self.tokens

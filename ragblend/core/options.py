@@ -99,12 +99,15 @@ class EngineOptions:
                    "logits are kept too; a conversation's next turn, its new text). Per namespace (a server's tenant); least "
                    "recently used out first. Read by the engine's own strategy only.", type=int)
     history_pieces: bool = option(
-        False, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces in the KV store "
-               "once answered, fused like chunks in later prompts of the same namespace, so that a turn reuses its "
-               "history even where the prompt's front changed (new context in the system message). Off by default: "
-               "every answer then costs a background pass over its new text (SmolLM2: ~45% more CPU a single-shot "
-               "query) and store entries that compete with the documents' KV. Read by the engine's own strategy "
-               "only; needs write_back.")
+        True, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces once answered, "
+              "fused like chunks in later prompts of the same namespace, so that a turn reuses its history even "
+              "where the prompt's front changed (new context in the system message). Only for conversations: a "
+              "prompt laid out with history (chat messages with earlier turns); a single-shot query keeps nothing "
+              "and costs nothing more. Pieces live in their own memory (history_pieces_bytes), never in the KV "
+              "store: they never evict a document's KV. Read by the engine's own strategy only; needs write_back.")
+    history_pieces_bytes: int = option(
+        256 << 20, "Memory for history pieces, in bytes, apart from the KV store's; least recently used out first "
+                   "(an evicted piece is no longer looked for in prompts).", type=int)
     write_back: bool = option(True, "Store the KV of chunks a query had to compute, for the next query.")
     name: str | None = option(None, "The model's name in stats and the server; None: from the model.")
     decode_dtype: str = option(
@@ -157,6 +160,10 @@ class EngineOptions:
         if isinstance(prefix_bytes, bool) or not isinstance(prefix_bytes, numbers.Integral) or prefix_bytes < 0:
             raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0 (0: no prefix tier), got {prefix_bytes!r}.")
         object.__setattr__(self, "prefix_cache_bytes", int(prefix_bytes))
+        piece_bytes = self.history_pieces_bytes
+        if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, numbers.Integral) or piece_bytes < 0:
+            raise InvalidInputError(f"history_pieces_bytes must be an integer >= 0 (0: keep no pieces), got {piece_bytes!r}.")
+        object.__setattr__(self, "history_pieces_bytes", int(piece_bytes))
         batch = self.precompute_batch_tokens
         if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 0:
             raise InvalidInputError(f"precompute_batch_tokens must be an integer >= 0 (0: one chunk per pass), "

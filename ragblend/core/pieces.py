@@ -27,14 +27,30 @@ Example::
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
-from .kv import PIECE_NAMESPACE_PREFIX
+from .kv import PIECE_NAMESPACE_PREFIX, ChunkKV
 from .prompt import ChunkFinder, ChunkSpan, PromptLayout
+from .store import MemoryStore
 
 # Piece entries are kept apart from the chunks of the same namespace: a chunk found in any
 # prompt is the operator's or tenant's document, a piece only their own conversation's text.
 PIECE_PREFIX = PIECE_NAMESPACE_PREFIX
+
+
+class PieceStore(MemoryStore):
+    """The pieces' own memory, apart from the KV store: a conversation's turns never evict a
+    document's KV, and pieces go least recently used first within ``max_bytes``. ``forget`` is
+    called with each entry evicted or deleted, so that the chunk finder stops looking for it."""
+
+    def __init__(self, max_bytes: int, forget: Callable[[ChunkKV], None]):
+        super().__init__(max_bytes)
+        self.forget = forget
+        self.evictions = 0
+
+    def dropped(self, entry: ChunkKV) -> None:
+        self.evictions += 1
+        self.forget(entry)
 
 
 def piece_namespace(namespace: str) -> str:
@@ -66,12 +82,22 @@ def piece_runs(token_ids: Sequence[int], control_ids: frozenset[int], spans: Seq
     return runs
 
 
-def last_message_start(token_ids: Sequence[int], control_ids: frozenset[int], closing: Sequence[int]) -> int:
+def last_message_start(token_ids: Sequence[int], control_ids: frozenset[int], closing: Sequence[int],
+                       user_opening: Sequence[int] = ()) -> int:
     """Where a prompt's last message (its question) begins: after the last control token before the
     template text that closes it (``closing``: what the template puts after the last user message).
-    Without control tokens (the plain layout) that is the first token after BOS: the whole prompt."""
+    A prompt that does not end so (an assistant's turn begun after the question: "...assistant\nAnswer:")
+    has its question after the last ``user_opening`` (the template's opening of a user turn), and what
+    follows it counts as the question too. Without control tokens (the plain layout) that is the
+    first token after BOS: the whole prompt."""
     ids = list(token_ids)
-    end = len(ids) - len(closing) if closing and ids[-len(closing):] == list(closing) else len(ids)
+    closed = bool(closing) and ids[-len(closing):] == list(closing)
+    if not closed and user_opening:
+        size = len(user_opening)
+        for i in range(len(ids) - size, -1, -1):
+            if ids[i:i + size] == list(user_opening):
+                return i + size
+    end = len(ids) - len(closing) if closed else len(ids)
     for i in range(end - 1, -1, -1):
         if ids[i] in control_ids:
             return i + 1

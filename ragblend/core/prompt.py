@@ -33,13 +33,14 @@ tokenized with its control tokens parsed (see :class:`TextEncoder` and
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import re
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
 from .errors import InvalidInputError, PromptTooLongError, SegmentTypeError
@@ -112,6 +113,8 @@ class PromptLayout:
     token_ids: list[int]
     chunk_spans: list[ChunkSpan]
     namespace: str = ""   # whose prompt it is: the prefix tier (core.prefix_cache) reuses only its K/V
+    # laid out from chat messages with earlier turns: its turns are kept as history pieces (core.pieces)
+    conversation: bool = False
 
 
 def check_segments(segments: Sequence[Segment]) -> list[Segment]:
@@ -309,6 +312,12 @@ class PromptBuilder:
         self.answer_cue = check_text(answer_cue, "answer_cue")
         self.text_encoder = text_encoder(tokenizer)
         self._separator_ids = self.tokenize(separator) if separator else []
+        # The layouts of the last prompts built, by their inputs: a repeated prompt (a user asking again,
+        # a retry) skips templating and tokenizing. Exact: the same inputs always give the same ids.
+        self._layouts: collections.OrderedDict[tuple, PromptLayout] = collections.OrderedDict()
+        self._layouts_lock = threading.Lock()
+
+    RECENT_LAYOUTS = 16   # layouts kept (a 3k-token prompt's ids: ~100 KiB of Python ints)
 
     @functools.cached_property
     def sentence_end_ids(self) -> frozenset[int]:
@@ -570,6 +579,29 @@ class PromptBuilder:
         "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's).
         The chunks' spans are ``namespace``'s (see :class:`ChunkSpan`)."""
         segments = check_segments(segments)
+        try:   # the inputs as a key (a history of unhashable or odd turns is checked, and refused, below)
+            key = (tuple((isinstance(s, Chunk), s.text if isinstance(s, Chunk) else s) for s in segments), system,
+                   tuple(tuple(turn) for turn in history), separator, namespace, self.use_chat_template,
+                   self.answer_cue, self.max_tokens)
+            hash(key)
+        except TypeError:
+            key = None
+        with self._layouts_lock:
+            recent = self._layouts.get(key) if key is not None else None
+            if recent is not None:
+                self._layouts.move_to_end(key)
+        if recent is not None:   # copies: a caller may edit its layout's lists
+            return replace(recent, token_ids=list(recent.token_ids), chunk_spans=list(recent.chunk_spans))
+        layout = self._build(segments, system, history, separator, namespace)
+        if key is not None:
+            with self._layouts_lock:
+                self._layouts[key] = replace(layout, token_ids=list(layout.token_ids), chunk_spans=list(layout.chunk_spans))
+                while len(self._layouts) > self.RECENT_LAYOUTS:
+                    self._layouts.popitem(last=False)
+        return layout
+
+    def _build(self, segments: list[Segment], system: str | None, history, separator: str | None,
+               namespace: str) -> PromptLayout:
         texts = [s.text if isinstance(s, Chunk) else s for s in segments]
         separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         if self.max_tokens is not None:   # texts too long for the window are refused before their whole is tokenized
@@ -589,7 +621,7 @@ class PromptBuilder:
                 spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens), namespace=namespace))
             ids += tokens
         ids += suffix
-        return PromptLayout(ids, spans, namespace)
+        return PromptLayout(ids, spans, namespace, conversation=bool(history))
 
 
 class ChunkFinder:
@@ -637,6 +669,21 @@ class ChunkFinder:
             places = self._index.setdefault((namespace, ngram), [])
             if len(places) < self.MAX_CHUNKS_PER_NGRAM:
                 places.append((ids, offset))
+
+    def remove(self, token_ids: Sequence[int], namespace: str = "") -> None:
+        """Forget the chunk of these ids in ``namespace`` (an evicted history piece: core.pieces)."""
+        ids = tuple(token_ids)
+        if (namespace, ids) not in self._chunks:
+            return
+        self._chunks.discard((namespace, ids))
+        for offset in range(0, len(ids) - self.NGRAM + 1, self.STRIDE):
+            place = (namespace, ids[offset:offset + self.NGRAM])
+            kept = [p for p in self._index.get(place, ()) if p[0] != ids]
+            # new lists, not edits in place: a find() in another thread may be reading the old one
+            if kept:
+                self._index[place] = kept
+            else:
+                self._index.pop(place, None)
 
     def __len__(self) -> int:
         return len(self._chunks)

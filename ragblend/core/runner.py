@@ -15,10 +15,10 @@ import torch
 
 from .errors import PromptTooLongError
 from .fusion_cost import FusionCost, FusionVerdict
-from .ingest import Ingestion
+from .ingest import Ingestion, packs
 from .model import ModelAdapter
 from .omp import release_thread_pool
-from .pieces import is_piece, last_message_start, piece_namespace, piece_runs, with_pieces
+from .pieces import PieceStore, is_piece, last_message_start, piece_namespace, piece_runs, with_pieces
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import FusedPrefill, fused_prefill
@@ -73,14 +73,19 @@ class PrefillRunner:
     CacheBlend's ``ratio="auto"``; model passes hold ``lock``; ``sentence_end_ids`` (a function
     giving the ids of tokens that end a sentence) is read for selections in runs of sentences;
     ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy);
-    ``pieces``: keep a conversation's turns as pieces fused like chunks (:mod:`.pieces`)."""
+    ``pieces``: keep a conversation's turns as pieces fused like chunks (:mod:`.pieces`), in
+    ``piece_bytes`` of their own memory."""
 
     def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
-                 fusion_cost: FusionCost | None = None, prefix: PrefixCache | None = None, pieces: bool = False):
+                 fusion_cost: FusionCost | None = None, prefix: PrefixCache | None = None, pieces: bool = False,
+                 piece_bytes: int = 256 << 20):
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
         self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
         self.prefix = prefix   # the prefix tier (None: off); the K/V it holds are in kv_dtype
         self.pieces = pieces
+        # an evicted piece is no longer looked for: a prompt holding its text computes it as text
+        self.piece_store = PieceStore(piece_bytes, lambda entry: index.forget(entry.key, entry.token_ids, entry.namespace))
+        self._question_bounds: tuple | None = None   # the template's closing and user-turn opening, made once
         self.kv_dtype = adapter.dtype
         self.background = Background()
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead
@@ -97,7 +102,10 @@ class PrefillRunner:
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
-        pieces = self.pieces and plan.engine_default and plan.reuses and not is_bypassed()
+        # Only a conversation's turns (chat messages with earlier turns) are worth keeping: a single-shot
+        # query would pay a background pass for text that is never asked again.
+        pieces = self.pieces and layout.conversation and self.piece_store.max_bytes > 0 and plan.engine_default \
+            and plan.reuses and not is_bypassed()
         if pieces:   # the conversation's earlier turns, where stored (.pieces)
             layout = with_pieces(layout, self.index.finder, start=self.ingestion.prompts.opening_length(layout.token_ids),
                                  end=self.last_message_start(layout.token_ids))
@@ -193,6 +201,8 @@ class PrefillRunner:
         prefix = self.prefix
         if prefix is None or is_bypassed() or not (exact or plan.engine_default):
             return None
+        if hit is not None and hit.logits is not None:   # an exact repeat: the tier holds it, logits and all
+            return KeptPrefix(hit.scope, hit.key_bias)
         self.kv_dtype = fused.keys[0].dtype
         scope = self.prefix_scope(exact, layout.namespace)
         # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
@@ -229,18 +239,24 @@ class PrefillRunner:
 
     def remember_pieces(self, decoding, store: KVStore, batch_tokens: int) -> None:
         """Store, in the background, the pieces of a finished answer's prompt and answer that no
-        chunk or stored piece covers (:mod:`.pieces`), for the next turn of its conversation."""
+        chunk or stored piece covers (:mod:`.pieces`), for the next turn of its conversation, in the
+        pieces' own memory (``store``, the KV store, is left to the documents)."""
         pre = decoding.prefill
         if pre is not None and getattr(pre, "keeps_pieces", False):
-            self.background.submit(self._store_pieces, pre.token_ids, pre.layout, decoding.text, store, batch_tokens)
+            self.background.submit(self._store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
 
     def last_message_start(self, token_ids) -> int:
         """Where a prompt's last message begins (:func:`.pieces.last_message_start`)."""
         prompts = self.ingestion.prompts
-        return last_message_start(token_ids, prompts.text_encoder.control_ids, prompts.template_parts(None)[1])
+        control = prompts.text_encoder.control_ids
+        if self._question_bounds is None:   # rendering the template takes milliseconds: once
+            before, closing = prompts.template_parts(None)
+            last = max((i for i, t in enumerate(before) if t in control), default=None)
+            self._question_bounds = (closing, [] if last is None else before[last:])
+        closing, user_opening = self._question_bounds
+        return last_message_start(token_ids, control, closing, user_opening)
 
-    def _store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, store: KVStore,
-                      batch_tokens: int) -> None:
+    def _store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int) -> None:
         prompts = self.ingestion.prompts
         try:
             # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
@@ -250,9 +266,16 @@ class PrefillRunner:
             runs = piece_runs(ids, prompts.text_encoder.control_ids, [*layout.chunk_spans, question],
                               start=prompts.opening_length(ids),
                               max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
-            if runs:
-                self.ingestion.precompute_ids(runs, store, batch_tokens=batch_tokens,
-                                              namespace=piece_namespace(layout.namespace))
+            namespace = piece_namespace(layout.namespace)
+            keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
+            new = [(key, run) for key, run in keys.items() if key not in self.piece_store]
+            # Each piece's own entry only (no lead entry: a piece is never fused from one, see lead_spans),
+            # in the pieces' memory; the finder learns it once stored.
+            for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
+                entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
+                for (key, run), entry in zip(pack, entries):
+                    if self.piece_store.put(entry):
+                        self.index.add(key, run, namespace)
         except Exception as err:   # pieces are a cache: the next turn computes their text instead
             log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)
 
@@ -360,6 +383,15 @@ class PrefillRunner:
             for j, span in enumerate(layout.chunk_spans):
                 if not span.token_ids or not plan.reuses:
                     continue
+                if is_piece(span):   # from the pieces' memory; one evicted meanwhile is computed as text
+                    reader = _open(self.piece_store, self.ingestion.key_for(span.token_ids, namespace=span.namespace),
+                                   span.token_ids)
+                    if reader is not None:
+                        found.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
+                        found.readers.append(reader)
+                        found.tier_of.setdefault(reader.key, reader.tier)
+                        found.from_store[span.start:span.end] = True
+                    continue
                 lead = j in lead_spans
                 namespace = self._namespace_of(span, lead, store)
                 own_key = self.ingestion.key_for(span.token_ids, namespace=namespace)
@@ -405,7 +437,9 @@ class PrefillRunner:
         (more than one where the prompt's tokens split it, not a repeat of it later), where what
         comes before the chunk is shorter than the sink, i.e. little more than the template's
         opening, which the lead entry was computed after. Empty without lead entries."""
-        order = sorted(range(len(layout.chunk_spans)), key=lambda j: layout.chunk_spans[j].start)
+        # pieces have no lead entry: they are kept for later turns, after history, never first
+        order = sorted((j for j, span in enumerate(layout.chunk_spans) if not is_piece(span)),
+                       key=lambda j: layout.chunk_spans[j].start)
         if self.ingestion.lead_sink_ids is None or not order:
             return set()
         first = layout.chunk_spans[order[0]]

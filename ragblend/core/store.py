@@ -144,6 +144,7 @@ class MemoryStore(KVStore):
         size = entry.nbytes
         if size > self.max_bytes:
             return False
+        evicted = []
         with self._lock:
             old = self._entries.pop(entry.key, None)
             if old is not None:
@@ -151,8 +152,10 @@ class MemoryStore(KVStore):
             self._entries[entry.key] = entry
             self.nbytes += size
             while self.nbytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.nbytes -= evicted.nbytes
+                evicted.append(self._entries.popitem(last=False)[1])
+                self.nbytes -= evicted[-1].nbytes
+        for gone in evicted:
+            self.dropped(gone)
         return True
 
     def delete(self, key: str) -> bool:
@@ -161,7 +164,11 @@ class MemoryStore(KVStore):
             if entry is None:
                 return False
             self.nbytes -= entry.nbytes
-            return True
+        self.dropped(entry)
+        return True
+
+    def dropped(self, entry: ChunkKV) -> None:
+        """Called (outside the lock) for each entry evicted or deleted; nothing here."""
 
     def keys(self) -> Iterator[str]:
         with self._lock:

@@ -589,8 +589,12 @@ async def chat_completions(server: Server, request: Request):
     prompt = ChatPrompt.parse(body.get("messages"), server.limit)
     check_options(body)
     namespace = server.namespace_of(request, body)
+    # A conversation's earlier turns are kept as the engine's history pieces (for its own strategy), not as passages.
+    pieces = bool(prompt.history) and getattr(getattr(server.engine, "runner", None), "pieces", False) \
+        and requested_strategy(body) is None
     return await answer(server, request, "/v1/chat/completions", body,
-                        lambda: prompt.layout(server.engine, namespace=namespace), True, prompt.passages(), namespace)
+                        lambda: prompt.layout(server.engine, namespace=namespace), True,
+                        prompt.passages(history=not pieces), namespace)
 
 
 @router.post("/v1/completions")

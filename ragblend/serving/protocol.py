@@ -309,6 +309,7 @@ class ChatPrompt:
     segments: list
     unmarked: list[str] = dataclasses.field(default_factory=list)   # texts and unmarked blocks, for passages()
     question: list[str] = dataclasses.field(default_factory=list)   # the last user turn's, likewise
+    turns: list[str] = dataclasses.field(default_factory=list)      # the earlier turns' (history) texts
 
     @classmethod
     def parse(cls, messages, limit: TextLimit) -> "ChatPrompt":
@@ -318,7 +319,7 @@ class ChatPrompt:
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
                            param="messages")
-        system, history, last, parts, chars, unmarked, question = [], [], None, 0, 0, [], []
+        system, history, last, parts, chars, unmarked, question, turns = [], [], None, 0, 0, [], [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
@@ -347,18 +348,21 @@ class ChatPrompt:
                 continue
             else:
                 history.append((role, _joined(text, segments)))
+                turns += plain
             unmarked += plain
         if last is None:
             raise ApiError(400, "The last message must be the user's: end `messages` with a "
                                 "{\"role\": \"user\", \"content\": ...} message (this server answers a user "
                                 "turn; it does not continue an assistant's or answer a system message alone).",
                            param="messages")
-        return cls("\n\n".join(system) or None, history, *last, unmarked, question)
+        return cls("\n\n".join(system) or None, history, *last, unmarked, question, turns)
 
-    def passages(self) -> list[str]:
+    def passages(self, history: bool = True) -> list[str]:
         """The passages of the messages' unmarked text but the question's (see :func:`passages`);
-        marked chunks are stored by the fusion."""
-        return passages(self.unmarked, self.question)
+        marked chunks are stored by the fusion. ``history=False``: none of the earlier turns' either
+        (the engine keeps a conversation's turns as history pieces: storing them twice costs twice)."""
+        texts = self.unmarked if history else [t for t in self.unmarked if t not in set(self.turns)]
+        return passages(texts, self.question)
 
     def layout(self, engine: BlendEngine, *, find_chunks: bool = True, namespace: str = "") -> PromptLayout:
         """Tokenize (worker thread). With ``find_chunks``, a prompt over the window is refused
@@ -371,7 +375,7 @@ class ChatPrompt:
         if not find_chunks:
             return layout
         check_window(engine, len(layout.token_ids))
-        return engine.find_chunks_in_ids(layout.token_ids, namespace=namespace)
+        return engine.find_chunks_in_ids(layout.token_ids, namespace=namespace, conversation=layout.conversation)
 
 
 def check_prompt(prompt, limit: TextLimit, vocab: int, window: int):

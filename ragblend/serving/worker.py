@@ -140,13 +140,17 @@ class Worker:
         if not len(self.batch):
             return
         try:
-            events = self.batch.step()
+            # each token goes out before the pass that computes the next (a first token waits for none)
+            events = self.batch.step(deliver=self._deliver)
         except BaseException as err:   # a failure outside any one answer's work (step isolates those): all end
             log.error("a batched decoding step failed", exc_info=err)
             for member in list(self.batch.members):
                 self.batch.remove(member)
                 self._end(member.tag[0], ("error", err))
             return
+        self._deliver(events)   # the answers whose own pass failed
+
+    def _deliver(self, events) -> None:
         for event in events:
             job, decode = event.member.tag
             if event.error is not None:   # this answer's own failure (its sampling, say): it alone ends

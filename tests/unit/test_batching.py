@@ -236,3 +236,19 @@ def test_a_pass_that_fails_in_the_lm_head_counts_no_position(tokenizer, monkeypa
         assert failing.length == len(pre.token_ids)
         monkeypatch.undo()
         assert torch.allclose(run(failing), expected[0], atol=1e-4, rtol=0)
+
+
+def test_each_token_is_delivered_before_the_pass_that_computes_the_next(tokenizer):
+    """A server sends a token while the next is computed: an answer's first token (from its
+    prefill's logits) waits for no model pass, and the text is the same as stepping without."""
+    engine = make_tiny_engine("llama", tokenizer)
+    params = SamplingParams(max_new_tokens=6, stop=[])
+    alone = engine.generate(prompts()[0], params=params)
+    batch, delivered = BatchDecoder(), []
+    batch.add(engine.begin(prompts()[0], params=params))
+    while len(batch):
+        returned = batch.step(deliver=lambda events: delivered.extend((batch.passes, e) for e in events))
+        assert returned == []   # every event was delivered, none held for after the pass
+    passes = [passes for passes, _ in delivered]   # a pass that accepts drafted tokens gives several
+    assert passes[0] == 0 and passes == sorted(passes) and passes[-1] == batch.passes
+    assert "".join(e.delta for _, e in delivered) == alone.text and delivered[-1][1].finished

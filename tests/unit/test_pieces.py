@@ -76,12 +76,15 @@ def test_pieces_of_another_model_or_kv_dtype_are_never_reused(tokenizer):
     llama = pieces_engine(tokenizer, "llama", store=store)
     assert chat(llama, 3, history=history)[2].history_tokens > 0
     pieces = [(ns, ids) for ns, ids in llama.index.finder._chunks if ns == piece_namespace("")]
-    assert pieces and all(llama.ingestion.key_for(ids, namespace=ns) in store for ns, ids in pieces)
+    # pieces live in the engine's own piece memory, never in the (shared) KV store
+    assert pieces and all(llama.ingestion.key_for(ids, namespace=ns) in llama.runner.piece_store for ns, ids in pieces)
+    assert not any(llama.ingestion.key_for(ids, namespace=ns) in store for ns, ids in pieces)
     system = f"Context:\n\n{PASSAGES[2]}\n\n{PASSAGES[3]}"
     for other in (pieces_engine(tokenizer, "qwen2", store=store),
                   pieces_engine(tokenizer, "llama", store=store, kv_dtype="int8")):
         # the same ids are other keys: another model's or dtype's pieces are never read
         assert not any(other.ingestion.key_for(ids, namespace=ns) in store for ns, ids in pieces)
+        assert not any(other.ingestion.key_for(ids, namespace=ns) in llama.runner.piece_store for ns, ids in pieces)
         layout = other.find_chunks(QUESTIONS[2], system=system, history=history)
         assert other.prefill(layout).stats.history_tokens == 0
 
@@ -89,7 +92,10 @@ def test_pieces_of_another_model_or_kv_dtype_are_never_reused(tokenizer):
 def test_pieces_are_off_for_a_named_strategy_or_when_switched_off(tokenizer):
     assert chat(pieces_engine(tokenizer), 3, strategy=FullRecompute())[2].history_tokens == 0
     assert chat(make_tiny_engine("qwen2", tokenizer), 3)[2].history_tokens == 0
-    assert EngineOptions().history_pieces is False   # off unless asked for
+    no_memory, submitted = pieces_engine(tokenizer, history_pieces_bytes=0), []   # no memory for them: no pass either
+    no_memory.runner.background.submit = lambda fn, *args: submitted.append(fn)
+    assert chat(no_memory, 3)[2].history_tokens == 0 and no_memory.runner._store_pieces not in submitted
+    assert EngineOptions().history_pieces is True   # on by default: only conversations keep any
     read_only = pieces_engine(tokenizer, write_back=False)   # a store kept read-only gets no pieces either
     entries = len(read_only.store)
     assert chat(read_only, 3)[2].history_tokens == 0 and len(read_only.store) == entries
@@ -146,3 +152,73 @@ def test_through_the_server_another_tenant_never_reuses_a_conversations_pieces(t
         b = ask("b", third)
     assert b.model_extra["ragblend"]["history_tokens"] == 0
     assert b.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_single_shot_query_keeps_no_piece_and_costs_no_background_pass(tokenizer):
+    engine = pieces_engine(tokenizer)
+    submitted = []
+    submit = engine.runner.background.submit
+    engine.runner.background.submit = lambda fn, *args: (submitted.append(fn), submit(fn, *args))
+    system = f"Context:\n\n{PASSAGES[0]}\n\n{PASSAGES[1]}"
+    for layout in (engine.find_chunks(QUESTIONS[0], system=system),            # no earlier turn
+                   engine.build_prompt([Chunk(PASSAGES[2]), QUESTIONS[1]])):   # segments
+        assert layout.conversation is False
+        engine.generate(layout, max_new_tokens=16, stop=None)
+        engine.flush()
+    assert len(engine.runner.piece_store) == 0 and submitted == []
+    assert not any(ns.startswith("turns:") for ns, _ in engine.index.finder._chunks)
+    # the same question with an earlier turn is a conversation: its turns are kept
+    layout = engine.find_chunks(QUESTIONS[1], system=system, history=[("user", QUESTIONS[0]), ("assistant", QUESTIONS[2])])
+    assert layout.conversation is True
+    engine.generate(layout, max_new_tokens=16, stop=None)
+    engine.flush()
+    assert len(engine.runner.piece_store) > 0
+
+
+def test_pieces_never_evict_a_documents_kv_and_the_finder_forgets_evicted_ones(tokenizer):
+    probe = pieces_engine(tokenizer)
+    chat(probe, 3)
+    sizes = [e.nbytes for e in probe.runner.piece_store._entries.values()]
+    budget = max(sizes) * 2 + 1   # room for two pieces: a conversation of three turns evicts some
+    store = MemoryStore(sum(probe.store.get(k).nbytes for k in probe.store.keys()))   # full with the documents
+    engine = pieces_engine(tokenizer, store=store, history_pieces_bytes=budget)
+    documents = set(store.keys())
+    chat(engine, 3)
+    pieces = engine.runner.piece_store
+    assert set(store.keys()) == documents   # no document evicted, no piece in the KV store
+    assert pieces.evictions > 0 and 0 < pieces.nbytes <= budget
+    known = {(ns, ids) for ns, ids in engine.index.finder._chunks if ns.startswith("turns:")}
+    assert known == {(e.namespace, tuple(e.token_ids)) for e in pieces._entries.values()}   # evicted ones forgotten
+
+
+def test_a_forgotten_chunk_is_no_longer_found():
+    from ragblend.core.prompt import ChunkFinder
+
+    finder, chunk, other = ChunkFinder(), list(range(100, 140)), list(range(300, 340))
+    finder.add(chunk, "turns:")
+    finder.add(other, "turns:")
+    prompt = [1, 2, *chunk, 3, *other]
+    assert len(finder.find(prompt, ["turns:"])) == 2
+    finder.remove(chunk, "turns:")
+    assert [s.token_ids for s in finder.find(prompt, ["turns:"])] == [tuple(other)] and len(finder) == 1
+
+
+def test_a_question_before_an_assistants_prefill_is_the_question(tokenizer):
+    engine = pieces_engine(tokenizer)
+    turns = [{"role": "system", "content": "Context:\n\n" + PASSAGES[0]}, {"role": "user", "content": QUESTIONS[0]},
+             {"role": "assistant", "content": QUESTIONS[2]}, {"role": "user", "content": QUESTIONS[1]}]
+    question = engine.prompts.tokenize(QUESTIONS[1])
+
+    def start_of(ids, part):
+        return next(i for i in range(len(ids)) if ids[i:i + len(part)] == part)
+
+    asked = engine.prompts.chat_ids(turns)
+    prefilled = engine.prompts.chat_ids([*turns, {"role": "assistant", "content": "Answer:"}], add_generation_prompt=False)
+    for ids in (asked, prefilled):
+        assert engine.runner.last_message_start(ids) <= start_of(ids, question)
+        assert engine.runner.last_message_start(ids) > start_of(ids, engine.prompts.tokenize(QUESTIONS[2]))
+    # answered, the pre-filled prompt's question is not kept as a piece (a repeat of it is fused as the first time)
+    engine.generate(engine.find_chunks_in_ids(prefilled, conversation=True), max_new_tokens=8, stop=None)
+    engine.flush()
+    assert not any(tuple(question[:16]) == ids[k:k + 16] for ns, ids in engine.index.finder._chunks
+                   if ns.startswith("turns:") for k in range(len(ids)))

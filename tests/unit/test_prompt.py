@@ -110,3 +110,23 @@ def test_build_tokenizes_the_system_prompt_and_history_once(tokenizer, monkeypat
     assert builder.build(segments, system, history) == expected
     for text in (system, asked, answered, PASSAGES[0]):
         assert sum(text in tokenized for tokenized in seen) == 1, (text, seen)
+
+
+def test_a_repeated_prompt_is_laid_out_without_templating_or_tokenizing_again(tokenizer, monkeypatch):
+    builder = PromptBuilder(tokenizer, max_tokens=2048)
+    history = [("user", "Where does the ferry leave from?"), ("assistant", "From the north pier.")]
+    segments = [Chunk(PASSAGES[0]), "When does it leave?"]
+    first = builder.build(segments, "Be brief.", history, namespace="tenant-a")
+    first.token_ids.append(7)   # a caller editing its layout changes no later one
+    for name in ("tokenize", "tokenize_template", "template_parts"):
+        monkeypatch.setattr(builder, name, lambda *a, **k: pytest.fail("tokenized again"))
+    again = builder.build(list(segments), "Be brief.", [list(turn) for turn in history], namespace="tenant-a")
+    assert again.token_ids == first.token_ids[:-1] and again.chunk_spans == first.chunk_spans
+    assert again.namespace == "tenant-a" and again.conversation
+    monkeypatch.undo()
+    # any other input is laid out anew: another namespace (a tenant's own), system, or a str for a Chunk
+    for other in (builder.build(segments, "Be brief.", history, namespace="tenant-b"),
+                  builder.build(segments, "Be brief!", history, namespace="tenant-a"),
+                  builder.build([PASSAGES[0], "When does it leave?"], "Be brief.", history, namespace="tenant-a")):
+        assert other != again
+    assert builder.build(segments, "Be brief.", history, namespace="tenant-b").namespace == "tenant-b"

@@ -92,6 +92,8 @@ def test_a_chat_keeps_every_passage_but_its_question(engine):
                                                           {"type": "text", "text": "Question: which?"}]}],
                             TextLimit(engine))
     assert chat.passages() == ["Use the context.", "First doc.", "Earlier question?", "An answer.", "Second doc."]
+    # where the engine keeps the earlier turns as history pieces, they are not stored as passages too
+    assert chat.passages(history=False) == ["Use the context.", "First doc.", "Second doc."]
 
 
 
