@@ -99,6 +99,9 @@ def load_ragblend(path: str, tokens: int, result: dict):
     engine = BlendEngine.from_pretrained(path, kv_dir=False, prompt_lookup_num_tokens=0)
     result["load_s"] = time.perf_counter() - t0
     result["ragblend_rss"] = rss_bytes() - before
+    from ragblend.core.quantized import quantized_bytes
+
+    result["weights_bytes"] = quantized_bytes(engine.hf_model)   # the rest of the RSS: tokenizer, code, buffers
     sample = load_sample()
     t0 = time.perf_counter()
     ragblend = RagblendPeer(engine, sample["chunks"], tokens)
@@ -223,7 +226,9 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
                      f"{'-' if llama is None or full is None else format(llama / full, '.2f')}x |")
     lines += ["", "Prompt tokens, peak memory and settings:", ""]
     for r in results:
-        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend peak RSS "
+        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend weights held "
+                     f"{r['weights_bytes'] / gb:.3f} GB ({r['weights_bytes'] / r['file_bytes']:.2f}x the file) of its "
+                     f"{r['ragblend_rss'] / gb:.3f} GB after load; ragblend peak RSS "
                      f"{r['ragblend_peak'] / gb:.2f} GB (whole process), {r['ragblend_rss_with_kv'] / gb:.2f} GB "
                      f"with the chunks' KV in memory; {r['threads']} torch threads; prefill matmuls "
                      f"{r.get('long_pass')}, default prefill {r.get('prefill')}"

@@ -580,7 +580,14 @@ def fast_prefill(model) -> tuple[bool, str]:
         return False, "its fidelity is not measured for this architecture (RAGBLEND_QUANTIZED_PREFILL=fast takes it)"
     if verdict.meets:
         return True, f"it met the fidelity rule {verdict}"
-    return False, f"it MISSED the fidelity rule {verdict} (RAGBLEND_QUANTIZED_PREFILL=fast takes it)"
+    return False, (f"it MISSED the fidelity rule {verdict}: {FAST_PLAN_MISSES} (RAGBLEND_QUANTIZED_PREFILL=fast "
+                   "takes it)")
+
+
+# What benchmarks.prefill_error found of the fast plan's misses (docs/benchmarks.md), for `ragblend info`.
+FAST_PLAN_MISSES = ("its answers part from the float32 file's by the held form of the weights (4-bit scales rounded "
+                    "to bfloat16, 8-bit blocks re-rounded per row), not by its bfloat16 matmuls, which on the "
+                    "file's own weights met the rule on SmolLM2 and Qwen2.5 with the down projection in float32")
 
 
 def scoring_twin(model):
@@ -661,6 +668,10 @@ def long_pass_plan(model) -> dict:
         rows = remembered("quantized-long-pass-rows", key | {"dtype": dtype},
                           lambda: measured_twice(lambda: rows_verdict(dtype), DRAFT_ROWS),
                           lambda value: value in (DRAFT_ROWS, *KERNEL_ROW_BUCKETS))
+    # A measurement's scratch buffers (a whole 64 MiB float32 one, a bfloat16 one) would stay with
+    # the loaded engine: the 1.5B and 3B loads that measured took ~0.1 GB more than those that read
+    # the host's record (docs/benchmarks.md). The prefill makes what it needs again.
+    _scratch.__dict__.pop("buffers", None)
     plan = {"dtype": dtype, "kernel_rows": rows}
     model.ragblend_long_pass = plan   # measured once per model (and ragblend info reads it)
     return plan

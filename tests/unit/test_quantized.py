@@ -240,6 +240,9 @@ def test_the_long_pass_plan_is_measured_once_per_host(models, tmp_path, monkeypa
     monkeypatch.delattr(models[0], "ragblend_long_pass", raising=False)   # measured by an earlier engine
     plan = long_pass_plan(models[0])
     assert plan["dtype"] in ("float32", "bfloat16") and plan["kernel_rows"] in (8, *KERNEL_ROW_BUCKETS)
+    from ragblend.core.quantized import _scratch
+
+    assert not getattr(_scratch, "buffers", {})   # the measurement's scratch is not kept with the engine
     records = list((tmp_path / "host").glob("quantized-long-pass-*.json"))
     if records:   # a busy host's two measurements may disagree: then nothing is kept, the float32 path serves
         monkeypatch.delattr(models[0], "ragblend_long_pass")
@@ -321,6 +324,7 @@ def test_the_fast_plan_is_the_default_only_where_its_architecture_met_the_rule(m
     assert twin_forms() == {(0, torch.float32)} and "not measured" in fast_prefill(model)[1]
     monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", PrefillFidelity("Tiny", 0.2, 5, 10))
     assert twin_forms() == {(0, torch.float32)} and "MISSED" in " ".join(describe(model))
+    assert "by the held form of the weights" in fast_prefill(model)[1]   # says what misses
     monkeypatch.setattr(model, "ragblend_fast_prefill_fidelity", PrefillFidelity("Tiny", 0.01, 20, 20))
     assert twin_forms() == {(32, torch.bfloat16)} and "because it met the fidelity rule" in " ".join(describe(model))
     # its K/V are not the float32 prefill's: stored under another fingerprint (engine.fingerprint takes the form)
