@@ -345,17 +345,20 @@ class Decoding:
 
     def __iter__(self) -> Iterator[str]:
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            while True:
+        # Inference mode is entered per step, never held across a yield: a caller that abandons the
+        # stream leaves this generator to the garbage collector, whose closing it later (in the middle
+        # of another answer's pass, on this thread) would otherwise switch inference mode off there.
+        while True:
+            with torch.inference_mode():
                 delta = self.take(self.pending.popleft())
-                if delta:
-                    yield delta
-                if self.finish_reason is not None:
-                    break
-                if not self.pending:   # the token is not in the cache yet
-                    check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
-                    with self.lock or contextlib.nullcontext():
-                        self.pending.extend(self._step(self.token_ids[-1]))
+            if delta:
+                yield delta
+            if self.finish_reason is not None:
+                break
+            if not self.pending:   # the token is not in the cache yet
+                check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
+                with torch.inference_mode(), self.lock or contextlib.nullcontext():
+                    self.pending.extend(self._step(self.token_ids[-1]))
         self.decode_s = time.perf_counter() - t0
         rest = self.rest()
         if rest:

@@ -260,3 +260,16 @@ def test_sampling_params_are_checked():
         with pytest.raises(InvalidInputError):
             SamplingParams(**bad)
     assert SamplingParams(stop="END").stop == ("END",)   # one string is one stop string
+
+
+def test_a_stream_left_half_read_leaves_inference_mode_as_it_found_it(tiny_engine):
+    """An abandoned stream's generator is closed later by the garbage collector, perhaps in the
+    middle of the next answer: it must hold no inference mode across its yields (a BlendChatModel
+    turn after a stopped stream failed with 'Inplace update to inference tensor')."""
+    stream = iter(tiny_engine.stream(segments(), max_new_tokens=8))
+    next(stream)
+    assert not torch.is_inference_mode_enabled()
+    answer = tiny_engine.generate(segments(), max_new_tokens=4)   # the next turn, the first stream still open
+    assert answer.text is not None
+    stream.close()
+    assert not torch.is_inference_mode_enabled()
