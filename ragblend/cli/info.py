@@ -30,6 +30,7 @@ def run(args) -> int:
     _print_stored_kv_line(about.stored_kv)
     _print_fusion_line(about.fusion)
     _print_prefix_tier(about.prefix_tier)
+    _print_history_pieces(about.history_pieces)
     _print_drafts(about)
     return 0
 
@@ -41,6 +42,15 @@ def _print_prefix_tier(tier: dict) -> None:
     print(f"Prefix tier (recent prompts' and answers' K/V, reused by exact prefix): up to "
           f"{tier['max_bytes'] / 2**20:,.0f} MiB in memory per process; {tier['entries']} entries "
           f"({tier['bytes'] / 2**20:,.1f} MiB), {tier['hits']} hits, {tier['hit_tokens']} tokens served")
+
+
+def _print_history_pieces(pieces: dict) -> None:
+    if not pieces:
+        print("History pieces: off (history_pieces=False or history_pieces_bytes=0)")
+        return
+    print(f"History pieces (a conversation's turns, fused like chunks in its later turns): up to "
+          f"{pieces['max_bytes'] / 2**20:,.0f} MiB in memory per process; {pieces['entries']} entries "
+          f"({pieces['bytes'] / 2**20:,.1f} MiB), {pieces['evictions']} evicted")
 
 
 def _print_kernels(about) -> None:

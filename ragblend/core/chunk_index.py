@@ -21,6 +21,7 @@ class ChunkIndex:
     def __init__(self):
         self.finder = ChunkFinder()   # token ids of known chunks, for finding them in flat prompts
         self._keys: set[str] = set()
+        self._passed_over: set[str] = set()   # store entries never to index: foreign, unreadable, old pieces
         self._store_size = -1
 
     def add(self, key: str, token_ids: Sequence[int], namespace: str = "") -> None:
@@ -45,16 +46,18 @@ class ChunkIndex:
         if size == self._store_size:
             return
         for key in store.keys():
-            if key in self._keys:
+            if key in self._keys or key in self._passed_over:
                 continue
             reader = store.open(key, drop_unusable=False)
             if reader is None:
-                self._keys.add(key)  # foreign or unreadable: do not look again
+                self._passed_over.add(key)  # foreign or unreadable: do not look again
                 continue
             namespace = getattr(reader, "namespace", "")
             reader.close()
-            if namespace.startswith(PIECE_NAMESPACE_PREFIX):   # a piece an older version stored: pieces are kept in memory
-                self._keys.add(key)
+            # a piece an older version stored: pieces are kept in memory now, and one of the same
+            # text stored there must still reach the finder (add() skips keys it knows)
+            if namespace.startswith(PIECE_NAMESPACE_PREFIX):
+                self._passed_over.add(key)
                 continue
             self.add(key, reader.token_ids, namespace)
         self._store_size = size

@@ -82,6 +82,7 @@ class EngineDescription:
     fusion: FusionDescription
     drafts: DraftsDescription
     prefix_tier: dict[str, int]          # the prefix tier's entries, bytes, max_bytes, hits...; {} when off
+    history_pieces: dict[str, int]       # the history pieces' entries, bytes, max_bytes, evictions; {} when off
 
 
 def _dtype_name(dtype) -> str:
@@ -122,7 +123,15 @@ def describe(engine) -> EngineDescription:
         decode_kv_option=engine.options.decode_kv_dtype, decode_kv_dtype=_dtype_name(answers.kv_dtype),
         stored_kv=_stored_kv(engine), fusion=_fusion(engine),
         drafts=DraftsDescription(engine.options.prompt_lookup_num_tokens, answers.can_draft, answers.draft_row_cost),
-        prefix_tier=engine.prefix_info())
+        prefix_tier=engine.prefix_info(), history_pieces=_history_pieces(engine.runner))
+
+
+def _history_pieces(runner) -> dict[str, int]:
+    if not runner.keeps_pieces:
+        return {}
+    pieces = runner.piece_store
+    return {"entries": len(pieces), "bytes": pieces.nbytes, "max_bytes": pieces.max_bytes,
+            "evictions": pieces.evictions}
 
 
 def _stored_kv(engine) -> StoredKVDescription:

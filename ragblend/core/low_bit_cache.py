@@ -123,7 +123,10 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
         log.warning("ragblend: could not cache the decoding weights (%s: %s); the next process builds them "
                     "again.", type(err).__name__, err)
         return
-    evict_beyond(path.parent, MAX_FOLDER_BYTES, keep=path)
+    try:
+        evict_beyond(path.parent, MAX_FOLDER_BYTES, keep=path)
+    except OSError as err:   # a cache: a folder that cannot be tidied is left as it is
+        log.warning("ragblend: could not tidy the decoding weights folder (%s: %s).", type(err).__name__, err)
 
 
 def evict_beyond(folder: Path, max_bytes: int, keep: Path) -> None:

@@ -102,7 +102,7 @@ class EngineOptions:
         True, "Keep a conversation's turns (questions, the engine's answers, system text) as pieces once answered, "
               "fused like chunks in later prompts of the same namespace, so that a turn reuses its history even "
               "where the prompt's front changed (new context in the system message). Only for conversations: a "
-              "prompt laid out with history (chat messages with earlier turns); a single-shot query keeps nothing "
+              "prompt laid out with history holding an assistant's answer); a single-shot query keeps nothing "
               "and costs nothing more. Pieces live in their own memory (history_pieces_bytes), never in the KV "
               "store: they never evict a document's KV. Read by the engine's own strategy only; needs write_back.")
     history_pieces_bytes: int = option(

@@ -117,6 +117,12 @@ class PromptLayout:
     conversation: bool = False
 
 
+def is_conversation(history: Sequence[tuple[str, str]]) -> bool:
+    """Whether earlier turns make a conversation: one has an assistant's answer. Two user messages
+    alone (context, then the question) are a single-shot prompt."""
+    return any(role == "assistant" for role, _ in history)
+
+
 def check_segments(segments: Sequence[Segment]) -> list[Segment]:
     """Validate a segments list, raising a clear error for anything ragblend cannot use."""
     if isinstance(segments, (str, Chunk)):
@@ -579,13 +585,16 @@ class PromptBuilder:
         "user" or "assistant"), under ``system``, joined by ``separator`` (default: the builder's).
         The chunks' spans are ``namespace``'s (see :class:`ChunkSpan`)."""
         segments = check_segments(segments)
+        template = getattr(self.tokenizer, "chat_template", None) if self.use_chat_template else None
         try:   # the inputs as a key (a history of unhashable or odd turns is checked, and refused, below)
             key = (tuple((isinstance(s, Chunk), s.text if isinstance(s, Chunk) else s) for s in segments), system,
                    tuple(tuple(turn) for turn in history), separator, namespace, self.use_chat_template,
-                   self.answer_cue, self.max_tokens)
+                   self.answer_cue, self.max_tokens, template)
             hash(key)
         except TypeError:
             key = None
+        if isinstance(template, str) and "strftime_now" in template:
+            key = None   # the template writes today's date (Llama 3): the same inputs give other ids tomorrow
         with self._layouts_lock:
             recent = self._layouts.get(key) if key is not None else None
             if recent is not None:
@@ -621,7 +630,7 @@ class PromptBuilder:
                 spans.append(ChunkSpan(len(ids), len(ids) + len(tokens), tuple(tokens), namespace=namespace))
             ids += tokens
         ids += suffix
-        return PromptLayout(ids, spans, namespace, conversation=bool(history))
+        return PromptLayout(ids, spans, namespace, conversation=is_conversation(history))
 
 
 class ChunkFinder:

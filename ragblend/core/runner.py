@@ -104,8 +104,8 @@ class PrefillRunner:
         computed: dict = {}  # chunks computed during this call, by key
         # Only a conversation's turns (chat messages with earlier turns) are worth keeping: a single-shot
         # query would pay a background pass for text that is never asked again.
-        pieces = self.pieces and layout.conversation and self.piece_store.max_bytes > 0 and plan.engine_default \
-            and plan.reuses and not is_bypassed()
+        pieces = self.keeps_pieces and layout.conversation and plan.engine_default and plan.reuses \
+            and not is_bypassed()
         if pieces:   # the conversation's earlier turns, where stored (.pieces)
             layout = with_pieces(layout, self.index.finder, start=self.ingestion.prompts.opening_length(layout.token_ids),
                                  end=self.last_message_start(layout.token_ids))
@@ -236,6 +236,11 @@ class PrefillRunner:
                          usable_from=0 if scope.exact else n - 1)
         except Exception as err:   # the tier never fails an answer that is done
             log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
+
+    @property
+    def keeps_pieces(self) -> bool:
+        """Whether conversations' turns are kept as pieces (switched on, with memory for them)."""
+        return self.pieces and self.piece_store.max_bytes > 0
 
     def remember_pieces(self, decoding, store: KVStore, batch_tokens: int) -> None:
         """Store, in the background, the pieces of a finished answer's prompt and answer that no

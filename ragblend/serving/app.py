@@ -59,7 +59,7 @@ from ragblend.core.batching import kv_bytes_for
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.net import is_loopback
-from ragblend.core.prompt import PromptLayout, TooLong, check_text
+from ragblend.core.prompt import PromptLayout, TooLong, check_text, is_conversation
 
 from .options import SERVER_DEFAULTS
 from .protocol import (
@@ -590,7 +590,7 @@ async def chat_completions(server: Server, request: Request):
     check_options(body)
     namespace = server.namespace_of(request, body)
     # A conversation's earlier turns are kept as the engine's history pieces (for its own strategy), not as passages.
-    pieces = bool(prompt.history) and getattr(getattr(server.engine, "runner", None), "pieces", False) \
+    pieces = is_conversation(prompt.history) and getattr(getattr(server.engine, "runner", None), "keeps_pieces", False) \
         and requested_strategy(body) is None
     return await answer(server, request, "/v1/chat/completions", body,
                         lambda: prompt.layout(server.engine, namespace=namespace), True,

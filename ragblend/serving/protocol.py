@@ -361,7 +361,8 @@ class ChatPrompt:
         """The passages of the messages' unmarked text but the question's (see :func:`passages`);
         marked chunks are stored by the fusion. ``history=False``: none of the earlier turns' either
         (the engine keeps a conversation's turns as history pieces: storing them twice costs twice)."""
-        texts = self.unmarked if history else [t for t in self.unmarked if t not in set(self.turns)]
+        turns = set() if history else set(self.turns)
+        texts = [t for t in self.unmarked if t not in turns]
         return passages(texts, self.question)
 
     def layout(self, engine: BlendEngine, *, find_chunks: bool = True, namespace: str = "") -> PromptLayout:
@@ -371,7 +372,8 @@ class ChatPrompt:
         if any(isinstance(s, Chunk) for s in self.segments):
             return engine.build_prompt(self.segments, system=self.system, history=self.history, separator="",
                                        namespace=namespace)
-        layout = engine.build_prompt([_joined(self.text, self.segments)], system=self.system, history=self.history)
+        layout = engine.build_prompt([_joined(self.text, self.segments)], system=self.system, history=self.history,
+                                     namespace=namespace)   # the builder's remembered layouts are per tenant too
         if not find_chunks:
             return layout
         check_window(engine, len(layout.token_ids))

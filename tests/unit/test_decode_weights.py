@@ -467,3 +467,16 @@ def test_the_decoding_folder_keeps_under_its_budget_dropping_the_least_recently_
     monkeypatch.setattr(low_bit_cache, "MAX_FOLDER_BYTES", 0)   # smaller than one file: the new one stays
     low_bit_cache.write(new, tensors)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.safetensors", "notes.txt"]
+
+
+def test_a_decoding_folder_that_cannot_be_tidied_is_a_logged_miss(tmp_path, monkeypatch, caplog):
+    from ragblend.core import low_bit_cache
+
+    def unlistable(_):
+        raise PermissionError("no listing here")
+
+    monkeypatch.setattr(low_bit_cache.os, "scandir", unlistable)
+    path = tmp_path / "new.safetensors"
+    low_bit_cache.write(path, {"w|packed": torch.zeros(8, dtype=torch.uint8)})   # does not raise
+    assert low_bit_cache.read(path) is not None
+    assert "could not tidy the decoding weights folder" in caplog.text

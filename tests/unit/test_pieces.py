@@ -161,7 +161,9 @@ def test_a_single_shot_query_keeps_no_piece_and_costs_no_background_pass(tokeniz
     engine.runner.background.submit = lambda fn, *args: (submitted.append(fn), submit(fn, *args))
     system = f"Context:\n\n{PASSAGES[0]}\n\n{PASSAGES[1]}"
     for layout in (engine.find_chunks(QUESTIONS[0], system=system),            # no earlier turn
-                   engine.build_prompt([Chunk(PASSAGES[2]), QUESTIONS[1]])):   # segments
+                   engine.build_prompt([Chunk(PASSAGES[2]), QUESTIONS[1]]),    # segments
+                   # context and question as two user messages: still one question, no answer before it
+                   engine.find_chunks(QUESTIONS[1], history=[("user", system)])):
         assert layout.conversation is False
         engine.generate(layout, max_new_tokens=16, stop=None)
         engine.flush()
@@ -222,3 +224,32 @@ def test_a_question_before_an_assistants_prefill_is_the_question(tokenizer):
     engine.flush()
     assert not any(tuple(question[:16]) == ids[k:k + 16] for ns, ids in engine.index.finder._chunks
                    if ns.startswith("turns:") for k in range(len(ids)))
+
+
+def test_pieces_an_older_version_left_in_the_kv_store_do_not_hide_new_ones(tokenizer):
+    """Before pieces had their own memory they were stored in the KV store: such entries are passed
+    over, and the same pieces computed into the pieces' memory are still found."""
+    fresh = chat(pieces_engine(tokenizer, "llama"), 3)
+    reference = pieces_engine(tokenizer, "llama")
+    chat(reference, 3)
+    store = MemoryStore()
+    planter = pieces_engine(tokenizer, "llama", store=store)
+    for entry in reference.runner.piece_store._entries.values():   # as the older version stored them
+        planter.ingestion.precompute_ids([list(entry.token_ids)], store, batch_tokens=4096, namespace=entry.namespace)
+    engine = pieces_engine(tokenizer, "llama", store=store)
+    stats = chat(engine, 3)
+    assert fresh[2].history_tokens > 0
+    assert stats[2].history_tokens == fresh[2].history_tokens
+
+
+def test_describe_reports_the_history_pieces(tokenizer, capsys):
+    from ragblend.cli.info import _print_history_pieces
+
+    engine = pieces_engine(tokenizer)
+    chat(engine, 2)
+    pieces = engine.describe().history_pieces
+    assert pieces["entries"] == len(engine.runner.piece_store) > 0
+    assert 0 < pieces["bytes"] <= pieces["max_bytes"] == engine.options.history_pieces_bytes
+    _print_history_pieces(pieces)
+    assert f"{pieces['entries']} entries" in capsys.readouterr().out
+    assert make_tiny_engine("llama", tokenizer, history_pieces=True, history_pieces_bytes=0).describe().history_pieces == {}

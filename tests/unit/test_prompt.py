@@ -130,3 +130,25 @@ def test_a_repeated_prompt_is_laid_out_without_templating_or_tokenizing_again(to
                   builder.build([PASSAGES[0], "When does it leave?"], "Be brief.", history, namespace="tenant-a")):
         assert other != again
     assert builder.build(segments, "Be brief.", history, namespace="tenant-b").namespace == "tenant-b"
+
+
+def test_a_template_that_writes_the_date_is_templated_again_on_every_prompt(tokenizer):
+    """A remembered layout would keep the first call's date (Llama 3's templates call strftime_now):
+    such a template is never remembered; another tenant's layout is its own too."""
+    import copy
+    from unittest import mock
+
+    dated = copy.deepcopy(tokenizer)
+    dated.chat_template = ("{{ '<|im_start|>system\\nToday: ' + strftime_now('%S.%f') + '<|im_end|>\\n' }}"
+                           "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                           "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    builder = PromptBuilder(dated, max_tokens=2048)
+    with mock.patch.object(builder, "_build", wraps=builder._build) as build:
+        builder.build([Chunk("The ferry leaves at noon."), "When does it leave?"])
+        builder.build([Chunk("The ferry leaves at noon."), "When does it leave?"])
+    assert build.call_count == 2
+    plain = PromptBuilder(tokenizer, max_tokens=2048)
+    with mock.patch.object(plain, "_build", wraps=plain._build) as build:
+        for namespace in ("a", "a", "b"):
+            plain.build(["When does it leave?"], namespace=namespace)
+    assert build.call_count == 2   # a's repeat remembered, b's laid out again
