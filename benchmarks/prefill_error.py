@@ -11,6 +11,8 @@ prefill the order noise), against:
 * ``held form``: the quantized engine, float32 plan (what the weights' form alone changes);
 * ``fast plan``: the quantized engine, ``RAGBLEND_QUANTIZED_PREFILL=bfloat16`` (form + bfloat16);
 * ``fast plan, down_proj float32``: the same with the MLP's down projection kept in float32;
+* ``the same, passes of <= 16 rows in float32``: and no pass on the low-bit kernels, those of up
+  to 16 rows (decoding steps, the last row's LM head) in float32 (as the two variants below run them);
 * ``bfloat16 matmuls``: the float32 engine with every prefill matmul of more than 16 rows in
   bfloat16 on the file's own weights (the fast plan's arithmetic without the held form);
 * ``bfloat16 matmuls, down_proj float32``: the same with the down projection in float32.
@@ -88,6 +90,32 @@ def quantized_engine(path: str, plan: str, float32_parts: tuple[str, ...] = ()) 
     return engine
 
 
+def float32_short_passes(engine: BlendEngine) -> BlendEngine:
+    """``engine`` with its quantized prefill twin's passes of up to LONG_ROWS rows (decoding steps, the
+    last row's LM head) dequantized and multiplied in float32, and its longer ones (a question's
+    tokens too) all dequantized to its long-pass dtype, none on the low-bit kernels: as the
+    ``bfloat16 matmuls`` variants run them, so what the fast plan's weights alone change."""
+    for module in engine.adapter.hf_model.modules():
+        if isinstance(module, QuantLinear):
+            module.rows = _float32_below(module)
+    return engine
+
+
+def _float32_below(layer: QuantLinear):
+    own = QuantLinear.rows.__get__(layer)
+
+    def rows(flat: torch.Tensor) -> torch.Tensor:
+        saved = layer.kernel_rows, layer.long_pass_dtype
+        layer.kernel_rows = 0   # longer passes in its dtype, never on the kernel; short ones in float32
+        if flat.shape[0] <= LONG_ROWS:
+            layer.long_pass_dtype = torch.float32
+        try:
+            return own(flat)
+        finally:
+            layer.kernel_rows, layer.long_pass_dtype = saved
+    return rows
+
+
 def answer(engine: BlendEngine, prompt, tokens: int, reverse: bool = False):
     chunks = prompt.chunks[::-1] if reverse else prompt.chunks
     segments = [Chunk(c) for c in chunks] + [prompt.question]
@@ -114,6 +142,7 @@ def main(argv=None) -> None:
     exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype="float32")
     held, fast = quantized_engine(path, "float32"), quantized_engine(path, "bfloat16")
     fast_down = quantized_engine(path, "bfloat16", ("down_proj",))
+    fast_long = float32_short_passes(quantized_engine(path, "bfloat16", ("down_proj",)))
 
     def on_exact(parts):
         def run(prompt):
@@ -123,6 +152,7 @@ def main(argv=None) -> None:
 
     variants = {"held form": lambda p: answer(held, p, tokens), "fast plan": lambda p: answer(fast, p, tokens),
                 "fast plan, down_proj float32": lambda p: answer(fast_down, p, tokens),
+                f"the same, passes of <= {LONG_ROWS} rows in float32": lambda p: answer(fast_long, p, tokens),
                 "bfloat16 matmuls": on_exact(()), "bfloat16 matmuls, down_proj float32": on_exact(("down_proj",))}
     results, noises, report = {v: [] for v in variants}, [], []
     for set_name, prompts in sets.items():

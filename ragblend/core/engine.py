@@ -63,7 +63,7 @@ from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
 from .prefix_cache import PrefixCache
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text, is_conversation
-from .quantized import is_quantized, prefill_twin, scoring_twin
+from .quantized import HELD_FORM_VERSION, is_quantized, prefill_twin, scoring_twin
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
 from .store import EntrySpec, KVStore, MemoryStore, open_store
@@ -99,11 +99,12 @@ class BlendEngine:
         self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
         # The model's identity (what its calibration is stored under), and what its KV is stored
         # under: a model on quantized weights (core.quantized) is the same model as its file in
-        # float32, but computes KV that differs by float rounding, so its entries are its own.
+        # float32, but computes KV that differs by float rounding, so its entries are its own (and
+        # those of an older held form, whose rounding differed, are not read).
         self.model_fingerprint = self.adapter.fingerprint(tokenizer)
         self.weights_form = self.adapter.weights_form()
         self.fingerprint = self.model_fingerprint if not self.weights_form.startswith("quantized") else \
-            hashlib.sha256(f"{self.model_fingerprint}|{self.weights_form}".encode()).hexdigest()
+            hashlib.sha256(f"{self.model_fingerprint}|{self.weights_form}|{HELD_FORM_VERSION}".encode()).hexdigest()
         self.index = ChunkIndex()
         self.ingestion = Ingestion(self.adapter, self.prompts, self.sink_ids, self.fingerprint, options.storage_dtype,
                                    self.lock, self.index, self.lead_sink_ids)

@@ -225,6 +225,10 @@ class PrefillFidelity:
     kl_share: float
     same: int
     prompts: int
+    # The matmuls the measured fast plan kept in float32 (names containing any of these, e.g.
+    # "down_proj": the MLP's down projection, whose bfloat16 rounding costs most KL); the fast
+    # twin keeps them so (quantized.prefill_twin).
+    float32_layers: tuple[str, ...] = ()
 
     @property
     def meets(self) -> bool:
@@ -275,7 +279,8 @@ def quantized_estimate(gguf) -> int:
     for info in gguf.tensors.values():
         count = int(math.prod(info.shape))
         if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
-            total += count // 2 + count // 32 * 4
+            # packed codes, the kernel's bfloat16 scales and zeros, the file's (float16; Q4_K's float32)
+            total += count // 2 + count // 32 * (4 + (8 if info.type_name == "Q4_K" else 4))
         elif info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
             total += count + info.shape[0] * 4
         else:
