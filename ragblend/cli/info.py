@@ -35,22 +35,24 @@ def run(args) -> int:
     return 0
 
 
-def _print_prefix_tier(tier: dict) -> None:
-    if not tier:
-        print("Prefix tier: off (prefix_cache_bytes=0)")
+def _print_memory_tier(title: str, what: str, off: str, info: dict, counts: str) -> None:
+    """One line for a tier kept in memory: off (and how it is switched off), or its use."""
+    if not info:
+        print(f"{title}: off ({off})")
         return
-    print(f"Prefix tier (recent prompts' and answers' K/V, reused by exact prefix): up to "
-          f"{tier['max_bytes'] / 2**20:,.0f} MiB in memory per process; {tier['entries']} entries "
-          f"({tier['bytes'] / 2**20:,.1f} MiB), {tier['hits']} hits, {tier['hit_tokens']} tokens served")
+    print(f"{title} ({what}): up to {info['max_bytes'] / 2**20:,.0f} MiB in memory per process; "
+          f"{info['entries']} entries ({info['bytes'] / 2**20:,.1f} MiB), {counts}")
+
+
+def _print_prefix_tier(tier: dict) -> None:
+    _print_memory_tier("Prefix tier", "recent prompts' and answers' K/V, reused by exact prefix", "prefix_cache_bytes=0",
+                       tier, tier and f"{tier['hits']} hits, {tier['hit_tokens']} tokens served")
 
 
 def _print_history_pieces(pieces: dict) -> None:
-    if not pieces:
-        print("History pieces: off (history_pieces=False or history_pieces_bytes=0)")
-        return
-    print(f"History pieces (a conversation's turns, fused like chunks in its later turns): up to "
-          f"{pieces['max_bytes'] / 2**20:,.0f} MiB in memory per process; {pieces['entries']} entries "
-          f"({pieces['bytes'] / 2**20:,.1f} MiB), {pieces['evictions']} evicted")
+    _print_memory_tier("History pieces", "a conversation's turns, fused like chunks in its later turns",
+                       "history_pieces=False or history_pieces_bytes=0", pieces,
+                       pieces and f"{pieces['evictions']} evicted")
 
 
 def _print_kernels(about) -> None:
