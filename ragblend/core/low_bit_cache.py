@@ -14,7 +14,8 @@ that cannot be read, fails its checksum or does not hold every layer it names is
 
 A new key (another torch, a change to the code, the file replaced) leaves the old file behind, so
 the folder is kept under :data:`MAX_FOLDER_BYTES`: after each write, the files read least
-recently go first (a read marks its file used), never the one just written.
+recently go first (a read marks its file used), never the one just written, and the budget is
+never under twice that file's size.
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def write(path: Path | None, tensors: dict[str, torch.Tensor]) -> None:
                     "again.", type(err).__name__, err)
         return
     try:
-        evict_beyond(path.parent, MAX_FOLDER_BYTES, keep=path)
+        # room for two models of the one just written, whatever the budget: two 8B models used in
+        # turn must not evict each other's weights on every start
+        evict_beyond(path.parent, max(MAX_FOLDER_BYTES, 2 * path.stat().st_size), keep=path)
     except OSError as err:   # a cache: a folder that cannot be tidied is left as it is
         log.warning("ragblend: could not tidy the decoding weights folder (%s: %s).", type(err).__name__, err)
 

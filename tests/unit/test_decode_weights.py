@@ -464,9 +464,10 @@ def test_the_decoding_folder_keeps_under_its_budget_dropping_the_least_recently_
     low_bit_cache.write(new, tensors)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["new.safetensors", "notes.txt", "other.safetensors", "used.safetensors"]
-    monkeypatch.setattr(low_bit_cache, "MAX_FOLDER_BYTES", 0)   # smaller than one file: the new one stays
+    monkeypatch.setattr(low_bit_cache, "MAX_FOLDER_BYTES", 0)   # smaller than one file: room for two such
+    os.utime(other, (2000, 2000))   # older than "used", read above
     low_bit_cache.write(new, tensors)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.safetensors", "notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.safetensors", "notes.txt", "used.safetensors"]
 
 
 def test_a_decoding_folder_that_cannot_be_tidied_is_a_logged_miss(tmp_path, monkeypatch, caplog):
