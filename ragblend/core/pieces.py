@@ -33,9 +33,9 @@ from .kv import PIECE_NAMESPACE_PREFIX, ChunkKV
 from .prompt import ChunkFinder, ChunkSpan, PromptLayout
 from .store import MemoryStore
 
-# Piece entries are kept apart from the chunks of the same namespace: a chunk found in any
-# prompt is the operator's or tenant's document, a piece only their own conversation's text.
-PIECE_PREFIX = PIECE_NAMESPACE_PREFIX
+# Piece entries are kept apart from the chunks of the same namespace (under PIECE_NAMESPACE_PREFIX):
+# a chunk found in any prompt is the operator's or tenant's document, a piece only their own
+# conversation's text.
 
 
 class PieceStore(MemoryStore):
@@ -55,11 +55,11 @@ class PieceStore(MemoryStore):
 
 def piece_namespace(namespace: str) -> str:
     """The namespace the pieces of ``namespace``'s conversations are stored and found under."""
-    return PIECE_PREFIX + namespace
+    return PIECE_NAMESPACE_PREFIX + namespace
 
 
 def is_piece(span: ChunkSpan) -> bool:
-    return span.namespace.startswith(PIECE_PREFIX)
+    return span.namespace.startswith(PIECE_NAMESPACE_PREFIX)
 
 
 def piece_runs(token_ids: Sequence[int], control_ids: frozenset[int], spans: Sequence[ChunkSpan], *, start: int,

@@ -216,10 +216,8 @@ class PrefixCache:
             if covered is not None and covered[1] == len(token_ids):   # a longer entry holds these tokens
                 holder = covered[0]
                 self._entries.move_to_end(holder.key)
-                if logits is not None and len(token_ids) not in holder.logits and holder.usable_from <= len(token_ids):
-                    holder.logits[len(token_ids)] = logits
-                    holder.nbytes += logits.numel() * logits.element_size()
-                    self.nbytes += logits.numel() * logits.element_size()
+                if logits is not None:
+                    self.nbytes += self._keep_logits(holder, len(token_ids), logits)
                     self._evict()
                 return False
             for h in blocks:   # a stored prefix of this one serves nothing this one does not
@@ -228,9 +226,7 @@ class PrefixCache:
                             token_ids[:len(older.token_ids)] == older.token_ids:
                         self._drop(older)
                         for p, kept in older.logits.items():   # its prompt's logits still serve a repeat
-                            if p not in entry.logits and entry.usable_from <= p:
-                                entry.logits[p] = kept
-                                entry.nbytes += kept.numel() * kept.element_size()
+                            self._keep_logits(entry, p, kept)
             entry.key = next(self._ids)
             self._entries[entry.key] = entry
             for h in blocks:
@@ -238,6 +234,17 @@ class PrefixCache:
             self.nbytes += entry.nbytes
             self._evict()
         return True
+
+    @staticmethod
+    def _keep_logits(entry: PrefixEntry, num_tokens: int, logits: torch.Tensor) -> int:
+        """Keep in ``entry`` the logits after its first ``num_tokens`` tokens, where it serves a hit
+        of that length and has none yet; the bytes it grew by."""
+        if num_tokens in entry.logits or num_tokens < entry.usable_from:
+            return 0
+        entry.logits[num_tokens] = logits
+        added = logits.numel() * logits.element_size()
+        entry.nbytes += added
+        return added
 
     def _evict(self) -> None:
         """Drop the least recently used entries while the total is over the budget."""
