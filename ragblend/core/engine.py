@@ -62,7 +62,7 @@ from .omp import release_thread_pool
 from .options import EngineOptions
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
 from .prefix_cache import PrefixCache
-from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text, is_conversation
+from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
 from .quantized import HELD_FORM_VERSION, is_quantized, prefill_twin, scoring_twin
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
@@ -337,8 +337,9 @@ class BlendEngine:
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
         check_text(prompt, "prompt")
-        return self.find_chunks_in_ids(self.build_prompt([prompt], system=system, history=history).token_ids,
-                                       namespace=namespace, conversation=is_conversation(history))
+        # built in the namespace too: the builder's remembered layouts are each caller's own
+        layout = self.build_prompt([prompt], system=system, history=history, namespace=namespace)
+        return self.find_chunks_in_ids(layout.token_ids, namespace=namespace, conversation=layout.conversation)
 
     def find_chunks_in_ids(self, token_ids: Sequence[int], *, namespace: str = "",
                            conversation: bool = False) -> PromptLayout:
