@@ -10,6 +10,7 @@ and ``docs/benchmarks.md`` keeps the current tables that link to them.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import socket
@@ -234,6 +235,42 @@ def percentile(values: list[float], q: float) -> float:
     """The value at quantile ``q`` of ``values`` (nearest rank)."""
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def wilson_interval(right: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``right / n`` (95% at z 1.96): unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n right, which small buckets hit."""
+    if n == 0:
+        return 0.0, 1.0
+    p = right / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference(first: list[bool], second: list[bool], z: float = 1.96) -> tuple[float, float, float]:
+    """The difference of two accuracies on the same prompts, ``mean(first) - mean(second)``, with
+    Newcombe's interval for paired proportions (his method 10, Statistics in Medicine 1998): the
+    Wilson intervals of both, joined through the correlation of the pairs. Pairing is the right test
+    here: both answer the same prompt, so only the prompts where they disagree carry information,
+    and two unpaired intervals of 40 prompts each would be far wider than the difference's."""
+    n = len(first)
+    if n == 0 or n != len(second):
+        raise ValueError(f"paired_difference needs two equally long non-empty lists, got {n} and {len(second)}")
+    a = sum(x and y for x, y in zip(first, second))
+    b = sum(x and not y for x, y in zip(first, second))
+    c = sum(y and not x for x, y in zip(first, second))
+    d = n - a - b - c
+    p1, p2 = (a + b) / n, (a + c) / n
+    (l1, u1), (l2, u2) = wilson_interval(a + b, n, z), wilson_interval(a + c, n, z)
+    cross = a * d - b * c
+    if cross > 0:   # Newcombe's continuity correction of the correlation, toward none
+        cross = max(cross - n / 2, 0)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = cross / math.sqrt(margins) if margins else 0.0
+    below = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    above = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    return p1 - p2, p1 - p2 - below, p1 - p2 + above
 
 
 def rouge_l(candidate: str, reference: str) -> float:

@@ -292,6 +292,9 @@ def test_the_user_like_benchmark_judges_each_bucket_by_issue_59s_rule():
     assert noise == 0.05   # the floor: the two full prefills differ by 2%
     assert judge([row()] * 20, "always", noise) == []
     assert judge([row()] * 19 + [row(right=0.0)], "always", noise) == []          # 1 in 20 lost: within
+    # 10 right against 7 of 60 (the 600-1,200 bucket of 2026-12-06): exactly 1 in 20, within
+    edge = [row()] * 7 + [row(right=0.0)] * 3 + [{**row(right=0.0), "full_right": 0.0}] * 50
+    assert judge(edge, "always", noise) == []
     assert judge([row()] * 8 + [row(right=0.0)], "always", noise) == ["accuracy 89% against 100%"]
     assert "KL median" in " ".join(judge([row(kl=0.05)] * 3, "always", noise))
     assert judge([row(), row(repeating=True)], "always", noise) == ["1 repeating answer(s) full prefill does not give"]
@@ -309,6 +312,99 @@ def test_the_user_like_benchmark_shows_the_order_noises_own_answers():
             {"noise_right": None, "noise_repeats": None}, {}]
     assert noise_answers(rows) == "50%, 1"
     assert noise_answers([{}, {"noise_right": None}]) == "-"
+
+
+def test_accuracy_intervals_are_wilsons_and_the_paired_difference_newcombes():
+    """A bucket's accuracies carry Wilson's 95% interval and the default against full prefill
+    Newcombe's paired one: the Bentur et al. (2009) table of Fagerland, Lydersen and Laake (2014)
+    gives -0.286 [-0.507, -0.026]; agreeing answers narrow the interval, unpaired they would not."""
+    from benchmarks.common import paired_difference, wilson_interval
+
+    assert wilson_interval(0, 10)[0] == 0.0 and 0.27 < wilson_interval(0, 10)[1] < 0.28
+    low, high = wilson_interval(5, 10)
+    assert math.isclose(low, 1 - high) and 0.23 < low < 0.24
+    # 1 both right, 1 only the first, 7 only the second, 12 neither
+    first, second = [1, 1] + [0] * 19, [1, 0] + [1] * 7 + [0] * 12
+    value, low, high = paired_difference([bool(x) for x in first], [bool(x) for x in second])
+    assert (round(value, 3), round(low, 3), round(high, 3)) == (-0.286, -0.507, -0.026)
+    # 40 prompts, 2 lost and none gained: the difference is -5%, its interval spans 0 and stays narrow
+    value, low, high = paired_difference([True] * 8 + [False] * 32, [True] * 10 + [False] * 30)
+    assert math.isclose(value, -0.05) and -0.2 < low < -0.05 < 0 < high < 0.05
+    assert paired_difference([True, False], [True, False]) == (0.0, *paired_difference([True, False], [True, False])[1:])
+    with pytest.raises(ValueError):
+        paired_difference([True], [])
+
+
+def test_the_user_like_benchmark_fills_only_the_buckets_asked_for_up_to_a_cap(tmp_path):
+    """``--buckets 600-1200 1200-2000 --prompts N``: a question's configurations go to the emptiest
+    buckets asked for that hold fewer than N prompts, two at most; the report reads saved rows back
+    and shows the intervals beside the rule, for the buckets asked for only."""
+    import json
+
+    from benchmarks.userlike import choose_prompts, interval_lines, main, parse_bucket
+
+    estimates = {128: [120, 240, 360, 480, 600, 720], 512: [500, 1000, 1500, 2000, 2500, 3000]}
+    wanted = {(600, 1200): 3, (1200, 2000): 1}
+    chosen = choose_prompts(estimates, wanted, None, 0)
+    assert len(chosen) == 2 and chosen[0] == (512, 3)           # 1,200-2,000 first: it is the emptier
+    assert choose_prompts(estimates, wanted, 3, 0) == [(512, 3)]  # 600-1,200 is full
+    assert choose_prompts(estimates, {(600, 1200): 3}, 3, 0) == []
+    assert parse_bucket("600-1200") == (600, 1200)
+    with pytest.raises(Exception, match="none of"):
+        parse_bucket("600-1300")
+
+    def row(tokens, full, default, noise):
+        return {"model": "m", "tokens": tokens, "default": "always", "full_right": full, "always_right": default,
+                "noise_right": noise, "noise_kl": 0.05, "always_kl": 0.01, "full_repeats": False,
+                "always_repeats": False, "noise_repeats": False, "full_ttft": 2.0, "always_ttft": 1.0,
+                "full_cpu": 2.0, "full_cpu_again": 2.0, "always_cpu": 1.0, "always_skipped": False}
+
+    rows = [row(700, 1.0, 1.0, 1.0)] * 18 + [row(700, 1.0, 0.0, 0.0)] * 2 + [row(1500, 0.0, 0.0, None)] * 3
+    lines = interval_lines(rows, [(600, 1200), (1200, 2000)])
+    cells = [line for line in lines if line.startswith("| m | 600-1200")][0].strip("| ").split(" | ")
+    assert cells[2:] == ["20", "100% [84%, 100%]", "90% [70%, 97%]", "90% [70%, 97%]", cells[6], cells[7],
+                         "+0.0% [-15.7%, +15.7%]", "no"]
+    assert cells[6].startswith("-10.0% [") and cells[7].startswith("-10.0% [")
+    no_noise = [line for line in lines if line.startswith("| m | 1200-2000")][0]
+    assert "| 0% [0%, 56%] | - | +0.0% [" in no_noise and no_noise.endswith("| - | - | yes |")
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"rows": rows, "notes": ["- a note"]}))
+    main(["--rows", str(saved), "--buckets", "600-1200", "--out", str(tmp_path)])
+    report = (tmp_path / "userlike.md").read_text()
+    assert "| m | 600-1200 | 20 | always (0), default |" in report and "1200-2000" not in report
+    assert "- a note" in report
+
+
+def test_the_user_like_benchmark_lets_the_cpu_lock_go_only_after_holding_it_a_while(tmp_path):
+    """``--lock``: held across prompts for ``--lock-minutes``, then let go between two of them; a
+    job waiting on the same lock (``flock`` takes flock(2) too) gets it then."""
+    import fcntl
+
+    from benchmarks.userlike import CpuLock
+
+    path = tmp_path / "cpu.lock"
+
+    def free() -> bool:
+        with open(path, "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return True
+
+    lock = CpuLock(path, hold_s=3600)
+    with lock.hold():
+        assert not free()
+    assert not free()                 # between two prompts, well inside the hold
+    lock.release()
+    assert free()
+    brief = CpuLock(path, hold_s=0)
+    with brief.hold():
+        assert not free()
+    assert free()                     # held its time: let go after the block
+    with CpuLock(None).hold():        # no path, no lock
+        assert free()
 
 
 def test_fidelity_judges_gold_answers_and_repeats_beside_the_reference():
