@@ -28,6 +28,7 @@ import torch
 
 from .errors import InvalidInputError
 from .generate import Decoding, KVDecoder
+from .layer_step import LayerPass, run_layers
 from .masks import visible_keys
 from .model import RopeTables
 
@@ -62,30 +63,44 @@ def batch_extend(decoders: list[KVDecoder], tokens: list[int]) -> torch.Tensor:
     starts = [d.length for d in decoders]
     # Each sequence sits at its own position: its own row of RoPE angles.
     rope = RopeTables.stack([d.rope.rows(p) for d, p in zip(decoders, starts)])
-    hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
-    spans = {}   # per sliding window (layers may differ): each sequence's visible keys and bias mask
-    for layer in range(adapter.shape.num_layers):
-        cos, sin = rope.layer(layer)
-        x = adapter.attn_input(layer, hidden)
-        q, k, v = adapter.qkv(layer, x)   # k, v: [kv_heads, sequences, head_dim]
-        q, k = adapter.rope(q, cos, sin), adapter.rope(k, cos, sin)
-        window = adapter.window(layer)
-        if window not in spans:
-            spans[window] = [visible_keys(p, window, d.key_bias, d.dtype) for d, p in zip(decoders, starts)]
-        outs = []
-        for d, p, (keys, bias), q_i, k_i, v_i in zip(decoders, starts, spans[window], q.unbind(1),
-                                                     k.unbind(1), v.unbind(1)):
-            d.keys[layer][:, p] = k_i
-            d.values[layer][:, p] = v_i
-            # Each sequence's queries go to its own K/V dtype (a float32 one beside a float16 one).
-            outs.append(adapter.attend_one_token(q_i[:, None], d.keys[layer][:, keys], d.values[layer][:, keys], bias))
-        hidden = adapter.finish(layer, hidden, torch.cat(outs).to(hidden.dtype))
+    hidden = run_layers(adapter, torch.tensor(tokens, device=adapter.device), rope, BatchLayers(adapter, decoders, starts))
     logits = adapter.logits(hidden)
     # Only a pass that completed counts its position: a failed one (anywhere, the LM head
     # included) leaves every decoder as it found it, so it can be run again.
     for d, p in zip(decoders, starts):
         d.length = p + 1
     return logits
+
+
+class BatchLayers(LayerPass):
+    """One token of each of ``decoders`` (at ``starts``) in one pass: Q/K/V and everything after
+    attention over one ``[sequences, hidden]`` matrix, each token's K/V written into its own
+    decoder's buffers, attention per sequence over that sequence's own keys. One token a
+    sequence: no cancellation check."""
+
+    cancellable = False
+
+    def __init__(self, adapter, decoders: list[KVDecoder], starts: list[int]):
+        super().__init__(adapter)
+        self.decoders, self.starts = decoders, starts
+        self.spans = {}   # per sliding window (layers may differ): each sequence's visible keys and bias mask
+
+    def process_qkv(self, layer, x, cos, sin):
+        q, k, v = self.adapter.qkv(layer, x)   # k, v: [kv_heads, sequences, head_dim]
+        k = self.adapter.rope(k, cos, sin)
+        for d, p, k_i, v_i in zip(self.decoders, self.starts, k.unbind(1), v.unbind(1)):
+            d.keys[layer][:, p] = k_i
+            d.values[layer][:, p] = v_i
+        return self.adapter.rope(q, cos, sin)
+
+    def attend(self, layer, q):
+        window = self.adapter.window(layer)
+        if window not in self.spans:
+            self.spans[window] = [visible_keys(p, window, d.key_bias, d.dtype) for d, p in zip(self.decoders, self.starts)]
+        # Each sequence's queries go to its own K/V dtype (a float32 one beside a float16 one).
+        outs = [self.adapter.attend_one_token(q_i[:, None], d.keys[layer][:, keys], d.values[layer][:, keys], bias)
+                for d, (keys, bias), q_i in zip(self.decoders, self.spans[window], q.unbind(1))]
+        return torch.cat(outs).to(self.adapter.dtype)
 
 
 @dataclass(eq=False)

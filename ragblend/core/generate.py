@@ -23,6 +23,7 @@ import torch
 
 from .cancel import check_cancelled
 from .errors import InvalidInputError
+from .layer_step import LayerPass, run_layers
 from .masks import attention_plan, visible_keys
 from .omp import release_thread_pool
 
@@ -127,35 +128,8 @@ class KVDecoder:
         if n == 0 or end > self.capacity:
             raise InvalidInputError(f"The decoder's buffers hold {self.capacity} positions; "
                                     f"{start} are used, no room for {n} more.")
-        rope = self.rope.rows(slice(start, end))
-        positions = torch.arange(start, end, device=adapter.device)
-        key_bias = None if self.key_bias is None else self.key_bias[:end]
-        plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their masks
-        hidden = adapter.embed(torch.tensor(tokens, device=adapter.device))
-        for layer in range(adapter.shape.num_layers):
-            if n > 1:
-                check_cancelled()   # a prompt's rest (core.prefix_cache) may be long; a failed pass changes nothing
-            cos, sin = rope.layer(layer)
-            x = adapter.attn_input(layer, hidden)
-            q, k, v = adapter.qkv(layer, x)
-            self.keys[layer][:, start:end] = adapter.rope(k, cos, sin)
-            self.values[layer][:, start:end] = v
-            q = adapter.rope(q, cos, sin)
-            window = adapter.window(layer)
-            if window not in plans:   # once, not in every layer: the keys seen, and the masks
-                if n == 1:   # one token sees all its keys: no causal mask, only the bias if any
-                    seen, bias = visible_keys(start, window, self.key_bias, self.dtype)
-                    plans[window] = seen, (bias,)
-                else:
-                    plan = attention_plan(positions, end, window, self.dtype, rows_per_group=n, key_bias=key_bias)[0]
-                    plans[window] = plan.keys, (plan.mask, adapter.fold_mask(plan.mask))
-            seen, masks = plans[window]
-            keys, values = self.keys[layer][:, seen], self.values[layer][:, seen]
-            if n == 1:
-                attn = adapter.attend_one_token(q, keys, values, *masks)
-            else:
-                attn = adapter.attention(q.to(self.dtype), keys, values, *masks)
-            hidden = adapter.finish(layer, hidden, attn.to(hidden.dtype))
+        hidden = run_layers(adapter, torch.tensor(tokens, device=adapter.device), self.rope.rows(slice(start, end)),
+                            DecoderLayers(self, adapter, start, end))
         logits = adapter.logits(hidden[-1:] if last_only else hidden)
         self.length = end   # only once the pass completed: a failed one leaves the decoder as it was
         return logits
@@ -170,6 +144,49 @@ class KVDecoder:
         if not 0 <= length <= self.length:
             raise InvalidInputError(f"Cannot truncate a decoder holding {self.length} positions to {length}.")
         self.length = length
+
+
+class DecoderLayers(LayerPass):
+    """A :class:`KVDecoder`'s pass over the new tokens at ``start:end``: Q, K and V in one matmul
+    (a decoding twin's fused low-bit rows, :meth:`ModelAdapter.qkv`), K/V written into the
+    decoder's buffers, attention of each token over the keys it sees."""
+
+    def __init__(self, decoder: KVDecoder, adapter, start: int, end: int):
+        super().__init__(adapter)
+        self.decoder, self.start, self.end = decoder, start, end
+        # A prompt's rest (core.prefix_cache) may be long: it may be cancelled (a failed pass changes
+        # nothing). A one-token step pays no check.
+        self.cancellable = end - start > 1
+        self.plans = {}   # per sliding window (layers may differ): the keys the new tokens see, and their masks
+
+    def process_qkv(self, layer, x, cos, sin):
+        q, k, v = self.adapter.qkv(layer, x)
+        self.decoder.keys[layer][:, self.start:self.end] = self.adapter.rope(k, cos, sin)
+        self.decoder.values[layer][:, self.start:self.end] = v
+        return self.adapter.rope(q, cos, sin)
+
+    def attend(self, layer, q):
+        adapter, decoder, n = self.adapter, self.decoder, self.end - self.start
+        window = adapter.window(layer)
+        if window not in self.plans:   # once, not in every layer: the keys seen, and the masks
+            self.plans[window] = self._plan(window)
+        seen, masks = self.plans[window]
+        keys, values = decoder.keys[layer][:, seen], decoder.values[layer][:, seen]
+        if n == 1:
+            attn = adapter.attend_one_token(q, keys, values, *masks)
+        else:
+            attn = adapter.attention(q.to(decoder.dtype), keys, values, *masks)
+        return attn.to(adapter.dtype)   # attention ran in the buffers' dtype; the rest in the model's
+
+    def _plan(self, window: int | None):
+        decoder, start, end = self.decoder, self.start, self.end
+        if end - start == 1:   # one token sees all its keys: no causal mask, only the bias if any
+            seen, bias = visible_keys(start, window, decoder.key_bias, decoder.dtype)
+            return seen, (bias,)
+        key_bias = None if decoder.key_bias is None else decoder.key_bias[:end]
+        positions = torch.arange(start, end, device=self.adapter.device)
+        plan = attention_plan(positions, end, window, decoder.dtype, rows_per_group=end - start, key_bias=key_bias)[0]
+        return plan.keys, (plan.mask, self.adapter.fold_mask(plan.mask))
 
 
 class PromptLookup:

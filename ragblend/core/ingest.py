@@ -22,9 +22,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .cancel import check_cancelled
 from .errors import InvalidInputError, PromptTooLongError
 from .kv import QUANTIZED_DTYPES, ChunkKV, ChunkRef, chunk_key, lead_key, to_storage
+from .layer_step import LayerPass, run_layers
 from .masks import attend, attention_plan, offset_causal_mask
 from .model import ModelAdapter
 from .omp import release_thread_pool
@@ -253,24 +253,9 @@ def isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunk_ids: list[int]
     sink's own K/V are dropped.
     """
     ids = torch.tensor(list(sink_ids) + list(chunk_ids), device=adapter.device)
-    start, n = len(sink_ids), ids.numel()
-    rope = adapter.rope_tables(n)
-    hidden = adapter.embed(ids)
-    keys, values = [], []
-    for layer in range(adapter.shape.num_layers):
-        check_cancelled()
-        cos, sin = rope.layer(layer)
-        x = adapter.attn_input(layer, hidden)
-        k, v = adapter.kv(layer, x)
-        keys.append(k[:, start:])
-        values.append(v[:, start:])
-        if layer == adapter.shape.num_layers - 1:
-            break  # the last layer's output is not needed, only its K/V
-        q = adapter.q(layer, x)
-        plan = attention_plan(torch.arange(n, device=ids.device), n, adapter.window(layer), q.dtype)
-        attn = attend(adapter, adapter.rope(q, cos, sin), adapter.rope(k, cos, sin), v, plan)
-        hidden = adapter.finish(layer, hidden, attn)
-    return torch.stack(keys), torch.stack(values)
+    entry = IsolatedLayers(adapter, len(sink_ids), ids.numel())
+    run_layers(adapter, ids, adapter.rope_tables(ids.numel()), entry)
+    return torch.stack(entry.keys), torch.stack(entry.values)
 
 
 @torch.inference_mode()
@@ -290,31 +275,62 @@ def packed_isolated_kv(adapter: ModelAdapter, sink_ids: list[int], chunks: list[
     sink = sink if sink is not None else sink_kv(adapter, sink_ids)
     ids = torch.tensor([t for c in chunks for t in c], device=device)
     positions = torch.cat([torch.arange(s, s + n, device=device) for n in lengths])
-    rope = rope.rows(positions)
     bounds = [(a, a + n) for a, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)]
-    masks = {n: offset_causal_mask(n, s, device, adapter.dtype) for n in set(lengths)}   # after the sink
-    hidden = adapter.embed(ids)
-    keys, values = [], []
-    for layer in range(adapter.shape.num_layers):
-        check_cancelled()
-        # 1. K/V of every chunk token at once; they are what is stored.
-        cos, sin = rope.layer(layer)
-        x = adapter.attn_input(layer, hidden)
-        k, v = adapter.kv(layer, x)
-        keys.append(k)
-        values.append(v)
-        if layer == adapter.shape.num_layers - 1:
-            break
-        # 2. Attention, chunk by chunk: each sees the sink and its own earlier tokens.
-        q, k = adapter.rope(adapter.q(layer, x), cos, sin), adapter.rope(k, cos, sin)
-        sink_k, sink_v = sink[layer]
-        attn = torch.cat([adapter.attention(q[:, a:b], torch.cat([sink_k, k[:, a:b]], 1),
-                                            torch.cat([sink_v, v[:, a:b]], 1), masks[b - a]) for a, b in bounds])
-        # 3. Output projection and MLP, all tokens at once.
-        hidden = adapter.finish(layer, hidden, attn)
-    keys, values = torch.stack(keys), torch.stack(values)
+    entry = PackedLayers(adapter, sink, bounds)
+    run_layers(adapter, ids, rope.rows(positions), entry)
+    keys, values = torch.stack(entry.keys), torch.stack(entry.values)
     # Copies, not views: an entry must not keep its whole pack alive in the memory tier.
     return [(keys[:, :, a:b].clone(), values[:, :, a:b].clone()) for a, b in bounds]
+
+
+class EntryLayers(LayerPass):
+    """A precompute pass: ``keys``/``values`` keep each layer's K (before RoPE) and V from row
+    ``start`` on (what is stored). The last layer's output is not needed, only its K/V."""
+
+    stop_after_kv = True
+
+    def __init__(self, adapter: ModelAdapter, start: int = 0):
+        super().__init__(adapter)
+        self.start, self.keys, self.values = start, [], []
+
+    def process_qkv(self, layer, x, cos, sin):
+        k, v = self.adapter.kv(layer, x)
+        self.keys.append(k[:, self.start:])
+        self.values.append(v[:, self.start:])
+        self.k, self.v, self.angles = k, v, (cos, sin)   # K rotated in attend: the last layer has none
+        return None
+
+
+class IsolatedLayers(EntryLayers):
+    """Precompute of one sequence (:func:`isolated_kv`): causal attention over its own K/V."""
+
+    def __init__(self, adapter: ModelAdapter, start: int, num_tokens: int):
+        super().__init__(adapter, start)
+        self.positions, self.plans = torch.arange(num_tokens, device=adapter.device), {}
+
+    def attend(self, layer, q):
+        window, n = self.adapter.window(layer), self.positions.numel()
+        if window not in self.plans:   # once per sliding window, not in every layer
+            self.plans[window] = attention_plan(self.positions, n, window, q.dtype)
+        return attend(self.adapter, q, self.adapter.rope(self.k, *self.angles), self.v, self.plans[window])
+
+
+class PackedLayers(EntryLayers):
+    """Precompute of several chunks packed in one pass (:func:`packed_isolated_kv`): every chunk
+    token through the linear layers at once, attention chunk by chunk, each chunk seeing the
+    ``sink``'s K/V (rotated, per layer) and its own earlier tokens; ``bounds``: each chunk's rows."""
+
+    def __init__(self, adapter: ModelAdapter, sink: list[tuple[torch.Tensor, torch.Tensor]],
+                 bounds: list[tuple[int, int]]):
+        super().__init__(adapter)
+        self.sink, self.bounds, s = sink, bounds, sink[0][0].shape[1]
+        self.masks = {n: offset_causal_mask(n, s, adapter.device, adapter.dtype) for n in {b - a for a, b in bounds}}
+
+    def attend(self, layer, q):
+        k, v, (sink_k, sink_v) = self.adapter.rope(self.k, *self.angles), self.v, self.sink[layer]
+        return torch.cat([self.adapter.attention(q[:, a:b], torch.cat([sink_k, k[:, a:b]], 1),
+                                                 torch.cat([sink_v, v[:, a:b]], 1), self.masks[b - a])
+                          for a, b in self.bounds])
 
 
 @torch.inference_mode()

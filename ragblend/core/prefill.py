@@ -9,9 +9,13 @@ Attention uses an exact causal mask: a selected token at position p sees keys at
 positions <= p, whether those keys are fresh or cached, and nothing after p.
 
 Reading :func:`fused_prefill` top to bottom: lay out the prompt, let the selection choose
-the first tokens, then :func:`_walk` the layers; each layer's step (:func:`process_qkv`):
-assemble K/V (fresh for the selected tokens, cached for the rest), let the selection refine
-at its check layers, attention, MLP.
+the first tokens, then :func:`_walk` the layers: the one loop every pass shares
+(:func:`~ragblend.core.layer_step.run_layers`) with this pass's hooks, :class:`FusedLayers`,
+which read in the order each layer runs them: 1. :meth:`~FusedLayers.process_qkv` assembles
+the layer's K/V (fresh for the selected tokens, cached for the rest; :func:`process_qkv`);
+2. :meth:`~FusedLayers.narrow` is the selection step (the selection refines at its check
+layers; the last layer goes on with the last token alone); 3. Q of the tokens that go on,
+:meth:`~FusedLayers.attend` over the assembled K/V, and the MLP.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cancel import check_cancelled
+from .layer_step import LayerPass, run_layers
 from .masks import QueryGroup, attend, attention_plan, attention_weights
 from .model import ModelAdapter, RopeTables
 from .selection import CheckStep, EveryToken, FusionPrompt, ReusedSpan, Selection, UncachedTokens, selection_for
@@ -160,58 +164,85 @@ def _question_attention(adapter: ModelAdapter, prompt: FusionPrompt, relevance: 
 def _walk(adapter: ModelAdapter, ids: torch.Tensor, prompt: FusionPrompt, layers: LayerSource | None,
           selected: torch.Tensor, check_layers, selection: Selection | None, rope: RopeTables,
           observe=None, earlier: FusedPrefill | None = None, key_bias: torch.Tensor | None = None) -> FusedPrefill:
-    """One pass over the layers, computing the ``selected`` tokens (narrowed at check layers).
+    """One pass over the layers (:func:`~.layer_step.run_layers` with :class:`FusedLayers`),
+    computing the ``selected`` tokens (narrowed at check layers).
 
     ``earlier``: a previous pass over the same prompt whose K/V may be taken over (and
     overwritten): its cached positions are already placed and rotated, and every position
     it computed fresh is selected again here. ``key_bias``: added to every score on each key."""
     n, num_layers = prompt.num_tokens, adapter.shape.num_layers
-    sel_pos = selected.nonzero().squeeze(1)
+    fused = FusedLayers(adapter, prompt, layers, selected, check_layers, selection, observe, earlier, key_bias)
     if prompt.num_reused:
-        first = min(check_layers) if check_layers and sel_pos.numel() == n else 0
+        first = min(check_layers) if check_layers and fused.sel_pos.numel() == n else 0
         layers.prepare(list(range(first, num_layers)))
-    hidden = adapter.embed(ids[sel_pos])
-    keys, values, layer_positions = [], [], []
-    plans: dict[int | None, list[QueryGroup]] = {}
-    load_wait = 0.0
-    for layer in range(num_layers):
-        check_cancelled()
-        cos, sin = rope.layer(layer)   # each layer its own RoPE (Gemma 3: local and global bases differ)
-        # 1. K/V of this layer: fresh for the selected tokens, cached (rotated) for the rest.
-        x = adapter.attn_input(layer, hidden)
-        qkv = process_qkv(adapter, layer, x, sel_pos, prompt, layers, cos, sin, earlier, check_layers)
-        keys.append(qkv.keys)
-        values.append(qkv.values)
-        layer_positions.append(sel_pos)
-        load_wait += qkv.load_wait_s
-
-        # 2. Selection: at a check layer, the strategy narrows the tokens that go on.
-        if layer in check_layers:
-            step = CheckStep(layer, sel_pos, qkv.fresh_k, qkv.fresh_v, qkv.cached)
-            rows = selection.refine(prompt, step)[sel_pos]
-            sel_pos, x, hidden = sel_pos[rows], x[rows], hidden[rows]
-            plans.clear()
-        if layer == num_layers - 1:
-            # Only the last token's output is used (for the logits); every selected token's
-            # K/V of this layer is already in the cache above.
-            sel_pos, x, hidden = sel_pos[-1:], x[-1:], hidden[-1:]
-            plans.clear()
-
-        # 3. Attention over the assembled K/V, then the MLP.
-        window = adapter.window(layer)
-        if window not in plans:
-            plans[window] = attention_plan(sel_pos, n, window, x.dtype, key_bias=key_bias)
-        q = adapter.rope(adapter.q(layer, x), cos[sel_pos], sin[sel_pos])
-        if observe is not None:
-            observe(layer, q, qkv.keys, sel_pos)
-        attn = attend(adapter, q, qkv.keys, qkv.values, plans[window])
-        hidden = adapter.finish(layer, hidden, attn)
-
+    hidden = run_layers(adapter, ids[fused.sel_pos], rope, fused)
     logits = adapter.logits(hidden[-1:])[0]
     recomputed = torch.zeros(n, dtype=torch.bool)
-    recomputed[layer_positions[-1].cpu()] = True
-    return FusedPrefill(logits=logits.float(), keys=keys, values=values, recomputed=recomputed,
-                        layer_positions=layer_positions, load_wait_s=load_wait)
+    recomputed[fused.layer_positions[-1].cpu()] = True
+    return FusedPrefill(logits=logits.float(), keys=fused.keys, values=fused.values, recomputed=recomputed,
+                        layer_positions=fused.layer_positions, load_wait_s=fused.load_wait)
+
+
+class FusedLayers(LayerPass):
+    """The fused prefill's step at each layer: K/V assembled for the whole prompt, the selection
+    narrowing the tokens that go on, attention of those over the assembled K/V.
+
+    ``sel_pos``: the prompt positions computed at the current layer; ``keys``/``values``/
+    ``layer_positions``: what each layer assembled and computed, for :class:`FusedPrefill`."""
+
+    def __init__(self, adapter: ModelAdapter, prompt: FusionPrompt, layers: LayerSource | None,
+                 selected: torch.Tensor, check_layers, selection: Selection | None, observe=None,
+                 earlier: FusedPrefill | None = None, key_bias: torch.Tensor | None = None):
+        super().__init__(adapter)
+        self.prompt, self.layers, self.check_layers, self.selection = prompt, layers, check_layers, selection
+        self.observe, self.earlier, self.key_bias = observe, earlier, key_bias
+        self.last = adapter.shape.num_layers - 1
+        self.sel_pos = selected.nonzero().squeeze(1)
+        self.keys, self.values, self.layer_positions = [], [], []
+        self.plans: dict[int | None, list[QueryGroup]] = {}   # per sliding window, until the selection narrows
+        self.load_wait = 0.0
+        self.kv: LayerKV | None = None    # the current layer's, from process_qkv
+        self.dtype = adapter.dtype        # the attention input's (the masks are built in it)
+
+    def process_qkv(self, layer, x, cos, sin):
+        # 1. K/V of this layer: fresh for the selected tokens, cached (rotated) for the rest.
+        self.kv = kv = process_qkv(self.adapter, layer, x, self.sel_pos, self.prompt, self.layers, cos, sin,
+                                   self.earlier, self.check_layers)
+        self.keys.append(kv.keys)
+        self.values.append(kv.values)
+        self.layer_positions.append(self.sel_pos)
+        self.load_wait += kv.load_wait_s
+        self.dtype = x.dtype
+        return None   # Q after the selection step: only the tokens that go on pay it
+
+    def narrow(self, layer):
+        """2. The selection step: at a check layer, the strategy narrows the tokens that go on."""
+        rows = None
+        if layer in self.check_layers:
+            step = CheckStep(layer, self.sel_pos, self.kv.fresh_k, self.kv.fresh_v, self.kv.cached)
+            rows = self.selection.refine(self.prompt, step)[self.sel_pos]
+        if layer == self.last:
+            # Only the last token's output is used (for the logits); every selected token's
+            # K/V of this layer is already in the cache above.
+            rows = slice(-1, None) if rows is None else rows.nonzero().squeeze(1)[-1:]
+        if rows is not None:
+            self.sel_pos = self.sel_pos[rows]
+            self.plans.clear()
+        return rows
+
+    def query(self, layer, x, cos, sin):
+        q = self.adapter.rope(self.adapter.q(layer, x), cos[self.sel_pos], sin[self.sel_pos])
+        if self.observe is not None:
+            self.observe(layer, q, self.kv.keys, self.sel_pos)
+        return q
+
+    def attend(self, layer, q):
+        # 3. Attention over the assembled K/V (the MLP follows in run_layers).
+        window = self.adapter.window(layer)
+        if window not in self.plans:
+            self.plans[window] = attention_plan(self.sel_pos, self.prompt.num_tokens, window, self.dtype,
+                                                key_bias=self.key_bias)
+        return attend(self.adapter, q, self.kv.keys, self.kv.values, self.plans[window])
 
 
 @dataclass
