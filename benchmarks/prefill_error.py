@@ -79,7 +79,8 @@ def quantized_engine(path: str, plan: str, float32_parts: tuple[str, ...] = ()) 
     saved = os.environ.get("RAGBLEND_QUANTIZED_PREFILL")
     os.environ["RAGBLEND_QUANTIZED_PREFILL"] = plan
     try:
-        engine = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype="float32")
+        engine = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype="float32",
+                                             prefix_cache_bytes=0)
     finally:
         os.environ.pop("RAGBLEND_QUANTIZED_PREFILL")
         if saved is not None:
@@ -139,7 +140,10 @@ def main(argv=None) -> None:
         for prompt in prompts:
             prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
     path, tokens = model_path(args.model), args.greedy_tokens
-    exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype="float32")
+    # No prefix tier: the bfloat16 variants run on this engine after its float32 reference, and an
+    # exact repeat would be served the reference's K/V and logits (before 2026-12-06 12:20 UTC they were).
+    exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype="float32",
+                                        prefix_cache_bytes=0)
     held, fast = quantized_engine(path, "float32"), quantized_engine(path, "bfloat16")
     fast_down = quantized_engine(path, "bfloat16", ("down_proj",))
     fast_long = float32_short_passes(quantized_engine(path, "bfloat16", ("down_proj",)))

@@ -75,8 +75,11 @@ def main(argv=None) -> None:
                 prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
     for name in args.models:
         path = model_path(name)
-        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype=args.decode_dtype)
-        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype=args.decode_dtype)
+        # No prefix tier: the fused prompt repeats the full prefill's tokens, and would be served its K/V.
+        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype=args.decode_dtype,
+                                            prefix_cache_bytes=0)
+        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype=args.decode_dtype,
+                                                prefix_cache_bytes=0)
         rows, model_started = [], time.perf_counter()
         for set_name, prompts in sets.items():
             for prompt in prompts:

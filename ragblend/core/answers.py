@@ -171,6 +171,7 @@ class Answers:
             policy = DraftPolicy(self.draft_row_cost)
         # Low-bit decoding re-runs a near-tied greedy pick on the float32 weights (generate.NEAR_TIE).
         exact = self.weights.exact_adapter() if adapter is not self.weights.adapter else None
+        exact = None if exact is adapter else exact   # decoding already runs on the float32 twin
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
                         draft_policy=policy, exact_adapter=exact, stats=pre.stats, prefill=pre)

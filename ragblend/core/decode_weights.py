@@ -60,6 +60,10 @@ class DecodeWeights:
         linear layers hold float16 weights (``decode_dtype="float16"``) or 4-bit ones
         (``"int4"``; with ``"auto"`` only the layers whose weights already are 4-bit, as a Q4_0/Q4_1
         GGUF's are; the LM head stays float32, its logits pick the answer)."""
+        if self.decode_dtype == "float32" and is_quantized(self.hf_model):
+            # Not the prefill twin: on the fast plan it runs decoding's rows on the low-bit kernels
+            # (bfloat16 scales and activations), so "float32" decoding would not be.
+            return self.exact_adapter()
         if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
             return self.adapter
         with self.lock:

@@ -244,8 +244,11 @@ class PrefillFidelity:
 # instead (the nearest exact path), and `ragblend info` says why; dtype="quantized" still holds it
 # quantized, saying it missed. An architecture not here is not measured.
 QUANTIZED_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
-    # benchmarks.quantized --sets squad:N --chunk-chars 400 --greedy-tokens 12, 2026-12-06, AVX-512 host (busy)
-    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0123, 10, 12),
+    # benchmarks.quantized --sets squad:N --chunk-chars 400 --greedy-tokens 12, 2026-12-06, AVX-512 host (busy);
+    # SmolLM2's again after the exact held form, 12:10 UTC, Intel Xeon AMX host, squad:20 with
+    # RAGBLEND_QUANTIZED_PREFILL=fast, where the plan measured float32 with the int4 kernel up to 8 rows:
+    # the default's float32 arithmetic plus the kernel on passes of <= 8 rows (full 0.86%, fused 0.85%)
+    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0086, 20, 20),
     "gemma3": PrefillFidelity("Gemma 3 270M Q4_K_M", 0.1384, 5, 11),
     "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0035, 4, 7),
 }
@@ -254,10 +257,13 @@ QUANTIZED_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
 # measure faster, activations rounded to bfloat16), against the same float32 prefill, measured with
 # RAGBLEND_QUANTIZED_PREFILL=bfloat16. An architecture takes that plan by default only where it met the rule.
 FAST_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
-    # the same command with RAGBLEND_QUANTIZED_PREFILL=bfloat16, busy AVX-512 host, 2026-12-06 (SmolLM2's:
-    # --chunk-chars 500 --greedy-tokens 16, 2026-12-06, before the float32-slice dequantization: the same rounding)
-    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.019, 12, 20),
-    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0018, 3, 5),
+    # the same command with RAGBLEND_QUANTIZED_PREFILL=bfloat16 (bfloat16, the int4 kernel up to 64 rows).
+    # SmolLM2's: squad:20, 2026-12-06 12:42 UTC, Intel Xeon AMX host, both engines decoding in float32
+    # (before 12:10 the fast plan's "float32" decoding ran on its low-bit kernels): full 1.11%, 19/20;
+    # fused 1.28%, 18/20: one prompt short. Qwen2.5's: the same, 12:47 UTC: full 0.26%, 18/20 (one prompt
+    # short); fused 0.33%, 20/20 (its Q6_K down projections still run from 8 bits a row in both forms).
+    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0128, 18, 20),
+    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0033, 18, 20),
 }
 
 

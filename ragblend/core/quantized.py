@@ -652,11 +652,13 @@ def fast_prefill(model) -> tuple[bool, str]:
                    "takes it)")
 
 
-# What benchmarks.prefill_error found of the fast plan's misses (docs/benchmarks.md), for `ragblend info`.
-FAST_PLAN_MISSES = ("its answers parted from the float32 file's on 3 of 16 SmolLM2 prompts, though the held form is "
-                    "exact there and its bfloat16 long passes on the file's own weights (down projection in float32) "
-                    "met the rule on SmolLM2 and Qwen2.5; on its passes of up to 64 rows the low-bit kernels are not "
-                    "the cause (without them 2 of 8 prompts still differed); the cause is not found yet")
+# What research/scratch/bf16_roundings.py and benchmarks.quantized found of the fast plan's misses
+# (docs/benchmarks.md, "Why the fast plan misses"), for `ragblend info`.
+FAST_PLAN_MISSES = ("no one part of it is the cause: its answers part from float32's only at near ties, which any "
+                    "bfloat16-sized rounding flips on about 1 prompt in 16-20 (of the activations alone, or of the "
+                    "outputs alone, on SmolLM2), while its KL stays near 1% of the order noise or under; SmolLM2's "
+                    "fused prefill and Qwen2.5's full one each missed by one prompt in 20 (18/20), their other "
+                    "prefill met it")
 
 
 def scoring_twin(model):
