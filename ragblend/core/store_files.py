@@ -243,6 +243,24 @@ def _looks_like_old_store(directory: Path) -> str | None:
     return None
 
 
+def _check_marker(directory: Path) -> bool:
+    """Whether ``directory`` has ragblend's marker (refusing a marker that is not ragblend's)."""
+    marker = directory / MARKER
+    if not os.path.lexists(marker):
+        return False
+    content = _read_marker(marker)
+    if content is None or content.get("format") != MARKER_FORMAT:
+        raise NotAStoreError(f"{directory} has a {MARKER} that is not ragblend's (format "
+                             f"{MARKER_FORMAT!r}); ragblend will not use this folder as a KV store. "
+                             "Use another folder (ragblend creates it).")
+    return True
+
+
+def _only_marker_drafts(directory: Path) -> bool:
+    """Whether ``directory`` holds nothing but markers being written (``_write_marker``'s temporary files)."""
+    return all(re.fullmatch(re.escape(MARKER) + r"\.\d+\.tmp", name) for name in os.listdir(directory))
+
+
 def check_store_folder(directory: str | os.PathLike, create: bool = True) -> None:
     """Refuse (:class:`NotAStoreError`) a folder that is not ragblend's KV store, before
     anything in it is read or changed.
@@ -254,20 +272,17 @@ def check_store_folder(directory: str | os.PathLike, create: bool = True) -> Non
     another application's cache, is refused.
     """
     directory = Path(directory).expanduser()
-    marker = directory / MARKER
-    if os.path.lexists(marker):
-        content = _read_marker(marker)
-        if content is None or content.get("format") != MARKER_FORMAT:
-            raise NotAStoreError(f"{directory} has a {MARKER} that is not ragblend's (format "
-                                 f"{MARKER_FORMAT!r}); ragblend will not use this folder as a KV store. "
-                                 "Use another folder (ragblend creates it).")
+    if _check_marker(directory):
         return
-    if not directory.exists() or not any(directory.iterdir()):
+    if not directory.exists() or _only_marker_drafts(directory):
+        # Empty, or another process is writing its marker right now (two opening one new store).
         if create:
             directory.mkdir(parents=True, exist_ok=True)
             _write_marker(directory)
         return
     reason = _looks_like_old_store(directory)
+    if reason is not None and _check_marker(directory):
+        return   # the marker came in while we looked: another process made the store meanwhile
     if reason is not None:
         raise NotAStoreError(
             f"{directory} is not a ragblend KV store: it has no {MARKER} and {reason}. ragblend will not read, "

@@ -9,7 +9,9 @@ import pytest
 
 from ragblend.core.store import DiskStore, encode_entry
 from ragblend.core.store_files import (
+    MARKER,
     CorruptEntryError,
+    check_store_folder,
     entry_files,
     open_entry_file,
     orphan_entry_files,
@@ -104,3 +106,15 @@ def test_orphans_are_unnamed_entry_files_old_enough_not_to_be_a_write_in_progres
     old = time.time() - 120
     os.utime(tmp_path / orphan, (old, old))
     assert orphan_entry_files(tmp_path, named, min_age_s=60) == [orphan]   # never the named one nor notes.txt
+
+
+def test_a_folder_holding_only_another_process_marker_draft_is_a_new_store(tmp_path):
+    # Two processes opening one new store: the second may look while the first's marker is a
+    # temporary file (before its rename), and must not take the folder for a foreign one.
+    (tmp_path / f"{MARKER}.4242.tmp").write_text("{")
+    check_store_folder(tmp_path)
+    assert (tmp_path / MARKER).is_file()
+    store = DiskStore(tmp_path, SPEC)
+    store.put(synthetic_entry(1, tokens=8))
+    assert len(store) == 1
+    store.close()
