@@ -235,6 +235,7 @@ def main(argv=None) -> None:
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between a served turn and the next")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--repeat-only", action="store_true", help="only the exact repeat of the benchmark prompt")
+    parser.add_argument("--server-only", action="store_true", help="only the conversations through `ragblend serve`")
     args = parser.parse_args(argv)
     sample = load_sample()
     chunks = sample["chunks"]
@@ -244,7 +245,7 @@ def main(argv=None) -> None:
         base = BlendEngine.from_pretrained(kv_dir=kv_dir)
         base.precompute(chunks)
         base.flush()
-        for setting in [] if args.repeat_only else SETTINGS:
+        for setting in [] if args.repeat_only or args.server_only else SETTINGS:
             # A fresh engine (the same weights, memory-only store) per setting: no piece of the other's.
             engine = BlendEngine(base.hf_model, base.tokenizer, options=base.options)
             engine.precompute(chunks)
@@ -285,7 +286,8 @@ def main(argv=None) -> None:
             finally:
                 server.stop()
 
-        lines += exact_repeat(base, sample)
+        if not args.server_only:
+            lines += exact_repeat(base, sample)
         engine = base
         lines += ["", f"Prefix tier after the run: {engine.prefix_info()}",
                   f"({(time.perf_counter() - started) / 60:.1f} min)"]

@@ -160,10 +160,15 @@ class Answers:
         float32 decoding drafts up to ``draft_tokens`` a pass from the prompt (0: none)."""
         adapter = self.weights.decoding_adapter()
         n = len(pre.token_ids)
+        # The buffers are made at the first decoding pass: the first token, from the prefill's
+        # logits, is sent before the prompt's K/V are copied (and converted to kv_dtype).
         decoder = KVDecoder(adapter, pre.keys, pre.values, min(n + params.max_new_tokens, self.context_window),
-                            pre.key_bias, dtype=self.kv_dtype)
-        # The prompt's K/V now live in the decoder's buffers; keep views, not a second copy.
-        pre.keys, pre.values = [k[:, :n] for k in decoder.keys], [v[:, :n] for v in decoder.values]
+                            pre.key_bias, dtype=self.kv_dtype, lazy=True)
+
+        def filled(made: KVDecoder):   # the prompt's K/V then live in its buffers: keep views, not a second copy
+            pre.keys, pre.values = [k[:, :n] for k in made.keys], [v[:, :n] for v in made.values]
+
+        decoder.filled = filled
         lookup = None
         policy = None
         if draft_tokens and params.temperature == 0 and self.can_draft:

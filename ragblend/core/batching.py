@@ -35,8 +35,7 @@ from .model import RopeTables
 
 def kv_bytes_per_position(decoder: KVDecoder) -> int:
     """Bytes of K and V one position holds over all layers of ``decoder``'s model."""
-    k = decoder.keys[0]
-    return 2 * len(decoder.keys) * k.shape[0] * k.shape[2] * k.element_size()
+    return kv_bytes_for(decoder.adapter, 1, decoder.dtype)   # a lazy decoder's buffers need not be made yet
 
 
 def kv_bytes_for(adapter, positions: int, dtype: torch.dtype | None = None) -> int:

@@ -129,9 +129,7 @@ def describe(engine) -> EngineDescription:
 def _history_pieces(runner) -> dict[str, int]:
     if not runner.keeps_pieces:
         return {}
-    pieces = runner.piece_store
-    return {"entries": len(pieces), "bytes": pieces.nbytes, "max_bytes": pieces.max_bytes,
-            "evictions": pieces.evictions}
+    return runner.piece_store.info()
 
 
 def _stored_kv(engine) -> StoredKVDescription:

@@ -17,7 +17,7 @@ import math
 import struct
 import time
 from dataclasses import dataclass, field, fields
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -90,26 +90,55 @@ class KVDecoder:
     ``key_bias``: the fused prefill's score bias on the prompt's keys (``[N]``, see
     :attr:`~ragblend.core.prefill.FusedPrefill.key_bias`), kept for every answer token;
     ``dtype``: the buffers' (default: the prompt K/V's). Attention runs in it; the rest of a
-    step in the model's dtype.
+    step in the model's dtype. ``lazy``: the buffers are made (the prompt's K/V copied in) when
+    first used, not now: an answer's first token, which its prefill's logits give, is sent
+    without waiting for the copy (tens of MB over a long prompt); ``filled(decoder)`` is then called.
     """
 
     def __init__(self, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], capacity: int,
-                 key_bias: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-        shape, n = adapter.shape, keys[0].shape[1]
-        self.adapter, self.length = adapter, n
+                 key_bias: torch.Tensor | None = None, dtype: torch.dtype | None = None, *, lazy: bool = False):
+        n = keys[0].shape[1]
+        self.adapter, self.length, self.capacity = adapter, n, capacity   # capacity: the most positions held
         self.dtype = dtype or keys[0].dtype
         self.key_bias = None
         if key_bias is not None:
             self.key_bias = key_bias.new_zeros(capacity)
             self.key_bias[:n] = key_bias
-        self.keys, self.values = [], []
+        self._prompt: tuple | None = (keys, values)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self.filled: Callable[[KVDecoder], None] | None = None
+        if not lazy:
+            self._fill()
+        self.rope = adapter.rope_tables(capacity)   # per layer: Gemma 3's local and global layers differ
+
+    def _fill(self) -> None:
+        """Make the buffers and copy the prompt's K/V into them."""
+        keys, values = self._prompt
+        shape, n, capacity = self.adapter.shape, keys[0].shape[1], self.capacity
         for k, v in zip(keys, values):
             key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
             value_buffer = v.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
             key_buffer[:, :n], value_buffer[:, :n] = k, v
-            self.keys.append(key_buffer)
-            self.values.append(value_buffer)
-        self.rope = adapter.rope_tables(capacity)   # per layer: Gemma 3's local and global layers differ
+            self._keys.append(key_buffer)
+            self._values.append(value_buffer)
+        self._prompt = None
+        filled, self.filled = self.filled, None
+        if filled is not None:
+            filled(self)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per layer the K buffer ``[kv_heads, capacity, head_dim]`` (the first ``length`` positions held)."""
+        if self._prompt is not None:
+            self._fill()
+        return self._keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        if self._prompt is not None:
+            self._fill()
+        return self._values
 
     @torch.inference_mode()
     def step(self, token: int) -> torch.Tensor:
@@ -133,11 +162,6 @@ class KVDecoder:
         logits = adapter.logits(hidden[-1:] if last_only else hidden)
         self.length = end   # only once the pass completed: a failed one leaves the decoder as it was
         return logits
-
-    @property
-    def capacity(self) -> int:
-        """The most positions the buffers hold."""
-        return self.keys[0].shape[1]
 
     def truncate(self, length: int) -> None:
         """Forget every position from ``length`` on (drafted tokens that were not accepted)."""

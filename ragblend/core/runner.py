@@ -18,12 +18,12 @@ from .fusion_cost import FusionCost, FusionVerdict
 from .ingest import Ingestion, packs
 from .model import ModelAdapter
 from .omp import release_thread_pool
-from .pieces import PieceStore, is_piece, last_message_start, piece_namespace, piece_runs, with_pieces
+from .pieces import PieceStore, is_piece, last_message_start, piece_namespace, turn_runs, with_pieces
 from .pipeline import PrefetchSource, SequentialSource
 from .plan import StrategyPlan
 from .prefill import FusedPrefill, fused_prefill
 from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
-from .prompt import ChunkSpan, PromptLayout
+from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
 from .selection import EveryToken, ReusedSpan
 from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
@@ -102,13 +102,7 @@ class PrefillRunner:
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
-        # Only a conversation's turns (chat messages with earlier turns) are worth keeping: a single-shot
-        # query would pay a background pass for text that is never asked again.
-        pieces = self.keeps_pieces and layout.conversation and plan.engine_default and plan.reuses \
-            and not is_bypassed()
-        if pieces:   # the conversation's earlier turns, where stored (.pieces)
-            layout = with_pieces(layout, self.index.finder, start=self.ingestion.prompts.opening_length(layout.token_ids),
-                                 end=self.last_message_start(layout.token_ids))
+        layout, pieces = self._with_pieces(layout, plan)
         hit = self._prefix_hit(layout, plan)
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per entry.
@@ -147,6 +141,30 @@ class PrefillRunner:
         prefill.keeps_pieces = pieces and write_back   # a store kept read-only gets no pieces either
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
+
+    def _with_pieces(self, layout: PromptLayout, plan: StrategyPlan) -> tuple[PromptLayout, bool]:
+        """``layout`` with the stored pieces of its conversation's earlier turns marked (.pieces), and
+        whether this turn's are to be kept once answered. Only a conversation's turns (chat messages
+        with earlier turns), and a chat request's first turn, are worth keeping: a single-shot query
+        would pay a background pass for text that is never asked again."""
+        pieces = self.keeps_pieces and (layout.conversation or layout.chat) and plan.engine_default and plan.reuses \
+            and not is_bypassed()
+        if pieces and layout.conversation:   # a first turn has no earlier one to find
+            end = self.last_message_start(layout.token_ids)
+            if not self._prefix_reaches(layout, plan, end):   # else the tier serves all a piece could
+                layout = with_pieces(layout, self.index.finder,
+                                     start=self.ingestion.prompts.opening_length(layout.token_ids), end=end)
+        return layout, pieces
+
+    def _prefix_reaches(self, layout: PromptLayout, plan: StrategyPlan, end: int) -> bool:
+        """Whether the prefix tier holds this prompt's first ``end`` tokens (uncounted: :meth:`_prefix_hit`
+        counts the lookup that serves it)."""
+        prefix = self.prefix
+        if prefix is None or not plan.engine_default:
+            return False
+        hit = prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
+                            layout.token_ids, limit=end)
+        return hit is not None and hit.num_tokens >= end
 
     # The prefix tier (.prefix_cache)
 
@@ -267,10 +285,10 @@ class PrefillRunner:
             # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
             # be the ids of their own text).
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
-            question = ChunkSpan(self.last_message_start(prompt_ids), len(prompt_ids), ())   # a piece once it is history
-            runs = piece_runs(ids, prompts.text_encoder.control_ids, [*layout.chunk_spans, question],
-                              start=prompts.opening_length(ids),
-                              max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
+            runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
+                             prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
+                             history=layout.conversation, control_ids=prompts.text_encoder.control_ids,
+                             max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
             namespace = piece_namespace(layout.namespace)
             keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]

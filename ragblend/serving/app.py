@@ -127,7 +127,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
         self.reused_tokens = self.recomputed_tokens = self.prompt_tokens = self.generated_tokens = 0
-        self.fusion_skipped = 0
+        self.fusion_skipped = self.history_tokens = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
 
@@ -143,13 +143,16 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.generated_tokens += stats.generated_tokens
             self.fusion_skipped += bool(stats.fusion_skipped)
+            self.history_tokens += stats.history_tokens
             self.ttft_sum += stats.ttft_s
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
             self.ttft_counts[bucket] += 1
 
-    def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None) -> str:
-        """The Prometheus text of the counters, the queue, the store, the background KV fill and the
-        prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`)."""
+    def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None,
+             pieces: dict | None = None) -> str:
+        """The Prometheus text of the counters, the queue, the store, the background KV fill, the
+        prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`) and the history pieces'
+        memory (``pieces``: :meth:`~ragblend.core.pieces.PieceStore.info`)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -174,6 +177,8 @@ class Metrics:
                      "answer's cached_tokens also counts the stored tokens it recomputed)."),
                     ("ragblend_recomputed_tokens_total", self.recomputed_tokens, "Prompt tokens computed through every layer."),
                     ("ragblend_generated_tokens_total", self.generated_tokens, "Answer tokens generated."),
+                    ("ragblend_history_tokens_total", self.history_tokens, "Prompt tokens found in a conversation's "
+                     "stored turns (history pieces), fused like chunks."),
                     ("ragblend_fusion_skipped_total", self.fusion_skipped, "Answers whose prompt ran as the exact full "
                      "prefill because fusing it was not predicted to pay (short prompts; stats.skip_reason says why).")):
                 metric(name, "counter", help_text, [("", value)])
@@ -190,13 +195,24 @@ class Metrics:
             metric("ragblend_kv_fill_failed_total", "counter",
                    "Passages whose KV could not be stored (store full or broken); their next prompt computes it.",
                    [("", keeper.failed)])
-        for name, kind, field, help_text in (
-                ("ragblend_prefix_hits_total", "counter", "hits", "Prompts that reused a recent prompt's K/V (prefix tier)."),
-                ("ragblend_prefix_hit_tokens_total", "counter", "hit_tokens", "Prompt tokens served by the prefix tier."),
-                ("ragblend_prefix_bytes", "gauge", "bytes", "Bytes of K/V the prefix tier holds.")):
-            if prefix:
-                metric(name, kind, help_text, [("", prefix[field])])
+        for info, (name, kind, field, help_text) in [(prefix, m) for m in PREFIX_METRICS] + \
+                [(pieces, m) for m in PIECE_METRICS]:
+            if info:   # the tier is on
+                metric(name, kind, help_text, [("", info[field])])
         return "\n".join(lines) + "\n"
+
+
+# (name, kind, field of PrefixCache.info / PieceStore.info, help)
+PREFIX_METRICS = (
+    ("ragblend_prefix_hits_total", "counter", "hits", "Prompts that reused a recent prompt's K/V (prefix tier)."),
+    ("ragblend_prefix_misses_total", "counter", "misses", "Prompts the prefix tier had no prefix for."),
+    ("ragblend_prefix_hit_tokens_total", "counter", "hit_tokens", "Prompt tokens served by the prefix tier."),
+    ("ragblend_prefix_bytes", "gauge", "bytes", "Bytes of K/V the prefix tier holds."),
+    ("ragblend_prefix_evictions_total", "counter", "evictions", "Prefix tier entries evicted (LRU)."))
+PIECE_METRICS = (
+    ("ragblend_history_pieces_entries", "gauge", "entries", "Conversation turns kept as history pieces."),
+    ("ragblend_history_pieces_bytes", "gauge", "bytes", "Bytes of K/V the history pieces' memory holds."),
+    ("ragblend_history_pieces_evictions_total", "counter", "evictions", "History pieces evicted (LRU)."))
 
 
 def _tiers(store) -> dict[str, Any]:
@@ -577,8 +593,10 @@ async def models(request: Request):
 @router.get("/metrics")
 async def prometheus(request: Request):
     server = request.app.state.server
+    runner = getattr(server.engine, "runner", None)   # the pieces' memory, where kept
+    pieces = runner.piece_store.info() if getattr(runner, "keeps_pieces", False) else None
     return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
-                                                   server.engine.prefix_info()),
+                                                   server.engine.prefix_info(), pieces),
                              media_type="text/plain; version=0.0.4")
 
 
@@ -592,8 +610,9 @@ async def chat_completions(server: Server, request: Request):
     # A conversation's earlier turns are kept as the engine's history pieces (for its own strategy), not as passages.
     pieces = is_conversation(prompt.history) and getattr(getattr(server.engine, "runner", None), "keeps_pieces", False) \
         and requested_strategy(body) is None
+    # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat).
     return await answer(server, request, "/v1/chat/completions", body,
-                        lambda: prompt.layout(server.engine, namespace=namespace), True,
+                        lambda: dataclasses.replace(prompt.layout(server.engine, namespace=namespace), chat=True), True,
                         prompt.passages(history=not pieces), namespace)
 
 

@@ -12,7 +12,7 @@ import torch
 
 import ragblend.core.generate as generate
 from ragblend.core.answers import Answers, decode_kv_dtype, eos_ids_of
-from ragblend.core.batching import batch_extend, kv_bytes_for
+from ragblend.core.batching import batch_extend, kv_bytes_for, kv_bytes_per_position
 from ragblend.core.calibration import first_token_kl
 from ragblend.core.decode_weights import DecodeWeights
 from ragblend.core.errors import InvalidInputError
@@ -39,7 +39,12 @@ def test_the_buffers_hold_prompt_and_answer_and_the_prompt_kv_is_not_copied(engi
     n = len(pre.token_ids)
     decoding = answers_for(engine).start(pre, SamplingParams(max_new_tokens=7), draft_tokens=0)
     assert decoding.decoder.capacity == n + 7
-    assert pre.keys[0].data_ptr() == decoding.decoder.keys[0].data_ptr() and pre.keys[0].shape[1] == n
+    # made at the first pass, so that the first token (the prefill's logits) waits for no copy
+    assert decoding.decoder._prompt is not None
+    assert kv_bytes_per_position(decoding.decoder) * (n + 7) == kv_bytes_for(engine.adapter, n + 7)
+    assert decoding.decoder._prompt is not None
+    buffers = decoding.decoder.keys
+    assert pre.keys[0].data_ptr() == buffers[0].data_ptr() and pre.keys[0].shape[1] == n
     list(decoding)
     assert len(decoding.token_ids) == 7 and decoding.finish_reason == "length"
 

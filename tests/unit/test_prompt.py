@@ -1,6 +1,8 @@
 """core.prompt: Chunk and segment checks, prompt layouts with their chunk spans, and the chunk
 finder that marks known chunks in flat prompts. (Hostile template text: test_injection.py.)"""
 
+import copy
+
 import pytest
 
 from ragblend import Chunk, InvalidInputError, PromptTooLongError, SegmentTypeError
@@ -110,6 +112,34 @@ def test_build_tokenizes_the_system_prompt_and_history_once(tokenizer, monkeypat
     assert builder.build(segments, system, history) == expected
     for text in (system, asked, answered, PASSAGES[0]):
         assert sum(text in tokenized for tokenized in seen) == 1, (text, seen)
+
+
+def templated(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_a_long_chat_is_rendered_twice_and_a_trimming_template_still_gives_its_own_ids(tokenizer, monkeypatch):
+    """Where the template writes every message as given, a chat of any length is rendered twice (with
+    placeholders, then with the texts), not once more per message; where it changes a text (trims it),
+    each message's text is what the template makes of it, as before: the ids are the template's."""
+    history = [("user", " Where does the ferry leave from? "), ("assistant", "From the north pier.")] * 4
+    messages = [{"role": role, "content": text} for role, text in [("system", "Be brief."), *history]]
+    builder, renders = PromptBuilder(tokenizer), []
+    real = builder._render
+    monkeypatch.setattr(builder, "_render", lambda *args: renders.append(1) or real(*args))
+    turns = [*messages, {"role": "user", "content": "When?"}]
+    ids = builder.chat_ids(turns)
+    assert len(renders) == 2 and ids == templated(tokenizer, turns)
+    trimming = copy.deepcopy(tokenizer)
+    trimming.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | trim")
+    assert "| trim" in trimming.chat_template
+    renders.clear()
+    builder = PromptBuilder(trimming)
+    real = builder._render
+    monkeypatch.setattr(builder, "_render", lambda *args: renders.append(1) or real(*args))
+    assert builder.chat_ids(turns) == templated(trimming, turns)
+    assert len(renders) > 2   # each message's own render: the template trims
 
 
 def test_a_repeated_prompt_is_laid_out_without_templating_or_tokenizing_again(tokenizer, monkeypatch):
