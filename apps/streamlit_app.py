@@ -37,10 +37,10 @@ from pathlib import Path
 
 import streamlit as st
 
-from ragblend.core.calibration import UNCALIBRATED
+from ragblend.core.calibration.record import UNCALIBRATED
 from ragblend.core.errors import RagblendError
-from ragblend.core.model import cache_dir
-from ragblend.core.strategies import takes_ratio as strategy_takes_ratio
+from ragblend.core.fusion.strategies import takes_ratio as strategy_takes_ratio
+from ragblend.core.paths import cache_dir
 from ragblend.data import load_sample, sample_dir
 from ragblend.integrations.compare import FULL_PREFILL, fusion_only, warm_up, warmed_paths
 from ragblend.integrations.compare import compare as compare_stats
@@ -122,7 +122,7 @@ def highlighted_prompt(engine, trace) -> str:
 
 def waiting_label(rag, strategy: str, sources) -> str:
     """What the page says while an answer's prefill runs, before its first token."""
-    from ragblend.core.kv import KV_METADATA_KEY
+    from ragblend.core.store.kv import KV_METADATA_KEY
 
     if strategy == FULL_PREFILL:
         return f"Computing a full prefill of {len(sources)} chunk(s)…"

@@ -43,7 +43,7 @@ def command_line(module: str, argv) -> str:
 
 def write_report(out_dir, file_name: str, title: str, command: str, seconds: float, lines: list[str]) -> None:
     """Write a study's markdown report under a title line with its command and duration."""
-    from ragblend.core.kernels import cpu_summary
+    from ragblend.core.model.kernels import cpu_summary
 
     text = "\n".join([f"# {title}: `{command}` ({seconds / 60:.1f} min, {torch.get_num_threads()} threads)",
                       "", f"Host: {cpu_summary()}.", "", *lines])

@@ -38,8 +38,8 @@ import tempfile
 import time
 
 from ragblend import BlendEngine, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.kernels import cpu_summary
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.model.kernels import cpu_summary
 from ragblend.core.prompt import PromptLayout
 from ragblend.data import load_sample
 

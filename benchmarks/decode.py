@@ -18,7 +18,7 @@ same fused prefill:
   (the default: 4-bit where the weights already are, 8-bit elsewhere, each kept where it
   measures faster than float32 on the host),
 * with ``--every-pass``: the engine's defaults, and the same drafting every token it finds on
-  every pass (what it did before :class:`~ragblend.core.generate.DraftPolicy` priced a drafted
+  every pass (what it did before :class:`~ragblend.core.decode.generate.DraftPolicy` priced a drafted
   row); ``--sets`` with no set times speed only.
 
 Agreement, per prompt set (fused prefill with the engine's default strategy, then up to
@@ -42,10 +42,10 @@ import time
 import torch
 
 from ragblend import BlendEngine, Chunk
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.generate import NEAR_TIE, KVDecoder
-from ragblend.core.kernels import cpu_summary
-from ragblend.core.model import ModelAdapter
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.decode.generate import NEAR_TIE, KVDecoder
+from ragblend.core.model.adapter import ModelAdapter
+from ragblend.core.model.kernels import cpu_summary
 from ragblend.data import load_sample
 
 from .common import MUSIQUE, RUNS_DIR, TokenClock, percentile, prompt_sets, report_per_model, rouge_l
@@ -92,7 +92,7 @@ def teacher_forced_steps(engine: BlendEngine, pre, answer: list[int]) -> list[di
     """Per step of ``answer`` fed to both, ``engine``'s decoding against the reference layers':
     the KL between their next-token distributions; ``gap``, the decoding's margin between its top
     two tokens, and ``gap_error``, how far that is from the reference's margin between the same
-    two; ``differs``, whether their greedy picks differ (what :data:`~ragblend.core.generate.NEAR_TIE`
+    two; ``differs``, whether their greedy picks differ (what :data:`~ragblend.core.decode.generate.NEAR_TIE`
     is set from)."""
     capacity = len(pre.token_ids) + len(answer)
     ref = KVDecoder(ModelAdapter(engine.hf_model), pre.keys, pre.values, capacity, pre.key_bias)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
-from ragblend.core.selection import QuestionAttention
+from ragblend.core.calibration.metrics import answer_kls, answer_logits, first_token_kl
+from ragblend.core.fusion.selection import QuestionAttention
 
 from .common import (
     MUSIQUE,
@@ -175,7 +175,7 @@ def measure(engine: BlendEngine, prompt: Prompt, variants: dict, greedy_tokens: 
             prefills: dict | None = None) -> dict:
     """{variant: {"kl", "rouge", "compute", "same_first"}} for one prompt, order noise included.
     ``answer_level`` adds "answer_kl" (mean KL over the full prefill's greedy answer, teacher-forced:
-    :func:`ragblend.core.calibration.answer_kl`) and "same_answer" (identical greedy answer), and
+    :func:`ragblend.core.calibration.metrics.answer_kl`) and "same_answer" (identical greedy answer), and
     for a strategy that scales the cached attention, rows with the scale in the prefill only and
     fading over the answer. ``kl_only``: more variants measured without a greedy answer of their
     own (KL and compute only; ROUGE-L nan). ``logits``, when given, receives each row's first-token

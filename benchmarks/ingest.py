@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine
-from ragblend.core.ingest import isolated_kv, packed_isolated_kv
-from ragblend.core.model import cache_dir
-from ragblend.core.store import MemoryStore, open_store
+from ragblend.core.fusion.ingest import isolated_kv, packed_isolated_kv
+from ragblend.core.paths import cache_dir
+from ragblend.core.store.tiers import MemoryStore, open_store
 from ragblend.data import load_sample, sample_dir
 from ragblend.integrations.local_index import LocalIndex, read_text_files
 

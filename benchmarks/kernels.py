@@ -2,7 +2,7 @@
 
 For every linear layer of a benchmark model (projections, MLP, LM head), run in order as a
 forward pass does, the time of ``F.linear`` (what transformers calls; MKL's sgemm on x86)
-and of :class:`~ragblend.core.model.CpuLinear` with the kernel plan the engine runs on this
+and of :class:`~ragblend.core.model.linear.CpuLinear` with the kernel plan the engine runs on this
 host (``engine.kernel_plan``: measured on the first engine, then cached; ``ragblend info``
 shows it) at several row counts: 1-4 rows as a decoding pass has, ~140 as a chunk, ~660 as a
 fused prefill's selected tokens, ~3k as a full prefill. The fastest of ``--runs`` interleaved
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine
-from ragblend.core.decode_weights import FusedRows
-from ragblend.core.kernels import fastest_rounds
-from ragblend.core.model import CpuLinear
+from ragblend.core.model.decode_weights import FusedRows
+from ragblend.core.model.kernels import fastest_rounds
+from ragblend.core.model.linear import CpuLinear
 
 from .common import RUNS_DIR, report_per_model
 from .models import MODELS, model_path

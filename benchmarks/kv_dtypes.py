@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from ragblend import BlendEngine, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.controller import drop_page_cache
-from ragblend.core.model import cache_dir
-from ragblend.core.store import DiskStore
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.fusion.controller import drop_page_cache
+from ragblend.core.paths import cache_dir
+from ragblend.core.store.tiers import DiskStore
 from ragblend.data import load_sample
 
 from .common import MUSIQUE, RUNS_DIR, first_token_and_answer, prompt_sets, report_per_model, rouge_l

@@ -4,7 +4,7 @@ For the benchmark models and the shapes of the 1-8B models people run (their con
 no weights needed), per stored dtype: bytes per token of a 512-token chunk's entry (scales and
 header included), that chunk's bytes with both its entries (the engine keeps a lead entry per
 chunk by default), and the share of a 10,000-chunk index the default 8 GiB disk budget keeps
-(the rest is computed at query time). Arithmetic only (:mod:`ragblend.core.kv_budget`); the
+(the rest is computed at query time). Arithmetic only (:mod:`ragblend.core.store.kv_budget`); the
 figures of the three real models match what their stores hold (``benchmarks.kv_dtypes``).
 
 ``--read-tokens N`` also times reading N tokens of stored KV back from a disk store (file in the
@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from ragblend.core.kv import ChunkKV, to_storage
-from ragblend.core.kv_budget import CHUNK_TOKENS, KVShape, bytes_per_token, entry_bytes, project
-from ragblend.core.model import cache_dir
 from ragblend.core.options import field_default
-from ragblend.core.store import STORAGE_DTYPES, DiskStore, EntrySpec
+from ragblend.core.paths import cache_dir
+from ragblend.core.store.kv import ChunkKV, to_storage
+from ragblend.core.store.kv_budget import CHUNK_TOKENS, KVShape, bytes_per_token, entry_bytes, project
+from ragblend.core.store.tiers import STORAGE_DTYPES, DiskStore, EntrySpec
 
 DTYPES = ("float16", "int8", "uint4")
 # The fields of each model's config.json that its KV size depends on.

@@ -25,7 +25,7 @@ def rss():
     return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
 import torch, transformers, ragblend
 from ragblend import BlendEngine
-from ragblend.core.model import load_model, resolve_model_dir
+from ragblend.core.model.loading import load_model, resolve_model_dir
 model, dtype = sys.argv[1] or None, {"auto": None, "quantized": "quantized", "float32": torch.float32}[sys.argv[2]]
 model_dir = resolve_model_dir(model)   # config and tokenizer cached (a first load makes them once)
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -40,7 +40,7 @@ seconds = time.perf_counter() - start
 gc.collect()
 after = rss()
 try:
-    from ragblend.core.quantized import quantized_bytes
+    from ragblend.core.model.quantized import quantized_bytes
     weights = quantized_bytes(engine.hf_model)
 except ImportError:
     weights = sum(p.numel() * p.element_size() for p in engine.hf_model.parameters())
@@ -50,7 +50,7 @@ print(json.dumps({"seconds": seconds, "before": before, "after": after, "weights
 
 def model_path(name: str) -> str:
     if name == "smollm2":
-        from ragblend.core.model import default_gguf_path
+        from ragblend.core.model.loading import default_gguf_path
 
         return str(default_gguf_path())
     if name.endswith(".gguf") or "/" in name:

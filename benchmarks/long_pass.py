@@ -16,8 +16,8 @@ import argparse
 import numpy as np
 import torch
 
-from ragblend.core.kernels import cpu_summary, fastest_rounds
-from ragblend.core.quantized import QuantLinear, _bfloat16_native, _run
+from ragblend.core.model.kernels import cpu_summary, fastest_rounds
+from ragblend.core.model.quantized import QuantLinear, _bfloat16_native, _run
 
 from .random_gguf import SHAPES
 

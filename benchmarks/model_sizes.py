@@ -87,7 +87,7 @@ def load_ragblend(path: str, tokens: int, result: dict):
     """``(engine, its peer with the sample's chunks precomputed, the sample)``; load time,
     resident memory and KV bytes into ``result``."""
     from ragblend import BlendEngine, Chunk
-    from ragblend.core.kv_budget import bytes_per_token
+    from ragblend.core.store.kv_budget import bytes_per_token
     from ragblend.data import load_sample
 
     from .peers import RagblendPeer
@@ -99,7 +99,7 @@ def load_ragblend(path: str, tokens: int, result: dict):
     engine = BlendEngine.from_pretrained(path, kv_dir=False, prompt_lookup_num_tokens=0)
     result["load_s"] = time.perf_counter() - t0
     result["ragblend_rss"] = rss_bytes() - before
-    from ragblend.core.quantized import quantized_bytes
+    from ragblend.core.model.quantized import quantized_bytes
 
     result["weights_bytes"] = quantized_bytes(engine.hf_model)   # the rest of the RSS: tokenizer, code, buffers
     sample = load_sample()
@@ -110,7 +110,7 @@ def load_ragblend(path: str, tokens: int, result: dict):
     result["kv_bytes_per_token"] = bytes_per_token(engine.kv_shape, "float16")   # as stored, headers included
     result["ragblend_rss_with_kv"] = rss_bytes() - before
     result["ragblend_peak"] = peak_rss_bytes()
-    from ragblend.core.quantized import fast_prefill, long_pass_plan
+    from ragblend.core.model.quantized import fast_prefill, long_pass_plan
 
     result["long_pass"] = long_pass_plan(engine.hf_model)   # remembered on the model, or forced by the environment
     result["prefill"] = "fast plan" if fast_prefill(engine.hf_model)[0] else "float32"

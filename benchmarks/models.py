@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ragblend.core.model import cache_dir
+from ragblend.core.paths import cache_dir
 
 
 @dataclass(frozen=True)

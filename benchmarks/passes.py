@@ -1,5 +1,5 @@
 """Every pass over the layers, timed on two source trees alternated: a change to the layer loop
-(``ragblend/core/layer_step.py``) against the tree before it.
+(``ragblend/core/model/layer_step.py``) against the tree before it.
 
 Each round starts one process per tree (ABBA order across rounds, so drift hits both alike),
 with ``PYTHONPATH`` on that tree; the process loads the embedded default model (SmolLM2-135M,
@@ -42,8 +42,8 @@ def measure(reps: int) -> dict:
     import torch
 
     from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, QueryAware
-    from ragblend.core.batching import batch_extend
-    from ragblend.core.generate import KVDecoder
+    from ragblend.core.decode.batching import batch_extend
+    from ragblend.core.decode.generate import KVDecoder
     from ragblend.data import load_sample
 
     engine = BlendEngine.from_pretrained(kv_dir=False, prefix_cache_bytes=0)

@@ -39,7 +39,7 @@ import time
 import torch
 
 from ragblend import BlendEngine, Chunk
-from ragblend.core.model import default_gguf_path
+from ragblend.core.model.loading import default_gguf_path
 from ragblend.data import load_sample
 
 from .common import RUNS_DIR, TokenClock, report_per_model

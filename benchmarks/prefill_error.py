@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from ragblend import BlendEngine, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.model import CpuLinear
-from ragblend.core.quantized import QuantLinear
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.model.linear import CpuLinear
+from ragblend.core.model.quantized import QuantLinear
 
 from .common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
 from .models import MODELS, model_path

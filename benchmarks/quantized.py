@@ -28,9 +28,9 @@ import time
 import torch
 
 from ragblend import BlendEngine, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.model.quantized import describe
 from ragblend.core.options import DECODE_DTYPES
-from ragblend.core.quantized import describe
 
 from .common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
 from .models import MODELS, model_path

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ragblend.core.model import cache_dir
+from ragblend.core.paths import cache_dir
 
 from .models import gguf_path
 

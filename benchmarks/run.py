@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration.metrics import first_token_kl
 
 from .common import (
     GREEDY_TOKENS,

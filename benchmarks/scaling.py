@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine, Chunk, QueryAware
-from ragblend.core.controller import drop_page_cache
-from ragblend.core.model import cache_dir
-from ragblend.core.store import DiskStore, MemoryStore
+from ragblend.core.fusion.controller import drop_page_cache
+from ragblend.core.paths import cache_dir
+from ragblend.core.store.tiers import DiskStore, MemoryStore
 from ragblend.data import load_sample
 
 from .common import RUNS_DIR, command_line, hf_forward_s, paragraphs, synced, write_report

@@ -193,7 +193,7 @@ def main(argv=None) -> None:
     parser.add_argument("--busy", action="store_true", help="run 2 CPU-bound neighbour processes meanwhile")
     parser.add_argument("--loads", type=int, default=3, help="warm-cache loads to time (default 3; the median)")
     args = parser.parse_args(argv)
-    from ragblend.core.kernels import cpu_summary
+    from ragblend.core.model.kernels import cpu_summary
 
     print(f"Host: {cpu_summary()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
           f"load average before {os.getloadavg()[0]:.1f}{'; 2 CPU-bound neighbours' if args.busy else ''}", flush=True)

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.controller import drop_page_cache
-from ragblend.core.store import DiskStore, MemoryStore
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.fusion.controller import drop_page_cache
+from ragblend.core.store.tiers import DiskStore, MemoryStore
 from ragblend.data import load_sample
 
 from .models import MODELS, model_path

@@ -13,7 +13,7 @@ sets in turn. Nothing is downloaded.
 Per question, the query engine answers with the engine as a user gets it (``EngineOptions``'
 defaults); the same prompt is then answered by the other fusion setting (``min_fusion_speedup`` 0,
 always fuse, or :data:`GATED`, fuse only where predicted that much faster: see
-``ragblend.core.fusion_cost``), by the exact full prefill, and prefilled by full prefill with the
+``ragblend.core.fusion.fusion_cost``), by the exact full prefill, and prefilled by full prefill with the
 retrieved chunks in reverse order (the order noise). The cost constants the gate predicts from are
 measured at the start on this host (``measure_constants`` twice; printed, with whether
 ``trusted`` would keep them) and used throughout.
@@ -47,7 +47,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ragblend import BlendEngine, FullRecompute
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration.metrics import first_token_kl
 from ragblend.core.options import EngineOptions
 from ragblend.data import load_sample
 
@@ -219,8 +219,8 @@ def measure_question(engine: BlendEngine, llm, query_engine, item: dict, default
 def host_constants(engine: BlendEngine) -> dict:
     """Measure the fusion's cost constants on this host (twice, as the engine does), print them,
     and predict from them for the whole run (trusted or not: this run is on this host)."""
-    from ragblend.core.fusion_cost import default_constants, measure_constants, trusted
-    from ragblend.core.host_cache import load_average
+    from ragblend.core.fusion.fusion_cost import default_constants, measure_constants, trusted
+    from ragblend.core.model.host_cache import load_average
 
     first, second = measure_constants(engine.adapter), measure_constants(engine.adapter)
     chosen = min(first, second, key=lambda c: c.row_s)

@@ -1,5 +1,6 @@
 """ragblend: fast RAG on local models by fusing precomputed per-chunk KV caches (CacheBlend)."""
 
+from .core.decode.generate import SamplingParams
 from .core.engine import BlendEngine, Generation, Prefill, Stats
 from .core.errors import (
     InvalidInputError,
@@ -11,11 +12,10 @@ from .core.errors import (
     StoreUnavailableError,
     UnsupportedModelError,
 )
-from .core.generate import SamplingParams
-from .core.kv import ChunkRef
+from .core.fusion.strategies import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
 from .core.options import EngineOptions
 from .core.prompt import Chunk
-from .core.strategies import CacheBlend, FullRecompute, FullReuse, LegoLink, QueryAware
+from .core.store.kv import ChunkRef
 
 __version__ = "0.1.0"
 

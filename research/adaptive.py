@@ -44,8 +44,8 @@ from benchmarks.common import MUSIQUE, RUNS_DIR, command_line, in_every, pool_by
 from benchmarks.fidelity import NOISE, measure, table
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, FullReuse, QueryAware
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.selection import QuestionAttention
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.fusion.selection import QuestionAttention
 
 SIGNALS = ("left_mass", "left_mass_deep", "relevance_entropy", "probe_kl", "fused_entropy", "fused_margin",
            "probe_flip", "selected_deviation", "reused_tokens")

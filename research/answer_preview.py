@@ -26,8 +26,8 @@ import time
 from benchmarks.common import MUSIQUE, RUNS_DIR, SYSTEM, command_line, prompt_sets, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
-from ragblend.core.selection import QuestionAttention
+from ragblend.core.calibration.metrics import answer_kls, answer_logits, first_token_kl
+from ragblend.core.fusion.selection import QuestionAttention
 
 
 class GivenRelevance(QuestionAttention):

@@ -33,8 +33,8 @@ import torch
 from benchmarks.common import RUNS_DIR, SYSTEM, command_line, fidelity_prompts, squad_prompts, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.selection import TopScoreSelection, kv_deviation
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.fusion.selection import TopScoreSelection, kv_deviation
 
 DEFAULT = CacheBlend(0.15)
 REAL = {  # selections a real run can make

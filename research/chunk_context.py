@@ -31,10 +31,10 @@ import torch
 from benchmarks.common import RUNS_DIR, SQUAD_SHIFTS, SYSTEM, command_line, rag_samples, read_data, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.ingest import isolated_kv
-from ragblend.core.prefill import LayerSource, fused_prefill
-from ragblend.core.selection import ReusedSpan
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.fusion.ingest import isolated_kv
+from ragblend.core.fusion.prefill import LayerSource, fused_prefill
+from ragblend.core.fusion.selection import ReusedSpan
 
 STRATEGIES = {"FullReuse": FullReuse(), "QueryAware(0.10)": QueryAware(0.10),
               "QueryAware(0.15)": QueryAware(0.15), "QueryAware(0.30)": QueryAware(0.30)}

@@ -47,7 +47,7 @@ def main(label: str = "this tree", what: str = "ttft") -> None:
 
 
 def decoding(engine: BlendEngine, segments, label: str) -> None:
-    from ragblend.core.generate import KVDecoder
+    from ragblend.core.decode.generate import KVDecoder
 
     pre = engine.prefill(segments)
     decoder = KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 8, pre.key_bias,

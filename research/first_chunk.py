@@ -28,7 +28,7 @@ import time
 from benchmarks.common import GREEDY_TOKENS, RUNS_DIR, SYSTEM, command_line, squad_prompts, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
-from ragblend.core.calibration import answer_kls, answer_logits, first_token_kl
+from ragblend.core.calibration.metrics import answer_kls, answer_logits, first_token_kl
 from ragblend.core.prompt import CHUNK_CONTEXT
 from ragblend.data import sample_dir
 

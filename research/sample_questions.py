@@ -24,7 +24,7 @@ import torch
 from benchmarks.common import GREEDY_TOKENS, RUNS_DIR, command_line, prefix_options, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import FullRecompute, QueryAware
-from ragblend.core.calibration import answer_kls, answer_logits
+from ragblend.core.calibration.metrics import answer_kls, answer_logits
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.data import load_sample, sample_dir
 

@@ -28,7 +28,7 @@ from benchmarks.common import (
 )
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration.metrics import first_token_kl
 
 VARIANTS = {  # CacheBlend selections; "compute" in the report makes them comparable
     "V deviation, r=0.15 (paper; ragblend default)": CacheBlend(0.15, deviation="value"),

@@ -1,5 +1,5 @@
 """An answer computed on another thread than the one that loaded the model, with and without the
-loading thread's idle OpenMP workers (ragblend.core.omp): TTFT and decoding tokens/s.
+loading thread's idle OpenMP workers (ragblend.core.model.omp): TTFT and decoding tokens/s.
 
 Servers answer on a worker thread, the KV filler computes on its own, Streamlit runs each script
 on a new thread. libgomp stops spinning between kernels once a process holds more OpenMP workers
@@ -10,7 +10,7 @@ than cores, so idle workers of another thread slow every kernel. Rows, in interl
   workers back when it ends, so the loading thread holds none);
 * another thread, loader's workers kept: the same after the loading thread ran one more kernel of
   its own (its team idle, as any call outside ragblend leaves it): what every thread but the
-  loader's paid before core.omp.
+  loader's paid before core.model.omp.
 
     python -m research.threads --rounds 3
 """

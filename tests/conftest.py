@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, Chunk
-from ragblend.core.kv import ChunkKV
-from ragblend.core.model import load_model, resolve_model_dir
-from ragblend.core.store import MAGIC, DiskStore, EntrySpec
+from ragblend.core.model.loading import load_model, resolve_model_dir
+from ragblend.core.store.kv import ChunkKV
+from ragblend.core.store.tiers import MAGIC, DiskStore, EntrySpec
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, vocab_size=1024,

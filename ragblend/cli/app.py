@@ -17,7 +17,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from ragblend.core.extras import require
-    from ragblend.core.model import local_model_path
+    from ragblend.core.model.loading import local_model_path
 
     # Each a clear error now, not a traceback from inside Streamlit later.
     require("app", "ragblend app")

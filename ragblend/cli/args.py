@@ -22,7 +22,7 @@ def open_index(args):
 
 def check_model(args) -> None:
     """A --model that names no model fails now, not after seconds of reading files."""
-    from ragblend.core.model import local_model_path
+    from ragblend.core.model.loading import local_model_path
 
     if getattr(args, "model", None) is not None:
         local_model_path(args.model)
@@ -30,7 +30,7 @@ def check_model(args) -> None:
 
 def check_options(args) -> None:
     """Fail on bad options before spending seconds loading the model."""
-    from ragblend.core.strategies import strategy_from_name
+    from ragblend.core.fusion.strategies import strategy_from_name
 
     strategy_from_name(getattr(args, "strategy", "default"), args.ratio)
     check_model(args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.strategies import STRATEGY_NAMES
+from ragblend.core.fusion.strategies import STRATEGY_NAMES
 
 from .args import add_answer_options, add_engine_options, add_index, check_options, open_index
 

@@ -24,7 +24,7 @@ def _store_folder(args):
 
 
 def _disk_store(args, spec=None):
-    from ragblend.core.store import DiskStore, EntrySpec, NotAStoreError, store_faults
+    from ragblend.core.store.tiers import DiskStore, EntrySpec, NotAStoreError, store_faults
 
     folder = _store_folder(args)
     try:
@@ -48,7 +48,7 @@ def _is_broken_database(err: BaseException) -> bool:
 
 
 def run(args) -> int:
-    from ragblend.core.store import check_store_folder
+    from ragblend.core.store.tiers import check_store_folder
 
     if args.action == "fill":   # opens (or creates) the index's store like ingest does
         return _fill(args)
@@ -113,7 +113,7 @@ def _stored_projection(coverage, by_dtype: dict, budget: int):
     """The projected KV of the whole index from what its stored chunks weigh (no model loaded:
     the bytes of the store's entries over the index's chunks that have theirs); None without an
     index or before any chunk of it is stored."""
-    from ragblend.core.kv_budget import Projection
+    from ragblend.core.store.kv_budget import Projection
 
     if coverage is None or not coverage.stored:
         return None
@@ -172,7 +172,7 @@ def _fill(args) -> int:
 
 def _clear(args) -> int:
     """Empty the store; a store too broken to open has its own files removed instead."""
-    from ragblend.core.store import DiskStore
+    from ragblend.core.store.tiers import DiskStore
 
     folder = _store_folder(args)
     try:

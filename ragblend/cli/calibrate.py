@@ -14,7 +14,7 @@ def _selection(row: dict) -> str:
 
 
 def run(args) -> int:
-    from ragblend.core.calibration import check_answer_options
+    from ragblend.core.calibration.search import check_answer_options
 
     check_answer_options(args.answer_tokens, args.answer_margin)   # before minutes of loading and measuring
     engine = load_engine(args, kv_dir=False)

@@ -10,7 +10,7 @@ from .ask import compare_answers
 
 def run(args) -> int:
     from ragblend.core.extras import require
-    from ragblend.core.model import cache_dir
+    from ragblend.core.paths import cache_dir
     from ragblend.data import load_sample, sample_dir
     from ragblend.integrations.compare import FULL_PREFILL, SpeedRatio, fusion_only, warm_up, warm_up_note
 

@@ -7,7 +7,7 @@ from .args import add_engine_options, load_engine
 
 def run(args) -> int:
     from ragblend.core.description import remeasure_fusion_cost, settle_kernels
-    from ragblend.core.kernels import cpu_summary
+    from ragblend.core.model.kernels import cpu_summary
 
     engine = load_engine(args, kv_dir=False)
     settle_kernels(engine, args.measure, say=lambda line: print(line, flush=True))
@@ -92,7 +92,7 @@ def _print_stored_kv_line(kv) -> None:
 
 
 def print_fusion_cost(engine, measure: bool) -> None:
-    """What ``ragblend info`` says of where the engine's own strategy fuses (core.fusion_cost)."""
+    """What ``ragblend info`` says of where the engine's own strategy fuses (core.fusion.fusion_cost)."""
     if measure:
         from ragblend.core.description import remeasure_fusion_cost
 

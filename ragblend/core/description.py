@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .fusion_cost import CostConstants, default_constants
-from .kv_budget import CHUNK_TOKENS, DEFAULT_KV_DTYPE_WHY, bytes_per_token, entry_bytes
-from .model import int4_available, int8_available, kernel_plan_for
-from .quantized import describe as describe_weights
-from .quantized import is_quantized
+from .fusion.fusion_cost import CostConstants, default_constants
+from .model.linear import int4_available, int8_available, kernel_plan_for
+from .model.quantized import describe as describe_weights
+from .model.quantized import is_quantized
+from .store.kv_budget import CHUNK_TOKENS, DEFAULT_KV_DTYPE_WHY, bytes_per_token, entry_bytes
 
 
 @dataclass(frozen=True)
 class KernelsDescription:
-    """The CPU kernel plan of a float32 model on the CPU (:mod:`.kernels`)."""
+    """The CPU kernel plan of a float32 model on the CPU (:mod:`ragblend.core.model.kernels`)."""
 
     source: str                 # "measured" (by this process), "cache", "default" (not measured), "fixed"
     state: str                  # the plan's state, worded (settled or not, measuring...)
@@ -41,7 +41,7 @@ class StoredKVDescription:
 
 @dataclass(frozen=True)
 class FusionDescription:
-    """Where the engine's own strategy fuses (:mod:`.fusion_cost`)."""
+    """Where the engine's own strategy fuses (:mod:`ragblend.core.fusion.fusion_cost`)."""
 
     min_speedup: float
     always: bool                       # no cost check: fuses every prompt
@@ -52,7 +52,7 @@ class FusionDescription:
 
 @dataclass(frozen=True)
 class DraftsDescription:
-    """Prompt-lookup drafting while decoding (:mod:`.answers`)."""
+    """Prompt-lookup drafting while decoding (:mod:`ragblend.core.decode.answers`)."""
 
     max_tokens: int             # prompt_lookup_num_tokens; 0: off
     can_draft: bool             # drafts are verified in float32 only

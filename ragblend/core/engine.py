@@ -15,11 +15,11 @@ Example::
     print(out.text, out.stats.ttft_s, out.stats.reused_tokens)   # a chunk must outweigh the template
 
 The engine is a facade over named parts, each usable alone (docs/concepts.md, "Map of the
-rooms"): :class:`~.ingest.Ingestion` (chunk texts -> stored entries), :class:`~.chunk_index.ChunkIndex`
+rooms"): :class:`~ragblend.core.fusion.ingest.Ingestion` (chunk texts -> stored entries), :class:`~ragblend.core.store.chunk_index.ChunkIndex`
 (chunks in flat prompts), :func:`~.plan.resolve_strategy` (one plan per call),
 :class:`~.runner.PrefillRunner` (the fused prefill over the store),
-:class:`~.decode_weights.DecodeWeights` (the weights decoding runs on) and
-:class:`~.answers.Answers` (an answer's decoding after the prefill).
+:class:`~ragblend.core.model.decode_weights.DecodeWeights` (the weights decoding runs on) and
+:class:`~ragblend.core.decode.answers.Answers` (an answer's decoding after the prefill).
 """
 
 from __future__ import annotations
@@ -35,39 +35,34 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .answers import Answers, decode_kv_dtype, eos_ids_of
-from .calibration import Calibration, calibrate_and_save, load_calibration
-from .chunk_index import ChunkIndex
-from .controller import LoadingController
-from .decode_weights import DecodeWeights
+from .calibration.record import Calibration, load_calibration
+from .calibration.search import calibrate_and_save
+from .decode.answers import Answers, decode_kv_dtype, eos_ids_of
+from .decode.generate import Decoding, SamplingParams, sampling_params
+from .decode.prefix_cache import PrefixCache
 from .description import EngineDescription, describe
 from .errors import InvalidInputError, PromptTooLongError
-from .fusion_cost import FusionCost
-from .generate import Decoding, SamplingParams, sampling_params
-from .ingest import Ingestion
-from .kernels import KernelPlan, measure_in_background
-from .kv import ChunkRef, calibration_key, check_namespace, check_uint4_shape, lead_key
-from .kv_budget import KVShape, Projection, entry_bytes, project, store_budget
-from .model import (
-    CpuLinear,
-    ModelAdapter,
-    cache_dir,
-    kernel_layers,
-    kernel_plan_for,
-    load_model,
-    return_freed_memory,
-    with_linears,
-)
-from .omp import release_thread_pool
+from .fusion.controller import LoadingController
+from .fusion.fusion_cost import FusionCost
+from .fusion.ingest import Ingestion
+from .fusion.strategies import Strategy
+from .model.adapter import ModelAdapter
+from .model.decode_weights import DecodeWeights
+from .model.kernels import KernelPlan, measure_in_background
+from .model.linear import CpuLinear, kernel_layers, kernel_plan_for, with_linears
+from .model.loading import load_model, return_freed_memory
+from .model.omp import release_thread_pool
+from .model.quantized import HELD_FORM_VERSION, is_quantized, prefill_twin, scoring_twin
 from .options import EngineOptions
+from .paths import cache_dir
 from .plan import StrategyPlan, check_strategy, default_strategy, resolve_strategy
-from .prefix_cache import PrefixCache
 from .prompt import ChunkFinder, PromptBuilder, PromptLayout, Segment, check_text
-from .quantized import HELD_FORM_VERSION, is_quantized, prefill_twin, scoring_twin
 from .results import Generation, Prefill, PromptTrace, Stats, TextStream
 from .runner import PrefillRunner
-from .store import EntrySpec, KVStore, MemoryStore, open_store
-from .strategies import Strategy
+from .store.chunk_index import ChunkIndex
+from .store.kv import ChunkRef, calibration_key, check_namespace, check_uint4_shape, lead_key
+from .store.kv_budget import KVShape, Projection, entry_bytes, project, store_budget
+from .store.tiers import EntrySpec, KVStore, MemoryStore, open_store
 
 __all__ = ["BlendEngine", "Generation", "Prefill", "PromptTrace", "Stats", "TextStream"]
 log = logging.getLogger("ragblend")
@@ -98,7 +93,7 @@ class BlendEngine:
         lead_sink = self.template_opening if options.lead_chunk_kv and options.sink_prefix is None else None
         self.lead_sink_ids = lead_sink if lead_sink != self.sink_ids else None
         # The model's identity (what its calibration is stored under), and what its KV is stored
-        # under: a model on quantized weights (core.quantized) is the same model as its file in
+        # under: a model on quantized weights (core.model.quantized) is the same model as its file in
         # float32, but computes KV that differs by float rounding, so its entries are its own (and
         # those of an older held form, whose rounding differed, are not read).
         self.model_fingerprint = self.adapter.fingerprint(tokenizer)
@@ -189,7 +184,7 @@ class BlendEngine:
 
     @property
     def loading(self) -> LoadingController:
-        """The loading controller, built on first use (see :mod:`.controller`)."""
+        """The loading controller, built on first use (see :mod:`ragblend.core.fusion.controller`)."""
         if self._controller is None:
             self._controller = LoadingController.for_store(self.adapter, self.entry_spec, self.kv_dtype, self.store)
         return self._controller
@@ -204,7 +199,7 @@ class BlendEngine:
         return len(self.tokenize(text))
 
     def key_of(self, text: str, *, namespace: str = "") -> str:
-        """The key a chunk text's KV is stored under for ``namespace`` (see :func:`ragblend.core.kv.chunk_key`)."""
+        """The key a chunk text's KV is stored under for ``namespace`` (see :func:`ragblend.core.store.kv.chunk_key`)."""
         return self.ingestion.key_for(self.tokenize(text), namespace=check_namespace(namespace))
 
     def is_own_tokenization(self, token_ids: Sequence[int]) -> bool:
@@ -243,7 +238,7 @@ class BlendEngine:
 
     def precompute(self, texts: str | Iterable[str], *, progress: bool = False,
                    skip_unusable: bool = False, namespace: str = "") -> list[ChunkRef | None]:
-        """Compute and store each chunk text's KV: see :meth:`.ingest.Ingestion.precompute`. ``namespace``
+        """Compute and store each chunk text's KV: see :meth:`ragblend.core.fusion.ingest.Ingestion.precompute`. ``namespace``
         ("": shared, the default) is who may find the chunks in flat prompts (see :meth:`find_chunks`)."""
         refs = self.ingestion.precompute(texts, self.store, batch_tokens=self.precompute_batch_tokens,
                                          progress=progress, skip_unusable=skip_unusable,
@@ -318,7 +313,7 @@ class BlendEngine:
         return removed
 
     def remember_chunk(self, text: str, *, namespace: str = "") -> str:
-        """Declare ``text`` a chunk, stored or not: see :meth:`.ingest.Ingestion.remember`."""
+        """Declare ``text`` a chunk, stored or not: see :meth:`ragblend.core.fusion.ingest.Ingestion.remember`."""
         return self.ingestion.remember(text, check_namespace(namespace))
 
     def build_prompt(self, segments: Sequence[Segment], *, system: str | None = None,
@@ -332,7 +327,7 @@ class BlendEngine:
     def find_chunks(self, prompt: str, *, system: str | None = None,
                     history: Sequence[tuple[str, str]] = (), namespace: str = "") -> PromptLayout:
         """Lay out a flat prompt (one user message) as a plain full prefill would, with the known chunks
-        marked where their token ids appear unchanged (:meth:`.chunk_index.ChunkIndex.mark`): the
+        marked where their token ids appear unchanged (:meth:`ragblend.core.store.chunk_index.ChunkIndex.mark`): the
         shared ones, and ``namespace``'s."""
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}.")
@@ -362,7 +357,7 @@ class BlendEngine:
     # Strategy (.plan, .calibration)
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True, **options) -> Calibration:
-        """Find this model's cheapest ratio within its order noise (:func:`.calibration.calibrate_and_save`;
+        """Find this model's cheapest ratio within its order noise (:func:`ragblend.core.calibration.search.calibrate_and_save`;
         ``options``: ``neighbour_window``, ``sentence_runs``, ``answer_tokens``, ``answer_margin``); it becomes this engine's strategy
         unless the engine was given one."""
         self.calibration = result = calibrate_and_save(self, prompts, save=save, progress=progress, **options)
@@ -396,13 +391,13 @@ class BlendEngine:
         return pre
 
     def decoding_adapter(self) -> ModelAdapter:
-        """The adapter decoding runs on (see :class:`~.decode_weights.DecodeWeights`)."""
+        """The adapter decoding runs on (see :class:`~ragblend.core.model.decode_weights.DecodeWeights`)."""
         return self.decode_weights.decoding_adapter()
 
     def begin(self, segments: Sequence[Segment] | PromptLayout, *, system: str | None = None,
               strategy: Strategy | None = None, params: SamplingParams | None = None, **sampling) -> Decoding:
         """Prefill with fusion and return the answer's decoding, not stepped yet: iterate it for text
-        deltas, or step it with others (:class:`~.batching.BatchDecoder`); :meth:`finish` completes its
+        deltas, or step it with others (:class:`~ragblend.core.decode.batching.BatchDecoder`); :meth:`finish` completes its
         ``stats``. Sampling is ``params`` or, as keywords, any of its fields (``max_new_tokens=256``,
         ``temperature=0.0``, ``top_p=1.0``, ``seed``, ``stop``), not both."""
         params = sampling_params(params, **sampling)
@@ -452,15 +447,15 @@ def _fast_adapter(hf_model) -> tuple[ModelAdapter, KernelPlan | None]:
     """The adapter the engine computes with, and its CPU kernel plan (None off float32 CPU)."""
     adapter = ModelAdapter(hf_model)   # checks the architecture first
     if is_quantized(hf_model):
-        # Prefill on the quantized weights dequantized per layer (core.quantized); QueryAware's
+        # Prefill on the quantized weights dequantized per layer (core.model.quantized); QueryAware's
         # question pass on the low-bit kernels up to the rows measured faster on this host; decoding
-        # steps run the model itself, on the low-bit kernels (core.decode_weights).
+        # steps run the model itself, on the low-bit kernels (core.model.decode_weights).
         adapter = ModelAdapter(prefill_twin(hf_model))
         adapter.scoring = ModelAdapter(scoring_twin(hf_model))
         return adapter, None
     if adapter.dtype != torch.float32 or adapter.device.type != "cpu":
         return adapter, None
-    # The same weights through the CPU kernels measured fastest on this host (core.kernels);
+    # The same weights through the CPU kernels measured fastest on this host (core.model.kernels);
     # the model itself is left as it is. Nothing waits for a measurement: F.linear until one is in.
     plan = kernel_plan_for(hf_model, wait=False)
     return ModelAdapter(with_linears(hf_model, lambda layer: CpuLinear(layer, plan))), plan

@@ -27,9 +27,9 @@ from typing import Literal
 import torch
 
 from .errors import InvalidInputError, InvalidTypeError
-from .kernels import DRAFT_ROWS
+from .model.kernels import DRAFT_ROWS
 from .prompt import CHUNK_CONTEXT, check_text
-from .store import STORAGE_DTYPES
+from .store.tiers import STORAGE_DTYPES
 
 KV_DTYPES = tuple(STORAGE_DTYPES)                    # ("float32", "float16", "bfloat16", "int8", "uint4")
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "quantized")   # EngineOptions.dtype by name

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .calibration import UNCALIBRATED, Calibration
+from .calibration.record import UNCALIBRATED, Calibration
 from .errors import InvalidInputError
-from .selection import Selection, cacheblend_schedule, selection_for
-from .strategies import STRATEGIES, CacheBlend, FullRecompute, QueryAware, Strategy
+from .fusion.selection import Selection, cacheblend_schedule, selection_for
+from .fusion.strategies import STRATEGIES, CacheBlend, FullRecompute, QueryAware, Strategy
 
 UNCALIBRATED_REASON = ("default for an uncalibrated model: a ratio that stayed within the order noise on every "
                        "benchmark set; run engine.calibrate() to find this model's cheapest safe ratio")

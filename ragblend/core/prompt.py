@@ -112,11 +112,11 @@ class ChunkSpan:
 class PromptLayout:
     token_ids: list[int]
     chunk_spans: list[ChunkSpan]
-    namespace: str = ""   # whose prompt it is: the prefix tier (core.prefix_cache) reuses only its K/V
-    # laid out from chat messages with earlier turns: its turns are kept as history pieces (core.pieces)
+    namespace: str = ""   # whose prompt it is: the prefix tier (core.decode.prefix_cache) reuses only its K/V
+    # laid out from chat messages with earlier turns: its turns are kept as history pieces (core.store.pieces)
     conversation: bool = False
     # a chat request's first turn (the server's chat completions): it will likely go on, so its turn
-    # (question and answer) is kept as a piece too (core.pieces.turn_runs)
+    # (question and answer) is kept as a piece too (core.store.pieces.turn_runs)
     chat: bool = False
 
 
@@ -657,7 +657,7 @@ class ChunkFinder:
     any common run of at least ``NGRAM + STRIDE - 1`` ids contains an indexed n-gram; a hit
     is then extended both ways to the longest common run.
 
-    Chunks are kept per namespace (a server's tenants: see :func:`~ragblend.core.kv.chunk_key`),
+    Chunks are kept per namespace (a server's tenants: see :func:`~ragblend.core.store.kv.chunk_key`),
     each with its own index and bounds, and a search looks only in the namespaces it is given:
     what one tenant stored is never found in another's prompt.
     """
@@ -691,7 +691,7 @@ class ChunkFinder:
                 places.append((ids, offset))
 
     def remove(self, token_ids: Sequence[int], namespace: str = "") -> None:
-        """Forget the chunk of these ids in ``namespace`` (an evicted history piece: core.pieces)."""
+        """Forget the chunk of these ids in ``namespace`` (an evicted history piece: core.store.pieces)."""
         ids = tuple(token_ids)
         if (namespace, ids) not in self._chunks:
             return

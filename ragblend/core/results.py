@@ -43,7 +43,7 @@ class Stats:
     predicted_speedup: float | None = None   # the fusion's predicted speed-up over a full prefill, where predicted
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
     prefix_tokens: int = 0         # prompt tokens whose K/V came from the prefix tier (counted in reused_tokens too)
-    history_tokens: int = 0        # prompt tokens found as stored pieces of earlier turns (core.pieces; in cache_hit_tokens too)
+    history_tokens: int = 0        # prompt tokens found as stored pieces of earlier turns (core.store.pieces; in cache_hit_tokens too)
 
     @property
     def recompute_fraction(self) -> float:
@@ -70,7 +70,7 @@ class Prefill:
     # float [N] added to every attention score on each key (QueryAware's cached_attention_scale),
     # or None; decoding from keys/values must add it too, as generate() does
     key_bias: torch.Tensor | None = field(default=None, repr=False)
-    # how its K/V were kept in the prefix tier (core.prefix_cache.KeptPrefix), its answer's to follow; None: not kept
+    # how its K/V were kept in the prefix tier (core.decode.prefix_cache.KeptPrefix), its answer's to follow; None: not kept
     prefix_kept: object = field(default=None, repr=False)
     keeps_pieces: bool = field(default=False, repr=False)   # whether its turns are kept as pieces once answered
 

@@ -1,5 +1,5 @@
 """The fused prefill run of one prompt: find each chunk's cached KV (computing and writing
-back the missing ones), pick the layer source, run :func:`~ragblend.core.prefill.fused_prefill`
+back the missing ones), pick the layer source, run :func:`~ragblend.core.fusion.prefill.fused_prefill`
 and count what was reused. Store writes and promotions to the memory tier run in the
 background (:class:`Background`)."""
 
@@ -13,21 +13,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .errors import PromptTooLongError
-from .fusion_cost import FusionCost, FusionVerdict
-from .ingest import Ingestion, packs
-from .model import ModelAdapter
-from .omp import release_thread_pool
-from .pieces import PieceStore, is_piece, last_message_start, piece_namespace, turn_runs, with_pieces
-from .pipeline import PrefetchSource, SequentialSource
+from .fusion.fusion_cost import FusionCost, FusionVerdict
+from .fusion.ingest import Ingestion, packs
+from .fusion.pipeline import PrefetchSource, SequentialSource
+from .fusion.prefill import FusedPrefill, fused_prefill
+from .fusion.selection import EveryToken, ReusedSpan
+from .fusion.strategies import FullRecompute
+from .model.adapter import ModelAdapter
+from .model.omp import release_thread_pool
 from .plan import StrategyPlan
-from .prefill import FusedPrefill, fused_prefill
-from .prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .prompt import PromptLayout
 from .results import Prefill, PromptTrace, Stats
-from .selection import EveryToken, ReusedSpan
-from .store import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
-from .strategies import FullRecompute
+from .store.pieces import PieceStore, is_piece, last_message_start, piece_namespace, turn_runs, with_pieces
+from .store.tiers import ChunkReader, CorruptEntryError, KVStore, MemoryReader, TieredStore
 
 log = logging.getLogger("ragblend")
 
@@ -73,7 +73,7 @@ class PrefillRunner:
     CacheBlend's ``ratio="auto"``; model passes hold ``lock``; ``sentence_end_ids`` (a function
     giving the ids of tokens that end a sentence) is read for selections in runs of sentences;
     ``fusion_cost`` predicts whether fusing a prompt pays (for the engine's own strategy);
-    ``pieces``: keep a conversation's turns as pieces fused like chunks (:mod:`.pieces`), in
+    ``pieces``: keep a conversation's turns as pieces fused like chunks (:mod:`ragblend.core.store.pieces`), in
     ``piece_bytes`` of their own memory."""
 
     def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, lock, loading, sentence_end_ids,
@@ -262,14 +262,14 @@ class PrefillRunner:
 
     def remember_pieces(self, decoding, store: KVStore, batch_tokens: int) -> None:
         """Store, in the background, the pieces of a finished answer's prompt and answer that no
-        chunk or stored piece covers (:mod:`.pieces`), for the next turn of its conversation, in the
+        chunk or stored piece covers (:mod:`ragblend.core.store.pieces`), for the next turn of its conversation, in the
         pieces' own memory (``store``, the KV store, is left to the documents)."""
         pre = decoding.prefill
         if pre is not None and getattr(pre, "keeps_pieces", False):
             self.background.submit(self._store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
 
     def last_message_start(self, token_ids) -> int:
-        """Where a prompt's last message begins (:func:`.pieces.last_message_start`)."""
+        """Where a prompt's last message begins (:func:`ragblend.core.store.pieces.last_message_start`)."""
         prompts = self.ingestion.prompts
         control = prompts.text_encoder.control_ids
         if self._question_bounds is None:   # rendering the template takes milliseconds: once
@@ -359,7 +359,7 @@ class PrefillRunner:
                     min_speedup: float) -> FusionVerdict | None:
         """Whether fusing this prompt, ``reused`` of its ``n`` tokens from the chunks ``found`` (None:
         not looked up yet, all taken to be in memory), is predicted to be at least ``min_speedup``
-        times faster than its full prefill on this host (:mod:`.fusion_cost`). None where that is
+        times faster than its full prefill on this host (:mod:`ragblend.core.fusion.fusion_cost`). None where that is
         not asked: a strategy the caller named, or ``min_speedup`` 0."""
         if not (plan.engine_default and min_speedup > 0 and reused and self.fusion_cost is not None):
             return None

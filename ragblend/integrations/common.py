@@ -12,11 +12,11 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, Field, SecretStr
 
+from ragblend.core.decode.generate import SamplingParams
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import SamplingParams
+from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
-from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
 
@@ -27,7 +27,7 @@ DecodeDtype = Literal[DECODE_DTYPES]  # type: ignore[valid-type]
 WeightDtype = Literal[WEIGHT_DTYPES]  # type: ignore[valid-type]
 
 
-SAMPLING = SamplingParams()   # the sampling defaults, declared once (ragblend.core.generate)
+SAMPLING = SamplingParams()   # the sampling defaults, declared once (ragblend.core.decode.generate)
 
 
 class EngineFields(BaseModel):

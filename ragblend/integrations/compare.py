@@ -29,7 +29,7 @@ from dataclasses import dataclass
 # `with fusion_only():` answers in this thread (and its context) neither read nor fill the engine's
 # prefix tier, so what is timed is the fused prefill and the full one, as asked; other threads
 # (another app session, a server's requests) use the tier as usual.
-from ragblend.core.prefix_cache import bypassed as fusion_only  # noqa: F401 (the callers' name)
+from ragblend.core.decode.prefix_cache import bypassed as fusion_only  # noqa: F401 (the callers' name)
 from ragblend.core.results import Stats
 
 FULL_PREFILL = "full_recompute"   # the strategy every comparison is against

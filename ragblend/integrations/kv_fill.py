@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ragblend.core.errors import RagblendError
-from ragblend.core.ingest import packs
-from ragblend.core.kv import KV_METADATA_KEY
-from ragblend.core.omp import release_thread_pool
+from ragblend.core.fusion.ingest import packs
+from ragblend.core.model.omp import release_thread_pool
+from ragblend.core.store.kv import KV_METADATA_KEY
 
 log = logging.getLogger(__name__)
 

@@ -37,9 +37,9 @@ from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, RagblendError
-from ragblend.core.kv import KV_METADATA_KEY
-from ragblend.core.model import cache_dir
 from ragblend.core.options import EngineOptions
+from ragblend.core.paths import cache_dir
+from ragblend.core.store.kv import KV_METADATA_KEY
 
 from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, ReadLimits, UnreadableFileError, decode_text, extract_text  # noqa: F401
 
@@ -722,7 +722,7 @@ class LocalIndex:
     def kv_projection(self, warn: bool = True):
         """The projected size of the KV of every chunk in the index (chunks of up to ``chunk_size``
         tokens, so an upper bound) against the KV store's budget: a
-        :class:`~ragblend.core.kv_budget.Projection` (``.describe()``: one line). ``warn``: log once
+        :class:`~ragblend.core.store.kv_budget.Projection` (``.describe()``: one line). ``warn``: log once
         when the budget holds only part of it (the rest is computed at query time)."""
         return self.engine.kv_projection(len(self), self.chunk_size, warn=warn)
 

@@ -3,7 +3,7 @@
 * :mod:`~ragblend.serving.protocol` — the wire format, written once: requests to prompts,
   usage, strategies, errors (no web framework needed);
 * :mod:`~ragblend.serving.requests` — the server's request bodies as pydantic models, and their
-  one conversion to :class:`~ragblend.core.generate.SamplingParams`;
+  one conversion to :class:`~ragblend.core.decode.generate.SamplingParams`;
 * :mod:`~ragblend.serving.options` — the server's limits, declared once;
 * :mod:`~ragblend.serving.client` — :class:`RemoteEngine`, the engine's interface over HTTP;
 * :mod:`~ragblend.serving.worker` — the queue of requests the model works through;

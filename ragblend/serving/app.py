@@ -55,7 +55,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ragblend.core.batching import kv_bytes_for
+from ragblend.core.decode.batching import kv_bytes_for
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.net import is_loopback
@@ -152,7 +152,7 @@ class Metrics:
              pieces: dict | None = None) -> str:
         """The Prometheus text of the counters, the queue, the store, the background KV fill, the
         prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`) and the history pieces'
-        memory (``pieces``: :meth:`~ragblend.core.pieces.PieceStore.info`)."""
+        memory (``pieces``: :meth:`~ragblend.core.store.pieces.PieceStore.info`)."""
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
@@ -488,7 +488,7 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
     them reuses it."""
     check_options(body)
-    # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.prefix_cache),
+    # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.decode.prefix_cache),
     # even where --shared-cache shares passages: prompts and answers are never shared.
     own = server.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body, own=True)
     run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own))

@@ -34,11 +34,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Literal, Sequence
 
+from ragblend.core.decode.generate import SamplingParams, sampling_params
 from ragblend.core.engine import Stats, TextStream
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
-from ragblend.core.generate import SamplingParams, sampling_params
-from ragblend.core.kv import ChunkRef
 from ragblend.core.prompt import Chunk, PromptBuilder, check_segments, check_text
+from ragblend.core.store.kv import ChunkRef
 
 from .protocol import BLEND_SPECIAL_STR, blocks_of, lmcache_ids, read_stats, strategy_to_json
 

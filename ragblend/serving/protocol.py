@@ -16,8 +16,8 @@ from typing import Iterable, Sequence
 
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
+from ragblend.core.fusion.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 from ragblend.core.prompt import Chunk, ChunkSpan, PromptLayout, TooLong, check_text
-from ragblend.core.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
 
 # LMCache's blending convention: a token-id prompt's segments (template start, chunks, question)
 # are separated by the token ids of this string.

@@ -4,7 +4,7 @@ A field's type and bounds are declared once, on its model; :meth:`RequestModel.o
 body and turns the first failure into the OpenAI-shaped 400 the server answers
 (:class:`~ragblend.serving.protocol.ApiError`), worded by :data:`MESSAGES` and naming its field.
 :meth:`CompletionOptions.to_sampling_params` is the one conversion from a request's sampling
-fields to the engine's :class:`~ragblend.core.generate.SamplingParams`.
+fields to the engine's :class:`~ragblend.core.decode.generate.SamplingParams`.
 
 The messages of a chat request and a completions prompt are parsed by
 :mod:`~ragblend.serving.protocol` (``ChatPrompt``, ``check_prompt``): they become prompt
@@ -18,8 +18,8 @@ from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ragblend.core.decode.generate import MIN_SAMPLING_VALUE, SamplingParams
 from ragblend.core.engine import BlendEngine
-from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams
 
 from .protocol import MAX_STOPS, MAX_TEXTS, ApiError, check_unsupported, check_window, strategy_from_json
 

@@ -1,5 +1,5 @@
 """The server's work queue: one worker thread runs the requests' jobs and decodes their answers
-together (continuous batching, :mod:`ragblend.core.batching`).
+together (continuous batching, :mod:`ragblend.core.decode.batching`).
 
 A job's ``run`` does its request's own work (tokenizing, checks; a whole /v1/chunks or
 /tokenize request). A completion's ``run`` returns a :class:`Decode` instead of a result: the
@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ragblend.core.batching import BatchDecoder, Member
 from ragblend.core.cancel import Cancelled, cancellable
-from ragblend.core.generate import Decoding
+from ragblend.core.decode.batching import BatchDecoder, Member
+from ragblend.core.decode.generate import Decoding
 
 from .options import SERVER_DEFAULTS
 from .protocol import ApiError
@@ -55,7 +55,7 @@ class Job:
 class Decode:
     """What a completion's ``run`` returns: the answer to decode in the batch.
 
-    ``start`` prefills the prompt and returns its :class:`~ragblend.core.generate.Decoding`
+    ``start`` prefills the prompt and returns its :class:`~ragblend.core.decode.generate.Decoding`
     (``BlendEngine.begin``); ``kv_bytes`` is the KV memory that decoding will hold (prompt and
     answer); ``finish`` turns the finished decoding into the job's result."""
 

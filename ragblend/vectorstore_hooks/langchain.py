@@ -26,7 +26,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from ragblend.core.engine import BlendEngine
-from ragblend.core.kv import KV_METADATA_KEY as KV_KEY
+from ragblend.core.store.kv import KV_METADATA_KEY as KV_KEY
 
 PROGRESS_FROM = 16  # show a progress bar for batches at least this large
 

@@ -36,7 +36,7 @@ from llama_index.core.vector_stores.types import (
 )
 
 from ragblend.core.engine import BlendEngine
-from ragblend.core.kv import KV_METADATA_KEY as KV_KEY
+from ragblend.core.store.kv import KV_METADATA_KEY as KV_KEY
 
 
 def llm_text(node: BaseNode) -> str:

@@ -21,8 +21,8 @@ from benchmarks.common import MUSIQUE, prompt_sets
 from benchmarks.models import model_path
 from benchmarks.prefill_error import answer
 from ragblend import BlendEngine
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.model import CpuLinear
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.model.linear import CpuLinear
 
 LONG = 16   # passes of more rows than this are the prefill's
 

@@ -10,8 +10,8 @@ import torch
 from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
-from ragblend.core.calibration import answer_kl_steps, answer_logits
-from ragblend.core.selection import QuestionAttention
+from ragblend.core.calibration.metrics import answer_kl_steps, answer_logits
+from ragblend.core.fusion.selection import QuestionAttention
 
 
 class Allocated(QuestionAttention):

@@ -10,7 +10,7 @@ import torch
 from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_kl_steps, answer_logits
+from ragblend.core.calibration.metrics import answer_kl_steps, answer_logits
 
 torch.set_num_threads(2)
 model, spec, ratio = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -12,7 +12,7 @@ from benchmarks.common import MUSIQUE, prompt_sets
 from benchmarks.fidelity import NOISE, measure
 from benchmarks.models import model_path
 from ragblend import BlendEngine, QueryAware
-from ragblend.core.selection import QuestionAttention
+from ragblend.core.fusion.selection import QuestionAttention
 
 
 class WithChunkHeads(QuestionAttention):

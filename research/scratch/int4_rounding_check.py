@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from ragblend import BlendEngine
-from ragblend.core.model import INT4_GROUP, Int4Linear, quantize_int4
+from ragblend.core.model.linear import INT4_GROUP, Int4Linear, quantize_int4
 
 
 def layer_inputs(engine) -> dict[str, torch.Tensor]:

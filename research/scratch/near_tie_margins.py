@@ -10,8 +10,8 @@ from benchmarks.common import MUSIQUE, prompt_sets
 from benchmarks.decode import reference_answer
 from benchmarks.models import model_path
 from ragblend import BlendEngine, Chunk
-from ragblend.core.generate import KVDecoder
-from ragblend.core.model import ModelAdapter
+from ragblend.core.decode.generate import KVDecoder
+from ragblend.core.model.adapter import ModelAdapter
 
 model, spec, out = sys.argv[1], sys.argv[2:-1], sys.argv[-1]
 exact = BlendEngine.from_pretrained(model_path(model), kv_dir=False, decode_dtype="float32")

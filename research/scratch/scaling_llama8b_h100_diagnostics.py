@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 import benchmarks.scaling as S
-import ragblend.core.masks as M
+import ragblend.core.model.masks as M
 from ragblend import Chunk, FullRecompute
 
 mode = sys.argv[1]

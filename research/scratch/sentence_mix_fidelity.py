@@ -5,7 +5,7 @@ sentences alone: MIX 1e-4; the library's default since session 33: 0.25). Its "s
 rows are this mix."""
 import sys
 
-from ragblend.core import selection
+from ragblend.core.fusion import selection
 
 # Session 32 patched by_sentence to add MIX x claims to the library's 1e-4; since session 33 the
 # share is the library's SENTENCE_OWN_SHARE (0.25), set here: the same claims to 1e-4.

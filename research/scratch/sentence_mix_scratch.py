@@ -13,8 +13,9 @@ import torch
 from benchmarks.common import MUSIQUE, SYSTEM, prompt_sets
 from benchmarks.models import model_path
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
-from ragblend.core import selection
-from ragblend.core.calibration import answer_kl, answer_logits, builtin_prompts, first_token_kl
+from ragblend.core.calibration.metrics import answer_kl, answer_logits, first_token_kl
+from ragblend.core.calibration.search import builtin_prompts
+from ragblend.core.fusion import selection
 
 torch.set_num_threads(2)
 model, ratio, mixes = sys.argv[1], float(sys.argv[2]), [float(m) for m in sys.argv[3].split(",")]

@@ -11,7 +11,7 @@ from benchmarks.common import GREEDY_TOKENS
 from benchmarks.models import model_path
 from benchmarks.userlike import Index, sample_corpus
 from ragblend import BlendEngine, BlendLLM, CacheBlend, FullRecompute, QueryAware
-from ragblend.core.selection import QuestionAttention, TopScoreSelection, kv_deviation
+from ragblend.core.fusion.selection import QuestionAttention, TopScoreSelection, kv_deviation
 from ragblend.integrations.local_index import default_embed_model
 
 engine = BlendEngine.from_pretrained(model_path("smollm2"), kv_dir=False, prefix_cache_bytes=0)

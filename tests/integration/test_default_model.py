@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, FullReuse
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.model import converted_dir_for, default_gguf_path
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.model.loading import converted_dir_for, default_gguf_path
 
 from ..conftest import PASSAGES
 
@@ -23,8 +23,8 @@ def test_default_model_loads_from_its_gguf_without_a_float32_copy(smol_engine):
     """No copy of the weights on disk: the cache holds the config and tokenizer only. A model this
     small is dequantized to float32 in memory (model.gguf_in_float32); asked for, its weights stay
     in the file's 4-bit/8-bit form, within 1.3x the file."""
-    from ragblend.core.model import gguf_metadata_dir
-    from ragblend.core.quantized import quantized_bytes
+    from ragblend.core.model.loading import gguf_metadata_dir
+    from ragblend.core.model.quantized import quantized_bytes
 
     folder = gguf_metadata_dir(default_gguf_path())
     assert (folder / "config.json").exists() and not list(folder.glob("*.safetensors"))

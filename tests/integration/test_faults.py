@@ -5,7 +5,7 @@ store cannot open (the disk tier's faults on tiny models are in tests/unit/test_
 import pytest
 
 from ragblend import Chunk
-from ragblend.core.store import MemoryStore
+from ragblend.core.store.tiers import MemoryStore
 
 from ..unit.test_faults import CHUNKS
 

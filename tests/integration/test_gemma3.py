@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute, QueryAware
-from ragblend.core.generate import KVDecoder
+from ragblend.core.decode.generate import KVDecoder
 
 from ..unit.test_gemma3 import SYSTEM
 
@@ -67,9 +67,9 @@ def test_gemma3_270m_fused_prefill_matches_dense_reference(gemma_engine, bench_p
 @pytest.mark.slow
 def test_gemma3_270m_runs_at_its_shipped_calibration(gemma_engine):
     """Its calibration ships with ragblend (ragblend/data/calibration), measured on the plain layout."""
-    from ragblend.core import calibration
+    from ragblend.core.calibration import record
 
-    shipped = calibration.SHIPPED_DIR / calibration.calibration_file(gemma_engine.calibration_id).name
+    shipped = record.SHIPPED_DIR / record.calibration_file(gemma_engine.calibration_id).name
     assert shipped.exists()
     assert gemma_engine.calibration is not None and gemma_engine.calibration.within_noise
     assert gemma_engine.strategy == gemma_engine.calibration.strategy and gemma_engine.calibration.ratio < 0.3

@@ -21,7 +21,7 @@ def test_fused_prefill_matches_dense_reference_smollm2(smol_engine, bench_prompt
 @pytest.mark.slow
 def test_fused_prefill_matches_dense_reference_qwen(bench_prompt):
     from ragblend import BlendEngine
-    from ragblend.core.model import cache_dir
+    from ragblend.core.paths import cache_dir
 
     gguf = cache_dir() / "models" / "Qwen2.5-Coder-0.5B-Instruct.Q4.gguf"
     if not gguf.exists():

@@ -50,7 +50,7 @@ import torch
 from benchmarks.common import command_line, write_report
 from benchmarks.models import MODELS, model_path
 from ragblend import BlendEngine, Chunk, RagblendError
-from ragblend.core.store import MAGIC, DiskStore, MemoryStore, TieredStore, open_store
+from ragblend.core.store.tiers import MAGIC, DiskStore, MemoryStore, TieredStore, open_store
 from ragblend.data import load_sample
 from tests.servers import (
     HealthPoller,
@@ -266,7 +266,7 @@ def read_only(scene: Scene, while_open: bool):
 KILLED_WRITER = """
 import sys
 from ragblend import BlendEngine
-from ragblend.core.store import DiskStore
+from ragblend.core.store.tiers import DiskStore
 engine = BlendEngine.from_pretrained(sys.argv[1] or None, kv_dir=False)
 engine.store = DiskStore(sys.argv[2], engine.entry_spec)
 print("ready", flush=True)
@@ -630,8 +630,8 @@ class Hostile:
             return same, f"prompt ids equal the chat template's own rendering: {same}"
 
         def old_format_entry():
-            import ragblend.core.kv as kv
-            import ragblend.core.store as store_module
+            import ragblend.core.store.kv as kv
+            import ragblend.core.store.tiers as store_module
 
             engine.store = open_store(self.sandbox / "kv-v2", engine.entry_spec, memory_bytes=0)
             try:
@@ -1020,8 +1020,8 @@ class Hostile:
 
         def forced_draw(running):
             """A draw that slipped past every check: top_p=1e-300 set on SamplingParams after them."""
-            from ragblend.core.batching import kv_bytes_for
-            from ragblend.core.generate import SamplingParams
+            from ragblend.core.decode.batching import kv_bytes_for
+            from ragblend.core.decode.generate import SamplingParams
             from ragblend.serving.protocol import ChatPrompt
             from ragblend.serving.worker import Decode, Job
 

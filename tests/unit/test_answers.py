@@ -1,4 +1,4 @@
-"""core.answers: starting an answer after a fused prefill. The decoder's buffers hold the
+"""core.decode.answers: starting an answer after a fused prefill. The decoder's buffers hold the
 prompt and the answer but never more than the context window; the answer ends at an end token
 or the window; greedy float32 answers draft from the prompt, others do not. The answer's K/V
 dtype (decode_kv_dtype): float16 only on low-bit weights and where it measures faster (a fake
@@ -10,13 +10,13 @@ import threading
 import pytest
 import torch
 
-import ragblend.core.generate as generate
-from ragblend.core.answers import Answers, decode_kv_dtype, eos_ids_of
-from ragblend.core.batching import batch_extend, kv_bytes_for, kv_bytes_per_position
-from ragblend.core.calibration import first_token_kl
-from ragblend.core.decode_weights import DecodeWeights
+import ragblend.core.decode.generate as generate
+from ragblend.core.calibration.metrics import first_token_kl
+from ragblend.core.decode.answers import Answers, decode_kv_dtype, eos_ids_of
+from ragblend.core.decode.batching import batch_extend, kv_bytes_for, kv_bytes_per_position
+from ragblend.core.decode.generate import KVDecoder, SamplingParams
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import KVDecoder, SamplingParams
+from ragblend.core.model.decode_weights import DecodeWeights
 
 from ..conftest import PASSAGES, make_tiny_engine
 from .test_batching import run_batch
@@ -118,7 +118,7 @@ def test_auto_kv_dtype_is_float16_only_on_low_bit_weights_and_when_it_measures_f
 
 
 def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_kept_unsettled(tokenizer, tmp_path, monkeypatch):
-    import ragblend.core.answers as answers
+    import ragblend.core.decode.answers as answers
 
     weights = make_tiny_engine("llama", tokenizer, decode_dtype="int4", decode_kv_dtype="float32").decode_weights
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
@@ -130,7 +130,7 @@ def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_kept_unset
     (path,) = (tmp_path / "host").glob("decode-kv-dtype-*.json")
     assert json.loads(path.read_text())["settled"] is False
     monkeypatch.setattr(answers, "_MEASURED", {})   # a later process on a quiet host: measures again, both agree
-    import ragblend.core.host_cache as host_cache
+    import ragblend.core.model.host_cache as host_cache
 
     monkeypatch.setattr(host_cache, "host_is_quiet", lambda: True)
     assert decode_kv_dtype(weights, "auto") == torch.float16
@@ -139,7 +139,7 @@ def test_a_kv_dtype_two_timings_disagree_on_serves_the_process_and_is_kept_unset
 
 
 def test_auto_kv_dtype_is_measured_once_per_model_shape_and_threads(tokenizer, monkeypatch):
-    import ragblend.core.answers as answers
+    import ragblend.core.decode.answers as answers
 
     monkeypatch.setattr(answers, "_MEASURED", {})
     four = make_tiny_engine("llama", tokenizer, decode_dtype="int4")   # measures with the real timer

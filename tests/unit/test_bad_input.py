@@ -71,7 +71,7 @@ def test_unsupported_architecture_names_supported_ones(tokenizer):
 def test_missing_default_model_says_how_to_install(monkeypatch):
     import importlib.util
 
-    from ragblend.core import model as model_module
+    from ragblend.core.model import loading as model_module
 
     real = importlib.util.find_spec
     monkeypatch.setattr(model_module.importlib.util, "find_spec",
@@ -81,7 +81,7 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
 
 
 def test_missing_model_path(tmp_path):
-    from ragblend.core.model import resolve_model_dir
+    from ragblend.core.model.loading import resolve_model_dir
 
     with pytest.raises(ModelNotFoundError, match="never downloaded"):
         resolve_model_dir(tmp_path / "nope")
@@ -191,13 +191,13 @@ def test_errors_raised_on_purpose_are_ragblend_errors():
     allowed = {
         ("__init__.py", "AttributeError"),            # the module __getattr__ protocol
         ("core/remote.py", "AttributeError"),         # the same, in the shim left where RemoteEngine moved from
-        ("core/calibration.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
-        ("core/store.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
-        ("core/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
-        ("core/fusion_cost.py", "ValueError"),        # caught in FusionCost.constants: the scaled defaults serve
-        ("core/model.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
-        ("core/decode_weights.py", "KeyError"),       # caught in _quantized_layers: a cache file that does not fit
-        ("core/decode_weights.py", "ValueError"),     # is a miss, the weights built again
+        ("core/calibration/record.py", "ValueError"),        # caught in load_calibration: a bad file is ignored
+        ("core/store/tiers.py", "FileNotFoundError"),       # caught in DiskStore.put: a vanished folder is a fault
+        ("core/model/kernels.py", "ValueError"),            # caught in _read_cached: a bad kernel cache is re-measured
+        ("core/fusion/fusion_cost.py", "ValueError"),        # caught in FusionCost.constants: the scaled defaults serve
+        ("core/model/linear.py", "ValueError"),              # caught in the engine: a layer 4 bits cannot pack stays float32
+        ("core/model/decode_weights.py", "KeyError"),       # caught in _quantized_layers: a cache file that does not fit
+        ("core/model/decode_weights.py", "ValueError"),     # is a miss, the weights built again
         ("serving/requests.py", "ValueError"),        # pydantic's validator protocol: it becomes the request's 400
     }   # NotImplementedError (abstract methods, unsupported framework constructors) is a protocol too
     package = Path(ragblend.__file__).parent
@@ -246,7 +246,7 @@ def test_cli_cache_commands_look_without_creating(capsys, tmp_path):
 def test_a_gguf_file_converts_once_per_content_not_per_path(tmp_path):
     """Each virtual environment installs the default model at another path; they share one
     converted copy (~0.5 GB) as long as the file's bytes are the same."""
-    from ragblend.core.model import converted_dir_for
+    from ragblend.core.model.loading import converted_dir_for
 
     data = bytes(range(256)) * 20_000   # 5 MB: head and tail hashes differ from the middle
     first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"

@@ -1,4 +1,4 @@
-"""Batched decoding across requests (core.batching): sequences decoded together answer as each
+"""Batched decoding across requests (core.decode.batching): sequences decoded together answer as each
 decoded alone, join and leave between steps, and keep their own sampling and stop strings.
 
 The rule for "the same": greedy token ids identical, and each batched step's logits within
@@ -8,11 +8,11 @@ kernel, which changes the logits by float rounding, ~1e-5)."""
 import pytest
 import torch
 
-from ragblend.core.batching import BatchDecoder, batch_extend
+from ragblend.core.decode.batching import BatchDecoder, batch_extend
+from ragblend.core.decode.generate import KVDecoder, SamplingParams
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import KVDecoder, SamplingParams
+from ragblend.core.fusion.strategies import QueryAware
 from ragblend.core.prompt import Chunk
-from ragblend.core.strategies import QueryAware
 
 from ..conftest import PASSAGES, TINY_ARCHS, make_tiny_engine
 

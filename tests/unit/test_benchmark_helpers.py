@@ -139,7 +139,7 @@ def test_peers_decode_the_same_number_of_tokens_and_skip_what_is_missing(tokeniz
 
 def test_runs_of_neighbours_recompute_a_window_around_what_the_question_attends_to(tokenizer):
     from benchmarks.fidelity import QuestionAttentionInRuns
-    from ragblend.core.selection import FusionPrompt, ReusedSpan
+    from ragblend.core.fusion.selection import FusionPrompt, ReusedSpan
 
     # two chunks of 20 tokens at 2..22 and 22..42, the question after them
     prompt = FusionPrompt.build(48, [ReusedSpan(2, 20), ReusedSpan(22, 20)], "cpu")
@@ -455,7 +455,7 @@ def test_chunk_heads_within_the_budget_give_every_chunk_its_floor(sizes, offsets
     on top of it, the heads come besides the question's choice."""
 
     from benchmarks.fidelity import QuestionAttentionWithHeads
-    from ragblend.core.selection import FusionPrompt, QuestionAttention, ReusedSpan
+    from ragblend.core.fusion.selection import FusionPrompt, QuestionAttention, ReusedSpan
 
     spans, position = [], 3
     for size in sizes:

@@ -9,7 +9,7 @@ import sqlite3
 import pytest
 
 from ragblend.cli import main
-from ragblend.core.store import MARKER, DiskStore, NotAStoreError, open_store
+from ragblend.core.store.tiers import MARKER, DiskStore, NotAStoreError, open_store
 
 from ..conftest import SPEC, synthetic_entry
 

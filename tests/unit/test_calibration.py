@@ -11,18 +11,10 @@ import statistics
 import pytest
 
 from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
-from ragblend.core.calibration import (
-    LADDER,
-    MARGIN,
-    SELECTIONS,
-    UNCALIBRATED,
-    CalibrationError,
-    calibration_file,
-    load_calibration,
-    within_margin,
-)
+from ragblend.core.calibration.record import MARGIN, UNCALIBRATED, CalibrationError, calibration_file, load_calibration
+from ragblend.core.calibration.search import LADDER, SELECTIONS, within_margin
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.strategies import strategy_from_name
+from ragblend.core.fusion.strategies import strategy_from_name
 
 from ..conftest import make_tiny_engine
 from .test_selection import CHUNKS
@@ -151,7 +143,7 @@ def fake_measurements(monkeypatch, noise, fused, long_prompts=0) -> list:
     """calibrate's measuring replaced: each prompt's order-noise row is ``noise(i)`` (the i-th
     prompt measured, counted over calls), the first ``long_prompts`` of a call 3,000 tokens long, a
     strategy's row ``fused(strategy, reference)``. Returns the strategies measured, in order."""
-    from ragblend.core import calibration as module
+    from ragblend.core.calibration import search as module
 
     measured, count = [], iter(range(10_000))
 
@@ -290,7 +282,7 @@ def test_older_files_read_as_what_they_measured():
     """Files from before the neighbour window (format 3), before sentence runs (4) and before
     their tokens' own share (5, unless it chose sentences) still load, as single tokens and their
     window; a format-6 file keeps its sentence runs."""
-    from ragblend.core.calibration import CALIBRATION_FORMAT, _from_json
+    from ragblend.core.calibration.record import CALIBRATION_FORMAT, _from_json
 
     old = {"format": 3, "fingerprint": "x", "ratio": 0.2, "within_noise": True, "order_noise_kl": [0.1, 0.1],
            "chosen_kl": [0.01, 0.01], "tried": [{"ratio": 0.2, "kl_mean": 0.01, "kl_median": 0.01, "compute": 0.3}]}
@@ -306,7 +298,7 @@ def test_older_files_read_as_what_they_measured():
 
 
 def test_a_shipped_calibration_is_used_and_the_users_own_wins(cache, tokenizer, tmp_path, monkeypatch, caplog):
-    from ragblend.core import calibration as module
+    from ragblend.core.calibration import record as module
 
     engine = make_tiny_engine("qwen2", tokenizer)
     shipped = engine.calibrate(prompts()[:2], progress=False, save=False)
@@ -406,7 +398,7 @@ def test_cli_calibrate_reports_a_model_it_cannot_calibrate(cache, tokenizer, tmp
 
 def test_every_shipped_calibration_is_of_the_current_format():
     """A format change (a new default strategy) must come with re-measured shipped files."""
-    from ragblend.core.calibration import CALIBRATION_FORMAT, SHIPPED_DIR, _from_json
+    from ragblend.core.calibration.record import CALIBRATION_FORMAT, SHIPPED_DIR, _from_json
 
     files = sorted(SHIPPED_DIR.glob("*.json"))
     assert len(files) == 6   # SmolLM2's, Qwen2.5's and Gemma 3's, with and without lead entries
@@ -438,8 +430,8 @@ def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
     first i tokens; answer_kl is zero for the same prefill and positive for another one."""
     import torch
 
-    from ragblend.core.calibration import answer_kl, answer_logits
-    from ragblend.core.generate import KVDecoder
+    from ragblend.core.calibration.metrics import answer_kl, answer_logits
+    from ragblend.core.decode.generate import KVDecoder
 
     tiny_engine.precompute(CHUNKS[:3])
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
@@ -463,7 +455,7 @@ def test_answer_logits_with_a_fading_bias_spans_the_scaled_and_the_prefill_only_
     factor 0 the bias in the prefill only; a fading factor lands between them."""
     import torch
 
-    from ragblend.core.calibration import answer_kl, answer_logits
+    from ragblend.core.calibration.metrics import answer_kl, answer_logits
 
     tiny_engine.precompute(CHUNKS[:3])
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
@@ -486,7 +478,7 @@ def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_en
     logits) as with True, and an answer decoded as if the bias had been dropped after the prompt."""
     import torch
 
-    from ragblend.core.calibration import answer_logits
+    from ragblend.core.calibration.metrics import answer_logits
 
     tiny_engine.precompute(CHUNKS[:3])
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
@@ -507,7 +499,7 @@ def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_en
 
 def test_cli_calibrate_prints_every_measure_of_every_row(cache, tokenizer, tmp_path, capsys, monkeypatch):
     from ragblend.cli import main
-    from ragblend.core import calibration as module
+    from ragblend.core.calibration import search as module
 
     engine = make_tiny_engine("llama", tokenizer)
     folder = tmp_path / "tiny-llama"

@@ -1,9 +1,9 @@
-"""core.chunk_index: the chunks an engine knows, found in flat prompts: those added here and
+"""core.store.chunk_index: the chunks an engine knows, found in flat prompts: those added here and
 those other processes stored (learnt from the store, reading only new entries, never deleting
 another model's)."""
 
-from ragblend.core.chunk_index import ChunkIndex
-from ragblend.core.store import DiskStore, MemoryStore
+from ragblend.core.store.chunk_index import ChunkIndex
+from ragblend.core.store.tiers import DiskStore, MemoryStore
 
 from ..conftest import PASSAGES, make_tiny_engine, synthetic_entry
 

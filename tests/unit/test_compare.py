@@ -75,7 +75,7 @@ def tiny_models(monkeypatch, tokenizer):
     pytest.importorskip("llama_index.core")
     pytest.importorskip("chromadb")
     from ragblend import BlendEngine
-    from ragblend.core.store import open_store
+    from ragblend.core.store.tiers import open_store
 
     from ..conftest import make_tiny_engine
 

@@ -1,4 +1,4 @@
-"""core.controller: the loading controller measures compute and read speeds once (cached on
+"""core.fusion.controller: the loading controller measures compute and read speeds once (cached on
 disk), and plans CacheBlend's 'auto' ratio and the cheapest tier from them."""
 
 import json
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from ragblend import CacheBlend
-from ragblend.core.controller import LoadingController, Measurements
-from ragblend.core.store import DiskStore
+from ragblend.core.fusion.controller import LoadingController, Measurements
+from ragblend.core.store.tiers import DiskStore
 
 from ..conftest import PASSAGES, SEGMENTS, make_tiny_engine
 
 
 def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
-    from ragblend.core.controller import LoadingController, Measurements
+    from ragblend.core.fusion.controller import LoadingController, Measurements
 
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     engine = make_tiny_engine("llama", tokenizer)
@@ -42,7 +42,7 @@ def test_controller_measures_caches_and_plans(tokenizer, tmp_path, monkeypatch):
 
 
 def test_cacheblend_auto_uses_the_controller(disk_engine):
-    from ragblend.core.controller import Measurements
+    from ragblend.core.fusion.controller import Measurements
 
     engine = disk_engine
     engine.precompute(PASSAGES[:3])

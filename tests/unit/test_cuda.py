@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, CacheBlend, FullRecompute, FullReuse, QueryAware
-from ragblend.core.calibration import answer_logits
+from ragblend.core.calibration.metrics import answer_logits
 
 from ..conftest import PASSAGES, SEGMENTS, entry_path, flip_byte, tiny_model
 
@@ -65,8 +65,8 @@ def test_fused_prefill_and_answer_match_the_cpus(arch, strategy, tokenizer):
 def test_a_partly_used_chunk_is_read_ahead_to_the_gpu_as_on_the_cpu(tokenizer, tmp_path):
     """Windows (a chunk's tokens a prompt uses) go through the pinned read-ahead contiguous, from
     the memory tier and from a disk store, and give the CPU's layers."""
-    from ragblend.core.pipeline import PrefetchSource, SequentialSource, _pinned_copy
-    from ragblend.core.store import DiskStore, MemoryReader
+    from ragblend.core.fusion.pipeline import PrefetchSource, SequentialSource, _pinned_copy
+    from ragblend.core.store.tiers import DiskStore, MemoryReader
 
     cpu, gpu = engines("qwen2", tokenizer)
     entries = [cpu.store.get(cpu.key_of(text)) for text in PASSAGES[:3]]
@@ -91,7 +91,7 @@ def test_a_partly_used_chunk_is_read_ahead_to_the_gpu_as_on_the_cpu(tokenizer, t
 def test_a_corrupt_entry_on_disk_is_recomputed_on_the_gpu(tokenizer, tmp_path):
     """A layer that fails its check in the read-ahead thread: the entry is dropped and the
     chunk recomputed, as on the CPU (the answer is the clean store's)."""
-    from ragblend.core.store import DiskStore
+    from ragblend.core.store.tiers import DiskStore
 
     _, gpu = engines("qwen2", tokenizer)
     gpu.store = DiskStore(tmp_path / "kv", gpu.entry_spec)

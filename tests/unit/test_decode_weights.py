@@ -1,4 +1,4 @@
-"""core.decode_weights: the weights decoding runs on. float32 decodes on the engine's own
+"""core.model.decode_weights: the weights decoding runs on. float32 decodes on the engine's own
 adapter; float16, 4-bit and 8-bit twins of the model answer like it, are built once per model
 and kind, leave the model alone, and fall back to float32 (saying why) where they cannot run.
 (The low-bit layers themselves: test_kernels.py.)"""
@@ -9,17 +9,18 @@ import threading
 import pytest
 import torch
 
-from ragblend.core.decode_weights import DecodeWeights
-from ragblend.core.generate import KVDecoder
-from ragblend.core.model import INT4_GROUP, CpuLinear, Int4Linear, ModelAdapter, quantize_int4
+from ragblend.core.decode.generate import KVDecoder
+from ragblend.core.model.adapter import ModelAdapter
+from ragblend.core.model.decode_weights import DecodeWeights
+from ragblend.core.model.linear import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
 
 from ..conftest import tiny_model
 from .test_engine import segments
 
 
 def test_float16_decoding_is_close_and_leaves_the_model_alone(tokenizer):
-    from ragblend.core.calibration import first_token_kl
-    from ragblend.core.model import HalfLinear
+    from ragblend.core.calibration.metrics import first_token_kl
+    from ragblend.core.model.linear import HalfLinear
 
     from ..conftest import make_tiny_engine
 
@@ -57,8 +58,8 @@ def snapped_to_int4(model):
 
 def test_int4_decoding_answers_like_float32_and_drafts_change_nothing(tokenizer):
     from ragblend import BlendEngine
-    from ragblend.core.calibration import first_token_kl
-    from ragblend.core.generate import KVDecoder
+    from ragblend.core.calibration.metrics import first_token_kl
+    from ragblend.core.decode.generate import KVDecoder
 
     from ..conftest import tiny_model
 
@@ -108,7 +109,7 @@ def test_int4_on_weights_that_are_not_4_bit_says_it_quantized_them(tokenizer, ca
 
 def test_int4_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, monkeypatch, caplog):
     from ragblend import BlendEngine
-    from ragblend.core import decode_weights as engine_module
+    from ragblend.core.model import decode_weights as engine_module
 
     from ..conftest import tiny_model
 
@@ -142,7 +143,7 @@ def test_int4_leaves_layers_it_cannot_pack_in_float32(caplog):
 
 def low_bit_measures(monkeypatch, faster: bool):
     """Make the decoding-format measurement say low-bit weights are (or are not) faster here."""
-    from ragblend.core import decode_weights as engine_module
+    from ragblend.core.model import decode_weights as engine_module
 
     seen = []
 
@@ -151,7 +152,7 @@ def low_bit_measures(monkeypatch, faster: bool):
         return {"float32": 1.0, "low-bit": 0.5 if faster else 1.0}
 
     monkeypatch.setattr(engine_module, "fastest_rounds", fake)
-    # measured now, not a verdict an earlier process stored for this host (core.host_cache)
+    # measured now, not a verdict an earlier process stored for this host (core.model.host_cache)
     monkeypatch.setattr(engine_module, "remembered", lambda name, key, measure, valid: measure()[0])
     return seen
 
@@ -175,9 +176,9 @@ def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core.calibration import first_token_kl
-    from ragblend.core.generate import KVDecoder
-    from ragblend.core.model import Int8Head, Int8Linear
+    from ragblend.core.calibration.metrics import first_token_kl
+    from ragblend.core.decode.generate import KVDecoder
+    from ragblend.core.model.linear import Int8Head, Int8Linear
 
     from ..conftest import tiny_model
 
@@ -204,8 +205,8 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core import model as model_module
-    from ragblend.core.model import Int8Linear
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.linear import Int8Linear
 
     from ..conftest import tiny_model
 
@@ -231,7 +232,7 @@ def test_int8_where_it_cannot_run_says_why_and_decodes_in_float32(tokenizer, mon
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core import decode_weights as engine_module
+    from ragblend.core.model import decode_weights as engine_module
 
     from ..conftest import tiny_model
 
@@ -266,8 +267,8 @@ def test_a_float16_twin_is_built_once_per_model_and_counted_as_float16():
 def test_fused_projections_compute_what_their_parts_compute():
     """Q, K and V run as one low-bit matmul over their stacked weights: each part's output is
     the one its own low-bit layer gives, biases included, whatever the rows and leading dimensions."""
-    from ragblend.core.decode_weights import FusedRows
-    from ragblend.core.model import Int8Linear
+    from ragblend.core.model.decode_weights import FusedRows
+    from ragblend.core.model.linear import Int8Linear
 
     model = snapped_to_int4(tiny_model("qwen2"))                  # biased q, k and v
     attn = model.model.layers[0].self_attn
@@ -289,8 +290,8 @@ def test_fused_projections_compute_what_their_parts_compute():
 def test_fused_rows_from_their_parts_hold_the_bytes_of_the_stacked_weight(sizes):
     """Stacking the parts' own low-bit tensors (no second quantization) gives the bytes packing
     the stacked weight gives, where 4-bit packing's 64-row blocks allow it."""
-    from ragblend.core.decode_weights import FusedRows
-    from ragblend.core.model import Int8Linear
+    from ragblend.core.model.decode_weights import FusedRows
+    from ragblend.core.model.linear import Int8Linear
 
     torch.manual_seed(0)
     linears = [torch.nn.Linear(64, size) for size in sizes]
@@ -310,9 +311,9 @@ def test_a_fused_twin_decodes_like_an_unfused_one(arch, tokenizer, monkeypatch):
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core import decode_weights as module
-    from ragblend.core.batching import batch_extend
-    from ragblend.core.decode_weights import FusedRows
+    from ragblend.core.decode.batching import batch_extend
+    from ragblend.core.model import decode_weights as module
+    from ragblend.core.model.decode_weights import FusedRows
 
     model = snapped_to_int4(tiny_model(arch))
     fused_engine = BlendEngine(copy.deepcopy(model), tokenizer, decode_dtype="int4")
@@ -338,8 +339,8 @@ def test_a_fused_twin_decodes_like_an_unfused_one(arch, tokenizer, monkeypatch):
 
 
 def test_a_group_whose_parts_decode_in_different_formats_stays_unfused():
-    from ragblend.core.decode_weights import fused_groups
-    from ragblend.core.model import Int8Linear
+    from ragblend.core.model.decode_weights import fused_groups
+    from ragblend.core.model.linear import Int8Linear
 
     model = snapped_to_int4(tiny_model("llama"))
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -361,7 +362,8 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
     import copy
 
     from ragblend import BlendEngine
-    from ragblend.core import model as model_module
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.linear import Int8Linear
 
     from ..conftest import tiny_model
 
@@ -381,14 +383,14 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
     expected = first.generate(segments(), max_new_tokens=10, temperature=0).token_ids
     cached = list((tmp_path / "decoding").glob("*.safetensors"))
     assert len(cached) == 1 and counts == {"4-bit": 7 * gguf.config.num_hidden_layers, "8-bit": 1}
-    from ragblend.core import low_bit_cache
+    from ragblend.core.model import low_bit_cache
 
     # in PyTorch's aligned memory: the 8-bit kernel crashed (SIGSEGV) on tensors read in place from the file
     assert all(t.data_ptr() % 64 == 0 for t in low_bit_cache.read(cached[0]).values() if t.numel())
 
     packed = []
     with monkeypatch.context() as patched:
-        for kind in (Int4Linear, model_module.Int8Linear):
+        for kind in (Int4Linear, Int8Linear):
             def counting(self, *args, _init=kind.__init__, **kwargs):
                 packed.append(type(self))
                 _init(self, *args, **kwargs)
@@ -398,7 +400,7 @@ def test_a_gguf_models_decoding_weights_are_built_once_per_host(tokenizer, monke
         assert second.generate(segments(), max_new_tokens=10, temperature=0).token_ids == expected
     # Nothing is quantized again, but for fused groups whose 4-bit parts do not stack (the tiny
     # model's 32-row projections; a real model's come in 64s)
-    from ragblend.core.decode_weights import FusedRows, _stackable
+    from ragblend.core.model.decode_weights import FusedRows, _stackable
 
     groups = [m for m in second.decoding_adapter().hf_model.modules() if isinstance(m, FusedRows)]
     assert groups and len(packed) == sum(not _stackable(type(g.low_bit), g.sizes) for g in groups)
@@ -422,8 +424,8 @@ def test_the_decoding_weights_cache_is_keyed_by_cpu_and_file(tmp_path, monkeypat
     may keep its size and mtime: either is another cache entry, never a wrong hit."""
     import os
 
-    from ragblend.core import kernels, low_bit_cache
-    from ragblend.core.model import source_stamp
+    from ragblend.core.model import kernels, low_bit_cache
+    from ragblend.core.model.loading import source_stamp
 
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     weights = tmp_path / "model.gguf"
@@ -450,7 +452,7 @@ def test_the_decoding_folder_keeps_under_its_budget_dropping_the_least_recently_
     least recently beyond the budget, never the one it wrote, and a read marks its file used."""
     import os
 
-    from ragblend.core import low_bit_cache
+    from ragblend.core.model import low_bit_cache
 
     tensors = {"w|packed": torch.zeros(1 << 18, dtype=torch.uint8)}   # 256 KiB a file
     old, used, other = (tmp_path / f"{name}.safetensors" for name in ("old", "used", "other"))
@@ -471,7 +473,7 @@ def test_the_decoding_folder_keeps_under_its_budget_dropping_the_least_recently_
 
 
 def test_a_decoding_folder_that_cannot_be_tidied_is_a_logged_miss(tmp_path, monkeypatch, caplog):
-    from ragblend.core import low_bit_cache
+    from ragblend.core.model import low_bit_cache
 
     def unlistable(_):
         raise PermissionError("no listing here")

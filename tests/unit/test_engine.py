@@ -7,8 +7,8 @@ import torch
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.ingest import isolated_kv
-from ragblend.core.kv import ChunkKV
+from ragblend.core.fusion.ingest import isolated_kv
+from ragblend.core.store.kv import ChunkKV
 
 from ..conftest import PASSAGES
 
@@ -110,8 +110,8 @@ def test_compute_fraction_counts_token_layers(tiny_engine):
 def test_cacheblend_keeps_the_tokens_that_deviate_most(tiny_engine, kind):
     """The kept tokens are exactly the top scorers of the chosen deviation at the check layer,
     and the three scores disagree on this prompt (so the choice matters)."""
-    from ragblend.core.pipeline import SequentialSource
-    from ragblend.core.selection import kv_deviation
+    from ragblend.core.fusion.pipeline import SequentialSource
+    from ragblend.core.fusion.selection import kv_deviation
 
     engine = tiny_engine
     engine.precompute(PASSAGES[:3])
@@ -159,7 +159,7 @@ def test_later_text_never_changes_earlier_tokens(tiny_engine):
 
 def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer, tmp_path):
     from ragblend import BlendEngine
-    from ragblend.core.store import MemoryStore
+    from ragblend.core.store.tiers import MemoryStore
 
     from ..conftest import tiny_model
 
@@ -176,7 +176,7 @@ def test_from_pretrained_keeps_the_store_it_is_given_even_an_empty_one(tokenizer
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 8, 9, 300])
 @pytest.mark.parametrize("bias", [True, False])
 def test_cpu_linear_computes_the_linear_layer(rows, bias):
-    from ragblend.core.model import CpuLinear
+    from ragblend.core.model.linear import CpuLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96, bias=bias)
@@ -246,7 +246,7 @@ def test_a_prompt_that_reuses_too_little_runs_as_a_full_prefill(tiny_engine):
 
 def test_describe_reports_the_engine_in_plain_values(tokenizer):
     from ragblend.core.description import EngineDescription
-    from ragblend.core.kv_budget import KVShape, bytes_per_token
+    from ragblend.core.store.kv_budget import KVShape, bytes_per_token
 
     from ..conftest import make_tiny_engine
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ragblend import Chunk, InvalidInputError
-from ragblend.core.store import DiskStore, MemoryStore, TieredStore, open_store
+from ragblend.core.store.tiers import DiskStore, MemoryStore, TieredStore, open_store
 
 from ..conftest import PASSAGES, SPEC, entry_path, make_tiny_engine, synthetic_entry, with_header
 
@@ -170,7 +170,7 @@ def test_a_store_that_becomes_read_only_while_running(engine, clean):
 
 
 def test_a_garbage_database_cannot_be_opened_as_a_store(tmp_path, tokenizer):
-    from ragblend.core.store import store_faults
+    from ragblend.core.store.tiers import store_faults
 
     folder = tmp_path / "kv"
     folder.mkdir()
@@ -182,7 +182,7 @@ def test_a_garbage_database_cannot_be_opened_as_a_store(tmp_path, tokenizer):
 
 def test_memory_bytes_zero_turns_the_memory_tier_off():
     store = MemoryStore(0)
-    from ragblend.core.kv import ChunkKV
+    from ragblend.core.store.kv import ChunkKV
 
     store.put(ChunkKV("k" * 64, [1, 2], torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4)))
     assert len(store) == 0 and store.nbytes == 0
@@ -290,7 +290,7 @@ WRITER = """
 import sys
 from tests.conftest import make_tiny_engine, PASSAGES, TOKENIZER_DIR
 from transformers import AutoTokenizer
-from ragblend.core.store import DiskStore
+from ragblend.core.store.tiers import DiskStore
 engine = make_tiny_engine("qwen2", AutoTokenizer.from_pretrained(TOKENIZER_DIR), kv_dtype="float32")
 engine.store = DiskStore(sys.argv[1], engine.entry_spec)
 print("ready", flush=True)

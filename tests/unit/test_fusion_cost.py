@@ -1,4 +1,4 @@
-"""The engine's own strategy fuses a prompt only where that is predicted to pay (core.fusion_cost):
+"""The engine's own strategy fuses a prompt only where that is predicted to pay (core.fusion.fusion_cost):
 a short prompt runs as the exact full prefill and says why; a long one fuses; a strategy the
 caller names is run as asked; the constants are measured once per host and model and kept."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, QueryAware
-from ragblend.core import fusion_cost
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.fusion_cost import CostConstants, FusionCost, full_prefill_s, fused_prefill_s
+from ragblend.core.fusion import fusion_cost
+from ragblend.core.fusion.fusion_cost import CostConstants, FusionCost, full_prefill_s, fused_prefill_s
+from ragblend.core.fusion.selection import QuestionAttention
 from ragblend.core.options import EngineOptions
-from ragblend.core.selection import QuestionAttention
 from ragblend.serving.app import Metrics
 from tests.conftest import PASSAGES, make_tiny_engine
 

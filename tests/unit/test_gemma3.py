@@ -18,7 +18,7 @@ import torch
 
 from ragblend import BlendEngine, Chunk, FullRecompute, QueryAware
 from ragblend.core.errors import UnsupportedModelError
-from ragblend.core.model import ModelAdapter
+from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.prompt import PromptBuilder
 
 from ..conftest import PASSAGES, TOKENIZER_DIR, tiny_config, tiny_model

@@ -1,4 +1,4 @@
-"""Decoding (ragblend.core.generate): KVDecoder's steps against the model's own forward, prompt-lookup
+"""Decoding (ragblend.core.decode.generate): KVDecoder's steps against the model's own forward, prompt-lookup
 drafts that change nothing but the number of passes, token picking (greedy, temperature, top-p,
 seeds), stop strings and EOS. Tiny random models and a scripted stand-in for the model."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ragblend import FullRecompute
-from ragblend.core.answers import MAX_ROW_COST, draft_row_cost
+from ragblend.core.decode.answers import MAX_ROW_COST, draft_row_cost
+from ragblend.core.decode.generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams, pick_token
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams, pick_token
 
 from ..conftest import PASSAGES
 from .test_engine import forward_logits, segments

@@ -1,4 +1,4 @@
-"""Host measurements kept in the cache dir (core.host_cache), so that processes on one host
+"""Host measurements kept in the cache dir (core.model.host_cache), so that processes on one host
 choose alike: what a drafted token costs, the decoding K/V dtype, low-bit or float32 weights."""
 
 import json
@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from ragblend.core import host_cache
-from ragblend.core.host_cache import measured_twice, remembered
+from ragblend.core.model import host_cache
+from ragblend.core.model.host_cache import measured_twice, remembered
 
 from ..conftest import make_tiny_engine
 
@@ -94,7 +94,7 @@ def test_an_unwritable_cache_dir_leaves_the_choice_to_the_process(tmp_path):
 
 def test_a_later_process_drafts_as_the_first_one_measured(tokenizer, tmp_path, monkeypatch):
     """An engine's draft row cost is read from the host cache where an earlier process stored it."""
-    import ragblend.core.answers as answers
+    import ragblend.core.decode.answers as answers
 
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(answers, "_ROW_COSTS", {})

@@ -1,4 +1,4 @@
-"""core.ingest: computing chunks' isolated KV (alone, or packed several to a pass), the keys they
+"""core.fusion.ingest: computing chunks' isolated KV (alone, or packed several to a pass), the keys they
 are stored under, and precompute's checks (everything is validated before anything is stored)."""
 
 import threading
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from ragblend import InvalidInputError, PromptTooLongError
-from ragblend.core.chunk_index import ChunkIndex
-from ragblend.core.ingest import Ingestion, isolated_kv, packed_isolated_kv, packs
-from ragblend.core.model import ModelAdapter
+from ragblend.core.fusion.ingest import Ingestion, isolated_kv, packed_isolated_kv, packs
+from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.prompt import PromptBuilder
-from ragblend.core.store import MemoryStore
+from ragblend.core.store.chunk_index import ChunkIndex
+from ragblend.core.store.tiers import MemoryStore
 
 from ..conftest import PASSAGES, make_tiny_engine, tiny_model
 

@@ -14,7 +14,7 @@ pytest.importorskip("chromadb")
 
 from ragblend.cli import main  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
-from ragblend.core.store import DiskStore, EntrySpec, open_store  # noqa: E402
+from ragblend.core.store.tiers import DiskStore, EntrySpec, open_store  # noqa: E402
 from ragblend.integrations.kv_fill import KVFillBusyError, fill_lock  # noqa: E402
 from ragblend.integrations.local_index import LocalIndex  # noqa: E402
 from ragblend.vectorstore_hooks.llamaindex import KV_KEY, llm_text  # noqa: E402

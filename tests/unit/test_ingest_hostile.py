@@ -135,7 +135,7 @@ def test_path_under_root_refuses_anything_outside_it(layout, tmp_path):
 def tiny_index(tmp_path, tokenizer):
     """A factory of LocalIndex objects over one folder: real Chroma, docstore and embedding
     model, a tiny LLM (its KV store in the index folder)."""
-    from ragblend.core.store import open_store
+    from ragblend.core.store.tiers import open_store
 
     def make():
         engine = make_tiny_engine("llama", tokenizer)

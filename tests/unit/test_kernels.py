@@ -1,4 +1,4 @@
-"""CPU kernels chosen by measurement (core.kernels) and 4-bit decoding (model.Int4Linear).
+"""CPU kernels chosen by measurement (core.model.kernels) and 4-bit decoding (model.Int4Linear).
 
 The choice is driven here by a fake timer, so these tests say what is chosen for given
 timings, never how fast this machine is."""
@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels import compare_kernels
-from ragblend.core import kernels
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.kernels import BUCKETS, KERNELS, KernelPlan, plan_for
-from ragblend.core.model import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
+from ragblend.core.model import kernels
+from ragblend.core.model.kernels import BUCKETS, KERNELS, KernelPlan, plan_for
+from ragblend.core.model.linear import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
 
 from ..conftest import make_tiny_engine
 
@@ -264,7 +264,7 @@ def test_ragblend_info_prints_the_host_and_the_kernel_per_bucket(tmp_path, token
 
 
 def test_int8_linear_rounds_each_row_to_8_bits_and_keeps_long_passes_float32():
-    from ragblend.core.model import Int8Linear, quantize_int8
+    from ragblend.core.model.linear import Int8Linear, quantize_int8
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 64)
@@ -282,7 +282,7 @@ def test_int8_linear_rounds_each_row_to_8_bits_and_keeps_long_passes_float32():
 
 
 def test_int8_head_gives_float32_logits_to_the_tokens_that_can_be_picked():
-    from ragblend.core.model import Int8Head
+    from ragblend.core.model.linear import Int8Head
 
     torch.manual_seed(0)
     head = torch.nn.Linear(64, 1024, bias=False)

@@ -1,4 +1,4 @@
-"""core.kv: a chunk's key names everything that changes its KV bytes, and an entry's int8 form
+"""core.store.kv: a chunk's key names everything that changes its KV bytes, and an entry's int8 form
 reads back close to its float values (K scaled per channel, V per token) at about half the bytes;
 its uint4 form within half a step of its group, at under a third."""
 
@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ragblend.core import kv
-from ragblend.core.kv import (
+from ragblend.core.store import kv
+from ragblend.core.store.kv import (
     ChunkKV,
     calibration_key,
     chunk_key,

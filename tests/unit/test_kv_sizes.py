@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk
-from ragblend.core.kv import ChunkKV, to_storage
-from ragblend.core.kv_budget import KVShape, bytes_per_token, entry_bytes, project, store_budget
-from ragblend.core.store import DiskStore, EntrySpec, MemoryStore, encode_entry, open_store
+from ragblend.core.store.kv import ChunkKV, to_storage
+from ragblend.core.store.kv_budget import KVShape, bytes_per_token, entry_bytes, project, store_budget
+from ragblend.core.store.tiers import DiskStore, EntrySpec, MemoryStore, encode_entry, open_store
 
 from ..conftest import PASSAGES, make_tiny_engine, synthetic_entry
 

@@ -1,4 +1,4 @@
-"""The one layer loop (ragblend.core.layer_step): every pass walks the layers with run_layers,
+"""The one layer loop (ragblend.core.model.layer_step): every pass walks the layers with run_layers,
 asks for cancellation only where it may be long, and a pass's hooks are all that differ.
 Tiny random models."""
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from ragblend import FullRecompute
-from ragblend.core import layer_step
-from ragblend.core.batching import batch_extend
 from ragblend.core.cancel import Cancelled, cancellable
-from ragblend.core.generate import KVDecoder
-from ragblend.core.ingest import isolated_kv, packed_isolated_kv
-from ragblend.core.layer_step import LayerPass, run_layers
+from ragblend.core.decode.batching import batch_extend
+from ragblend.core.decode.generate import KVDecoder
+from ragblend.core.fusion.ingest import isolated_kv, packed_isolated_kv
+from ragblend.core.model import layer_step
+from ragblend.core.model.layer_step import LayerPass, run_layers
 
 from .test_engine import forward_logits, segments
 
@@ -43,7 +43,7 @@ def test_every_pass_walks_the_layers_with_run_layers(tiny_engine, monkeypatch):
         seen.append(type(step).__name__)
         return walk(adapter, ids, rope, step)
 
-    for module in ("prefill", "ingest", "generate", "batching"):
+    for module in ("fusion.prefill", "fusion.ingest", "decode.generate", "decode.batching"):
         monkeypatch.setattr(f"ragblend.core.{module}.run_layers", recording)
     adapter = tiny_engine.adapter
     isolated_kv(adapter, [1, 2], [5, 6, 7])
@@ -83,7 +83,7 @@ def test_cancellation_is_asked_where_a_pass_may_be_long(tiny_engine):
 def test_a_pass_is_its_hooks(tiny_engine):
     """A plain causal prefill written as a LayerPass of a few lines gives the model's own logits:
     the loop holds everything else (norms, RoPE per layer, the MLP, narrowing to the last row)."""
-    from ragblend.core.masks import attend, attention_plan
+    from ragblend.core.model.masks import attend, attention_plan
 
     class Causal(LayerPass):
         def __init__(self, adapter, n):

@@ -1,5 +1,5 @@
 """Lead entries: each chunk's KV also computed right after the template's opening, and read
-where the chunk is a prompt's first passage (core.ingest, core.runner; docs/notes/lead-entries.md)."""
+where the chunk is a prompt's first passage (core.fusion.ingest, core.runner; docs/notes/lead-entries.md)."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullReuse, InvalidInputError
-from ragblend.core.ingest import isolated_kv
+from ragblend.core.fusion.ingest import isolated_kv
 from ragblend.core.prompt import ChunkSpan, PromptLayout
 
 from ..conftest import PASSAGES, make_tiny_engine
@@ -67,7 +67,7 @@ def test_the_first_chunk_is_fused_from_its_lead_entry_the_others_from_their_own(
 
 
 def test_a_corrupt_lead_entry_is_a_miss_recomputed_not_the_own_entry(tokenizer, tmp_path):
-    from ragblend.core.store import DiskStore
+    from ragblend.core.store.tiers import DiskStore
 
     segments = [Chunk(p) for p in PASSAGES[:2]] + [QUESTION]
     engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
@@ -131,7 +131,7 @@ def test_forget_drops_a_lead_entry_a_query_stored_alone_and_stats_count_chunks(t
 
 
 def test_a_small_lru_store_keeps_the_own_entries_precompute_reports(tokenizer):
-    from ragblend.core.store import MemoryStore
+    from ragblend.core.store.tiers import MemoryStore
 
     engine = make_tiny_engine("llama", tokenizer, kv_dtype="float32")
     engine.precompute(PASSAGES[:1])

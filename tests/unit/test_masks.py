@@ -1,11 +1,12 @@
-"""core.masks: exact causal masks for any subset of query positions. The grouped plan attends
+"""core.model.masks: exact causal masks for any subset of query positions. The grouped plan attends
 as one dense masked attention would (sliding window and key bias included), each group reading
 only the keys it can see; the offset mask of a decoding pass is the dense causal mask's rows."""
 
 import pytest
 import torch
 
-from ragblend.core.masks import (
+from ragblend.core.model.adapter import ModelAdapter
+from ragblend.core.model.masks import (
     ROWS_PER_GROUP,
     attend,
     attention_plan,
@@ -13,7 +14,6 @@ from ragblend.core.masks import (
     causal_mask,
     offset_causal_mask,
 )
-from ragblend.core.model import ModelAdapter
 
 from ..conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""ragblend.core.omp: a thread's idle OpenMP workers are handed back after its work."""
+"""ragblend.core.model.omp: a thread's idle OpenMP workers are handed back after its work."""
 
 import os
 import threading
@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from ragblend.core.omp import release_thread_pool
+from ragblend.core.model.omp import release_thread_pool
 
 
 def os_threads() -> int:

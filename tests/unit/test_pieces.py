@@ -1,4 +1,4 @@
-"""History pieces (ragblend.core.pieces): a conversation's earlier turns are stored like chunks once
+"""History pieces (ragblend.core.store.pieces): a conversation's earlier turns are stored like chunks once
 answered and fused like chunks in its later turns, even where the prompt's front changed; never
 across namespaces, models or K/V dtypes."""
 
@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from ragblend import Chunk, FullRecompute
-from ragblend.core import pieces
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.options import EngineOptions
-from ragblend.core.pieces import FIRST_TURN_QUESTION_TOKENS, is_piece, piece_namespace, piece_runs
 from ragblend.core.prompt import ChunkSpan
-from ragblend.core.store import MemoryStore
+from ragblend.core.store import pieces
+from ragblend.core.store.pieces import FIRST_TURN_QUESTION_TOKENS, is_piece, piece_namespace, piece_runs
+from ragblend.core.store.tiers import MemoryStore
 
 from ..conftest import PASSAGES, make_tiny_engine
 

@@ -1,12 +1,12 @@
-"""core.pipeline: the layer sources. Reading ahead in a thread (PrefetchSource) gives exactly
+"""core.fusion.pipeline: the layer sources. Reading ahead in a thread (PrefetchSource) gives exactly
 the layers reading on demand (SequentialSource) gives, windows included, and closes its readers."""
 
 import pytest
 import torch
 
 from ragblend import CacheBlend, FullReuse
-from ragblend.core.pipeline import PrefetchSource, SequentialSource
-from ragblend.core.store import MemoryReader
+from ragblend.core.fusion.pipeline import PrefetchSource, SequentialSource
+from ragblend.core.store.tiers import MemoryReader
 
 from ..conftest import PASSAGES, SEGMENTS, make_tiny_engine, synthetic_entry
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from ragblend.core.calibration import UNCALIBRATED
+from ragblend.core.calibration.record import UNCALIBRATED
 from ragblend.core.errors import InvalidInputError
+from ragblend.core.fusion.selection import QuestionAttention, TopScoreSelection
+from ragblend.core.fusion.strategies import CacheBlend, QueryAware
 from ragblend.core.plan import CALLER_REASON, UNCALIBRATED_REASON, resolve_strategy
-from ragblend.core.selection import QuestionAttention, TopScoreSelection
-from ragblend.core.strategies import CacheBlend, QueryAware
 from tests.conftest import make_tiny_engine
 
 

@@ -1,4 +1,4 @@
-"""core.prefill: the fused prefill on a model adapter alone. With nothing reused it is the
+"""core.fusion.prefill: the fused prefill on a model adapter alone. With nothing reused it is the
 model's own forward; KV cached in the very context it sits in, reused as it is, gives the same;
 after the check layer only the kept tokens run. (Against a dense reference: test_reference.py.)"""
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, FullReuse
-from ragblend.core.ingest import isolated_kv
-from ragblend.core.kv import ChunkKV
-from ragblend.core.model import ModelAdapter
-from ragblend.core.pipeline import SequentialSource
-from ragblend.core.prefill import fused_prefill
-from ragblend.core.selection import ReusedSpan
-from ragblend.core.store import MemoryReader
+from ragblend.core.fusion.ingest import isolated_kv
+from ragblend.core.fusion.pipeline import SequentialSource
+from ragblend.core.fusion.prefill import fused_prefill
+from ragblend.core.fusion.selection import ReusedSpan
+from ragblend.core.model.adapter import ModelAdapter
+from ragblend.core.store.kv import ChunkKV
+from ragblend.core.store.tiers import MemoryReader
 
 from ..conftest import PASSAGES, TINY_ARCHS, tiny_model
 from .test_engine import segments
@@ -28,9 +28,9 @@ def model_forward(model, token_ids):
 
 def test_compute_scales_with_selected_tokens(tiny_engine):
     """After the check layer, only the kept tokens run through the layer."""
-    from ragblend.core.pipeline import SequentialSource
-    from ragblend.core.prefill import fused_prefill
-    from ragblend.core.selection import ReusedSpan
+    from ragblend.core.fusion.pipeline import SequentialSource
+    from ragblend.core.fusion.prefill import fused_prefill
+    from ragblend.core.fusion.selection import ReusedSpan
 
     engine = tiny_engine
     engine.precompute(PASSAGES[:3])

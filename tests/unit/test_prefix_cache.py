@@ -1,4 +1,4 @@
-"""The prefix tier (ragblend.core.prefix_cache): exact repeats and conversations reuse the K/V
+"""The prefix tier (ragblend.core.decode.prefix_cache): exact repeats and conversations reuse the K/V
 computed before, exactly; the tier is bounded, namespaced and keyed by what makes K/V differ."""
 
 import copy
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, CacheBlend, Chunk, FullRecompute
-from ragblend.core.prefix_cache import PrefixCache, PrefixScope
+from ragblend.core.decode.prefix_cache import PrefixCache, PrefixScope
 from ragblend.core.prompt import PromptLayout
 
 from ..conftest import PASSAGES, TINY_ARCHS, make_tiny_engine, tiny_model

@@ -1,4 +1,4 @@
-"""Models loaded from a GGUF file in their quantized form (ragblend.core.quantized): the weights
+"""Models loaded from a GGUF file in their quantized form (ragblend.core.model.quantized): the weights
 are the file's (as transformers dequantizes them), the prefill on them stays within float
 rounding of the float32 model's, and a bad file is refused before anything heavy loads."""
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from ragblend import BlendEngine, Chunk, FullRecompute
-from ragblend.core.calibration import first_token_kl
+from ragblend.core.calibration.metrics import first_token_kl
 from ragblend.core.errors import InvalidInputError, ModelNotFoundError, UnsupportedModelError
-from ragblend.core.gguf_file import read_gguf
-from ragblend.core.model import weight_samples
-from ragblend.core.quantized import QuantLinear, build_quantized_model, quantized_bytes
+from ragblend.core.model.gguf_file import read_gguf
+from ragblend.core.model.linear import weight_samples
+from ragblend.core.model.quantized import QuantLinear, build_quantized_model, quantized_bytes
 
 from ..conftest import PASSAGES
 
@@ -115,7 +115,7 @@ def test_dequantized_weights_are_ggufs_reference_bit_for_bit(tiny_gguf):
     """The PyTorch dequantizer of Q4_0/Q4_1/Q8_0 (start-up's hot path) gives gguf's own floats."""
     from gguf import GGMLQuantizationType, dequantize
 
-    from ragblend.core.quantized import dequantized_rows
+    from ragblend.core.model.quantized import dequantized_rows
 
     gguf = read_gguf(tiny_gguf)
     seen = set()
@@ -207,7 +207,7 @@ def test_an_unsupported_quantization_type_is_refused_naming_the_types_that_load(
 
 
 def test_a_model_too_large_for_memory_is_refused_with_the_estimate(tiny_gguf, monkeypatch):
-    from ragblend.core import model as model_module
+    from ragblend.core.model import loading as model_module
 
     monkeypatch.setattr(model_module, "available_memory", lambda: 1000)
     with pytest.raises(InvalidInputError, match=r"needs about [\d.]+ GiB of memory and 0.0 GiB is available"):
@@ -247,14 +247,14 @@ def test_float32_decoding_of_a_fast_plan_engine_runs_on_the_float32_twin(models,
 
 
 def test_the_long_pass_plan_is_measured_once_per_host(models, tmp_path, monkeypatch):
-    from ragblend.core.quantized import KERNEL_ROW_BUCKETS, long_pass_plan
+    from ragblend.core.model.quantized import KERNEL_ROW_BUCKETS, long_pass_plan
 
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
     monkeypatch.delattr(models[0], "ragblend_long_pass", raising=False)   # measured by an earlier engine
     plan = long_pass_plan(models[0])
     assert plan["dtype"] in ("float32", "bfloat16") and plan["kernel_rows"] in (8, *KERNEL_ROW_BUCKETS)
-    from ragblend.core.quantized import _scratch
+    from ragblend.core.model.quantized import _scratch
 
     assert not getattr(_scratch, "buffers", {})   # the measurement's scratch is not kept with the engine
     records = list((tmp_path / "host").glob("quantized-long-pass-*.json"))
@@ -281,7 +281,7 @@ def test_the_question_pass_runs_on_the_low_bit_kernels_and_the_prefill_in_float3
 def test_a_bfloat16_dequantization_is_the_float32_one_rounded_in_one_reused_buffer(models, monkeypatch):
     """The fast plan's weights: bit for bit the float32 dequantization rounded once to bfloat16,
     built a cache-sized slice at a time into the thread's one bfloat16 buffer."""
-    from ragblend.core import quantized
+    from ragblend.core.model import quantized
 
     monkeypatch.setattr(quantized, "SLICE_WEIGHTS", 64 * 64)   # several slices even in a tiny layer
     layers = [m for m in models[0].modules() if isinstance(m, QuantLinear) and m.kind in ("int4", "int8")]
@@ -307,7 +307,7 @@ def test_a_bfloat16_dequantization_is_the_float32_one_rounded_in_one_reused_buff
 
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_plan_takes_bfloat16_only_where_it_measured_clearly_faster(models, tmp_path, monkeypatch, faster):
-    from ragblend.core import quantized
+    from ragblend.core.model import quantized
 
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
@@ -325,8 +325,8 @@ def test_the_plan_takes_bfloat16_only_where_it_measured_clearly_faster(models, t
 
 
 def test_the_fast_plan_is_the_default_only_where_its_architecture_met_the_rule(models, monkeypatch):
-    from ragblend.core.model import PrefillFidelity
-    from ragblend.core.quantized import describe, fast_prefill, prefill_twin
+    from ragblend.core.model.loading import PrefillFidelity
+    from ragblend.core.model.quantized import describe, fast_prefill, prefill_twin
 
     monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
     model = models[0]
@@ -361,7 +361,7 @@ def test_bfloat16_is_timed_where_the_cpu_multiplies_it_natively():
     torch._C._cpu names for it) kept every host on float32 without ever timing it."""
     import pathlib
 
-    from ragblend.core.quantized import _bfloat16_native
+    from ragblend.core.model.quantized import _bfloat16_native
 
     cpuinfo = pathlib.Path("/proc/cpuinfo")
     if not cpuinfo.exists():
@@ -392,7 +392,7 @@ def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
     the decoding kernel's bfloat16-rounded scales; Q4_0/Q4_1's exact scales cost float16 only."""
     from gguf import GGMLQuantizationType, dequantize
 
-    from ragblend.core.quantized import four_bit_groups, unpack_int4
+    from ragblend.core.model.quantized import four_bit_groups, unpack_int4
 
     rows, cols = 128, 512
     raw = _four_bit_blocks(type_name, rows, cols)

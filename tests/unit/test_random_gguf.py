@@ -4,7 +4,7 @@ the shape says, with weights of the intended spread."""
 import numpy as np
 
 from benchmarks.random_gguf import Shape, write_random_gguf
-from ragblend.core.gguf_file import read_gguf
+from ragblend.core.model.gguf_file import read_gguf
 
 from .test_quantized import write_tiny_gguf
 

@@ -186,7 +186,7 @@ def test_local_index_skips_documents_over_the_character_limit_before_tokenizing(
     sees them; the limits are the index's read_limits."""
     from llama_index.core import Document
 
-    from ragblend.core.store import open_store
+    from ragblend.core.store.tiers import open_store
     from ragblend.integrations.local_index import LocalIndex
 
     from ..conftest import make_tiny_engine

@@ -18,10 +18,10 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ragblend import CacheBlend, QueryAware
-from ragblend.core.generate import KVDecoder
-from ragblend.core.pipeline import SequentialSource
-from ragblend.core.prefill import fused_prefill
-from ragblend.core.selection import ReusedSpan
+from ragblend.core.decode.generate import KVDecoder
+from ragblend.core.fusion.pipeline import SequentialSource
+from ragblend.core.fusion.prefill import fused_prefill
+from ragblend.core.fusion.selection import ReusedSpan
 
 from ..conftest import PASSAGES, make_tiny_engine
 
@@ -178,7 +178,7 @@ def test_the_adapters_resolved_norms_compute_the_models_own(arch):
     through the module: same values as the module, on norm weights that are not all 0 or 1."""
     from transformers import AutoModelForCausalLM
 
-    from ragblend.core.model import ModelAdapter
+    from ragblend.core.model.adapter import ModelAdapter
 
     from ..conftest import tiny_config
 

@@ -6,9 +6,9 @@ import pytest
 
 pytest.importorskip("pydantic")
 
+from ragblend.core.decode.generate import SamplingParams, sampling_params  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
-from ragblend.core.generate import SamplingParams, sampling_params  # noqa: E402
-from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name, takes_ratio  # noqa: E402
+from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name, takes_ratio  # noqa: E402
 from ragblend.serving.options import SERVER_DEFAULTS  # noqa: E402
 from ragblend.serving.protocol import ApiError  # noqa: E402
 from ragblend.serving.requests import ChunksRequest, CompletionOptions, TokenizeRequest, cache_salt  # noqa: E402

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, FullReuse
-from ragblend.core.chunk_index import ChunkIndex
-from ragblend.core.ingest import Ingestion
-from ragblend.core.model import ModelAdapter
+from ragblend.core.fusion.ingest import Ingestion
+from ragblend.core.fusion.strategies import CacheBlend
+from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.plan import resolve_strategy
 from ragblend.core.prompt import PromptBuilder
 from ragblend.core.runner import Background, PrefillRunner
-from ragblend.core.store import DiskStore, MemoryStore
-from ragblend.core.strategies import CacheBlend
+from ragblend.core.store.chunk_index import ChunkIndex
+from ragblend.core.store.tiers import DiskStore, MemoryStore
 
 from ..conftest import PASSAGES, make_tiny_engine, tiny_model
 

@@ -14,10 +14,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from ragblend.core.batching import kv_bytes_for  # noqa: E402
+from ragblend.core.decode.batching import kv_bytes_for  # noqa: E402
+from ragblend.core.decode.generate import MIN_SAMPLING_VALUE, SamplingParams  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
-from ragblend.core.generate import MIN_SAMPLING_VALUE, SamplingParams  # noqa: E402
-from ragblend.core.strategies import FullRecompute  # noqa: E402
+from ragblend.core.fusion.strategies import FullRecompute  # noqa: E402
 from ragblend.serving.app import Server, _decode_job  # noqa: E402
 from ragblend.serving.protocol import ApiError, ChatPrompt  # noqa: E402
 from ragblend.serving.requests import check_options, sampling_fields  # noqa: E402

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, QueryAware, RagblendError
+from ragblend.core.fusion.selection import FusionPrompt, QuestionAttention, ReusedSpan
+from ragblend.core.fusion.strategies import strategy_from_name
 from ragblend.core.prompt import PromptBuilder
-from ragblend.core.selection import FusionPrompt, QuestionAttention, ReusedSpan
-from ragblend.core.strategies import strategy_from_name
 
 from ..conftest import PASSAGES, make_tiny_engine
 

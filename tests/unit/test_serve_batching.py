@@ -1,4 +1,4 @@
-"""`ragblend serve` decoding concurrent requests together (serving.worker + core.batching), over a
+"""`ragblend serve` decoding concurrent requests together (serving.worker + core.decode.batching), over a
 tiny model on 127.0.0.1 with the official openai client: answers equal the lone ones, a client
 that leaves mid-batch frees its slot without disturbing the others, and the bounds hold."""
 

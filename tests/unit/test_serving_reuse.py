@@ -18,7 +18,7 @@ from ..conftest import make_tiny_engine  # noqa: E402
 
 
 def test_a_passage_that_cannot_be_stored_is_a_miss_not_a_failed_answer(tokenizer):
-    from ragblend.core.store import MemoryStore
+    from ragblend.core.store.tiers import MemoryStore
 
     engine = make_tiny_engine("llama", tokenizer, store=MemoryStore(max_bytes=1024))   # no entry fits
     running = RunningServer(engine)
@@ -69,7 +69,7 @@ def metric_values(running) -> dict[str, float]:
 
 
 def test_metrics_show_the_background_kv_fill_and_the_store_entries(tokenizer):
-    from ragblend.core.store import MemoryStore
+    from ragblend.core.store.tiers import MemoryStore
 
     docs = [" ".join(f"gamma{i}" for i in range(40)), " ".join(f"delta{i}" for i in range(40))]
     body = {"messages": [{"role": "user", "content": "\n\n".join(docs) + "\n\nWhat comes first?"}], "max_tokens": 2}

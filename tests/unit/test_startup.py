@@ -2,7 +2,7 @@
 cached with its spread and used by later processes; with nothing cached an engine starts on
 F.linear and the kernels are measured on a background thread, between passes, and swapped in
 whole; ``ragblend info`` says which. Timings come through the timer seam of
-:func:`ragblend.core.kernels.measure` (fake rounds), never from this shared machine's clock."""
+:func:`ragblend.core.model.kernels.measure` (fake rounds), never from this shared machine's clock."""
 
 import json
 import os
@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from ragblend.core import host_cache, kernels
-from ragblend.core.kernels import KERNELS, measure_in_background, needs_measuring, plan_for
+from ragblend.core.model import host_cache, kernels
+from ragblend.core.model.kernels import KERNELS, measure_in_background, needs_measuring, plan_for
 
 from .test_kernels import busy_timer, fake_timer, layers
 
@@ -35,7 +35,7 @@ def host_load(monkeypatch, load):
 
 SECOND_PROCESS = r"""
 import json, sys, torch
-from ragblend.core.kernels import plan_for
+from ragblend.core.model.kernels import plan_for
 torch.manual_seed(0)
 layers = [[torch.nn.Linear(64, 96), torch.nn.Linear(96, 64, bias=False)] for _ in range(2)]
 def no_timing(*args):
@@ -162,7 +162,7 @@ def test_an_unsettled_choice_is_measured_again_only_on_a_quiet_host(tmp_path, bi
 
 def test_ragblend_info_says_whether_the_choice_is_settled(tmp_path, tokenizer, monkeypatch, capsys, big):
     from ragblend.cli import main
-    from ragblend.core.model import kernel_layers
+    from ragblend.core.model.linear import kernel_layers
 
     from ..conftest import tiny_model
 
@@ -206,8 +206,8 @@ def test_openmp_workers_spin_alike_from_the_first_answer(first, env, expected):
 
 EXITS_WHILE_MEASURING = r"""
 import sys, time, torch
-from ragblend.core import kernels
-from ragblend.core.kernels import measure_in_background, plan_for
+from ragblend.core.model import kernels
+from ragblend.core.model.kernels import measure_in_background, plan_for
 kernels.SMALL_MODEL_WEIGHTS = 0
 torch.manual_seed(0)
 layers = [[torch.nn.Linear(1024, 1024) for _ in range(4)] for _ in range(4)]   # seconds to measure

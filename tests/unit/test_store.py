@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, FullReuse
-from ragblend.core.kv import ChunkKV, quantize_int8, quantize_uint4
-from ragblend.core.store import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
+from ragblend.core.store.kv import ChunkKV, quantize_int8, quantize_uint4
+from ragblend.core.store.tiers import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
 
 from ..conftest import PASSAGES, SEGMENTS, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
 
@@ -84,7 +84,7 @@ def test_every_sound_header_parses_whatever_its_checksum_bytes():
     a bracket byte must not make a sound entry look hostile (~3% of entries would)."""
     import io
 
-    from ragblend.core.store import FileReader
+    from ragblend.core.store.tiers import FileReader
 
     for i in range(400):
         blob = encode_entry(synthetic_entry(i, tokens=2), SPEC.fingerprint)
@@ -211,7 +211,7 @@ def test_no_pickle_or_torch_load_in_the_package():
 
 ORDERED_WRITER = """
 import sys
-from ragblend.core.store import DiskStore
+from ragblend.core.store.tiers import DiskStore
 from tests.conftest import SPEC, synthetic_entry
 store = DiskStore(sys.argv[1], SPEC)
 for i in (range(50) if sys.argv[2] == "up" else reversed(range(50))):
@@ -237,7 +237,7 @@ def test_two_processes_writing_the_same_50_chunks(tmp_path):
 
 WRITER = """
 import sys, torch
-from ragblend.core.store import DiskStore
+from ragblend.core.store.tiers import DiskStore
 from tests.conftest import SPEC, synthetic_entry
 store = DiskStore(sys.argv[1], SPEC)
 i = 0

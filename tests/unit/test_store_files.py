@@ -1,4 +1,4 @@
-"""core.store_files: the disk store touches only its own entry files. A database row naming any
+"""core.store.store_files: the disk store touches only its own entry files. A database row naming any
 other file (absolute, outside the folder, a symlink, a FIFO) is a miss and never read or deleted.
 (The store folder's marker: test_cache_marker.py.)"""
 
@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from ragblend.core.store import DiskStore, encode_entry
-from ragblend.core.store_files import (
+from ragblend.core.store.store_files import (
     MARKER,
     CorruptEntryError,
     check_store_folder,
@@ -18,6 +17,7 @@ from ragblend.core.store_files import (
     own_entry_path,
     remove_entry_file,
 )
+from ragblend.core.store.tiers import DiskStore, encode_entry
 
 from ..conftest import SPEC, entry_path, synthetic_entry
 

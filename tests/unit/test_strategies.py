@@ -1,10 +1,10 @@
-"""core.strategies: each strategy's parameters are checked where it is made, and a strategy is
+"""core.fusion.strategies: each strategy's parameters are checked where it is made, and a strategy is
 read from its name (configuration files, the CLI) with a clear error for what cannot be."""
 
 import pytest
 
 from ragblend import CacheBlend, FullRecompute, FullReuse, InvalidInputError, LegoLink, QueryAware
-from ragblend.core.strategies import STRATEGY_NAMES, strategy_from_name
+from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name
 
 
 @pytest.mark.parametrize("make", [lambda: CacheBlend(ratio=0), lambda: CacheBlend(ratio=1.5),

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ragblend import Chunk, InvalidInputError
-from ragblend.core.kv import ChunkKV, chunk_key, key_matches
+from ragblend.core.fusion.strategies import CacheBlend, FullReuse
 from ragblend.core.prompt import ChunkFinder
-from ragblend.core.store import DiskStore, encode_entry
-from ragblend.core.strategies import CacheBlend, FullReuse
+from ragblend.core.store.kv import ChunkKV, chunk_key, key_matches
+from ragblend.core.store.tiers import DiskStore, encode_entry
 
 from ..conftest import PASSAGES, make_tiny_engine
 from ..robustness.faults import relabel_dtype
@@ -162,7 +162,7 @@ def test_key_matches_accepts_a_float32_fallback_and_lead_entries_only():
     sink, lead, ids = [1, 2], [1], list(range(10, 30))
     own = chunk_key("fp", sink, ids, "torch.float16")
     kwargs = dict(fingerprint="fp", sink_ids=sink, lead_sink_ids=lead, token_ids=ids)
-    from ragblend.core.kv import lead_key
+    from ragblend.core.store.kv import lead_key
 
     assert key_matches(own, dtype="float16", **kwargs) and key_matches(own, dtype="float32", **kwargs)
     assert key_matches(lead_key(own, lead), dtype="float16", **kwargs)

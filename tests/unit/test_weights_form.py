@@ -9,8 +9,8 @@ from ragblend import BlendEngine, Chunk, FullRecompute
 from ragblend.cli import build_parser, main
 from ragblend.core import options as engine_options
 from ragblend.core.errors import InvalidInputError
-from ragblend.core.model import load_model
-from ragblend.core.quantized import QuantLinear, quantized_bytes
+from ragblend.core.model.loading import load_model
+from ragblend.core.model.quantized import QuantLinear, quantized_bytes
 
 from ..conftest import tiny_model
 
@@ -100,9 +100,9 @@ def test_ragblend_info_prints_the_weights_form_its_bytes_and_why(tmp_path, token
 def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch):
     from transformers import AutoConfig
 
-    from ragblend.core import model as model_module
-    from ragblend.core.gguf_file import read_gguf
-    from ragblend.core.quantized import build_quantized_model, describe
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.quantized import build_quantized_model, describe
 
     from .test_quantized import write_tiny_gguf
 
@@ -135,9 +135,9 @@ def test_blend_chat_model_passes_its_dtype_to_the_engine(tmp_path, tokenizer):
 
 
 def test_an_architecture_that_missed_the_fidelity_rule_is_held_quantized_when_large_saying_why(tmp_path, monkeypatch):
-    from ragblend.core import model as model_module
-    from ragblend.core.gguf_file import read_gguf
-    from ragblend.core.model import PrefillFidelity
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.loading import PrefillFidelity
 
     from .test_quantized import write_tiny_gguf
 

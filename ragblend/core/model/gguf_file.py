@@ -1,0 +1,175 @@
+"""A GGUF file's header, read and checked before anything heavy loads.
+
+``gguf.GGUFReader`` parses every metadata array into Python objects (~6 s for SmolLM2's
+49k-token vocabulary); loading needs only the architecture, the tensors' names, shapes,
+types and offsets, so this reads the header directly (GGUF v2/v3: little-endian, see
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) and skips the arrays. Tensor
+data is then read straight from the file, memory-mapped, one tensor at a time.
+
+Refused here, each with what to do: a file that is not GGUF, one shorter than its header
+says (truncated: its expected and actual size), an architecture ragblend cannot run, a
+quantization type it cannot hold (naming the types that load).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelNotFoundError, RagblendError, UnsupportedModelError
+
+# ggml type id -> (name, weights per block, bytes per block), the types ragblend loads.
+TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+         7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+         14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")                  # held as 4-bit codes, groups of 32
+EIGHT_BIT = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # held as 8-bit codes, one scale per row
+# GGUF's architecture name -> transformers' model_type, for the families ragblend runs.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]   # PyTorch order: (rows, columns) for a matrix (GGUF lists dimensions reversed)
+    type_id: int
+    offset: int              # from the start of the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return TYPES[self.type_id][0]
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    size: int
+    metadata: dict            # scalar and string values; arrays are kept as their length only
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def type_counts(self) -> dict[str, int]:
+        names = [t.type_name for t in self.tensors.values()]
+        return {name: names.count(name) for name in sorted(set(names))}
+
+    def blocks(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as ``[rows, bytes per row]`` uint8, memory-mapped (read on use)."""
+        data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return data.reshape(rows, -1)
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The header of the GGUF file at ``path``, checked (see the module's docstring)."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with 'GGUF'). Pass a .gguf "
+                                     "model file, or a Hugging Face model directory.")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            try:
+                return _parse(path, size, view)
+            except RagblendError:
+                raise
+            except (struct.error, IndexError, ValueError, UnicodeDecodeError, KeyError) as err:
+                raise ModelNotFoundError(f"{path} is a damaged GGUF file: its header cannot be read ({err}). "
+                                         "Download or copy it again.") from None
+
+
+def _parse(path: Path, size: int, view) -> GGUFFile:
+    pos = 4
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", view, pos)
+    pos += 20
+    if version not in (2, 3):
+        raise UnsupportedModelError(f"{path} is GGUF version {version}; ragblend reads versions 2 and 3.")
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", view, at)
+        if at + 8 + length > size:
+            raise struct.error("a string runs past the end of the file")
+        return bytes(view[at + 8:at + 8 + length]).decode("utf-8"), at + 8 + length
+
+    def skip(value_type: int, at: int, count: int) -> int:
+        if value_type == _STRING:
+            for _ in range(count):   # each string has its own length: walk them
+                (length,) = struct.unpack_from("<Q", view, at)
+                at += 8 + length
+            return at
+        return at + count * struct.calcsize(_SCALARS[value_type])
+
+    metadata = {}
+    for _ in range(kv_count):
+        key, pos = string(pos)
+        (value_type,) = struct.unpack_from("<I", view, pos)
+        pos += 4
+        if value_type == _STRING:
+            metadata[key], pos = string(pos)
+        elif value_type == _ARRAY:
+            element_type, count = struct.unpack_from("<IQ", view, pos)
+            pos = skip(element_type, pos + 12, count)
+            metadata[key] = count
+        else:
+            (metadata[key],) = struct.unpack_from(_SCALARS[value_type], view, pos)
+            pos += struct.calcsize(_SCALARS[value_type])
+
+    raw = []
+    for _ in range(tensor_count):
+        name, pos = string(pos)
+        (dims,) = struct.unpack_from("<I", view, pos)
+        shape = struct.unpack_from(f"<{dims}Q", view, pos + 4)
+        type_id, offset = struct.unpack_from("<IQ", view, pos + 4 + 8 * dims)
+        pos += 4 + 8 * dims + 12
+        raw.append((name, tuple(reversed(shape)), type_id, offset))
+    alignment = int(metadata.get("general.alignment", 32))
+    if alignment < 1:
+        raise UnsupportedModelError(f"{path.name}: its header gives a data alignment of {alignment}; not a valid GGUF file.")
+    return _checked(path, size, metadata, raw, (pos + alignment - 1) // alignment * alignment)
+
+
+def _checked(path: Path, size: int, metadata: dict, raw: list, data_start: int) -> GGUFFile:
+    """The file of this header, if ragblend can run it and it is whole."""
+    architecture = str(metadata.get("general.architecture", ""))
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name} is a GGUF of architecture {architecture!r}, which ragblend cannot run; it runs "
+            f"{', '.join(ARCHITECTURES)} (decoder-only with rotary embeddings).")
+    unknown = sorted({f"type {type_id}" for _, _, type_id, _ in raw if type_id not in TYPES})
+    if unknown:
+        from gguf import GGMLQuantizationType
+
+        names = sorted({GGMLQuantizationType(int(t.split()[1])).name if int(t.split()[1]) in
+                        GGMLQuantizationType._value2member_map_ else t for t in unknown})
+        raise UnsupportedModelError(
+            f"{path.name} holds tensors in {', '.join(names)}, which ragblend cannot load; it loads "
+            f"{', '.join(name for name, _, _ in TYPES.values())}. Use a Q4_0, Q4_1, Q4_K_M, Q5_K_M, Q6_K or Q8_0 "
+            "file of the model.")
+    tensors = {}
+    for name, shape, type_id, offset in raw:
+        _, per_block, block_bytes = TYPES[type_id]
+        count = int(np.prod(shape))
+        if count % per_block or shape[-1] % per_block:
+            raise ModelNotFoundError(f"{path} is a damaged GGUF file: tensor {name} of shape {shape} is not whole "
+                                     f"{TYPES[type_id][0]} blocks. Download or copy it again.")
+        tensors[name] = TensorInfo(name, shape, type_id, data_start + offset, count // per_block * block_bytes)
+    expected = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
+    if size < expected:
+        raise ModelNotFoundError(
+            f"{path} is truncated: its header describes {expected:,} bytes, the file has {size:,}. "
+            "The download or copy was cut short; fetch the file again.")
+    return GGUFFile(path, size, metadata, tensors)

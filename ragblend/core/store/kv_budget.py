@@ -1,0 +1,125 @@
+"""What a model's stored KV weighs, and whether a KV budget holds it.
+
+A chunk's entry holds, per layer, K and V for every KV head and token (see the entry format in
+:mod:`.tiers`): ``layers x kv_heads x head_dim x 2`` values a token, in the stored dtype, plus the
+scales of a quantized one and a header (~8 bytes a token id). An engine that keeps lead entries
+(the default) stores two entries a chunk. From that, :func:`project` says how large an index's
+KV will be and how much of it a store's budget keeps: a chunk whose KV was evicted is computed
+at query time, so an index larger than its budget loses most of what fusion saves.
+
+    python -m benchmarks.kv_sizes    # the table for the benchmark models and 1-8B shapes
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .tiers import STORAGE_DTYPES, _layer_parts, _nbytes
+
+log = logging.getLogger("ragblend")
+
+# An entry's header: ~330 bytes of fields, ~8 bytes a token id (as JSON), ~12 a layer's CRC.
+HEADER_BYTES, HEADER_BYTES_PER_TOKEN, HEADER_BYTES_PER_LAYER = 330, 8, 12
+# Why the default stored dtype is what it is (``ragblend info`` prints it): benchmarks.kv_dtypes.
+DEFAULT_KV_DTYPE_WHY = ("float16 stays the default: int8 measured within the order noise on SmolLM2, Qwen2.5 and "
+                        "Gemma 3 but on 2 prompts each, uint4 changed a SmolLM2 answer (docs/benchmarks.md, 'Stored "
+                        "KV dtypes').")
+# The size of the chunks figures are quoted for (a typical RAG chunk).
+CHUNK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The part of a model's shape its KV size depends on."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> "KVShape":
+        """From a Hugging Face ``config.json``'s fields (a dict)."""
+        heads = config["num_attention_heads"]
+        return cls(config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
+                   config.get("head_dim") or config["hidden_size"] // heads)
+
+
+def entry_bytes(shape: KVShape, tokens: int, dtype: torch.dtype | str) -> int:
+    """Bytes of one stored entry of ``tokens`` tokens in ``dtype``: its layers and its header."""
+    dtype = STORAGE_DTYPES[dtype] if isinstance(dtype, str) else dtype
+    layer = _nbytes(_layer_parts(dtype, shape.num_kv_heads, tokens, shape.head_dim))
+    return (shape.num_layers * layer + HEADER_BYTES + HEADER_BYTES_PER_TOKEN * tokens
+            + HEADER_BYTES_PER_LAYER * shape.num_layers)
+
+
+def bytes_per_token(shape: KVShape, dtype: torch.dtype | str, chunk_tokens: int = CHUNK_TOKENS) -> float:
+    """Stored bytes a token of a ``chunk_tokens``-token chunk costs (one entry; headers and scales
+    included, which is why the chunk size matters a little)."""
+    return entry_bytes(shape, chunk_tokens, dtype) / chunk_tokens
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The projected size of an index's KV against the budget of the store that keeps it."""
+
+    chunks: int
+    bytes: int               # all of it
+    budget: int | None       # the store's (largest tier's) limit in bytes; None: unbounded
+    dtype: str               # the stored dtype ("" when unknown, e.g. several)
+    basis: str = ""          # what the figure is made of, e.g. "float16, 2 entries of ~512 tokens a chunk"
+
+    @property
+    def share_kept(self) -> float:
+        """The share of the index's KV the budget holds (1.0: all of it)."""
+        if self.budget is None or self.bytes <= self.budget:
+            return 1.0
+        return self.budget / self.bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.share_kept >= 1.0
+
+    def describe(self) -> str:
+        """One line: ``KV for 10,000 chunks: 12.3 GB projected (...); KV budget 8.0 GiB holds 65%: ...``."""
+        line = f"KV for {self.chunks:,} chunks: {_gb(self.bytes)} projected" + (f" ({self.basis})" if self.basis else "")
+        if self.budget is None:
+            return line + "."
+        budget = f"KV budget {_gib(self.budget)}"
+        if self.fits:
+            return f"{line}; {budget} holds all of it."
+        return (f"{line}; {budget} holds {self.share_kept:.0%}: the rest is computed at query time. "
+                f"Raise disk_bytes to {_gib(self.bytes)} or more, or store smaller KV ({_cheaper(self.dtype)}).")
+
+
+def project(shape: KVShape, dtype: torch.dtype | str, chunks: int, tokens_per_chunk: int, entries_per_chunk: int,
+            budget: int | None) -> Projection:
+    """The projected KV of ``chunks`` chunks of ``tokens_per_chunk`` tokens each, ``entries_per_chunk``
+    entries each (2 where the engine keeps lead entries)."""
+    name = dtype if isinstance(dtype, str) else next(n for n, d in STORAGE_DTYPES.items() if d == dtype)
+    total = chunks * entries_per_chunk * entry_bytes(shape, max(tokens_per_chunk, 1), name)
+    entries = "1 entry" if entries_per_chunk == 1 else f"{entries_per_chunk} entries"
+    return Projection(chunks, total, budget, name, f"{name}, {entries} of ~{tokens_per_chunk} tokens a chunk")
+
+
+def store_budget(store) -> int | None:
+    """The most bytes ``store`` keeps: its own limit, or its largest tier's (a chunk kept in either
+    tier is read from there); None when it has no limit."""
+    tiers = [t for t in (getattr(store, "memory", None), getattr(store, "disk", None)) if t is not None] or [store]
+    limits = [t.max_bytes for t in tiers if isinstance(getattr(t, "max_bytes", None), int)]
+    return max(limits) if limits else None
+
+
+def _cheaper(dtype: str) -> str:
+    smaller = {"float32": "float16", "float16": "int8", "bfloat16": "int8", "int8": "uint4"}.get(dtype)
+    return f"kv_dtype='{smaller}'" if smaller else "fewer chunks"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB" if n >= 2**18 else f"{n / 2**10:.1f} KiB"
