@@ -164,7 +164,8 @@ class PrefillRunner:
             return False
         hit = prefix.lookup([self.prefix_scope(exact, layout.namespace) for exact in (True, False)],
                             layout.token_ids, limit=end)
-        return hit is not None and hit.num_tokens >= end
+        # Only a hit that _prefix_hit will take: one it refuses would leave the history to no piece.
+        return hit is not None and hit.num_tokens >= end and self._pays(layout, plan, hit.num_tokens)
 
     # The prefix tier (.prefix_cache)
 
@@ -182,12 +183,18 @@ class PrefillRunner:
                             layout.token_ids, limit=n)
         if hit is not None and hit.num_tokens == n and hit.logits is None:
             hit = hit.first(n - 1)   # the whole prompt without its logits: the last token is computed
-        if hit is not None:
-            after = sum(span.end - max(span.start, hit.num_tokens) for span in layout.chunk_spans
-                        if span.token_ids and span.end > hit.num_tokens) if plan.reuses else 0
-            hit = hit if after <= hit.num_tokens else None
+        if hit is not None and not self._pays(layout, plan, hit.num_tokens):
+            hit = None
         prefix.count(hit)
         return hit
+
+    @staticmethod
+    def _pays(layout: PromptLayout, plan: StrategyPlan, reused: int) -> bool:
+        """Whether a prefix of ``reused`` tokens is at least as long as the chunk tokens after it
+        (which fusing the whole prompt instead could reuse)."""
+        after = sum(span.end - max(span.start, reused) for span in layout.chunk_spans
+                    if span.token_ids and span.end > reused) if plan.reuses else 0
+        return after <= reused
 
     def prefix_scope(self, exact: bool, namespace: str) -> PrefixScope:
         """What this engine's K/V in the prefix tier are keyed under, besides their token ids."""

@@ -26,6 +26,31 @@ def test_decoding_steps_equal_the_model_forward(tiny_engine):
         assert (logits - ref).abs().max() <= 1e-4
 
 
+def test_a_lazy_decoder_whose_fill_failed_part_way_fills_whole_on_retry(tiny_engine, monkeypatch):
+    """Answer buffers made at the first pass (lazy): an allocation failing part way through them
+    (out of memory) leaves the decoder unfilled, so the retry's layers are each its own."""
+    pre = tiny_engine.prefill(segments(), strategy=FullRecompute())
+    capacity = len(pre.token_ids) + 2
+    decoder = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, capacity, lazy=True)
+    calls, real = [0], torch.Tensor.new_empty
+
+    def failing_third(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise MemoryError("no room")
+        return real(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.Tensor, "new_empty", failing_third)
+        with pytest.raises(MemoryError):
+            decoder.keys
+    assert len(decoder.keys) == len(pre.keys)
+    for layer, k in enumerate(pre.keys):
+        assert torch.equal(decoder.keys[layer][:, :k.shape[1]], k.to(decoder.dtype))
+    eager = KVDecoder(tiny_engine.adapter, pre.keys, pre.values, capacity)
+    assert torch.equal(decoder.step(5), eager.step(5))
+
+
 def test_one_pass_over_several_tokens_equals_a_pass_each(tiny_engine):
     """KVDecoder.extend (how drafted tokens are verified) gives each token the logits that
     one pass per token gives, on the decoding twin, with the fused prefill's key bias and

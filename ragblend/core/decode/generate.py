@@ -116,13 +116,16 @@ class KVDecoder:
         """Make the buffers and copy the prompt's K/V into them."""
         keys, values = self._prompt
         shape, n, capacity = self.adapter.shape, keys[0].shape[1], self.capacity
+        # Built aside and kept only whole: a fill that fails part way (out of memory) leaves the
+        # decoder unfilled, so a retry starts again from the first layer.
+        key_buffers, value_buffers = [], []
         for k, v in zip(keys, values):
             key_buffer = k.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
             value_buffer = v.new_empty(shape.num_kv_heads, capacity, shape.head_dim, dtype=self.dtype)
             key_buffer[:, :n], value_buffer[:, :n] = k, v
-            self._keys.append(key_buffer)
-            self._values.append(value_buffer)
-        self._prompt = None
+            key_buffers.append(key_buffer)
+            value_buffers.append(value_buffer)
+        self._keys, self._values, self._prompt = key_buffers, value_buffers, None
         filled, self.filled = self.filled, None
         if filled is not None:
             filled(self)

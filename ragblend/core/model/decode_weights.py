@@ -90,9 +90,10 @@ class DecodeWeights:
         """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``
         (the parts of a :class:`FusedRows` count each, under its format)."""
         kinds = []
+        exact = self.decode_dtype == "float32" and is_quantized(self.hf_model)   # the float32 twin's steps
         for matmul in self.decoding_matmuls():
             if isinstance(matmul, QuantLinear):
-                kinds.append({"int4": "4-bit", "int8": "8-bit"}.get(matmul.kind, "float32"))
+                kinds.append("float32" if exact else {"int4": "4-bit", "int8": "8-bit"}.get(matmul.kind, "float32"))
             elif isinstance(matmul, FusedRows):
                 kinds += [_KIND_NAMES[type(matmul.low_bit)]] * len(matmul.sizes)
             else:

@@ -4,10 +4,10 @@ Chat engines (LlamaIndex's ``condense_plus_context`` and ``context``, LangChain'
 chains) put the newly retrieved context in the system message of every turn, so a prompt differs
 from the last one from its system message on and the prefix tier (:mod:`ragblend.core.decode.prefix_cache`) reuses
 almost nothing: the whole history would be computed again. So every turn's text is also kept as
-*pieces*: after an answer, the *turn* (the question with its template tokens, through the answer:
-``<|im_end|>\n<|im_start|>user\nWho...?<|im_end|>\n<|im_start|>assistant\nThe...``, so that a
-question shorter than a piece can be is covered with its answer) and, in a conversation, every
-other stretch of the prompt that no chunk or known piece covers (:func:`turn_runs`), is computed
+*pieces*: after an answer, the *turn* (the question through the answer), cut at the template's
+control tokens (``<|im_end|>``, ``<|im_start|>``: recomputed in every prompt, see :func:`turn_runs`; so a
+question shorter than a piece, ``user\nWho...?``, is not kept and is computed again) and, in a
+conversation, every other stretch of the prompt that no chunk or known piece covers (:func:`turn_runs`), is computed
 alone after the sink, exactly as a chunk is at ingestion, and stored in the engine's piece memory
 under the piece namespace of the prompt's namespace (:func:`piece_namespace`). The next prompt of
 that namespace has them marked where their token ids appear, before its last message (the
@@ -105,14 +105,15 @@ def turn_runs(token_ids: Sequence[int], spans: Sequence[ChunkSpan], *, question:
 
     The *turn* runs from the question, with the template tokens before it where they are too few to
     be a piece of their own (the previous message's end, the user turn's opening), through the
-    answer: a question is often shorter than a piece can be, but never its whole turn. With
+    answer. With
     ``history`` (earlier turns in the prompt), the other stretches before the question are kept too
     (system text, earlier turns not kept yet); without, only the turn, and only where the question
     holds at most :data:`FIRST_TURN_QUESTION_TOKENS` tokens no chunk covers. A piece never holds one
     of ``control_ids``: their K/V, computed with nothing but the piece before them, differs most from
     the full prefill's (a template's turn markers draw much attention), so they are recomputed: whole
     turns as pieces lifted turn 5's first-token KL 0.0017 -> 0.0232 in benchmarks.conversation,
-    cutting at control tokens brought it to 0.0030 (docs/benchmarks.md)."""
+    cutting at control tokens brought it to 0.0030 (docs/benchmarks.md). The cost: a stretch between
+    two control tokens shorter than ``min_tokens`` (a short question) is no piece."""
     if question <= start:   # no message boundary after the opening (the plain layout): none
         return []
     before = [s.end for s in spans if s.end <= question]

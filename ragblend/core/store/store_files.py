@@ -198,7 +198,7 @@ def _read_marker(path: Path) -> dict | None:
 def _write_marker(directory: Path) -> None:
     """Write the marker atomically (a temporary file renamed over), so a concurrent opener
     reads either none or a whole one."""
-    partial = directory / f"{MARKER}.{os.getpid()}.tmp"
+    partial = directory / f"{MARKER}.{os.getpid()}{threading.get_ident()}.tmp"   # one per writer, threads too
     partial.write_text(json.dumps({"format": MARKER_FORMAT, "version": 1,
                                    "about": "a ragblend KV store (a cache: deleting it only costs recomputation)"}))
     os.replace(partial, directory / MARKER)
