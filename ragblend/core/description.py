@@ -123,13 +123,7 @@ def describe(engine) -> EngineDescription:
         decode_kv_option=engine.options.decode_kv_dtype, decode_kv_dtype=_dtype_name(answers.kv_dtype),
         stored_kv=_stored_kv(engine), fusion=_fusion(engine),
         drafts=DraftsDescription(engine.options.prompt_lookup_num_tokens, answers.can_draft, answers.draft_row_cost),
-        prefix_tier=engine.prefix_info(), history_pieces=_history_pieces(engine.runner))
-
-
-def _history_pieces(runner) -> dict[str, int]:
-    if not runner.keeps_pieces:
-        return {}
-    return runner.piece_store.info()
+        prefix_tier=engine.prefix_info(), history_pieces=engine.pieces_info())
 
 
 def _stored_kv(engine) -> StoredKVDescription:

@@ -350,6 +350,10 @@ class BlendEngine:
         """The prefix tier's entries, bytes (and budget), hits, misses and tokens served; {} when off."""
         return self.prefix.info() if self.prefix is not None else {}
 
+    def pieces_info(self) -> dict:
+        """The history pieces' memory: its entries, bytes (and budget) and evictions; {} when off."""
+        return self.runner.piece_store.info() if self.runner.keeps_pieces else {}
+
     def flush(self) -> None:
         """Wait for background KV writes to finish; re-raises the first one that failed."""
         self.runner.background.flush()

@@ -593,10 +593,8 @@ async def models(request: Request):
 @router.get("/metrics")
 async def prometheus(request: Request):
     server = request.app.state.server
-    runner = getattr(server.engine, "runner", None)   # the pieces' memory, where kept
-    pieces = runner.piece_store.info() if getattr(runner, "keeps_pieces", False) else None
     return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
-                                                   server.engine.prefix_info(), pieces),
+                                                   server.engine.prefix_info(), server.engine.pieces_info()),
                              media_type="text/plain; version=0.0.4")
 
 

@@ -60,9 +60,7 @@ class DecodeWeights:
         linear layers hold float16 weights (``decode_dtype="float16"``) or 4-bit ones
         (``"int4"``; with ``"auto"`` only the layers whose weights already are 4-bit, as a Q4_0/Q4_1
         GGUF's are; the LM head stays float32, its logits pick the answer)."""
-        if self.decode_dtype == "float32" and is_quantized(self.hf_model):
-            # Not the prefill twin: on the fast plan it runs decoding's rows on the low-bit kernels
-            # (bfloat16 scales and activations), so "float32" decoding would not be.
+        if self._on_exact_twin:
             return self.exact_adapter()
         if self.decode_dtype == "float32" or self.adapter.dtype != torch.float32 or self.adapter.device.type != "cpu":
             return self.adapter
@@ -75,6 +73,13 @@ class DecodeWeights:
                         twins[self.decode_dtype] = self._build()
                     self._adapter = twins[self.decode_dtype] or self.adapter
         return self._adapter
+
+    @property
+    def _on_exact_twin(self) -> bool:
+        """Whether decoding runs on the float32 twin: float32 decoding of a quantized model. Not on the
+        prefill twin, which on the fast plan runs decoding's rows on the low-bit kernels (bfloat16
+        scales and activations), so "float32" decoding would not be."""
+        return self.decode_dtype == "float32" and is_quantized(self.hf_model)
 
     def exact_adapter(self) -> ModelAdapter:
         """The adapter a near-tied greedy pick is made again on: the engine's own, or for a
@@ -90,10 +95,9 @@ class DecodeWeights:
         """How many linear layers a decoding step runs in each weight format, e.g. ``{"4-bit": 210, "8-bit": 1}``
         (the parts of a :class:`FusedRows` count each, under its format)."""
         kinds = []
-        exact = self.decode_dtype == "float32" and is_quantized(self.hf_model)   # the float32 twin's steps
         for matmul in self.decoding_matmuls():
             if isinstance(matmul, QuantLinear):
-                kinds.append("float32" if exact else {"int4": "4-bit", "int8": "8-bit"}.get(matmul.kind, "float32"))
+                kinds.append("float32" if self._on_exact_twin else {"int4": "4-bit", "int8": "8-bit"}.get(matmul.kind, "float32"))
             elif isinstance(matmul, FusedRows):
                 kinds += [_KIND_NAMES[type(matmul.low_bit)]] * len(matmul.sizes)
             else:

@@ -68,6 +68,14 @@ def is_piece(span: ChunkSpan) -> bool:
     return span.namespace.startswith(PIECE_NAMESPACE_PREFIX)
 
 
+def _covered(spans: Sequence[ChunkSpan], length: int) -> list[bool]:
+    """Per position of a sequence of ``length`` tokens, whether one of ``spans`` covers it."""
+    covered = [False] * length
+    for span in spans:
+        covered[span.start:span.end] = [True] * len(covered[span.start:span.end])
+    return covered
+
+
 def piece_runs(token_ids: Sequence[int], control_ids: frozenset[int], spans: Sequence[ChunkSpan], *, start: int,
                min_tokens: int = ChunkFinder.MIN_RUN, max_tokens: int | None = None,
                end: int | None = None) -> list[list[int]]:
@@ -75,9 +83,7 @@ def piece_runs(token_ids: Sequence[int], control_ids: frozenset[int], spans: Seq
     each of at least ``min_tokens`` (shorter ones are never found again), cut into runs of at most
     ``max_tokens``."""
     end = len(token_ids) if end is None else end
-    covered = [False] * len(token_ids)
-    for span in spans:
-        covered[span.start:span.end] = [True] * len(covered[span.start:span.end])
+    covered = _covered(spans, len(token_ids))
     runs, run = [], []
     for i in range(start, end + 1):
         if i < end and not covered[i] and token_ids[i] not in control_ids:
@@ -119,9 +125,7 @@ def turn_runs(token_ids: Sequence[int], spans: Sequence[ChunkSpan], *, question:
     before = [s.end for s in spans if s.end <= question]
     gap = max([start, *before])
     turn = gap if question - gap < min_tokens else question
-    covered = [False] * prompt_tokens
-    for span in spans:
-        covered[span.start:span.end] = [True] * len(covered[span.start:span.end])
+    covered = _covered(spans, prompt_tokens)
     if not history and prompt_tokens - turn - sum(covered[turn:]) > FIRST_TURN_QUESTION_TOKENS:
         return []
     runs = piece_runs(token_ids, control_ids, spans, start=start, end=turn, min_tokens=min_tokens,

@@ -169,7 +169,8 @@ MARKER = "ragblend-store.json"
 MARKER_FORMAT = "ragblend-kv-store"
 # What a ragblend store's folder may hold: the marker (and its temporary file while a
 # process writes it), diskcache's database files and the xx/ sub-folders of entry files.
-_STORE_NAMES = re.compile(r"ragblend-store\.json(\.\d+\.tmp)?|cache\.db(-wal|-shm|-journal)?|[0-9a-f]{2}")
+_MARKER_DRAFT = re.compile(re.escape(MARKER) + r"\.\d+\.tmp")   # a marker being written (_write_marker)
+_STORE_NAMES = re.compile(rf"{re.escape(MARKER)}|{_MARKER_DRAFT.pattern}|cache\.db(-wal|-shm|-journal)?|[0-9a-f]{{2}}")
 
 
 class NotAStoreError(StoreUnavailableError):
@@ -258,7 +259,7 @@ def _check_marker(directory: Path) -> bool:
 
 def _only_marker_drafts(directory: Path) -> bool:
     """Whether ``directory`` holds nothing but markers being written (``_write_marker``'s temporary files)."""
-    return all(re.fullmatch(re.escape(MARKER) + r"\.\d+\.tmp", name) for name in os.listdir(directory))
+    return all(_MARKER_DRAFT.fullmatch(name) for name in os.listdir(directory))
 
 
 def check_store_folder(directory: str | os.PathLike, create: bool = True) -> None:
