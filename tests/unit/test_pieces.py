@@ -177,7 +177,7 @@ def test_pieces_are_off_for_a_named_strategy_or_when_switched_off(tokenizer):
     assert chat(make_tiny_engine("qwen2", tokenizer), 3)[2].history_tokens == 0
     no_memory, submitted = pieces_engine(tokenizer, history_pieces_bytes=0), []   # no memory for them: no pass either
     no_memory.runner.background.submit = lambda fn, *args: submitted.append(fn)
-    assert chat(no_memory, 3)[2].history_tokens == 0 and no_memory.runner._store_pieces not in submitted
+    assert chat(no_memory, 3)[2].history_tokens == 0 and no_memory.runner.history.store_pieces not in submitted
     assert EngineOptions().history_pieces is True   # on by default: only conversations keep any
     read_only = pieces_engine(tokenizer, write_back=False)   # a store kept read-only gets no pieces either
     entries = len(read_only.store)

@@ -1,6 +1,7 @@
 """core.runner: the prefill runner finds each chunk's KV (store tiers, or computed and written
 back), fuses the prompt and counts what it reused; Background runs store writes off the TTFT
-path. The engine's parts wired by hand prefill as BlendEngine does."""
+path. The engine's parts wired by hand prefill as BlendEngine does, and the runner's own parts
+(core.chunk_reads, core.prefix_reuse) work alone."""
 
 import threading
 import time
@@ -9,13 +10,17 @@ import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, FullReuse
+from ragblend.core.chunk_reads import ChunkReads
 from ragblend.core.fusion.ingest import Ingestion
 from ragblend.core.fusion.strategies import CacheBlend
 from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.plan import resolve_strategy
+from ragblend.core.prefix_reuse import PrefixReuse
 from ragblend.core.prompt import PromptBuilder
+from ragblend.core.results import Stats
 from ragblend.core.runner import Background, PrefillRunner
 from ragblend.core.store.chunk_index import ChunkIndex
+from ragblend.core.store.pieces import PieceStore
 from ragblend.core.store.tiers import DiskStore, MemoryStore
 
 from ..conftest import PASSAGES, make_tiny_engine, tiny_model
@@ -134,3 +139,40 @@ def test_background_flush_re_raises_a_failed_write_once():
         background.flush()
     assert done == ["before", "after"]          # every write was waited for, those after the failure too
     background.flush()                          # reported once: the next flush has nothing to raise
+
+
+def test_chunk_reads_alone_find_stored_chunks_and_compute_or_leave_out_missing_ones(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer, precompute_batch_tokens=0)
+    engine.precompute([PASSAGE])
+    fresh = f"A chunk this engine never stored, long enough to matter ({len(PASSAGES)})."
+    layout = engine.build_prompt([Chunk(PASSAGE), Chunk(fresh), "When was the lighthouse first lit?"])
+    plan = resolve_strategy(FullReuse(), engine_strategy=None, engine_chose=False, calibration=None,
+                            num_layers=engine.adapter.shape.num_layers)
+    background = Background()
+    reads = ChunkReads(engine.ingestion, engine.index, background, PieceStore(1 << 20, lambda entry: None))
+    stored = layout.chunk_spans[0]
+
+    stats = Stats()
+    found = reads.find(layout, plan, stats, {}, engine.store, write_back=False)
+    found.close()
+    assert found.count_tiers(stats) == {"memory": 1} and (stats.chunks_reused, stats.chunks_missing) == (1, 1)
+    assert len(found.readers) == 1 and int(found.from_store.sum()) == stored.end - stored.start
+
+    stats, computed = Stats(), {}
+    found = reads.find(layout, plan, stats, computed, engine.store, write_back=True)
+    found.close()
+    assert found.count_tiers(stats) == {"memory": 1, "computed": 1} and stats.chunks_missing == 1
+    assert int(found.from_store.sum()) == stored.end - stored.start   # a computed chunk is not the store's
+    background.flush()
+    assert all(key in engine.store for key in computed)   # written back off the TTFT path
+
+
+def test_prefix_reuse_pays_only_where_the_prefix_is_as_long_as_the_chunks_after_it(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    layout = engine.build_prompt([Chunk(PASSAGE), "When was the lighthouse first lit?"])
+    span = layout.chunk_spans[0]
+    plan = resolve_strategy(FullReuse(), engine_strategy=None, engine_chose=False, calibration=None,
+                            num_layers=engine.adapter.shape.num_layers)
+    assert not PrefixReuse.pays(layout, plan, span.start)   # the whole chunk after it: fusing reuses more
+    assert PrefixReuse.pays(layout, plan, span.end)
+    assert PrefixReuse(engine.adapter, engine.ingestion, engine.lock, None).hit(layout, plan) is None   # tier off

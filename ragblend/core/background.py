@@ -1,0 +1,31 @@
+"""Store writes off the TTFT path: the prefill runner hands chunk write-backs, promotions to the
+memory tier and a conversation's pieces to one background thread."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+
+class Background:
+    """Store writes off the TTFT path, one at a time; a failure is kept for :meth:`flush`."""
+
+    def __init__(self):
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-writeback")
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            # keep unfinished and failed writes; finished good ones need no more attention
+            self._pending = [f for f in self._pending if not f.done() or f.exception()]
+            self._pending.append(self._writer.submit(fn, *args))
+
+    def flush(self) -> None:
+        """Wait for every write submitted so far, then re-raise the first one that failed."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        failures = [future.exception() for future in pending]   # exception() waits for each
+        first = next((err for err in failures if err is not None), None)
+        if first is not None:
+            raise first

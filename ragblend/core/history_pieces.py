@@ -1,0 +1,95 @@
+"""A conversation's turns kept as pieces fused like chunks (:mod:`ragblend.core.store.pieces`), as
+the prefill runner uses them: marking the stored pieces of a prompt's earlier turns, and storing,
+in the background, the pieces of a finished answer's prompt and answer for the next turn."""
+
+from __future__ import annotations
+
+import logging
+
+from .background import Background
+from .decode.prefix_cache import is_bypassed
+from .fusion.ingest import Ingestion, packs
+from .model.adapter import ModelAdapter
+from .plan import StrategyPlan
+from .prefix_reuse import PrefixReuse
+from .prompt import PromptLayout
+from .store.pieces import PieceStore, last_message_start, piece_namespace, turn_runs, with_pieces
+
+log = logging.getLogger("ragblend")
+
+
+class HistoryPieces:
+    """The pieces of one engine's conversations: ``enabled`` switches them on, in ``max_bytes`` of
+    their own memory (``piece_store``); ``index`` learns each piece stored (and forgets an evicted
+    one), ``background`` computes and stores them off the TTFT path, and ``prefix`` (the runner's
+    use of the prefix tier) says where the tier already serves a prompt's history."""
+
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, index, background: Background,
+                 prefix: PrefixReuse, enabled: bool, max_bytes: int):
+        self.adapter, self.ingestion, self.index, self.background, self.prefix = \
+            adapter, ingestion, index, background, prefix
+        self.enabled = enabled
+        # an evicted piece is no longer looked for: a prompt holding its text computes it as text
+        self.piece_store = PieceStore(max_bytes, lambda entry: index.forget(entry.key, entry.token_ids, entry.namespace))
+        self._question_bounds: tuple | None = None   # the template's closing and user-turn opening, made once
+
+    @property
+    def keeps(self) -> bool:
+        """Whether conversations' turns are kept as pieces (switched on, with memory for them)."""
+        return self.enabled and self.piece_store.max_bytes > 0
+
+    def mark(self, layout: PromptLayout, plan: StrategyPlan) -> tuple[PromptLayout, bool]:
+        """``layout`` with the stored pieces of its conversation's earlier turns marked (.pieces), and
+        whether this turn's are to be kept once answered. Only a conversation's turns (chat messages
+        with earlier turns), and a chat request's first turn, are worth keeping: a single-shot query
+        would pay a background pass for text that is never asked again."""
+        pieces = self.keeps and (layout.conversation or layout.chat) and plan.engine_default and plan.reuses \
+            and not is_bypassed()
+        if pieces and layout.conversation:   # a first turn has no earlier one to find
+            end = self.last_message_start(layout.token_ids)
+            if not self.prefix.reaches(layout, plan, end):   # else the tier serves all a piece could
+                layout = with_pieces(layout, self.index.finder,
+                                     start=self.ingestion.prompts.opening_length(layout.token_ids), end=end)
+        return layout, pieces
+
+    def last_message_start(self, token_ids) -> int:
+        """Where a prompt's last message begins (:func:`ragblend.core.store.pieces.last_message_start`)."""
+        prompts = self.ingestion.prompts
+        control = prompts.text_encoder.control_ids
+        if self._question_bounds is None:   # rendering the template takes milliseconds: once
+            before, closing = prompts.template_parts(None)
+            last = max((i for i, t in enumerate(before) if t in control), default=None)
+            self._question_bounds = (closing, [] if last is None else before[last:])
+        closing, user_opening = self._question_bounds
+        return last_message_start(token_ids, control, closing, user_opening)
+
+    def remember(self, decoding, batch_tokens: int) -> None:
+        """Store, in the background, the pieces of a finished answer's prompt and answer that no
+        chunk or stored piece covers, for the next turn of its conversation."""
+        pre = decoding.prefill
+        if pre is not None and getattr(pre, "keeps_pieces", False):
+            self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
+
+    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int) -> None:
+        """Compute and keep the pieces of one answered turn (runs on the background thread)."""
+        prompts = self.ingestion.prompts
+        try:
+            # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
+            # be the ids of their own text).
+            ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
+            runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
+                             prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
+                             history=layout.conversation, control_ids=prompts.text_encoder.control_ids,
+                             max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
+            namespace = piece_namespace(layout.namespace)
+            keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
+            new = [(key, run) for key, run in keys.items() if key not in self.piece_store]
+            # Each piece's own entry only (no lead entry: a piece is never fused from one, see
+            # ChunkReads.lead_spans), in the pieces' memory; the finder learns it once stored.
+            for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
+                entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
+                for (key, run), entry in zip(pack, entries):
+                    if self.piece_store.put(entry):
+                        self.index.add(key, run, namespace)
+        except Exception as err:   # pieces are a cache: the next turn computes their text instead
+            log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)

@@ -1,0 +1,136 @@
+"""The prefix tier (:mod:`~ragblend.core.decode.prefix_cache`) as the prefill runner uses it:
+which prompts it serves (the longest stored prefix, where reusing it pays), the prefill over a
+hit, and what a finished prefill or answer leaves in it for the next prompt that starts alike."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
+from .fusion.ingest import Ingestion
+from .fusion.pipeline import SequentialSource
+from .fusion.prefill import FusedPrefill
+from .model.adapter import ModelAdapter
+from .plan import StrategyPlan
+from .prompt import PromptLayout
+from .results import Stats
+
+log = logging.getLogger("ragblend")
+
+
+class PrefixReuse:
+    """Reads and fills ``prefix`` (the prefix tier; None: off) for one engine's prefills; model
+    passes hold ``lock``. Only the engine's own strategy reads the tier (a strategy the caller
+    names runs as asked)."""
+
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, lock, prefix: PrefixCache | None):
+        self.adapter, self.ingestion, self.lock = adapter, ingestion, lock
+        self.prefix = prefix
+        self.kv_dtype = adapter.dtype   # the dtype of the K/V this engine keeps in the tier
+
+    def scope(self, exact: bool, namespace: str) -> PrefixScope:
+        """What this engine's K/V in the prefix tier are keyed under, besides their token ids."""
+        return PrefixScope(self.ingestion.fingerprint, str(self.kv_dtype), exact, namespace)
+
+    def reaches(self, layout: PromptLayout, plan: StrategyPlan, end: int) -> bool:
+        """Whether the prefix tier holds this prompt's first ``end`` tokens (uncounted: :meth:`hit`
+        counts the lookup that serves it)."""
+        prefix = self.prefix
+        if prefix is None or not plan.engine_default:
+            return False
+        hit = prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
+                            layout.token_ids, limit=end)
+        # Only a hit that hit() will take: one it refuses would leave the history to no piece.
+        return hit is not None and hit.num_tokens >= end and self.pays(layout, plan, hit.num_tokens)
+
+    def hit(self, layout: PromptLayout, plan: StrategyPlan) -> PrefixHit | None:
+        """The stored K/V of the longest prefix of this prompt that it pays to reuse, or None. Only
+        where the prefix is at least as long as the chunk tokens after it, which fusing the
+        whole prompt instead could reuse. The whole prompt is a hit only with its stored logits (an
+        exact repeat computes nothing); else the last token is computed: its logits are the answer's."""
+        prefix = self.prefix   # read once: a caller may switch the tier off meanwhile
+        if prefix is None or is_bypassed() or not plan.engine_default:
+            return None
+        n = len(layout.token_ids)
+        hit = prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
+                            layout.token_ids, limit=n)
+        if hit is not None and hit.num_tokens == n and hit.logits is None:
+            hit = hit.first(n - 1)   # the whole prompt without its logits: the last token is computed
+        if hit is not None and not self.pays(layout, plan, hit.num_tokens):
+            hit = None
+        prefix.count(hit)
+        return hit
+
+    @staticmethod
+    def pays(layout: PromptLayout, plan: StrategyPlan, reused: int) -> bool:
+        """Whether a prefix of ``reused`` tokens is at least as long as the chunk tokens after it
+        (which fusing the whole prompt instead could reuse)."""
+        after = sum(span.end - max(span.start, reused) for span in layout.chunk_spans
+                    if span.token_ids and span.end > reused) if plan.reuses else 0
+        return after <= reused
+
+    def extend(self, layout: PromptLayout, hit: PrefixHit, plan: StrategyPlan, stats: Stats):
+        """The prefill of a prompt whose first tokens are ``hit``'s: the rest runs in full over them.
+        Returns the fused prefill, its (empty) layer source and the mask of tokens from the tier."""
+        n, p = len(layout.token_ids), hit.num_tokens
+        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full"
+        stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
+                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and {rest}; "
+                                 f"the strategy was {plan.reason}")
+        if hit.logits is not None:   # an exact repeat: nothing to compute
+            fused = FusedPrefill(logits=hit.logits, keys=hit.keys, values=hit.values,
+                                 recomputed=torch.zeros(n, dtype=torch.bool), key_bias=hit.key_bias,
+                                 layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
+        else:
+            with self.lock:
+                fused = extend_prefix(self.adapter, hit, layout.token_ids)
+        from_store = torch.zeros(n, dtype=torch.bool)
+        from_store[:p] = True
+        return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
+
+    def remember(self, layout: PromptLayout, plan: StrategyPlan, fused, hit: PrefixHit | None) -> KeptPrefix | None:
+        """Keep this prompt's K/V in the prefix tier; how they were kept (None: not kept).
+        A fusion's K/V are kept only for the engine's own strategy (which alone reads them back)."""
+        n = len(layout.token_ids)
+        exact = hit.scope.exact if hit is not None else all(len(p) == n for p in fused.layer_positions)
+        prefix = self.prefix
+        if prefix is None or is_bypassed() or not (exact or plan.engine_default):
+            return None
+        if hit is not None and hit.logits is not None:   # an exact repeat: the tier holds it, logits and all
+            return KeptPrefix(hit.scope, hit.key_bias)
+        self.kv_dtype = fused.keys[0].dtype
+        scope = self.scope(exact, layout.namespace)
+        # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
+        prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
+                     usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
+        return KeptPrefix(scope, fused.key_bias)
+
+    def remember_answer(self, decoding, exact_decoding: bool) -> None:
+        """Keep the K/V of a finished answer's prompt and tokens in the prefix tier (the next turn of
+        a conversation starts with them), where its prompt's were kept; as exact only where
+        ``exact_decoding`` (decoded on the prefill's weights, over K/V in its dtype)."""
+        pre, decoder = decoding.prefill, decoding.decoder
+        kept: KeptPrefix | None = getattr(pre, "prefix_kept", None)
+        prefix = self.prefix
+        n = len(pre.token_ids)
+        answered = decoder.length - n   # the last token's K/V are never computed
+        if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
+            return
+        length, dtype = decoder.length, self.kv_dtype
+        size = sum(2 * k.shape[0] * length * k.shape[2] for k in decoder.keys) * dtype.itemsize
+        if size > prefix.max_bytes:
+            return   # the tier would refuse it: copy nothing
+        try:
+            keys = [k[:, :length].to(dtype, copy=True) for k in decoder.keys]
+            values = [v[:, :length].to(dtype, copy=True) for v in decoder.values]
+            # the prompt's own bias (decoding may have run without it), none on the answer's keys
+            bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
+            scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
+            # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
+            prefix.store(scope, list(pre.token_ids) + list(decoding.token_ids[:answered]), keys, values, bias,
+                         usable_from=0 if scope.exact else n - 1)
+        except Exception as err:   # the tier never fails an answer that is done
+            log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
