@@ -255,6 +255,20 @@ class TextEncoder:
     def contains_control(self, text: str) -> bool:
         return any(s in text for s in self.control_strings)
 
+    def is_own_tokenization(self, token_ids) -> bool:
+        """Whether ``token_ids`` are what this encoder makes of some text: no control token (the chat
+        template's markup, BOS/EOS), and the ids of their own decoded text. Only such ids may become
+        a stored chunk (a client's ids could otherwise hold what no text tokenizes to, e.g. the
+        template's opening)."""
+        ids = list(token_ids)
+        if not ids or self.control_ids.intersection(ids):
+            return False
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            return self(text) == ids
+        except InvalidInputError:
+            return False
+
 
 # A fast tokenizer keeps split_special_tokens as a flag on itself: calls that set it hold this lock.
 _split_flag_lock = threading.Lock()

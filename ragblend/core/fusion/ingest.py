@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import threading
 from typing import Iterable, Sequence
 
@@ -183,6 +184,18 @@ class Ingestion:
                 raise InvalidInputError(f"chunk {i} is empty or only whitespace; drop such chunks before precomputing.")
         return texts, tokenized
 
+    def checked_ids(self, chunks: Iterable[Sequence[int]]) -> list[list[int]]:
+        """Chunks given as token ids, as lists of ints, each of this model's vocabulary and short
+        enough to follow the sink in the context window; else a clear error naming the chunk."""
+        window = self.adapter.shape.context_window
+        limit, vocab = window - len(self.sink_ids), self.entry_spec.vocab_size
+        chunks = [token_id_list(ids, f"chunk {i}", vocab) for i, ids in enumerate(chunks)]
+        for i, ids in enumerate(chunks):
+            if len(ids) > limit:
+                raise PromptTooLongError(f"chunk {i} has {len(ids)} tokens; at most {limit} fit in the context "
+                                         f"window ({window}) after the sink prefix. Split it.")
+        return chunks
+
     def _warn_unstored(self, refs: list[ChunkRef | None]) -> None:
         unstored = sum(ref is not None and not ref.stored for ref in refs)
         if unstored and not self._warned_unstored:
@@ -228,6 +241,23 @@ class Ingestion:
             # Out of the storage dtype's range: keep float32 (the key still names the storage dtype).
             stored = ChunkKV(entry.key, entry.token_ids, keys.float(), values.float(), namespace=namespace)
         return stored.to_cpu()
+
+
+def token_id_list(ids, what: str, vocab: int) -> list[int]:
+    """``ids`` as a list of Python ints (numpy's and torch's integers too, not bools), each in
+    ``[0, vocab)``; else an :class:`InvalidInputError` naming ``what``."""
+    try:
+        if isinstance(ids, (str, bytes, set, frozenset, dict)):   # no ids, or in no order
+            raise TypeError
+        ids = list(ids)
+        if any(isinstance(t, bool) or getattr(t, "dtype", None) == torch.bool for t in ids):
+            raise TypeError
+        ids = [operator.index(t) for t in ids]
+    except TypeError:
+        ids = None
+    if not ids or not all(0 <= t < vocab for t in ids):
+        raise InvalidInputError(f"{what} must be a non-empty list of integer token ids in [0, {vocab}).")
+    return ids
 
 
 def packs(items: Iterable, max_tokens: int, size=lambda item: len(item[1][1])):

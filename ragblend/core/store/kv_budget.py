@@ -112,6 +112,52 @@ def store_budget(store) -> int | None:
     return max(limits) if limits else None
 
 
+class BudgetWarnings:
+    """One engine's warnings that its KV store's budget is too small, each logged once: when the
+    store cannot keep the KV of every chunk precomputed through the engine (:meth:`count`), and when
+    it cannot keep even one prompt's chunks (:meth:`check_prompt`). Either way the chunks it evicts
+    are computed at query time, so fusion saves little. ``entries_per_chunk``: 2 where the engine
+    keeps lead entries."""
+
+    def __init__(self, shape: KVShape, entries_per_chunk: int):
+        self.shape, self.entries_per_chunk = shape, entries_per_chunk
+        self.warned: set[str] = set()           # "index", "prompt"
+        self.precomputed: dict[str, int] = {}   # key -> tokens of every chunk precomputed through the engine
+
+    def project(self, store, dtype: torch.dtype, chunks: int, tokens_per_chunk: int, *, warn: bool = True) -> Projection:
+        """:func:`project` against ``store``'s budget; ``warn``: log once when the budget holds only part of it."""
+        projection = project(self.shape, dtype, chunks, tokens_per_chunk, self.entries_per_chunk, store_budget(store))
+        if warn and not projection.fits and "index" not in self.warned:
+            self.warned.add("index")
+            log.warning("ragblend: %s", projection.describe())
+        return projection
+
+    def count(self, refs: list, store, dtype: torch.dtype) -> list:
+        """``refs`` (of chunks just precomputed), counted: warn once when ``store`` cannot keep the
+        KV of all the chunks counted so far, at their mean size."""
+        for ref in refs:
+            if ref is not None:
+                self.precomputed[ref.key] = ref.num_tokens
+        if self.precomputed:
+            tokens = -(-sum(self.precomputed.values()) // len(self.precomputed))
+            self.project(store, dtype, len(self.precomputed), tokens)
+        return refs
+
+    def check_prompt(self, chunk_tokens: list[int], store, dtype: torch.dtype) -> None:
+        """Say once when ``store`` cannot hold even one prompt's chunks (of ``chunk_tokens`` tokens
+        each): the prompt is answered, the chunks the store cannot keep computed each time."""
+        if "prompt" in self.warned or not chunk_tokens:
+            return
+        budget = store_budget(store)
+        needed = sum(entry_bytes(self.shape, tokens, dtype) for tokens in chunk_tokens)
+        if budget is not None and needed > budget:
+            self.warned.add("prompt")
+            log.warning("ragblend: a prompt's %d chunk(s) need %.1f MiB of KV, more than the KV store keeps (%.1f MiB): "
+                        "they are answered, the chunks it cannot keep computed at each query. Raise memory_bytes / "
+                        "disk_bytes, or store smaller KV (kv_dtype).", len(chunk_tokens), needed / 2**20,
+                        budget / 2**20)
+
+
 def _cheaper(dtype: str) -> str:
     smaller = {"float32": "float16", "float16": "int8", "bfloat16": "int8", "int8": "uint4"}.get(dtype)
     return f"kv_dtype='{smaller}'" if smaller else "fewer chunks"

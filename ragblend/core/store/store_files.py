@@ -60,6 +60,19 @@ def orphan_entry_files(directory: Path, named: set[str], min_age_s: float) -> li
             if name not in named and now - path.lstat().st_mtime >= min_age_s]
 
 
+def reclaim_orphan_files(cache, directory: Path, min_age_s: float) -> int:
+    """Remove the entry files of ``cache`` (the store's ``diskcache.Cache`` in ``directory``) that no
+    row names and that are :func:`orphan_entry_files` old enough (left by a writer killed
+    mid-write); returns how many. The store's faults (OSError, SQLite's) reach the caller."""
+    named = {row[0] for row in cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+    orphans = orphan_entry_files(directory, named, min_age_s)
+    for name in orphans:
+        cache.disk.remove(name)
+    if orphans:
+        log.info("ragblend: removed %d unfinished KV file(s) from %s.", len(orphans), directory)
+    return len(orphans)
+
+
 def file_identity(path: Path) -> tuple[int, int] | None:
     """Which file ``path`` is (device, inode), to notice it being deleted or replaced; None if missing."""
     try:

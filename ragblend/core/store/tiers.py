@@ -57,6 +57,7 @@ from .store_files import (  # noqa: F401
     entry_files,
     file_identity,
     orphan_entry_files,
+    reclaim_orphan_files,
     remove_store_files,
     safe_disk_class,
 )
@@ -239,23 +240,11 @@ class DiskStore(KVStore):
             cull_limit=0, disk=safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
         )
         self._database_id = file_identity(self.directory / DATABASE)
-        self.reclaimed = self._reclaim_orphans(orphan_age_s)
-
-    def _reclaim_orphans(self, min_age_s: float) -> int:
-        """Remove the store's own entry files that no row names and that are old enough not
-        to be another process's write in progress. Returns how many were removed."""
-        try:
-            named = {row[0] for row in self.cache._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
-            orphans = orphan_entry_files(self.directory, named, min_age_s)
-            for name in orphans:
-                self.cache.disk.remove(name)
-            removed = len(orphans)
+        try:   # entry files no row names, old enough not to be another process's write in progress
+            self.reclaimed = reclaim_orphan_files(self.cache, self.directory, orphan_age_s)
         except store_faults() as err:
             self._fault("reclaim unnamed files", err)
-            return 0
-        if removed:
-            log.info("ragblend: removed %d unfinished KV file(s) from %s.", removed, self.directory)
-        return removed
+            self.reclaimed = 0
 
     def _fault(self, action: str, err: BaseException) -> None:
         self.faults += 1
