@@ -49,7 +49,7 @@ class ChunksMixin:
 
     def is_own_tokenization(self, token_ids: Sequence[int]) -> bool:
         """Whether ``token_ids`` are what this engine makes of some text, the only ids that may become
-        a stored chunk: see :meth:`.prompt.TextEncoder.is_own_tokenization`."""
+        a stored chunk: see :meth:`.text_encoder.TextEncoder.is_own_tokenization`."""
         return self.prompts.text_encoder.is_own_tokenization(token_ids)
 
     def lead_key(self, key: str) -> str | None:

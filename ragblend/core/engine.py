@@ -27,7 +27,6 @@ are :class:`~.generation.GenerationMixin`'s; its KV budget warnings are
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -63,7 +62,6 @@ from .store.kv_budget import BudgetWarnings, KVShape
 from .store.tiers import EntrySpec, KVStore, MemoryStore, open_store
 
 __all__ = ["BlendEngine", "Generation", "Prefill", "PromptTrace", "Stats", "TextStream"]
-log = logging.getLogger("ragblend")
 
 
 class BlendEngine(ChunksMixin, GenerationMixin):

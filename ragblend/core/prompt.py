@@ -27,37 +27,28 @@ cue ("" leaves it out).
 Text is always tokenized as text. Documents, user messages, system prompts and history may
 contain the strings of the model's control tokens (``<|im_start|>``...); those become ordinary
 tokens, so retrieved text cannot open a turn of its own. Only the chat template's own text is
-tokenized with its control tokens parsed (see :class:`TextEncoder` and
+tokenized with its control tokens parsed (see :class:`~ragblend.core.text_encoder.TextEncoder` and
 :meth:`PromptBuilder.chat_ids`).
+
+The chat template itself (and the plain layout) is rendered by
+:class:`~ragblend.core.chat_template.ChatTemplateMixin`; text is tokenized by
+:mod:`ragblend.core.text_encoder`. This module lays segments out in the user turn, bounds them by
+the context window, and finds known chunks in token ids (:class:`ChunkFinder`).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import json
-import re
 import threading
-import uuid
-import weakref
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
+from .chat_template import ChatTemplateMixin, checked_history
 from .errors import InvalidInputError, PromptTooLongError, SegmentTypeError
 
-
-def check_text(text, what: str) -> str:
-    """``text`` if it is a str that can be encoded as UTF-8; a clear error otherwise."""
-    if not isinstance(text, str):
-        raise SegmentTypeError(f"{what} must be a str, got {type(text).__name__}.")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as err:
-        raise InvalidInputError(
-            f"{what} contains a character that is not valid Unicode ({err.reason} at position {err.start}); "
-            "decode your text with errors='replace' or drop lone surrogates first.") from None
-    return text
-
+# Text is checked and tokenized in text_encoder; the names callers import from here stay importable here.
+from .text_encoder import TextEncoder, check_text, text_encoder  # noqa: F401
 
 # The passage every chunk is precomputed after (then dropped with the sink's KV). A chunk
 # precomputed right after the system prompt is encoded as the start of a text, yet in a RAG
@@ -89,11 +80,6 @@ class Chunk:
 
 
 Segment = Union[str, Chunk]
-
-# A role is written into the template as template text (``'<|im_start|>' + role``), so it
-# must be a plain name, never free text.
-_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
-
 
 @dataclass(frozen=True)
 class ChunkSpan:
@@ -146,149 +132,6 @@ def check_segments(segments: Sequence[Segment]) -> list[Segment]:
     return list(segments)
 
 
-def _checked_role(role, what: str) -> str:
-    if not isinstance(role, str) or not _ROLE.fullmatch(role):
-        raise InvalidInputError(f"{what} role must be a plain name such as 'user' or 'assistant', got {str(role)[:40]!r}.")
-    return role
-
-
-def _checked_history(history) -> list[tuple[str, str]]:
-    """``history`` as a list of ``(role, text)`` turns, each checked."""
-    if isinstance(history, (str, bytes)) or not isinstance(history, Sequence):
-        raise InvalidInputError("history must be a list of (role, text) pairs, e.g. [('user', 'Hi'), ('assistant', 'Hello')].")
-    turns = []
-    for i, turn in enumerate(history):
-        if not isinstance(turn, (tuple, list)) or len(turn) != 2:
-            raise InvalidInputError(f"history turn {i} must be a (role, text) pair, got {type(turn).__name__}.")
-        turns.append((_checked_role(turn[0], f"history turn {i}'s"), check_text(turn[1], f"history turn {i}")))
-    return turns
-
-
-def _checked_messages(messages) -> list[tuple[str, str]]:
-    """Chat messages (``{"role", "content"}`` dicts) as ``(role, text)`` turns."""
-    if isinstance(messages, (str, bytes, dict)) or not isinstance(messages, Sequence) or not messages:
-        raise InvalidInputError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
-    turns = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidInputError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}.")
-        content = message.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):
-            if not all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
-                       for b in content):
-                raise InvalidInputError(f"message {i}'s content blocks must all be {{'type': 'text', 'text': ...}}.")
-            content = "".join(b["text"] for b in content)
-        turns.append((_checked_role(message.get("role"), f"message {i}'s"), check_text(content, f"message {i}")))
-    return turns
-
-
-class TextEncoder:
-    """Tokenizes text *as text*: the string of a control token (``<|im_start|>``) in it
-    becomes ordinary tokens, never the control token itself.
-
-    Control tokens are the tokenizer's special added tokens, plus the other added tokens its
-    chat template writes (Qwen's ``<tool_call>``...), except whitespace ones. For text without
-    them the ids are exactly the tokenizer's own (``tokenizer(text, add_special_tokens=False)``).
-
-    Hugging Face's ``split_special_tokens=True`` does the splitting, but it works by setting a
-    flag on the tokenizer shared by every thread; this encoder runs on a private copy of the
-    fast tokenizer with the flag set once, so no other call can flip it under it. Built
-    once per tokenizer (:func:`text_encoder`).
-    """
-
-    # Ordinary text whose ids the private copy must reproduce exactly (else it is not used).
-    PROBE = "Hello, world! It's 2024: 3.14 apples.\n\n  Indented\ttext, café, 東京 🙂 end"
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.state = self.state_of(tokenizer)
-        template = str(getattr(tokenizer, "chat_template", None) or "")
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        control = {i: t.content for i, t in added.items()
-                   if t.special or (t.content in template and not t.content.isspace())}
-        self.control_ids = frozenset(control)
-        self.control_strings = tuple(sorted(set(control.values()), key=len, reverse=True))
-        self._backend = self._private_backend(set(control.values()))
-        if self._backend is not None and self._encode_backend(self.PROBE) != self._encode_wrapper(self.PROBE):
-            self._backend = None   # the wrapper does more than the Rust tokenizer: use the wrapper
-
-    @staticmethod
-    def state_of(tokenizer) -> tuple:
-        """What the encoder depends on besides the vocabulary: the added tokens and the template."""
-        return len(getattr(tokenizer, "added_tokens_decoder", {}) or {}), str(getattr(tokenizer, "chat_template", None))
-
-    def _private_backend(self, control: set[str]):
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return None
-        from tokenizers import Tokenizer
-
-        state = json.loads(backend.to_str())
-        state["truncation"] = state["padding"] = None
-        for token in state.get("added_tokens", []):
-            if token["content"] in control:
-                token["special"] = True   # split by encode_special_tokens like the special ones
-        copy = Tokenizer.from_str(json.dumps(state))
-        copy.encode_special_tokens = True
-        return copy
-
-    def _encode_backend(self, text: str) -> list[int]:
-        # encode_batch releases the GIL while it works (encode holds it: ~0.8 s on a 540k-character
-        # prompt, during which a server's event loop could not answer even /health).
-        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
-
-    def _encode_wrapper(self, text: str) -> list[int]:
-        with _split_flag_lock:
-            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-
-    def __call__(self, text: str) -> list[int]:
-        ids = self._encode_backend(text) if self._backend is not None else self._encode_wrapper(text)
-        if self.control_ids.intersection(ids):
-            # Never seen with the supported tokenizers (tests/unit/test_injection.py checks them).
-            raise InvalidInputError(
-                "This model's tokenizer turns plain text into a control token, so ragblend cannot keep the text "
-                "from acting as the chat template's markup; remove the control-token strings from the text.")
-        return ids
-
-    def contains_control(self, text: str) -> bool:
-        return any(s in text for s in self.control_strings)
-
-    def is_own_tokenization(self, token_ids) -> bool:
-        """Whether ``token_ids`` are what this encoder makes of some text: no control token (the chat
-        template's markup, BOS/EOS), and the ids of their own decoded text. Only such ids may become
-        a stored chunk (a client's ids could otherwise hold what no text tokenizes to, e.g. the
-        template's opening)."""
-        ids = list(token_ids)
-        if not ids or self.control_ids.intersection(ids):
-            return False
-        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        try:
-            return self(text) == ids
-        except InvalidInputError:
-            return False
-
-
-# A fast tokenizer keeps split_special_tokens as a flag on itself: calls that set it hold this lock.
-_split_flag_lock = threading.Lock()
-_encoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_encoders_lock = threading.Lock()
-
-
-def text_encoder(tokenizer) -> TextEncoder:
-    """The :class:`TextEncoder` of ``tokenizer`` (copying a large tokenizer takes ~0.2 s, so
-    engines over the same tokenizer share one)."""
-    with _encoders_lock:
-        try:
-            encoder = _encoders.get(tokenizer)
-        except TypeError:   # not weak-referenceable: no sharing
-            return TextEncoder(tokenizer)
-        if encoder is None or encoder.state != TextEncoder.state_of(tokenizer):   # tokens or template changed since
-            encoder = _encoders[tokenizer] = TextEncoder(tokenizer)
-        return encoder
-
-
 # Tokenizing takes time in proportion to the text (SmolLM2's tokenizer: ~1.4 us a character of
 # CJK text, 5.4 s for a 1.3M-character prompt), so a text that must fit in a window of n tokens
 # is tokenized in prefixes of FIRST_PREFIX * n characters, then twice as many each time, and
@@ -312,8 +155,8 @@ class TooLong:
         return f"{self.tokens} tokens" if self.exact else f"more than {self.tokens} tokens"
 
 
-class PromptBuilder:
-    """Turns segments into prompt token ids with the model's chat template.
+class PromptBuilder(ChatTemplateMixin):
+    """Turns segments into prompt token ids with the model's chat template (:class:`ChatTemplateMixin`).
 
     Every piece of text (chunks, segments, system, history) is tokenized as text
     (:class:`TextEncoder`); only the template's own text has its control tokens parsed.
@@ -431,131 +274,6 @@ class PromptBuilder:
                                      "Shorten it or pass fewer or shorter chunks.")
         return out
 
-    def tokenize_template(self, text: str) -> list[int]:
-        """Ids of text with its control tokens parsed: only for text the chat template or the
-        developer wrote (a ``sink_prefix``), never for documents or messages."""
-        with _split_flag_lock:
-            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=False)["input_ids"])
-
-    # ------------------------------------------------------------------ the chat template
-
-    def template_parts(self, system: str | None, history: Sequence[tuple[str, str]] = ()) -> tuple[list[int], list[int]]:
-        """Token ids the template puts before and after the (last) user message.
-
-        ``history`` holds earlier turns as ``(role, text)`` with role "user" or "assistant".
-        """
-        turns = ([] if system is None else [("system", check_text(system, "system"))]) + _checked_history(history)
-        if not self.use_chat_template:
-            return self._plain_ids(turns, more_follows=True), self._plain_cue()
-        pieces = self._chat_pieces(turns + [("user", None)], add_generation_prompt=True)
-        hole = pieces.index(None)
-        return self._encode(pieces[:hole]), self._encode(pieces[hole + 1:])
-
-    def chat_ids(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a whole chat, ``[{"role": ..., "content": ...}, ...]``, every
-        message's content tokenized as text.
-
-        What ``tokenizer.apply_chat_template(messages, tokenize=True)`` gives for ordinary
-        text (and what :meth:`build` lays out for the same turns), without letting a message
-        open turns of its own. ``content`` is a str or a list of ``{"type": "text", "text":
-        ...}`` blocks (joined); other message keys are ignored.
-        """
-        turns = _checked_messages(messages)
-        if not self.use_chat_template:
-            ids = self._plain_ids(turns)
-            return ids + self._plain_cue() if add_generation_prompt and turns[-1][0] != "assistant" else ids
-        return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
-
-    # ------------------------------------------------------------------ the plain layout (no chat template)
-
-    def _plain_ids(self, turns: list[tuple[str, str]], more_follows: bool = False) -> list[int]:
-        """BOS, then each turn's text (an assistant's after the answer cue), joined by the separator
-        (and followed by it when ``more_follows`` and there was a turn). An empty system prompt adds nothing."""
-        ids = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-        pieces = [(f"{self.answer_cue} {text}" if role == "assistant" and self.answer_cue else text)
-                  for role, text in turns if text or role != "system"]
-        for i, text in enumerate(pieces):
-            ids += (self._separator_ids if i else []) + self.tokenize(text)
-        return ids + self._separator_ids if more_follows and pieces else ids
-
-    def _plain_cue(self) -> list[int]:
-        """What follows the user's text: the separator and the answer cue (nothing without a cue)."""
-        return self._separator_ids + self.tokenize(self.answer_cue) if self.answer_cue else []
-
-    def _render(self, turns, contents, add_generation_prompt: bool) -> str:
-        messages = [{"role": role, "content": content} for (role, _), content in zip(turns, contents)]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-    def _chat_pieces(self, turns: list[tuple[str, str | None]], *, add_generation_prompt: bool) -> list:
-        """The rendered chat as pieces: ``(text, True)`` for the template's own text,
-        ``(text, False)`` for a message's text, and None where the turn whose text is None
-        (the last user message, laid out by :meth:`build`) goes.
-
-        The template is rendered with a fresh random placeholder for every message, so no
-        input can forge one (a fixed marker in a system prompt would split the template
-        there). Each message's text is then what the template makes of it (a template may
-        trim it), read off a render with only that message filled in.
-        """
-        marks = [f"ragblend{uuid.uuid4().hex}" for _ in turns]
-        rendered = self._render(turns, marks, add_generation_prompt)
-        parts = re.split(f"({'|'.join(marks)})", rendered)
-        for mark, (role, text) in zip(marks, turns):
-            count = parts[1::2].count(mark)
-            if text is None and count == 0:
-                raise InvalidInputError("The model's chat template drops the user message; "
-                                        "pass use_chat_template=False.")
-            if count > 1:
-                raise InvalidInputError(f"The model's chat template writes the {role} message's text more than "
-                                        "once; ragblend cannot lay out such a prompt. Pass use_chat_template=False.")
-        # Where the template writes every message's text as given (most do), one render with all of
-        # them in says so, and none per message is needed (each takes ~0.4 ms: a long chat paid ms a turn).
-        texts = [mark if text is None else text for mark, (_, text) in zip(marks, turns)]
-        as_given = self._render(turns, texts, add_generation_prompt) == "".join(
-            texts[marks.index(part)] if k % 2 else part for k, part in enumerate(parts))
-        pieces: list = []
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                if part:
-                    pieces.append((part, True))
-                continue
-            i = marks.index(part)
-            if turns[i][1] is None:
-                pieces.append(None)
-                continue
-            if as_given:
-                pieces.append((turns[i][1], False))
-                continue
-            start = rendered.index(part)
-            before, after = rendered[:start], rendered[start + len(part):]
-            filled = self._render(turns, marks[:i] + [turns[i][1]] + marks[i + 1:], add_generation_prompt)
-            if filled.startswith(before) and filled.endswith(after) and len(filled) >= len(before) + len(after):
-                pieces.append((filled[len(before):len(filled) - len(after)], False))
-            else:   # the template treats this text specially: take it as given
-                pieces.append((turns[i][1], False))
-        return pieces
-
-    def _encode(self, pieces: list[tuple[str, bool]]) -> list[int]:
-        """Ids of template and message pieces: the template's control tokens parsed, the
-        messages' as text.
-
-        Tokenizing the pieces joined is what the template gives ordinary text (tokens may
-        merge across a piece boundary), so that is used whenever it is safe: no message
-        holds a control token's string and the joined ids hold exactly the template's own
-        control tokens. Otherwise each piece is tokenized on its own.
-        """
-        if not pieces:
-            return []
-        ids = self.tokenize_template("".join(text for text, _ in pieces))
-        control = self.text_encoder.control_ids
-        if not any(not own and self.text_encoder.contains_control(text) for text, own in pieces):
-            template_controls = [i for text, own in pieces if own for i in self.tokenize_template(text) if i in control]
-            if [i for i in ids if i in control] == template_controls:
-                return ids
-        out: list[int] = []
-        for text, own in pieces:
-            out += self.tokenize_template(text) if own else self.tokenize(text)
-        return out
-
     def chunk_sink(self, sink_prefix: str | None, chunk_context: str) -> list[int]:
         """What every chunk is precomputed after: the template's opening, then a neutral passage
         (``chunk_context``), so that a chunk's cached KV is that of a passage in the middle of a
@@ -639,7 +357,7 @@ class PromptBuilder:
         texts = [s.text if isinstance(s, Chunk) else s for s in segments]
         separator_ids = self._separator_ids if separator is None else self.tokenize(separator) if separator else []
         if self.max_tokens is not None:   # texts too long for the window are refused before their whole is tokenized
-            turns = ([] if system is None else [check_text(system, "system")]) + [t for _, t in _checked_history(history)]
+            turns = ([] if system is None else [check_text(system, "system")]) + [t for _, t in checked_history(history)]
             self._check_turns(turns, texts)
         prefix, suffix = self.template_parts(system, history)   # system and history tokenized once, here
         if self.max_tokens is not None:
