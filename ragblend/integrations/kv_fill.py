@@ -141,6 +141,36 @@ def fill_lock(folder: Path):
         os.close(fd)
 
 
+def missing_kv(collection, engine, tried: set[str]) -> tuple[list, list]:
+    """What is left to do, derived afresh from the index and the store (so a fill stopped any
+    way resumes where it stopped): ``(node id, key, document)`` of the chunks without their own
+    entry, and of those with it but without their lead entry; keys in ``tried`` left out."""
+    stored = set(engine.store.keys())
+    own, lead_only = [], []
+    for node_id, key, doc in scan_index(collection):
+        if not key or key in tried:
+            continue
+        if key not in stored:
+            own.append((node_id, key, doc))
+        elif not engine.entries_stored(key, stored):
+            lead_only.append((node_id, key, doc))
+    return own, lead_only
+
+
+def store_room(store, own_pending: int) -> int:
+    """How many more entries ``store`` holds below 90% of its size, after ``own_pending``
+    own entries (an entry's size: the store's mean); unbounded where the store cannot tell."""
+    try:
+        tiers = store.stats()
+    except Exception:   # a store that cannot say (a broken disk tier): no bound from it
+        return 1 << 62
+    tier = tiers.get("disk") or tiers.get("memory")
+    if not tier or not tier.get("entries") or not tier.get("max_bytes"):
+        return 1 << 62
+    mean = tier["bytes"] / tier["entries"]
+    return max(0, int((0.9 * tier["max_bytes"] - tier["bytes"]) / mean) - own_pending)
+
+
 def _grown_bar(bar, more: int):
     """A progress bar over ``more`` chunks: a new one, or ``bar`` grown by them (a new round)."""
     if bar is None:
@@ -286,16 +316,8 @@ class KVFiller:
         store filled before lead entries) as far as the store has room for them: lead entries
         are the expendable ones (stored first, so evicted first), and a store too small for
         both would otherwise evict and recompute them on every fill."""
-        stored = set(self.engine.store.keys())
-        own, lead_only = [], []
-        for node_id, key, doc in scan_index(self.index.collection):
-            if not key or key in tried:
-                continue
-            if key not in stored:
-                own.append((node_id, key, doc))
-            elif not self.engine.entries_stored(key, stored):
-                lead_only.append((node_id, key, doc))
-        room = self._room(len(own))
+        own, lead_only = missing_kv(self.index.collection, self.engine, tried)
+        room = store_room(self.engine.store, len(own))
         if len(lead_only) > room:
             if not self._warned_full:
                 self._warned_full = True
@@ -304,19 +326,6 @@ class KVFiller:
                             "store keeps them (EngineOptions.disk_bytes).", len(lead_only) - room)
             lead_only = lead_only[:room]
         return own + lead_only
-
-    def _room(self, own_pending: int) -> int:
-        """How many more entries the store holds below 90% of its size, after ``own_pending``
-        own entries (an entry's size: the store's mean); unbounded where the store cannot tell."""
-        try:
-            tiers = self.engine.store.stats()
-        except Exception:   # a store that cannot say (a broken disk tier): no bound from it
-            return 1 << 62
-        tier = tiers.get("disk") or tiers.get("memory")
-        if not tier or not tier.get("entries") or not tier.get("max_bytes"):
-            return 1 << 62
-        mean = tier["bytes"] / tier["entries"]
-        return max(0, int((0.9 * tier["max_bytes"] - tier["bytes"]) / mean) - own_pending)
 
     def _order(self, pending: list) -> list:
         """Chunks of recently retrieved documents first (the most recent first), then index order."""

