@@ -9,8 +9,15 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk
-from ragblend.core.store.kv import ChunkKV, to_storage
-from ragblend.core.store.kv_budget import KVShape, bytes_per_token, entry_bytes, project, store_budget
+from ragblend.core.store.kv import ChunkKV, ChunkRef, to_storage
+from ragblend.core.store.kv_budget import (
+    BudgetWarnings,
+    KVShape,
+    bytes_per_token,
+    entry_bytes,
+    project,
+    store_budget,
+)
 from ragblend.core.store.tiers import DiskStore, EntrySpec, MemoryStore, encode_entry, open_store
 
 from ..conftest import PASSAGES, make_tiny_engine, synthetic_entry
@@ -50,6 +57,23 @@ def test_a_projection_says_what_share_the_budget_holds_and_what_to_do():
     assert small.fits and small.describe().endswith("KV budget 8.0 GiB holds all of it.")
     tiered = open_store.__defaults__   # (memory_bytes, disk_bytes): the largest tier bounds what is kept
     assert store_budget(MemoryStore(1000)) == 1000 and max(tiered) == 8 << 30
+
+
+def test_budget_warnings_count_each_chunk_once_and_say_each_thing_once(caplog):
+    shape = KVShape(2, 1, 8)
+    warnings, store = BudgetWarnings(shape, entries_per_chunk=2), MemoryStore(3 * entry_bytes(shape, 100, "float16"))
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        refs = [ChunkRef("a", 100, True), None]
+        assert warnings.count(refs, store, torch.float16) is refs               # 2 entries of 1 chunk: fits
+        warnings.count([ChunkRef("a", 100, True), ChunkRef("b", 100, True)], store, torch.float16)   # 4: not
+        warnings.count([ChunkRef("c", 100, True)], store, torch.float16)
+        warnings.check_prompt([100] * 3, store, torch.float16)                  # fits
+        warnings.check_prompt([100] * 4, store, torch.float16)
+        warnings.check_prompt([100] * 5, store, torch.float16)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("ragblend: KV for 2 chunks:") and "4 chunk(s)" in said[1]
+    assert warnings.precomputed == {"a": 100, "b": 100, "c": 100}
+    assert warnings.project(store, torch.float16, 1, 100, warn=False).fits
 
 
 def test_precompute_past_the_budget_warns_once_and_the_memory_tier_counts(tokenizer, caplog):

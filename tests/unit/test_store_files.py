@@ -15,6 +15,7 @@ from ragblend.core.store.store_files import (
     open_entry_file,
     orphan_entry_files,
     own_entry_path,
+    reclaim_orphan_files,
     remove_entry_file,
 )
 from ragblend.core.store.tiers import DiskStore, encode_entry
@@ -106,6 +107,23 @@ def test_orphans_are_unnamed_entry_files_old_enough_not_to_be_a_write_in_progres
     old = time.time() - 120
     os.utime(tmp_path / orphan, (old, old))
     assert orphan_entry_files(tmp_path, named, min_age_s=60) == [orphan]   # never the named one nor notes.txt
+
+
+def test_reclaiming_removes_only_old_unnamed_entry_files_of_the_store(tmp_path):
+    store = DiskStore(tmp_path / "kv", SPEC)
+    entry = synthetic_entry(1)
+    assert store.put(entry)
+    named = entry_path(store, entry.key)
+    old = time.time() - 120
+    for name in (NAME, NAME.replace("ab.val", "ac.val")):
+        (store.directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (store.directory / name).write_bytes(b"x")
+    os.utime(store.directory / NAME, (old, old))
+    os.utime(named, (old, old))
+    assert reclaim_orphan_files(store.cache, store.directory, min_age_s=60) == 1
+    assert not (store.directory / NAME).exists() and (store.directory / NAME.replace("ab.val", "ac.val")).exists()
+    assert named.exists() and entry.key in store   # a row names it
+    store.close()
 
 
 def test_a_folder_holding_only_another_process_marker_draft_is_a_new_store(tmp_path):
