@@ -48,8 +48,9 @@ class HistoryPieces:
         if pieces and layout.conversation:   # a first turn has no earlier one to find
             end = self.last_message_start(layout.token_ids)
             if not self.prefix.reaches(layout, plan, end):   # else the tier serves all a piece could
-                layout = with_pieces(layout, self.index.finder,
-                                     start=self.ingestion.prompts.opening_length(layout.token_ids), end=end)
+                prompts = self.ingestion.prompts
+                layout = with_pieces(layout, self.index.finder, start=prompts.opening_length(layout.token_ids),
+                                     end=end, control_ids=prompts.text_encoder.control_ids)
         return layout, pieces
 
     def last_message_start(self, token_ids) -> int:
@@ -79,8 +80,7 @@ class HistoryPieces:
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
             runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
                              prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
-                             history=layout.conversation, control_ids=prompts.text_encoder.control_ids,
-                             max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
+                             history=layout.conversation, max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
             namespace = piece_namespace(layout.namespace)
             keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]

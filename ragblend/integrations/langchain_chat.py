@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from dataclasses import replace
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -149,6 +150,11 @@ class BlendChatModel(EngineFields, BaseChatModel):
     # ------------------------------------------------------------------ prompt
 
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
+        # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat),
+        # as the server's chat completions do; a long stuffed first message keeps none (core.store.pieces).
+        return replace(self._laid_out(messages, kv_chunks), chat=True)
+
+    def _laid_out(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         engine = self.engine
         turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")

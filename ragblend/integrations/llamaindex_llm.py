@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from llama_index.core.base.llms.types import (
@@ -150,14 +150,17 @@ class BlendLLM(EngineFields, CustomLLM):
         self._calls.append(CallRecord(label, prompt if isinstance(prompt, PromptLayout) else None, stream.stats))
         yield "", stream.stats
 
-    def _chat_layout(self, messages: Sequence[ChatMessage]) -> PromptLayout:
+    def _chat_layout(self, messages: Sequence[ChatMessage], chat: bool) -> PromptLayout:
         # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
         turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
-        return self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
+        layout = self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
+        # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat);
+        # a completion (a query engine's single-shot prompt) keeps none.
+        return replace(layout, chat=True) if chat else layout
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        layout = self._chat_layout(messages)
+    def _stream_chat(self, messages: Sequence[ChatMessage], chat: bool = True, **kwargs: Any) -> ChatResponseGen:
+        layout = self._chat_layout(messages, chat)
         text = ""
         for delta, stats in self.stream_answer(layout, label=messages[-1].content or "", **kwargs):
             text += delta
@@ -165,8 +168,8 @@ class BlendLLM(EngineFields, CustomLLM):
                                raw={"usage": token_usage(stats), "ragblend": dict(stats.__dict__)},
                                additional_kwargs={"ragblend_stats": stats})
 
-    def _chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        *_, last = self._stream_chat(messages, **kwargs)
+    def _chat(self, messages: Sequence[ChatMessage], chat: bool = True, **kwargs: Any) -> ChatResponse:
+        *_, last = self._stream_chat(messages, chat, **kwargs)
         return last.model_copy(update={"delta": None})
 
     def _as_messages(self, prompt: str) -> list[ChatMessage]:
@@ -178,10 +181,10 @@ class BlendLLM(EngineFields, CustomLLM):
                                   additional_kwargs=response.additional_kwargs)
 
     def _complete(self, prompt: str, **kwargs: Any) -> CompletionResponse:
-        return self._as_completion(self._chat(self._as_messages(prompt), **kwargs))
+        return self._as_completion(self._chat(self._as_messages(prompt), False, **kwargs))
 
     def _stream_complete(self, prompt: str, **kwargs: Any) -> CompletionResponseGen:
-        for response in self._stream_chat(self._as_messages(prompt), **kwargs):
+        for response in self._stream_chat(self._as_messages(prompt), False, **kwargs):
             yield self._as_completion(response)
 
     # ------------------------------------------------------------------ conversations keep their turns

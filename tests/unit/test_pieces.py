@@ -9,7 +9,7 @@ import pytest
 from ragblend import Chunk, FullRecompute
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.options import EngineOptions
-from ragblend.core.prompt import ChunkSpan
+from ragblend.core.prompt import ChunkSpan, PromptLayout
 from ragblend.core.store import pieces
 from ragblend.core.store.pieces import FIRST_TURN_QUESTION_TOKENS, is_piece, piece_namespace, piece_runs
 from ragblend.core.store.tiers import MemoryStore
@@ -59,11 +59,9 @@ def test_a_turn_after_a_changed_front_reuses_the_earlier_turns(tokenizer):
     assert stats[2].reused_tokens > 0 and stats[2].prefix_tokens == 0   # the front changed: no prefix
 
 
-@pytest.mark.xfail(strict=True, reason="issue 60 follow-up: pieces are cut at control tokens (fidelity), so a "
-                   "question shorter than a piece between two turn markers is recomputed; not yet covered again")
 def test_short_questions_are_kept_with_their_answers(tokenizer):
     """A question shorter than a piece can be (16 tokens) is kept with its turn: by turn 3, no earlier
-    question is computed again."""
+    question is computed again; only the template's control tokens are (never reused)."""
     engine = pieces_engine(tokenizer)
     history, short = [], ["Who ran it?", "When?", "Why?"]
     for turn, question in enumerate(short):
@@ -78,8 +76,12 @@ def test_short_questions_are_kept_with_their_answers(tokenizer):
         covered[span.start:span.end] = [True] * (span.end - span.start)
     question = engine.runner.last_message_start(layout.token_ids)
     last_chunk = max(s.end for s in layout.chunk_spans if not is_piece(s))
-    assert sum(not c for c in covered[last_chunk:question]) <= 3   # the system message's end at most
-    assert out.stats.history_tokens >= question - last_chunk - 3
+    control = engine.prompts.text_encoder.control_ids
+    between = range(last_chunk, question)
+    computed = [i for i in between if not covered[i]]
+    assert sum(layout.token_ids[i] not in control for i in computed) <= 1   # the system message's end at most
+    assert not any(covered[i] for i in between if layout.token_ids[i] in control)   # never reused
+    assert out.stats.history_tokens >= len(between) - len(computed) > 2 * len(engine.prompts.tokenize("Who ran it?"))
 
 
 def test_a_chats_first_turn_keeps_its_turn(tokenizer):
@@ -103,6 +105,30 @@ def test_a_chats_first_turn_keeps_its_turn(tokenizer):
     assert len(stuffed.runner.piece_store) == 0
 
 
+def test_a_library_chats_first_turn_keeps_its_turn(tokenizer):
+    """BlendLLM's chat (LlamaIndex's chat engines) and BlendChatModel mark a first turn as a chat's
+    (PromptLayout.chat), as the server does, so its turn is kept; BlendLLM's completions (a query
+    engine's single-shot prompt) keep none."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from llama_index.core.llms import ChatMessage
+
+    from ragblend import BlendChatModel, BlendLLM
+
+    system = "Context:\n\n" + PASSAGES[0] + "\n\n" + PASSAGES[1]
+    engine = pieces_engine(tokenizer)
+    llm = BlendLLM(engine=engine, max_new_tokens=16)
+    llm.complete("Who ran it?")
+    engine.flush()
+    assert len(engine.runner.piece_store) == 0
+    llm.chat([ChatMessage(role="system", content=system), ChatMessage(role="user", content="Who ran it?")])
+    engine.flush()
+    assert len(engine.runner.piece_store) == 1
+    engine = pieces_engine(tokenizer)
+    BlendChatModel(engine=engine, max_tokens=16).invoke([SystemMessage(system), HumanMessage("Who ran it?")])
+    engine.flush()
+    assert len(engine.runner.piece_store) == 1
+
+
 @pytest.mark.parametrize("spans, history, expect", [
     # the turn from the gap before the question (too short to be a piece) through the answer; the system text
     ([ChunkSpan(30, 60, tuple(range(30)))], True, [list(range(10, 30)), list(range(60, 100))]),
@@ -123,15 +149,27 @@ def test_turn_runs(spans, history, expect, monkeypatch):
 
 
 
-def test_turn_runs_hold_no_control_token():
-    # A template's control tokens (turn markers) are recomputed, never kept in a piece: their K/V,
-    # computed with only the piece before them, strays most from the full prefill's (issue 60 follow-up).
+def test_turn_runs_keep_control_tokens_that_fusion_never_reuses():
+    # A turn is kept whole, control tokens (turn markers) and all, so a short question is kept with its
+    # answer; at fusion a piece's span is split around them: their K/V, computed with only the piece
+    # before them, strays most from the full prefill's, so they are computed in every prompt.
     ids = list(range(100))   # prompt 0-79 (opening 0-9, question from 62), answer 80-99
     control = frozenset({61, 78, 79})   # the user turn's opening, the question's end, the assistant's opening
-    runs = pieces.turn_runs(ids, [], question=62, prompt_tokens=80, start=10, history=True, control_ids=control,
-                            min_tokens=4)
-    assert runs == [list(range(10, 61)), list(range(62, 78)), list(range(80, 100))]
-    assert not any(t in control for run in runs for t in run)
+    runs = pieces.turn_runs(ids, [], question=62, prompt_tokens=80, start=10, history=True, min_tokens=4)
+    assert runs == [list(range(10, 62)), list(range(62, 100))]
+
+    class Finder:   # the turn found in the next prompt at position 200
+        MIN_RUN = 4
+
+        def find(self, token_ids, namespaces, start):
+            return [ChunkSpan(200, 238, tuple(runs[1]), 0, namespaces[0])]
+
+    layout = pieces.with_pieces(PromptLayout([0] * 200 + runs[1] + [0] * 10, []), Finder(), start=10, end=238,
+                                control_ids=control)
+    assert [(s.start, s.end, s.offset) for s in layout.chunk_spans] == [(200, 216, 0), (218, 238, 18)]
+    assert all(layout.token_ids[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start])
+               for s in layout.chunk_spans)
+
 
 def test_a_question_is_never_a_piece_so_a_repeat_is_fused_as_the_first_time(tokenizer):
     engine = pieces_engine(tokenizer)
@@ -194,13 +232,13 @@ def test_the_pieces_namespace_is_the_engines_own(tokenizer):
 
 
 @pytest.mark.parametrize("spans, expect", [
-    ([], [list(range(10, 30)), list(range(31, 60))]),
-    ([ChunkSpan(35, 50, tuple(range(15)))], [list(range(10, 30))]),   # 31-34 and 50-59: too short
+    ([], [list(range(10, 60))]),
+    ([ChunkSpan(35, 50, tuple(range(15)))], [list(range(10, 35))]),   # 50-59: too short
 ])
-def test_piece_runs_are_the_uncovered_text_between_control_tokens(spans, expect):
+def test_piece_runs_are_the_uncovered_text(spans, expect):
     ids = list(range(60))
-    assert piece_runs(ids, frozenset({30}), spans, start=10) == expect
-    assert piece_runs(ids, frozenset({30}), [], start=10, max_tokens=20) == [list(range(10, 30)), list(range(31, 51))]
+    assert piece_runs(ids, spans, start=10) == expect
+    assert piece_runs(ids, [], start=10, max_tokens=20) == [list(range(10, 30)), list(range(30, 50))]
 
 
 def test_through_the_server_another_tenant_never_reuses_a_conversations_pieces(tokenizer):
