@@ -8,9 +8,10 @@ is reported (fidelity on quantized weights is measured on real models: ``benchma
 Each shape runs in a process of its own (so that one shape's memory is not counted in the
 next's), which prints, in one run:
 
-* the file's size; ragblend's load time and resident memory (the process's RSS after loading
-  minus before, weights in their quantized form; and the peak), the chunks' precompute time
-  and the KV bytes stored per token (float16);
+* the file's size; ragblend's load time and resident memory: the whole process's RSS after the
+  load, and the engine's own (RSS after minus before, same process), split into transformers'
+  modeling code that the load imports, the weights held (quantized) and the rest (tokenizer,
+  buffers); the peak; the chunks' precompute time and the KV bytes stored per token (float16);
 * llama-cpp-python's load time and resident memory on the same file (mmap, its default);
 * TTFT of the ~3k-token 6-chunk benchmark prompt (``ragblend.data.load_sample``) with the chunks
   in a new order every round (prefix caches hit only the system prompt): ragblend's default
@@ -21,6 +22,7 @@ next's), which prints, in one run:
     python -m benchmarks.model_sizes --shapes qwen2.5-1.5b qwen2.5-3b --runs 2
     python -m benchmarks.model_sizes --shapes qwen2.5-7b --runs 1 --no-full-prefill
     python -m benchmarks.model_sizes --shapes qwen2.5-1.5b --runs 1 --fast-prefill   # both prefill plans
+    python -m benchmarks.model_sizes --shapes qwen2.5-7b --memory-only --tokens 8    # load + a short prompt
 """
 
 from __future__ import annotations
@@ -86,22 +88,13 @@ def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_pr
 def load_ragblend(path: str, tokens: int, result: dict):
     """``(engine, its peer with the sample's chunks precomputed, the sample)``; load time,
     resident memory and KV bytes into ``result``."""
-    from ragblend import BlendEngine, Chunk
+    from ragblend import Chunk
     from ragblend.core.store.kv_budget import bytes_per_token
     from ragblend.data import load_sample
 
     from .peers import RagblendPeer
 
-    before = rss_bytes()
-    t0 = time.perf_counter()
-    # No prompt-lookup drafts: random weights repeat themselves, which drafts would turn into a
-    # decoding speed real answers do not get (llama.cpp drafts nothing either).
-    engine = BlendEngine.from_pretrained(path, kv_dir=False, prompt_lookup_num_tokens=0)
-    result["load_s"] = time.perf_counter() - t0
-    result["ragblend_rss"] = rss_bytes() - before
-    from ragblend.core.model.quantized import quantized_bytes
-
-    result["weights_bytes"] = quantized_bytes(engine.hf_model)   # the rest of the RSS: tokenizer, code, buffers
+    engine, before = load_measured(path, result)
     sample = load_sample()
     t0 = time.perf_counter()
     ragblend = RagblendPeer(engine, sample["chunks"], tokens)
@@ -115,6 +108,47 @@ def load_ragblend(path: str, tokens: int, result: dict):
     result["long_pass"] = long_pass_plan(engine.hf_model)   # remembered on the model, or forced by the environment
     result["prefill"] = "fast plan" if fast_prefill(engine.hf_model)[0] else "float32"
     return engine, ragblend, sample
+
+
+def load_measured(path: str, result: dict):
+    """``(engine, the process's RSS before the load)``, with the load's time and memory in
+    ``result``: the whole process's RSS after it (interpreter, torch, the engine); the engine's
+    own (RSS after minus before, in this process), and of that transformers' modeling code, which
+    the load imports (imported first here, to be measured apart: code any transformers program
+    holds, not the model's), and the weights held (the rest: tokenizer, modules, buffers)."""
+    from ragblend import BlendEngine
+    from ragblend.core.model.quantized import quantized_bytes
+
+    before = rss_bytes()
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    result["library_rss"] = rss_bytes() - before
+    t0 = time.perf_counter()
+    # No prompt-lookup drafts: random weights repeat themselves, which drafts would turn into a
+    # decoding speed real answers do not get (llama.cpp drafts nothing either).
+    engine = BlendEngine.from_pretrained(path, kv_dir=False, prompt_lookup_num_tokens=0)
+    result["load_s"] = time.perf_counter() - t0
+    result["process_rss"] = rss_bytes()
+    result["ragblend_rss"] = result["process_rss"] - before
+    result["weights_bytes"] = quantized_bytes(engine.hf_model)
+    return engine, before
+
+
+def measure_memory(name: str, tokens: int) -> dict:
+    """One shape's memory alone (``--memory-only``): load, then a short prompt answered in
+    ``tokens`` tokens (its KV in memory); no llama.cpp, no timed rounds."""
+    import torch
+
+    path = str(write_random_gguf(name))
+    result = {"shape": name, "file_bytes": os.path.getsize(path), "threads": torch.get_num_threads()}
+    engine, before = load_measured(path, result)
+    t0 = time.perf_counter()
+    out = engine.generate(["Which city is the capital of France?"], max_new_tokens=tokens)
+    result["short_prompt_s"] = time.perf_counter() - t0
+    result["prompt_tokens"] = out.stats.prompt_tokens
+    result["ragblend_rss_with_kv"] = rss_bytes() - before
+    result["ragblend_peak"] = peak_rss_bytes()
+    return result
 
 
 def fast_prefill_engine(engine):
@@ -189,14 +223,49 @@ class FullPrefillPeer:
 
 
 def report(results: list[dict], tokens: int, runs: int) -> list[str]:
-    gb = 1e9
-    lines = ["Random weights in real shapes (Q4_0): answers are noise, so only time and memory are "
-             f"reported. TTFT: the ~3k-token 6-chunk prompt, chunks in a new order each round; decoding: "
-             f"{tokens} forced greedy tokens; medians of {runs} interleaved rounds after a warm-up.", "",
-             "| shape | file GB | ragblend load s | ragblend memory GB (x file) | llama.cpp memory GB | "
-             "KV KiB/token | precompute s | TTFT ragblend s | TTFT full prefill s | TTFT llama.cpp s | "
-             "TTFT llama.cpp / ragblend | decode ragblend tok/s | decode llama.cpp tok/s | decode ratio |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    timed = [r for r in results if "ttft_s" in r]
+    lines = memory_table(results)
+    if timed:
+        lines += ["", "Random weights in real shapes (Q4_0): answers are noise, so only time and memory are "
+                  f"reported. TTFT: the ~3k-token 6-chunk prompt, chunks in a new order each round; decoding: "
+                  f"{tokens} forced greedy tokens; medians of {runs} interleaved rounds after a warm-up.", ""]
+        lines += timing_table(timed)
+    lines += fast_plan_table([r for r in timed if "ragblend fast default" in r["ttft_s"]])
+    lines += ["", "Prompt tokens, peak memory and settings:", ""]
+    for r in results:
+        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend peak RSS "
+                     f"{r['ragblend_peak'] / 1e9:.2f} GB (whole process); {r['threads']} torch threads"
+                     + (f"; prefill matmuls {r.get('long_pass')}, default prefill {r.get('prefill')}" if r in timed
+                        else f"; a short prompt answered in {r['short_prompt_s']:.1f} s")
+                     + (f"; llama.cpp: {r['llama_skipped']}" if "llama_skipped" in r else
+                        f"; llama.cpp load {r['llama_load_s']:.1f} s" if "llama_load_s" in r else ""))
+    return lines
+
+
+def memory_table(results: list[dict]) -> list[str]:
+    """Resident memory after the load, whole and in parts (see :func:`load_measured`), each x the file."""
+    def gb(value, file_bytes):
+        return "-" if value is None else f"{value / 1e9:.2f} ({value / file_bytes:.2f}x)"
+
+    lines = ["Resident memory after the load (RSS, GB, and x the file): the whole process; the engine's own "
+             "(RSS after the load minus before it, same process); of that, transformers' modeling code the load "
+             "imports; the engine without that code; the weights held. Then the engine's own with the KV of the "
+             "prompts it ran in memory, and llama.cpp's RSS growth on the same file (mmap).", "",
+             "| shape | file GB | whole process | engine's own | transformers' code | engine without it | "
+             "weights held | engine with KV | llama.cpp |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        size = r["file_bytes"]
+        lines.append(f"| {r['shape']} | {size / 1e9:.2f} | {gb(r['process_rss'], size)} | {gb(r['ragblend_rss'], size)} | "
+                     f"{r['library_rss'] / 1e9:.2f} | {gb(r['ragblend_rss'] - r['library_rss'], size)} | "
+                     f"{gb(r['weights_bytes'], size)} | {gb(r['ragblend_rss_with_kv'], size)} | "
+                     f"{gb(r.get('llama_rss'), size)} |")
+    return lines
+
+
+def timing_table(results: list[dict]) -> list[str]:
+    lines = ["| shape | file GB | ragblend load s | KV KiB/token | precompute s | TTFT ragblend s | TTFT full prefill s | "
+             "TTFT llama.cpp s | TTFT llama.cpp / ragblend | decode ragblend tok/s | decode llama.cpp tok/s | "
+             "decode ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         ttft, tps = r["ttft_s"], r["decode_tps"]
         fused, full, llama = (ttft.get(k) for k in ("ragblend default", "ragblend full prefill", "llama-cpp-python"))
@@ -206,16 +275,19 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
             return "-" if value is None else format(value, spec)
 
         lines.append(
-            f"| {r['shape']} | {r['file_bytes'] / gb:.2f} | {r['load_s']:.1f} | {r['ragblend_rss'] / gb:.2f} "
-            f"({r['ragblend_rss'] / r['file_bytes']:.2f}x) | {fmt(r.get('llama_rss') and r['llama_rss'] / gb)} | "
-            f"{r['kv_bytes_per_token'] / 1024:.0f} | {r['precompute_s']:.1f} | {fmt(fused)} | {fmt(full)} | "
-            f"{fmt(llama)} | {fmt(llama and fused and llama / fused, '.1f')}x | {fmt(r_tps, '.1f')} | "
-            f"{fmt(l_tps, '.1f')} | {fmt(l_tps and r_tps / l_tps)}x |")
-    fast = [r for r in results if "ragblend fast default" in r["ttft_s"]]
-    if fast:
-        lines += ["", "The fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast) on the same weights, in the same rounds:",
-                  "", "| shape | plan | precompute s | TTFT fused s | TTFT full prefill s | TTFT llama.cpp / fused | "
-                  "llama.cpp / full prefill |", "|---|---|---:|---:|---:|---:|---:|"]
+            f"| {r['shape']} | {r['file_bytes'] / 1e9:.2f} | {r['load_s']:.1f} | {r['kv_bytes_per_token'] / 1024:.0f} | "
+            f"{r['precompute_s']:.1f} | {fmt(fused)} | {fmt(full)} | {fmt(llama)} | "
+            f"{fmt(llama and fused and llama / fused, '.1f')}x | {fmt(r_tps, '.1f')} | {fmt(l_tps, '.1f')} | "
+            f"{fmt(l_tps and r_tps / l_tps)}x |")
+    return lines
+
+
+def fast_plan_table(fast: list[dict]) -> list[str]:
+    if not fast:
+        return []
+    lines = ["", "The fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast) on the same weights, in the same rounds:",
+             "", "| shape | plan | precompute s | TTFT fused s | TTFT full prefill s | TTFT llama.cpp / fused | "
+             "llama.cpp / full prefill |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in fast:
         ttft = r["ttft_s"]
         fused, full, llama = (ttft.get(k) for k in ("ragblend fast default", "ragblend fast full prefill",
@@ -224,16 +296,6 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
                      f"{'-' if full is None else format(full, '.2f')} | "
                      f"{'-' if llama is None else format(llama / fused, '.1f')}x | "
                      f"{'-' if llama is None or full is None else format(llama / full, '.2f')}x |")
-    lines += ["", "Prompt tokens, peak memory and settings:", ""]
-    for r in results:
-        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend weights held "
-                     f"{r['weights_bytes'] / gb:.3f} GB ({r['weights_bytes'] / r['file_bytes']:.2f}x the file) of its "
-                     f"{r['ragblend_rss'] / gb:.3f} GB after load; ragblend peak RSS "
-                     f"{r['ragblend_peak'] / gb:.2f} GB (whole process), {r['ragblend_rss_with_kv'] / gb:.2f} GB "
-                     f"with the chunks' KV in memory; {r['threads']} torch threads; prefill matmuls "
-                     f"{r.get('long_pass')}, default prefill {r.get('prefill')}"
-                     + (f"; llama.cpp: {r['llama_skipped']}" if "llama_skipped" in r else
-                        f"; llama.cpp load {r['llama_load_s']:.1f} s"))
     return lines
 
 
@@ -245,19 +307,22 @@ def main(argv=None) -> None:
     parser.add_argument("--no-full-prefill", action="store_true", help="skip ragblend's full prefill (the 7B's is minutes)")
     parser.add_argument("--fast-prefill", action="store_true",
                         help="also time a second engine on the fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only load each shape and answer a short prompt: memory, no llama.cpp, no TTFT")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # the per-shape child process
     parser.add_argument("--out", default=RUNS_DIR)
     args = parser.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill,
-                                                   args.fast_prefill)))
+        result = measure_memory(args.one, args.tokens) if args.memory_only else \
+            measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill, args.fast_prefill)
+        print("RESULT " + json.dumps(result))
         return
     started, results = time.perf_counter(), []
     for shape in args.shapes:
         write_random_gguf(shape)
         child = [sys.executable, "-m", "benchmarks.model_sizes", "--one", shape, "--runs", str(args.runs),
                  "--tokens", str(args.tokens)] + (["--no-full-prefill"] if args.no_full_prefill else []) \
-            + (["--fast-prefill"] if args.fast_prefill else [])
+            + (["--fast-prefill"] if args.fast_prefill else []) + (["--memory-only"] if args.memory_only else [])
         out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
         results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     lines = report(results, args.tokens, args.runs)

@@ -476,3 +476,19 @@ def test_chunk_heads_within_the_budget_give_every_chunk_its_floor(sizes, offsets
         assert selected[span.start:span.start + owed].all()
         heads = min(max(0, head - span.offset), span.num_tokens)
         assert on_top[span.start:span.start + heads].all()
+
+
+def test_the_model_sizes_report_gives_the_whole_process_beside_the_engines_own_memory():
+    """Issue 55's memory is judged on the engine's own RSS; the whole process's is never hidden."""
+    from benchmarks.model_sizes import report
+
+    gb = 10 ** 9
+    memory_only = {"shape": "qwen2.5-1.5b", "file_bytes": 1 * gb, "threads": 2, "process_rss": 2 * gb,
+                   "ragblend_rss": int(1.5 * gb), "library_rss": int(0.25 * gb), "weights_bytes": int(1.1 * gb),
+                   "ragblend_rss_with_kv": int(1.6 * gb), "ragblend_peak": 3 * gb, "prompt_tokens": 37,
+                   "short_prompt_s": 2.0, "load_s": 9.0}
+    lines = report([memory_only], tokens=8, runs=1)
+    row = next(line for line in lines if line.startswith("| qwen2.5-1.5b"))
+    assert row == ("| qwen2.5-1.5b | 1.00 | 2.00 (2.00x) | 1.50 (1.50x) | 0.25 | 1.25 (1.25x) | 1.10 (1.10x) | "
+                   "1.60 (1.60x) | - |")
+    assert not any("TTFT" in line for line in lines)   # --memory-only: no timed rounds to report

@@ -389,7 +389,8 @@ def _four_bit_blocks(type_name: str, rows: int, cols: int) -> np.ndarray:
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
 def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
     """The prefill's weights are the file's (gguf's reference dequantizer) to float32 rounding, not
-    the decoding kernel's bfloat16-rounded scales; Q4_0/Q4_1's exact scales cost float16 only."""
+    the decoding kernel's bfloat16-rounded scales; held in a byte a group (Q4_0), float16 pairs (Q4_1)
+    or the file's 16 bytes a block (Q4_K)."""
     from gguf import GGMLQuantizationType, dequantize
 
     from ragblend.core.model.quantized import four_bit_groups, unpack_int4
@@ -397,7 +398,8 @@ def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
     rows, cols = 128, 512
     raw = _four_bit_blocks(type_name, rows, cols)
     reference = torch.from_numpy(dequantize(raw.reshape(rows, -1), GGMLQuantizationType[type_name]).reshape(rows, cols))
-    layer = QuantLinear.int4(*four_bit_groups(raw, type_name), source_type=type_name)
+    heads = raw[..., :16] if type_name == "Q4_K" else None   # as the loader passes them
+    layer = QuantLinear.int4(*four_bit_groups(raw, type_name), source_type=type_name, q4_k_heads=heads)
     ours = layer.dequantize().clone()
     ulp = 2 ** -23 * reference.abs().max()
     assert (ours - reference).abs().max() <= 4 * ulp
@@ -407,9 +409,28 @@ def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
     codes = unpack_int4(layer.packed, rows, cols, 0, rows).float()
     kernel_form = codes * sz[..., 0].T.repeat_interleave(32, 1) + (sz[..., 1] - 8 * sz[..., 0]).T.repeat_interleave(32, 1)
     assert (kernel_form - reference).abs().max() > 1000 * ulp
-    assert layer.exact_scales.dtype == (torch.float32 if type_name == "Q4_K" else torch.float16)
+    held = {name: b.dtype for name, b in layer.named_buffers() if name not in ("packed", "scales_and_zeros")}
+    assert held == {"Q4_0": {"scale_residuals": torch.int8}, "Q4_1": {"exact_scales": torch.float16},
+                    "Q4_K": {"q4_k_heads": torch.uint8}}[type_name]
+    _, scales, low = four_bit_groups(raw, type_name)   # the file's own scales and minimums, bit for bit
+    groups = codes.reshape(rows, -1, 32)
+    assert torch.equal(ours, torch.addcmul(low[..., None], groups, scales[..., None]).reshape(rows, cols))
     x = torch.randn(80, cols)   # a long pass (more rows than the kernel's) multiplies the file's weights
     torch.testing.assert_close(layer(x), x @ reference.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_q4_0_scale_is_held_as_a_byte_beside_the_kernels_and_read_back_bit_for_bit():
+    """Every finite float16 scale (subnormals, negatives, zero, the largest) comes back exactly
+    from its bfloat16 rounding and a residual of -4..4: what lets Q4_0 drop its stored copy."""
+    from ragblend.core.model.quantized import exact_from_residuals, scale_residuals
+
+    halves = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    scales = halves[torch.isfinite(halves)].float().reshape(-1, 32)
+    kernel = scales.to(torch.bfloat16)
+    residuals = scale_residuals(scales, kernel)
+    assert residuals.dtype == torch.int8 and residuals.abs().max() == 4
+    assert torch.equal(exact_from_residuals(kernel, residuals).view(torch.int32), scales.view(torch.int32))
+    assert torch.equal(exact_from_residuals(kernel.T, residuals.T).view(torch.int32), scales.T.view(torch.int32))
 
 
 def test_a_long_pass_and_a_lookup_read_q5_0_and_q8_0_weights_exactly_from_the_file(models):

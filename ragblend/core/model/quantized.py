@@ -6,8 +6,9 @@ Each weight is held in one form, the nearest PyTorch's CPU kernels read:
 * Q4_0, Q4_1, Q4_K: the file's own 4-bit codes in groups of 32 (Q4_K's 6-bit sub-block scales
   and minimums multiplied out per group), packed for ``aten._weight_int4pack_mm_for_cpu``, with
   bfloat16 scales and zeros (the kernel's, for decoding) and the file's own scales and minimums
-  (float16 for Q4_0/Q4_1, float32 for Q4_K's products): what a longer pass dequantizes with, so
-  its weights are the file's to float32 rounding. ~0.75 bytes a weight (Q4_K ~0.88).
+  (Q4_0's float16 scale as a byte a group beside the kernel's: :func:`scale_residuals`; Q4_1's
+  in float16; Q4_K's blocks' own 16 bytes of scales): what a longer pass dequantizes with, so its
+  weights are the file's to float32 rounding. ~0.66 bytes a weight (Q4_1 0.75, Q4_K 0.69).
 * Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: 8-bit codes, one scale per output row (the nearest 8-bit form:
   the rounding is a fraction of the file's own step), for ``aten._weight_int8pack_mm``: ~1 byte.
   Those rows round the file's weights again, so for Q5_0 and Q8_0 a longer pass, an embedding
@@ -81,17 +82,27 @@ def four_bit_groups(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, torch.
         scales = _f16(raw, 0)
         low = -8 * scales if type_name == "Q4_0" else _f16(raw, 2)
         return codes.reshape(rows, -1), torch.from_numpy(scales), torch.from_numpy(low)
-    # Q4_K: 256 weights = 8 groups of 32, each with a 6-bit scale and minimum multiplying the
-    # block's float16 d and dmin (ggml's get_scale_min_k4); codes 64 at a time, low nibbles first.
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
-    s = raw[..., 4:16].astype(np.int32)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    # Q4_K: codes 64 at a time, low nibbles first, after each block's 16 bytes of scales.
     qs = raw[..., 16:144].reshape(rows, -1, 4, 1, 32)
     codes = np.concatenate([qs & 15, qs >> 4], axis=3)               # [rows, blocks, 4, 2, 32]
+    return (codes.reshape(rows, -1), *q4_k_scales(raw[..., :Q4_K_HEAD]))
+
+
+Q4_K_HEAD = 16   # bytes of scales at the start of a Q4_K block: float16 d and dmin, 8 x 6-bit scales and minimums
+
+
+def q4_k_scales(heads: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``(scales, minimums) [rows, blocks * 8]`` of Q4_K blocks' first 16 bytes ``heads
+    [rows, blocks, 16]``: 256 weights = 8 groups of 32, each with a 6-bit scale and minimum
+    multiplying the block's float16 d and dmin (ggml's get_scale_min_k4; the products are exact)."""
+    rows = heads.shape[0]
+    d, dmin = _f16(heads, 0), _f16(heads, 2)
+    s = heads[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
     scales = (d[..., None] * sc.astype(np.float32)).reshape(rows, -1)
     low = -(dmin[..., None] * mn.astype(np.float32)).reshape(rows, -1)
-    return codes.reshape(rows, -1), torch.from_numpy(scales), torch.from_numpy(low)
+    return torch.from_numpy(scales), torch.from_numpy(low)
 
 
 def pack_int4(codes: np.ndarray) -> torch.Tensor:
@@ -227,8 +238,9 @@ class QuantLinear(torch.nn.Module):
             return cls(rows, cols, "float", {"weight": weight}, bias, name)
         if name in FOUR_BIT and int4_packable(rows, cols):
             per_block = 32 if name != "Q4_K" else 256
-            codes, scales, low = four_bit_groups(np.asarray(raw).reshape(rows, cols // per_block, -1), name)
-            return cls.int4(codes, scales, low, bias, name)
+            blocks = np.asarray(raw).reshape(rows, cols // per_block, -1)
+            heads = blocks[..., :Q4_K_HEAD] if name == "Q4_K" else None
+            return cls.int4(*four_bit_groups(blocks, name), bias, name, q4_k_heads=heads)
         if name in FOUR_BIT or name in EIGHT_BIT:
             codes, row_scales = [], []
             step = max(1, SCRATCH_WEIGHTS // cols)
@@ -247,20 +259,42 @@ class QuantLinear(torch.nn.Module):
         return cls(rows, cols, "float", {"weight": weight.reshape(rows, cols).clone()}, bias, name)
 
     @classmethod
-    def int4(cls, codes: np.ndarray, scales: torch.Tensor, low: torch.Tensor, bias=None, source_type="") -> "QuantLinear":
+    def int4(cls, codes: np.ndarray, scales: torch.Tensor, low: torch.Tensor, bias=None, source_type="",
+             q4_k_heads: np.ndarray | None = None) -> "QuantLinear":
         rows, cols = codes.shape
         packed = pack_int4(codes)
         # The kernel computes (code - 8) * scale + zero, so zero = minimum + 8 * scale.
         scales_and_zeros = torch.stack([scales.T, (low + 8 * scales).T], dim=-1).to(torch.bfloat16).contiguous()
+        tensors = {"packed": packed, "scales_and_zeros": scales_and_zeros}
         # The kernel's bfloat16 scales round the file's (float16, or Q4_K's float32 products) to 8
         # bits: enough for a decoding step, but a prefill on them parted from the float32 file's
         # answers (docs/benchmarks.md). The dequantized long pass reads the file's own scales and
-        # minimums, in float16 where that holds them exactly (Q4_0, Q4_1: +0.125 bytes a weight).
-        exact_scales = torch.stack([scales, low], dim=-1)
-        if torch.equal(exact_scales.half().float(), exact_scales):
-            exact_scales = exact_scales.half()
-        return cls(rows, cols, "int4", {"packed": packed, "scales_and_zeros": scales_and_zeros,
-                                        "exact_scales": exact_scales.contiguous()}, bias, source_type)
+        # minimums: for Q4_0 (minimum = -8 x scale) the float16 scale as its distance from the
+        # kernel's, +1 byte a group; for Q4_K the file's 16 bytes of scales a block (their products
+        # would take 8 bytes a group in float32); else both, in float16 where that holds them (Q4_1).
+        if q4_k_heads is not None:
+            tensors["q4_k_heads"] = torch.from_numpy(np.ascontiguousarray(q4_k_heads))
+        elif torch.equal(low, -8 * scales) and torch.equal(scales.half().float(), scales):
+            tensors["scale_residuals"] = scale_residuals(scales, scales_and_zeros[..., 0].T)
+        else:
+            exact_scales = torch.stack([scales, low], dim=-1)
+            if torch.equal(exact_scales.half().float(), exact_scales):
+                exact_scales = exact_scales.half()
+            tensors["exact_scales"] = exact_scales.contiguous()
+        return cls(rows, cols, "int4", tensors, bias, source_type)
+
+    def file_scales(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(scales, minimums)``, each ``[stop - start, groups]``: the file's of each group of
+        rows ``start:stop``, bit for bit (what :meth:`dequantize` multiplies the 4-bit codes by)."""
+        heads = getattr(self, "q4_k_heads", None)
+        if heads is not None:
+            return q4_k_scales(heads[start:stop].numpy())
+        residuals = getattr(self, "scale_residuals", None)
+        if residuals is None:
+            exact = self.exact_scales[start:stop].float()
+            return exact[..., 0], exact[..., 1]
+        scales = exact_from_residuals(self.scales_and_zeros[:, start:stop, 0].T, residuals[start:stop])
+        return scales, -8 * scales
 
     # -- computing
 
@@ -328,10 +362,30 @@ class QuantLinear(torch.nn.Module):
         halves = out.view(count // 64, 2, 32, self.in_features)
         halves[:, 0].copy_((blocks & 15).transpose(1, 2))
         halves[:, 1].copy_((blocks >> 4).transpose(1, 2))
-        exact = self.exact_scales[start:stop].float()   # [rows, groups, 2]: the file's scales and minimums
+        scales, minimums = self.file_scales(start, stop)   # [rows, groups] each
         groups = out.view(count, -1, GROUP)
-        torch.addcmul(exact[..., 1:], groups, exact[..., :1], out=groups)   # code * scale + minimum, as gguf's
+        torch.addcmul(minimums[..., None], groups, scales[..., None], out=groups)   # code * scale + minimum, as gguf's
         return out
+
+
+# A float16 value in float32 leaves the low 13 bits of the mantissa zero, and rounding it to
+# bfloat16 (the kernel's scale) moves it by at most half a bfloat16 step, 2^15 in float32 bits:
+# so the float16 scale is the bfloat16 one plus a small multiple (-4..4) of 2^13 in its bits.
+RESIDUAL_SHIFT = 13
+
+
+def scale_residuals(scales: torch.Tensor, kernel_scales: torch.Tensor) -> torch.Tensor:
+    """int8, in the shape of ``scales``: how far each float16-exact float32 scale lies from its
+    bfloat16 rounding ``kernel_scales``, in units of 2^13 of their float32 bits (same sign, so the
+    difference of their bit patterns is that of their magnitudes)."""
+    difference = scales.contiguous().view(torch.int32) - kernel_scales.float().contiguous().view(torch.int32)
+    return (difference >> RESIDUAL_SHIFT).to(torch.int8).contiguous()
+
+
+def exact_from_residuals(kernel_scales: torch.Tensor, residuals: torch.Tensor) -> torch.Tensor:
+    """The float32 scales :func:`scale_residuals` took apart, bit for bit, contiguous."""
+    bits = torch.empty(residuals.shape, dtype=torch.float32).copy_(kernel_scales).view(torch.int32)
+    return bits.add_(residuals, alpha=1 << RESIDUAL_SHIFT).view(torch.float32)
 
 
 def int4_packable(rows: int, cols: int) -> bool:
