@@ -15,6 +15,8 @@ import re
 import uuid
 from typing import Sequence
 
+from jinja2 import TemplateError
+
 from .errors import InvalidInputError
 from .text_encoder import check_text, split_flag_lock
 
@@ -117,7 +119,14 @@ class ChatTemplateMixin:
 
     def _render(self, turns, contents, add_generation_prompt: bool) -> str:
         messages = [{"role": role, "content": content} for (role, _), content in zip(turns, contents)]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except TemplateError as err:   # the template's own rule (e.g. Gemma's: roles alternate, system first)
+            roles = ", ".join(role for role, _ in turns)
+            raise InvalidInputError(f"The model's chat template refused these turns ({roles}): {err}. Send them "
+                                    "as the template expects (for most: one system message first, then user and "
+                                    "assistant turns in turn).") from err
 
     def _chat_pieces(self, turns: list[tuple[str, str | None]], *, add_generation_prompt: bool) -> list:
         """The rendered chat as pieces: ``(text, True)`` for the template's own text,

@@ -300,8 +300,9 @@ def _pieces(text: str) -> list[str]:
 
 @dataclass
 class ChatPrompt:
-    """A chat request's messages, checked: system and developer messages are the system
-    prompt, earlier turns the history, the last user message the segments."""
+    """A chat request's messages, checked: a first system or developer message is the system
+    prompt (an empty one too: the template's default prompt is not put in its place), the other
+    messages before the last, in their order, the history, the last user message the segments."""
 
     system: str | None
     history: list[tuple[str, str]]
@@ -319,7 +320,7 @@ class ChatPrompt:
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
                            param="messages")
-        system, history, last, parts, chars, unmarked, question, turns = [], [], None, 0, 0, [], [], []
+        system, history, last, parts, chars, unmarked, question, turns = None, [], None, 0, 0, [], [], []
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
@@ -341,13 +342,13 @@ class ChatPrompt:
             plain = [text] if text is not None else [s for s in segments if isinstance(s, str)]
             chars += len(_joined(text, segments))
             limit.check(chars, "The messages", "messages")
-            if role in ("system", "developer"):
-                system.append(_joined(text, segments))
+            if role in ("system", "developer") and i == 0:
+                system = _joined(text, segments)   # "" stays an (empty) system prompt: no template default
             elif i == len(messages) - 1 and role == "user":
                 last, question = (text, segments), plain
                 continue
-            else:
-                history.append((role, _joined(text, segments)))
+            else:   # in order, as apply_chat_template renders them; OpenAI's developer role is a system one
+                history.append(("system" if role == "developer" else role, _joined(text, segments)))
                 turns += plain
             unmarked += plain
         if last is None:
@@ -355,7 +356,7 @@ class ChatPrompt:
                                 "{\"role\": \"user\", \"content\": ...} message (this server answers a user "
                                 "turn; it does not continue an assistant's or answer a system message alone).",
                            param="messages")
-        return cls("\n\n".join(system) or None, history, *last, unmarked, question, turns)
+        return cls(system, history, *last, unmarked, question, turns)
 
     def passages(self, history: bool = True) -> list[str]:
         """The passages of the messages' unmarked text but the question's (see :func:`passages`);

@@ -182,3 +182,17 @@ def test_a_template_that_writes_the_date_is_templated_again_on_every_prompt(toke
         for namespace in ("a", "a", "b"):
             plain.build(["When does it leave?"], namespace=namespace)
     assert build.call_count == 2   # a's repeat remembered, b's laid out again
+
+
+def test_a_template_that_refuses_the_turns_is_a_clear_error(tokenizer):
+    """Gemma's template, for one, raises on a system message after the first: that is the caller's
+    input to mend (the server answers 400), not a crash."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+                            "{{ raise_exception('System role only first') }}{% endif %}"
+                            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    builder = PromptBuilder(strict)
+    with pytest.raises(InvalidInputError, match=r"refused these turns \(user, assistant, system, user\)"):
+        builder.template_parts(None, [("user", "Hi"), ("assistant", "Hello."), ("system", "In French.")])
+    assert builder.template_parts("Be brief.", [("user", "Hi")])   # a first system message is fine

@@ -97,6 +97,20 @@ def test_a_chat_keeps_every_passage_but_its_question(engine):
 
 
 
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": ""}, {"role": "user", "content": "Hi"}],   # empty: no template default
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+     {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Who?"}],   # in its place
+    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+])
+def test_a_chat_is_laid_out_as_its_template_renders_its_messages_in_order(engine, messages):
+    """What the model reads is what the client sent: apply_chat_template's rendering of the messages
+    in their order (chat_ids), not the system messages gathered at the front."""
+    layout = ChatPrompt.parse(messages, TextLimit(engine)).layout(engine, find_chunks=False)
+    ordered = [{**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages]
+    assert layout.token_ids == engine.prompts.chat_ids(ordered)
+
+
 def test_a_bad_message_is_refused_naming_the_field_and_what_to_do(engine):
     for content, field in (("caf\udce9", "messages[1].content"),
                            ([{"type": "text", "text": "ok"}, {"type": "text", "text": "caf\udce9"}],
