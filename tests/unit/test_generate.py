@@ -298,3 +298,15 @@ def test_a_stream_left_half_read_leaves_inference_mode_as_it_found_it(tiny_engin
     assert answer.text is not None
     stream.close()
     assert not torch.is_inference_mode_enabled()
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it(tokenizer):
+    """max_new_tokens reached after the first bytes of an emoji: those bytes would decode to U+FFFD
+    and never complete, so the answer ends before them, streamed or not."""
+    ids = tokenizer.encode("Ship \U0001F6A2", add_special_tokens=False)   # the emoji is several byte tokens
+    cut = next(i for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("\ufffd")) + 2
+    logits = [torch.nn.functional.one_hot(torch.tensor(t), len(tokenizer)).float() * 10 for t in ids[:cut]]
+    decoding = Decoding(None, tokenizer, logits[0], 4, SamplingParams(max_new_tokens=cut), frozenset(), 1 << 16)
+    streamed = "".join(decoding.take(row) for row in logits) + decoding.rest()
+    assert decoding.finish_reason == "length"
+    assert decoding.text == streamed == "Ship "

@@ -440,6 +440,8 @@ class Decoding:
         position = self.prompt_len + len(self.token_ids) - 1
         if len(self.token_ids) >= params.max_new_tokens or position + 1 >= self.context_window:
             self.finish_reason = "length"
+            # the limit fell inside a character: its first bytes decode to U+FFFD and never complete
+            self.text = self.text[:max(self.emitted, len(self.text.rstrip("\ufffd")))]
         elif self.lookup is not None:
             self.lookup.append(token)
         return delta
