@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import sys
 
 from ragblend.core.errors import InvalidInputError, StoreUnavailableError
@@ -172,9 +174,14 @@ def _fill(args) -> int:
 
 def _clear(args) -> int:
     """Empty the store; a store too broken to open has its own files removed instead."""
+    folder = _store_folder(args)
+    with _no_fill_running(folder):
+        return _clear_store(args, folder)
+
+
+def _clear_store(args, folder) -> int:
     from ragblend.core.store.tiers import DiskStore
 
-    folder = _store_folder(args)
     try:
         store = _disk_store(args)
     except StoreUnavailableError as err:
@@ -186,6 +193,39 @@ def _clear(args) -> int:
         return 0
     print(f"Removed {store.clear()} entries.")
     return 0
+
+
+@contextlib.contextmanager
+def _no_fill_running(folder):
+    """Hold the fill lock of the index whose KV ``folder`` is (``INDEX/kv``) while the body runs,
+    or refuse: a fill running meanwhile would go on writing into the emptied store (and its
+    memory tier would count entries that are gone)."""
+    from ragblend.integrations.kv_fill import FILL_LOCK_FILE, KVFillBusyError, fill_lock
+
+    index = folder.parent
+    with contextlib.ExitStack() as held:
+        if (index / FILL_LOCK_FILE).is_file():   # else no fill ever ran there (e.g. an engine's kv_dir)
+            try:
+                held.enter_context(fill_lock(index))
+            except OSError:   # the lock file cannot be opened (a read-only index): the lock cannot tell
+                pass
+            except KVFillBusyError:
+                pid = _lock_holder(index / FILL_LOCK_FILE)
+                stats = f"ragblend cache stats --index {shlex.quote(str(index))}"
+                raise KVFillBusyError(
+                    f"the KV store in {folder} was not cleared: process {pid} is computing the KV of the index at "
+                    f"{index} (a `ragblend ingest --kv background` or `ragblend cache fill`). Wait for it to finish "
+                    f"(log: {index / 'kv-fill.log'}; `{stats}` shows the coverage) or stop it "
+                    f"(`kill {pid}`; what it stored stays), then clear again.") from None
+        yield
+
+
+def _lock_holder(path) -> str:
+    """The pid a fill lock's holder wrote into it ("unknown" if unreadable)."""
+    try:
+        return path.read_text(encoding="ascii", errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def add_parser(sub) -> None:

@@ -145,7 +145,7 @@ def missing_kv(collection, engine, tried: set[str]) -> tuple[list, list]:
     """What is left to do, derived afresh from the index and the store (so a fill stopped any
     way resumes where it stopped): ``(node id, key, document)`` of the chunks without their own
     entry, and of those with it but without their lead entry; keys in ``tried`` left out."""
-    stored = set(engine.store.keys())
+    stored = lasting_keys(engine.store)
     own, lead_only = [], []
     for node_id, key, doc in scan_index(collection):
         if not key or key in tried:
@@ -155,6 +155,22 @@ def missing_kv(collection, engine, tried: set[str]) -> tuple[list, list]:
         elif not engine.entries_stored(key, stored):
             lead_only.append((node_id, key, doc))
     return own, lead_only
+
+
+def lasting_keys(store) -> set[str]:
+    """The keys ``store`` holds beyond this process: its disk tier's, when it has one. The memory
+    tier's copies of entries another process removed from disk (`ragblend cache clear`, its
+    eviction) are dropped, so that a fill computes and stores them again instead of counting them."""
+    disk = getattr(store, "disk", None)
+    if disk is None:
+        return set(store.keys())
+    faults = disk.faults
+    on_disk = set(disk.keys())
+    if disk.faults != faults:   # the listing failed (logged): the memory tier is all there is to go by
+        return on_disk | set(store.memory.keys())
+    for key in set(store.memory.keys()) - on_disk:
+        store.memory.delete(key)
+    return on_disk
 
 
 def store_room(store, own_pending: int) -> int:
@@ -232,8 +248,10 @@ class KVFiller:
     # ------------------------------------------------------------------ state
 
     def coverage(self) -> KVCoverage:
-        """Chunks stored (by their own entry), and how many of those lack their lead entry."""
-        return coverage_of(self.index.collection, self.engine.store.keys(), self.engine.lead_key)
+        """Chunks stored (by their own entry), and how many of those lack their lead entry. With a
+        disk tier, what is on disk: another process may have removed entries (``ragblend cache
+        clear``, eviction) that this process's memory tier still holds."""
+        return coverage_of(self.index.collection, lasting_keys(self.engine.store), self.engine.lead_key)
 
     @property
     def running(self) -> bool:

@@ -100,12 +100,56 @@ def test_an_empty_folder_becomes_a_store_but_a_folder_with_other_files_does_not(
     assert snapshot(notes) == {"todo.txt": b"mine"}
 
 
+@pytest.mark.parametrize("hidden", [[".gitkeep"], [".DS_Store", ".gitkeep"]])
+def test_a_new_folder_with_only_hidden_files_becomes_a_store_and_keeps_them(tmp_path, capsys, hidden):
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    for name in hidden:
+        (folder / name).write_bytes(b"the user's")
+    store = open_store(folder, SPEC)   # an engine's store: with its disk tier, not memory-only
+    assert store.put(synthetic_entry(1)) and (folder / MARKER).is_file()
+    store.disk.close()
+    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0
+    assert "disk tier:   1 entries" in capsys.readouterr().out
+    assert main(["cache", "clear", "--kv-dir", str(folder)]) == 0
+    assert all((folder / name).read_bytes() == b"the user's" for name in hidden)
+
+
+def test_a_hidden_folder_or_link_still_makes_a_folder_not_ours(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    with pytest.raises(NotAStoreError, match="'.git'"):
+        DiskStore(repo, SPEC)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / ".profile").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(NotAStoreError, match="'.profile'"):
+        DiskStore(linked, SPEC)
+    assert sorted(p.name for p in repo.iterdir()) == [".git"] and [p.name for p in linked.iterdir()] == [".profile"]
+
+
 def test_a_marker_of_another_format_is_refused(tmp_path):
     folder = tmp_path / "kv"
     folder.mkdir()
     (folder / MARKER).write_text('{"format": "something-else"}')
     with pytest.raises(NotAStoreError, match="not ragblend's"):
         DiskStore(folder, SPEC)
+
+
+@pytest.mark.parametrize("content, says", [
+    ("", "that is empty"),
+    ("{not json", "that is not JSON"),
+    ('["ragblend-kv-store"]', 'names no format (ragblend\'s names "format": "ragblend-kv-store")'),
+    ('{"format": "something-else"}', 'whose format is "something-else", not "ragblend-kv-store"'),
+])
+def test_a_bad_marker_is_refused_saying_what_is_wrong_and_what_to_do(tmp_path, capsys, content, says):
+    folder = tmp_path / "kv"
+    folder.mkdir()
+    (folder / MARKER).write_text(content)
+    with pytest.raises(NotAStoreError) as caught:
+        DiskStore(folder, SPEC)
+    assert says in str(caught.value) and f"delete its {MARKER}" in str(caught.value)
+    assert snapshot(folder) == {MARKER: content.encode()}
 
 
 def test_clear_deletes_nothing_in_a_broken_folder_without_the_marker(tmp_path, capsys):

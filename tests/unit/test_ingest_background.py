@@ -3,8 +3,12 @@ computes the missing KV (now, in a background thread, or later), resumably, rece
 retrieved documents first, pausing for queries; coverage in the library and in
 `ragblend cache stats`. Real Chroma on disk, the real embedding model, a tiny random LLM."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 pytest.importorskip("llama_index.core")
 pytest.importorskip("chromadb")
 
+import ragblend  # noqa: E402
 from ragblend.cli import main  # noqa: E402
 from ragblend.core.errors import InvalidInputError  # noqa: E402
 from ragblend.core.store.tiers import DiskStore, EntrySpec, MemoryStore, open_store  # noqa: E402
@@ -251,6 +256,36 @@ def test_a_second_filler_of_the_same_index_leaves_the_work_to_the_first(rag, doc
         rag.kv.start()
         assert rag.kv.wait(timeout=30) and "is computing the KV" in rag.kv.state
     assert rag.kv.run() == 24
+
+
+HOLD_FILL_LOCK = """import sys, time
+from ragblend.integrations.kv_fill import fill_lock
+with fill_lock(sys.argv[1]):   # as a `ragblend cache fill` process holds it while it fills
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_cache_clear_refuses_while_another_process_fills_the_index(rag, docs, capsys):
+    rag.ingest([docs], show_progress=False, kv="now")
+    entries = len(rag.engine.store.disk)
+    env = {**os.environ, "PYTHONPATH": str(Path(ragblend.__file__).resolve().parents[1])}
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_FILL_LOCK, str(rag.path)], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["cache", "clear", "--index", str(rag.path)]) == 2
+        err = capsys.readouterr().err
+        assert "was not cleared" in err and f"process {holder.pid} is computing the KV" in err
+        assert f"kill {holder.pid}" in err and "kv-fill.log" in err
+        assert len(rag.engine.store.disk) == entries   # nothing removed
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["cache", "clear", "--index", str(rag.path)]) == 0   # the kernel released the killed one's lock
+    assert f"Removed {entries} entries" in capsys.readouterr().out
+    # The coverage a fill reports counts the disk, not this process's memory tier's copies.
+    assert rag.kv_coverage().stored == 0 and rag.kv.run() == 24 and rag.kv_coverage().stored == 24
 
 
 def test_deleting_a_document_while_the_filler_runs_leaves_no_kv_for_it(rag, docs):

@@ -191,22 +191,30 @@ class NotAStoreError(StoreUnavailableError):
     changed or deleted."""
 
 
-def _read_marker(path: Path) -> dict | None:
-    """The marker's content, or None when it is not a small regular JSON file (never
-    follows a link)."""
+def _marker_problem(path: Path) -> str | None:
+    """What is wrong with the marker at ``path`` (said as the message's end), or None when it
+    is ragblend's: a small regular JSON file naming ragblend's format (never follows a link)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
-        return None
+    except OSError as err:
+        return f"that cannot be read ({err.strerror or err})"
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return None
+            return "that is not a regular file"
         raw = handle.read(4097)
+    if not raw.strip():
+        return "that is empty"
+    if len(raw) > 4096:
+        return "that is too large to be ragblend's"
     try:
-        content = json.loads(raw) if len(raw) <= 4096 else None
+        content = json.loads(raw)
     except ValueError:
-        return None
-    return content if isinstance(content, dict) else None
+        return "that is not JSON"
+    if not isinstance(content, dict) or "format" not in content:
+        return f"that names no format (ragblend's names \"format\": {json.dumps(MARKER_FORMAT)})"
+    if content["format"] != MARKER_FORMAT:   # the value found next to the one expected
+        return f"whose format is {json.dumps(content['format'])[:80]}, not {json.dumps(MARKER_FORMAT)}"
+    return None
 
 
 def _write_marker(directory: Path) -> None:
@@ -262,17 +270,30 @@ def _check_marker(directory: Path) -> bool:
     marker = directory / MARKER
     if not os.path.lexists(marker):
         return False
-    content = _read_marker(marker)
-    if content is None or content.get("format") != MARKER_FORMAT:
-        raise NotAStoreError(f"{directory} has a {MARKER} that is not ragblend's (format "
-                             f"{MARKER_FORMAT!r}); ragblend will not use this folder as a KV store. "
-                             "Use another folder (ragblend creates it).")
+    problem = _marker_problem(marker)
+    if problem is not None:
+        raise NotAStoreError(f"{directory} has a {MARKER} {problem}, so it is not ragblend's KV store marker; "
+                             "ragblend will not use this folder as a KV store. Use another folder (ragblend "
+                             f"creates it); or, if this folder is a KV store you gave ragblend, delete its {MARKER}: "
+                             "ragblend then adopts the folder if it holds nothing but a KV store's files.")
     return True
 
 
-def _only_marker_drafts(directory: Path) -> bool:
-    """Whether ``directory`` holds nothing but markers being written (``_write_marker``'s temporary files)."""
-    return all(_MARKER_DRAFT.fullmatch(name) for name in os.listdir(directory))
+def _empty_but_for_hidden_files(directory: Path) -> bool:
+    """Whether ``directory`` holds nothing but markers being written (``_write_marker``'s
+    temporary files) and hidden regular files: a ``.gitkeep`` or Finder's ``.DS_Store`` does
+    not make a new folder someone else's. Never opened, never deleted; a hidden folder
+    (``.git``) or link still marks a folder that is not ours."""
+    for name in os.listdir(directory):
+        if _MARKER_DRAFT.fullmatch(name):
+            continue
+        try:
+            hidden_file = name.startswith(".") and stat.S_ISREG((directory / name).lstat().st_mode)
+        except FileNotFoundError:   # removed since the listing
+            continue
+        if not hidden_file:
+            return False
+    return True
 
 
 def check_store_folder(directory: str | os.PathLike, create: bool = True) -> None:
@@ -280,7 +301,8 @@ def check_store_folder(directory: str | os.PathLike, create: bool = True) -> Non
     anything in it is read or changed.
 
     A store's folder has the marker ``ragblend-store.json``. A missing or empty folder is
-    fine: with ``create`` it is made a store (folder and marker). A folder without the marker
+    fine, and so is one holding only hidden regular files (``.gitkeep``, ``.DS_Store``, kept):
+    with ``create`` it is made a store (folder and marker). A folder without the marker
     written by an earlier ragblend (see :func:`_looks_like_old_store`) is adopted: the
     marker is added, and a log line says so (with ``create`` only). Anything else, e.g.
     another application's cache, is refused.
@@ -288,8 +310,9 @@ def check_store_folder(directory: str | os.PathLike, create: bool = True) -> Non
     directory = Path(directory).expanduser()
     if _check_marker(directory):
         return
-    if not directory.exists() or _only_marker_drafts(directory):
-        # Empty, or another process is writing its marker right now (two opening one new store).
+    if not directory.exists() or _empty_but_for_hidden_files(directory):
+        # Empty (hidden files aside), or another process is writing its marker right now (two
+        # opening one new store).
         if create:
             directory.mkdir(parents=True, exist_ok=True)
             _write_marker(directory)
