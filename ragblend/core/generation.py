@@ -35,7 +35,7 @@ class GenerationMixin:
 
     def finish(self, decoding: Decoding) -> Stats:
         """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix
-        tier, and its turns' text to the KV store as pieces of the conversation (in the background: see .pieces)."""
+        tier, and its turns' text to the piece memory (PieceStore) as pieces of the conversation (in the background: see .pieces)."""
         self.last_stats = decoding.finish_stats(decoding.stats)
         if decoding.prefill is not None:
             adapter = self.decoding_adapter()

@@ -101,9 +101,13 @@ class PromptLayout:
     namespace: str = ""   # whose prompt it is: the prefix tier (core.decode.prefix_cache) reuses only its K/V
     # laid out from chat messages with earlier turns: its turns are kept as history pieces (core.store.pieces)
     conversation: bool = False
-    # a chat request's first turn (the server's chat completions): it will likely go on, so its turn
-    # (question and answer) is kept as a piece too (core.store.pieces.turn_runs)
+    # a chat request's first turn (the server's chat completions, BlendLLM.chat, BlendChatModel): it will
+    # likely go on, so its turn (question and answer) is kept as a piece too (core.store.pieces.turn_runs)
     chat: bool = False
+
+    def as_chat(self) -> "PromptLayout":
+        """This layout marked as a chat request's (:attr:`chat`)."""
+        return replace(self, chat=True)
 
 
 def is_conversation(history: Sequence[tuple[str, str]]) -> bool:

@@ -48,6 +48,7 @@ class EngineFields(BaseModel):
     base_url: Optional[str] = Field(default=None, description="A server to answer instead of a local model: `ragblend serve` or vLLM + LMCache (http://host:port).")
     api_key: Optional[str] = Field(default=None, description="Bearer key for base_url (None = $RAGBLEND_API_KEY, if set).", repr=False)
     backend: Backend = Field(default="ragblend", description="What base_url runs: 'ragblend' (ragblend serve) or 'vllm-lmcache' (vLLM with LMCache blending).")
+    keep_first_turns: bool = Field(default=True, description="Keep a chat's first turn as a history piece (a background pass after the answer), so its next turn reuses it; False for single-shot chains.")
 
     def engine_options(self) -> EngineOptions:
         """The :class:`~ragblend.core.options.EngineOptions` of the local engine these fields ask for."""
@@ -57,6 +58,12 @@ class EngineFields(BaseModel):
     def check_strategy(self) -> None:
         """Fail on a bad strategy or ratio at construction, before any model loads."""
         strategy_from_name(self.strategy, self.ratio, self.legolink_k)
+
+    def as_chat(self, layout):
+        """``layout`` marked as a chat's (``PromptLayout.chat``), unless ``keep_first_turns`` is off: a
+        chat's first turn will likely go on, so its turn is kept as a piece too (core.store.pieces).
+        A server's prompt is returned as it is: the server marks its chat requests itself."""
+        return layout.as_chat() if self.keep_first_turns else layout
 
     def generation_options(self, kwargs: dict, max_new_tokens: int) -> dict:
         """Keyword arguments for ``engine.generate/stream``: this call's ``kwargs`` (popped)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from dataclasses import replace
 from typing import Any, AsyncIterator, Iterator, Optional, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -150,9 +149,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
     # ------------------------------------------------------------------ prompt
 
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
-        # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat),
-        # as the server's chat completions do; a long stuffed first message keeps none (core.store.pieces).
-        return replace(self._laid_out(messages, kv_chunks), chat=True)
+        return self.as_chat(self._laid_out(messages, kv_chunks))   # a long stuffed first message keeps none
 
     def _laid_out(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         engine = self.engine

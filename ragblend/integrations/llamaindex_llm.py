@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from llama_index.core.base.llms.types import (
@@ -155,9 +155,7 @@ class BlendLLM(EngineFields, CustomLLM):
         turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
         layout = self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
-        # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat);
-        # a completion (a query engine's single-shot prompt) keeps none.
-        return replace(layout, chat=True) if chat else layout
+        return self.as_chat(layout) if chat else layout   # a completion (a query engine's prompt) keeps none
 
     def _stream_chat(self, messages: Sequence[ChatMessage], chat: bool = True, **kwargs: Any) -> ChatResponseGen:
         layout = self._chat_layout(messages, chat)

@@ -608,9 +608,8 @@ async def chat_completions(server: Server, request: Request):
     # A conversation's earlier turns are kept as the engine's history pieces (for its own strategy), not as passages.
     pieces = is_conversation(prompt.history) and getattr(getattr(server.engine, "runner", None), "keeps_pieces", False) \
         and requested_strategy(body) is None
-    # A chat's first turn will likely go on: its turn is kept as a piece too (PromptLayout.chat).
     return await answer(server, request, "/v1/chat/completions", body,
-                        lambda: dataclasses.replace(prompt.layout(server.engine, namespace=namespace), chat=True), True,
+                        lambda: prompt.layout(server.engine, namespace=namespace).as_chat(), True,
                         prompt.passages(history=not pieces), namespace)
 
 

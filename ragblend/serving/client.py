@@ -61,6 +61,10 @@ class RemotePrompt:
     system: str | None = None
     history: list = field(default_factory=list)   # (role, text) turns before the last
 
+    def as_chat(self) -> "RemotePrompt":
+        """As it is: the server marks a chat request's turns itself (``PromptLayout.as_chat``)."""
+        return self
+
 
 @dataclass
 class RemoteGeneration:

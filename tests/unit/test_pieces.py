@@ -127,6 +127,34 @@ def test_a_library_chats_first_turn_keeps_its_turn(tokenizer):
     BlendChatModel(engine=engine, max_tokens=16).invoke([SystemMessage(system), HumanMessage("Who ran it?")])
     engine.flush()
     assert len(engine.runner.piece_store) == 1
+    # a single-shot chain can say so: no background pass, no piece
+    single = BlendChatModel(engine=engine, max_tokens=16, keep_first_turns=False)
+    single.invoke([SystemMessage(system), HumanMessage("When did it stop?")])
+    BlendLLM(engine=engine, max_new_tokens=16, keep_first_turns=False).chat(
+        [ChatMessage(role="system", content=system), ChatMessage(role="user", content="Why did it stop?")])
+    engine.flush()
+    assert len(engine.runner.piece_store) == 1
+
+
+def test_a_library_chat_through_a_server_is_marked_by_the_server(tokenizer):
+    """With base_url, BlendLLM.chat and BlendChatModel send the chat as it is: the server marks its
+    chat requests itself (its prompt has no layout to mark), and keeps the first turn."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from llama_index.core.llms import ChatMessage
+
+    from ragblend import BlendChatModel, BlendLLM
+    from tests.servers import RunningServer
+
+    system = "Context:\n\n" + PASSAGES[0] + "\n\n" + PASSAGES[1]
+    engine = pieces_engine(tokenizer)
+    with RunningServer(engine) as server:
+        llm = BlendLLM(base_url=server.url, max_new_tokens=8)
+        answer = llm.chat([ChatMessage(role="system", content=system), ChatMessage(role="user", content="Who?")])
+        assert answer.message.content is not None
+        chat = BlendChatModel(base_url=server.url, max_tokens=8)
+        assert "".join(c.content for c in chat.stream([SystemMessage(system), HumanMessage("When?")])) is not None
+        engine.flush()
+    assert len(engine.runner.piece_store) == 2
 
 
 @pytest.mark.parametrize("spans, history, expect", [
