@@ -137,12 +137,19 @@ def fidelity(engine: BlendEngine, rows: list[dict], tokens: int) -> list[dict]:
     return out
 
 
-def served_conversation(url: str, chunks, setting: str, args, mode: str) -> list[dict]:
+def served_conversations(url: str, chunks, setting: str, args, mode: str) -> list[dict]:
+    """``args.repeats`` conversations (each its own cache salt: nothing of another's reused), each turn's
+    TTFT their median: one conversation's turn 1 is a single timing on a shared host."""
+    runs = [served_conversation(url, chunks, setting, args, mode, salt=str(rep)) for rep in range(args.repeats)]
+    return [{**turns[0], "ttft": statistics.median(r["ttft"] for r in turns)} for turns in zip(*runs)]
+
+
+def served_conversation(url: str, chunks, setting: str, args, mode: str, salt: str = "") -> list[dict]:
     """Each turn through ``ragblend serve`` with the openai client: ttft, stats, the messages."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    extra = {"cache_salt": f"{setting}-{mode}".replace(" ", "-").replace(",", "")}
+    extra = {"cache_salt": f"{setting}-{mode}-{salt}".replace(" ", "-").replace(",", "")}
     if mode == "full prefill":
         extra["ragblend"] = {"strategy": "full_recompute"}
     history, rows = [], []
@@ -233,6 +240,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="answer tokens per turn")
     parser.add_argument("--chunks", type=int, default=3, help="retrieved chunks in every turn")
     parser.add_argument("--pause", type=float, default=5.0, help="seconds between a served turn and the next")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="served conversations per setting and mode; each turn's TTFT is their median")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--repeat-only", action="store_true", help="only the exact repeat of the benchmark prompt")
     parser.add_argument("--server-only", action="store_true", help="only the conversations through `ragblend serve`")
@@ -276,11 +285,12 @@ def main(argv=None) -> None:
             try:
                 served_warm_up(server.url)
                 for setting in SETTINGS:
-                    results = {mode: served_conversation(server.url, chunks, setting, args, mode)
+                    results = {mode: served_conversations(server.url, chunks, setting, args, mode)
                                for mode in ("full prefill", "default")}
                     prompts = [base.prompts.chat_ids(r["messages"]) for r in results["default"]]
                     peer = llama_cpp_turns(prompts, args.tokens)
-                    lines += table(f"`ragblend serve` + openai client, {setting}: client TTFT in s (prompt tokens / "
+                    lines += table(f"`ragblend serve` + openai client, {setting}: client TTFT in s, median of "
+                                   f"{args.repeats} conversations (prompt tokens / "
                                    "prefix-tier tokens / history-piece tokens)", results, peer, args.turns)
                     print("\n".join(lines[-args.turns - 6:]), flush=True)
             finally:
