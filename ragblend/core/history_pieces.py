@@ -80,7 +80,7 @@ class HistoryPieces:
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
             runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
                              prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
-                             history=layout.conversation, max_tokens=self.adapter.shape.context_window - len(self.ingestion.sink_ids))
+                             history=layout.conversation, max_tokens=self.ingestion.max_chunk_tokens)
             namespace = piece_namespace(layout.namespace)
             keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]

@@ -41,8 +41,7 @@ class PrefixReuse:
         prefix = self.prefix
         if prefix is None or not plan.engine_default:
             return False
-        hit = prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
-                            layout.token_ids, limit=end)
+        hit = self._lookup(prefix, layout, end)
         # Only a hit that hit() will take: one it refuses would leave the history to no piece.
         return hit is not None and hit.num_tokens >= end and self.pays(layout, plan, hit.num_tokens)
 
@@ -55,14 +54,18 @@ class PrefixReuse:
         if prefix is None or is_bypassed() or not plan.engine_default:
             return None
         n = len(layout.token_ids)
-        hit = prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
-                            layout.token_ids, limit=n)
+        hit = self._lookup(prefix, layout, n)
         if hit is not None and hit.num_tokens == n and hit.logits is None:
             hit = hit.first(n - 1)   # the whole prompt without its logits: the last token is computed
         if hit is not None and not self.pays(layout, plan, hit.num_tokens):
             hit = None
         prefix.count(hit)
         return hit
+
+    def _lookup(self, prefix: PrefixCache, layout: PromptLayout, limit: int) -> PrefixHit | None:
+        """The longest stored prefix of this prompt's first ``limit`` tokens, exact K/V or fused."""
+        return prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
+                             layout.token_ids, limit=limit)
 
     @staticmethod
     def pays(layout: PromptLayout, plan: StrategyPlan, reused: int) -> bool:

@@ -156,6 +156,11 @@ class Ingestion:
                     stored[i] = ok
         return stored
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most tokens a chunk (or piece) can hold: it follows the sink in the context window."""
+        return self.adapter.shape.context_window - len(self.sink_ids)
+
     def tokenize_chunks(self, texts: str | Iterable[str], skip_unusable: bool):
         """``(texts, token ids)``, every text checked before anything is stored; with
         ``skip_unusable`` an unusable chunk's ids are None instead of an error."""
@@ -168,8 +173,7 @@ class Ingestion:
             if not isinstance(text, str):
                 raise InvalidInputError(f"precompute takes chunk texts (str); item {i} is {type(text).__name__}.")
             check_text(text, f"chunk {i}")
-        window = self.adapter.shape.context_window
-        limit = window - len(self.sink_ids)
+        window, limit = self.adapter.shape.context_window, self.max_chunk_tokens
         # TooLong: more than limit tokens, found without tokenizing a long text whole
         tokenized = [self.prompts.tokenize_bounded(t, limit) for t in texts]
         for i, ids in enumerate(tokenized):
@@ -187,8 +191,7 @@ class Ingestion:
     def checked_ids(self, chunks: Iterable[Sequence[int]]) -> list[list[int]]:
         """Chunks given as token ids, as lists of ints, each of this model's vocabulary and short
         enough to follow the sink in the context window; else a clear error naming the chunk."""
-        window = self.adapter.shape.context_window
-        limit, vocab = window - len(self.sink_ids), self.entry_spec.vocab_size
+        window, limit, vocab = self.adapter.shape.context_window, self.max_chunk_tokens, self.entry_spec.vocab_size
         chunks = [token_id_list(ids, f"chunk {i}", vocab) for i, ids in enumerate(chunks)]
         for i, ids in enumerate(chunks):
             if len(ids) > limit:
