@@ -152,6 +152,8 @@ VARIANTS = {
     **{f"QueryAware({r:.2f}, peaks with {n})": QuestionAttentionInRuns(r, n, pool="max") for r in (0.10, 0.20) for n in (5, 9, 17, 33)},
     # the engine's own choice (its calibration's, else the safe default), as a user gets it
     "default": QueryAware(),
+    # the ratio alone, without QueryAware.per_chunk's floor for each chunk (issue 59: docs/notes/answers-by-size.md)
+    **{f"QueryAware({r:.2f}, ratio alone)": QueryAware(r, per_chunk=0) for r in (0.10, 0.20, 0.30)},
     # ... and the first tokens of every chunk but the first recomputed beside the chosen ones (issue 59's
     # lost ferry answer came back so: docs/runs/userlike.md)
     **{f"QueryAware({r:.2f}) + heads of {k}": QuestionAttentionWithHeads(r, k) for r in (0.10, 0.15) for k in (16, 32)},

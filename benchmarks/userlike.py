@@ -32,6 +32,12 @@ is to judge "within 1 in 20" fills fewer buckets with more prompts.
     python -m benchmarks.userlike --questions 30 --buckets 600-1200 1200-2000 --prompts 60 \
         --settings always --lock /work/tmp/cpu.lock --json rows.json     # the larger sample
     python -m benchmarks.userlike --rows rows.json --buckets 600-1200 1200-2000  # its report again, no run
+    python -m benchmarks.userlike --replay rows.json --questions 30 --candidates 0.2 0.1/24 \
+        --lock /work/tmp/cpu.lock --lock-minutes 6 --json replay.json   # the default (and rules) again
+
+``--replay`` (:mod:`benchmarks.userlike_replay`) rebuilds a run's prompts and measures only the
+default again, and any candidate selections beside it, reusing the rows' full prefill and order
+noise answers.
 """
 
 from __future__ import annotations
@@ -544,12 +550,29 @@ def main(argv=None) -> None:
                                                   "go between two prompts every --lock-minutes")
     parser.add_argument("--lock-minutes", type=float, default=10.0, help="how long --lock is held at a time")
     parser.add_argument("--rows", type=Path, help="no run: the report of the rows a --json file holds")
+    parser.add_argument("--replay", type=Path, help="the rows of a --json file: their prompts rebuilt, only the "
+                                                    "default (and --candidates) measured again")
+    parser.add_argument("--candidates", nargs="*", default=[], help="with --replay: selections beside the default, "
+                        "'RATIO' (QueryAware as shipped), 'RATIO/N' (at least N tokens a chunk; 0: the ratio alone)")
+    parser.add_argument("--first", type=int, default=0, help="with --replay: the first row (of those in --buckets)")
+    parser.add_argument("--last", type=int, help="with --replay: the row after the last")
     parser.add_argument("--out", default=RUNS_DIR)
     parser.add_argument("--json", type=Path, help="also write every per-prompt row here (after every prompt)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
+    if args.replay:
+        from .userlike_replay import replay, replay_table
+
+        rows = replay(args, CpuLock(args.lock, 60 * args.lock_minutes))
+        print("\n".join(replay_table(rows, args.candidates, args.buckets)))
+        return
     if args.rows:
         saved = json.loads(args.rows.read_text())
+        if "candidates" in saved:   # a --replay run's rows
+            from .userlike_replay import replay_table
+
+            print("\n".join(replay_table(saved["rows"], saved["candidates"], args.buckets)))
+            return
         rows, notes = saved["rows"], saved["notes"]
     else:
         rows, notes = measure_models(args)

@@ -363,7 +363,8 @@ def main(argv=None) -> None:
             ratio = engine.strategy.ratio
             shipped = f"QueryAware({ratio:.2f}) (shipped)"
             shipped_of[model] = shipped
-            recorder = RecordingQuestionAttention(ratio, cached_attention_scale=engine.strategy.cached_attention_scale)
+            recorder = RecordingQuestionAttention(ratio, cached_attention_scale=engine.strategy.cached_attention_scale,
+                                                  per_chunk=engine.strategy.per_chunk)
             ladder = {f"QueryAware({r:.2f})": QueryAware(r) for r in args.ladder if r > ratio}
             for set_name, prompts in prompt_sets(args.sets, args.musique_file).items():
                 if not prompts:

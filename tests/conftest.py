@@ -117,8 +117,13 @@ def smol_model():
 
 def reused_floor(engine, chunk_tokens: int) -> float:
     """The least reuse to expect when ``chunk_tokens`` tokens of known chunks are in a prompt:
-    90% of what the engine's default strategy leaves reused (it recomputes ``ratio`` of them)."""
-    return 0.9 * (1 - engine.strategy.ratio) * chunk_tokens
+    90% of what the engine's default strategy leaves reused (it recomputes ``ratio`` of them, or
+    up to FLOOR_SHARE where its floor for each chunk, ``per_chunk``, asks more)."""
+    from ragblend.core.fusion.selection import FLOOR_SHARE
+
+    strategy = engine.strategy
+    share = max(strategy.ratio, FLOOR_SHARE) if getattr(strategy, "per_chunk", 0) else strategy.ratio
+    return 0.9 * (1 - share) * chunk_tokens
 
 
 def ran_as_a_full_prefill(stats) -> bool:

@@ -165,10 +165,11 @@ class PrefillRunner:
         prompt tokens whose KV came from the store (not computed during this call)."""
         n = len(layout.token_ids)
         spanned = sum(sp.end - sp.start for sp in layout.chunk_spans if sp.token_ids) if plan.reuses else 0
-        if spanned and plan.selection is not None and not plan.selection.cheaper_than_a_prefill(n, spanned):
+        chunks = sum(1 for sp in layout.chunk_spans if sp.token_ids)
+        if spanned and plan.selection is not None and not plan.selection.cheaper_than_a_prefill(n, spanned, chunks):
             # Decided before the store is read or a missing chunk computed: both would be wasted.
             return self._full_prefill(layout, plan, stats, spanned)
-        verdict = self.fusion_pays(plan, None, n, spanned, min_speedup) if plan.selection is not None else None
+        verdict = self.fusion_pays(plan, None, n, spanned, min_speedup, chunks) if plan.selection is not None else None
         if verdict is not None and not verdict.pays:   # even with every chunk in memory: decided before reading
             return self._full_prefill(layout, plan, stats, spanned, verdict)
         found = self.reads.find(layout, plan, stats, computed, store, write_back)
@@ -176,11 +177,11 @@ class PrefillRunner:
             tiers = found.count_tiers(stats)
             reused = sum(sp.num_tokens for sp in found.spans)
             plan = plan.with_auto_ratio(self.loading(), n, reused, tiers) if plan.ratio == "auto" else plan
-            if reused and not plan.selection.cheaper_than_a_prefill(n, reused):
+            if reused and not plan.selection.cheaper_than_a_prefill(n, reused, len(found.spans)):
                 # Fewer chunks found than the prompt holds (the rest computed as plain text).
                 found.close()
                 return self._full_prefill(layout, plan, stats, reused)
-            verdict = self.fusion_pays(plan, found, n, reused, min_speedup)
+            verdict = self.fusion_pays(plan, found, n, reused, min_speedup, len(found.spans))
             if verdict is not None and not verdict.pays:
                 found.close()
                 return self._full_prefill(layout, plan, stats, reused, verdict)
@@ -210,8 +211,8 @@ class PrefillRunner:
         return fused, source, found.from_store
 
     def fusion_pays(self, plan: StrategyPlan, found: Found | None, n: int, reused: int,
-                    min_speedup: float) -> FusionVerdict | None:
-        """Whether fusing this prompt, ``reused`` of its ``n`` tokens from the chunks ``found`` (None:
+                    min_speedup: float, chunks: int = 1) -> FusionVerdict | None:
+        """Whether fusing this prompt, ``reused`` of its ``n`` tokens (in ``chunks`` chunks) from the chunks ``found`` (None:
         not looked up yet, all taken to be in memory), is predicted to be at least ``min_speedup``
         times faster than its full prefill on this host (:mod:`ragblend.core.fusion.fusion_cost`). None where that is
         not asked: a strategy the caller named, or ``min_speedup`` 0."""
@@ -220,7 +221,7 @@ class PrefillRunner:
         disk_tokens = 0 if found is None else sum(
             sp.num_tokens for sp, reader in zip(found.spans, found.readers) if reader.tier == "disk")
         with self.lock:   # the first prompt on a host may measure the constants: model passes
-            return self.fusion_cost.verdict(plan.selection, n, reused, disk_tokens, min_speedup)
+            return self.fusion_cost.verdict(plan.selection, n, reused, disk_tokens, min_speedup, chunks)
 
     def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int,
                       verdict: FusionVerdict | None = None):

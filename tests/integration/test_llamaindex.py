@@ -160,11 +160,13 @@ def test_missing_kv_is_computed_on_the_fly_and_saved(rag):
 
 
 def test_retrieval_larger_than_the_window_is_repacked_and_still_reused(rag):
-    answer_engine = rag.query_engine(mode="compact", top_k=6, context_window=700, max_new_tokens=16)
+    # a window that still splits the six chunks over several calls, each with enough of them cached that
+    # fusing computes less than a full prefill (QueryAware's per-chunk floor: Selection.cheaper_than_a_prefill)
+    answer_engine = rag.query_engine(mode="compact", top_k=6, context_window=1000, max_new_tokens=16)
     llm = answer_engine._response_synthesizer._llm
     answer_engine.query(QUESTION)
     assert len(llm.calls) > 1  # the synthesizer split the context over several calls
-    assert all(c.stats.prompt_tokens <= 700 for c in llm.calls)
+    assert all(c.stats.prompt_tokens <= 1000 for c in llm.calls)
     assert sum(c.stats.reused_tokens for c in llm.calls) > 0
 
 

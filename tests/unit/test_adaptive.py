@@ -105,7 +105,7 @@ def test_the_recording_selection_selects_as_query_aware_and_gives_every_signal(t
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
     recorder = RecordingQuestionAttention(0.2, cached_attention_scale=0.7)
     recorded = engine.prefill(segments, strategy=recorder)
-    plain = engine.prefill(segments, strategy=QueryAware(0.2))
+    plain = engine.prefill(segments, strategy=QueryAware(0.2, per_chunk=0))   # the ratio alone, as recorded
     assert torch.equal(recorded.recomputed, plain.recomputed)
     assert torch.allclose(recorded.logits, plain.logits, atol=1e-5)
     assert recorder.relevance.shape[1] == recorder.left_out.numel()
@@ -129,7 +129,7 @@ def test_the_recording_selection_decodes_as_the_shipped_query_aware(tokenizer):
     assert recorded.key_bias is None and engine.prefill(segments, strategy=QueryAware(0.2)).key_bias is None
     answer = engine.generate(segments, strategy=RecordingQuestionAttention(0.2, cached_attention_scale=0.7),
                              max_new_tokens=12)
-    assert answer.token_ids == engine.generate(segments, strategy=QueryAware(0.2), max_new_tokens=12).token_ids
+    assert answer.token_ids == engine.generate(segments, strategy=QueryAware(0.2, per_chunk=0), max_new_tokens=12).token_ids
 
 
 def test_a_prompt_run_as_a_full_prefill_is_counted_not_passed_off_as_a_perfect_fusion(tokenizer):

@@ -247,7 +247,7 @@ def test_answer_preview_selects_as_queryaware_on_the_relevance_it_is_given(token
     measured = engine.prefill(layout, strategy=recorder)
     again = engine.prefill(layout, strategy=GivenRelevance(0.2, recorder.relevance))
     assert torch.equal(again.recomputed, measured.recomputed) and torch.equal(again.logits, measured.logits)
-    assert torch.equal(engine.prefill(layout, strategy=QueryAware(0.2)).recomputed, measured.recomputed)
+    assert torch.equal(engine.prefill(layout, strategy=QueryAware(0.2, per_chunk=0)).recomputed, measured.recomputed)
     with_answer = relevance_with_answer(engine, layout, tokenizer.encode(" the ferry was run by"), 0.2)
     assert with_answer.shape == recorder.relevance.shape and not torch.equal(with_answer, recorder.relevance)
 
@@ -492,3 +492,30 @@ def test_the_model_sizes_report_gives_the_whole_process_beside_the_engines_own_m
     assert row == ("| qwen2.5-1.5b | 1.00 | 2.00 (2.00x) | 1.50 (1.50x) | 0.25 | 1.25 (1.25x) | 1.10 (1.10x) | "
                    "1.60 (1.60x) | - |")
     assert not any("TTFT" in line for line in lines)   # --memory-only: no timed rounds to report
+
+
+def test_the_user_like_replay_reads_its_candidates_and_tables_lost_and_gained_answers():
+    """``benchmarks.userlike --replay``: a candidate is QueryAware at a ratio with a floor for each
+    chunk (as shipped, a given one, or none), and the table counts, per bucket, the answers each
+    setting lost and gained against full prefill, and the repeats full prefill does not give."""
+    from benchmarks.userlike_replay import candidate, replay_table
+    from ragblend.core.fusion.strategies import PER_CHUNK
+
+    assert (candidate("0.2").ratio, candidate("0.2").per_chunk) == (0.2, PER_CHUNK)
+    assert candidate("0.1/0").per_chunk == 0 and candidate("0.1/32").per_chunk == 32
+    assert candidate("0.1/24s").spread and not candidate("0.1/24").spread
+    assert candidate("0.1").cached_attention_scale == 0.7   # QueryAware's, as the engine runs it
+
+    def row(full, default, other, repeating=False):
+        return {"tokens": 800, "same_prompt": True, "reproduced": True, "full_right": full, "full_repeats": False,
+                "noise_right": full, "noise_kl": 0.05, "full_ttft_now": 2.0,
+                **{f"{name}_{key}": value for name, right in (("default", default), ("0.1/0", other))
+                   for key, value in (("right", right), ("kl", 0.01), ("repeats", repeating and name == "0.1/0"),
+                                      ("ttft", 1.0), ("recomputed", 160))}}
+
+    rows = [row(1.0, 1.0, 0.0), row(1.0, 0.0, 0.0), row(0.0, 1.0, 0.0, repeating=True), row(0.0, 0.0, 0.0)]
+    lines = replay_table(rows, ["0.1/0"], [(600, 1200)])
+    assert "4 the same prompt (token count), 4 with the stored default answer" in lines[0]
+    default, other = (next(line for line in lines if f"| {name} |" in line) for name in ("default", "0.1/0"))
+    assert "| 2 / 2 (1, 1) |" in default and "| 0 / 2 (2, 0) |" in other
+    assert other.split("|")[8].strip() == "1" and "2.00x" in default and "20.0%" in default

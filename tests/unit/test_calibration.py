@@ -444,7 +444,7 @@ def test_answer_level_kl_is_teacher_forced_on_the_reference_answer(tiny_engine):
     assert torch.allclose(steps[2], decoder.extend(answer[:2])[-1].float(), atol=1e-4)
 
     assert answer_kl(steps, answer_logits(tiny_engine, full, answer)) == pytest.approx(0.0, abs=1e-6)
-    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True))
+    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True, per_chunk=0))
     with_bias = answer_kl(steps, answer_logits(tiny_engine, fused, answer))
     prefill_only = answer_kl(steps, answer_logits(tiny_engine, fused, answer, decoding_bias=False))
     assert with_bias > 0 and prefill_only > 0 and with_bias != prefill_only   # the bias reaches the answer's steps
@@ -461,7 +461,7 @@ def test_answer_logits_with_a_fading_bias_spans_the_scaled_and_the_prefill_only_
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
     full = tiny_engine.prefill(segments, strategy=FullRecompute())
     answer = tiny_engine.generate(segments, strategy=FullRecompute(), max_new_tokens=6).token_ids
-    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True))
+    fused = tiny_engine.prefill(segments, strategy=QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True, per_chunk=0))
     kept = answer_logits(tiny_engine, fused, answer)
     assert torch.allclose(answer_logits(tiny_engine, fused, answer, decoding_bias=lambda step: 1.0), kept, atol=1e-4)
     dropped = answer_logits(tiny_engine, fused, answer, decoding_bias=False)
@@ -482,8 +482,8 @@ def test_scale_in_decoding_false_keeps_the_bias_out_of_the_answers_steps(tiny_en
 
     tiny_engine.precompute(CHUNKS[:3])
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
-    scaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True)
-    unscaled_strategy = QueryAware(0.1, cached_attention_scale=0.5)
+    scaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, scale_in_decoding=True, per_chunk=0)
+    unscaled_strategy = QueryAware(0.1, cached_attention_scale=0.5, per_chunk=0)
     assert unscaled_strategy.scale_in_decoding is False
     scaled, unscaled = tiny_engine.prefill(segments, strategy=scaled_strategy), tiny_engine.prefill(
         segments, strategy=unscaled_strategy)

@@ -112,6 +112,21 @@ def test_the_predicted_speedup_grows_with_the_prompt_at_a_fixed_template_and_que
     assert disk > memory
 
 
+def test_the_prediction_prices_the_budgets_floor_for_each_chunk(engine):
+    selection, layers, fresh = QuestionAttention(0.1, per_chunk=24), 30, 45
+    one, computed_one = fused_prefill_s(OVERHEAD, layers, selection, 745, 700)
+    six, computed_six = fused_prefill_s(OVERHEAD, layers, selection, 745, 700, chunks=6)
+    assert computed_one == fresh + 70 and computed_six == fresh + 144 and six > one
+    # the engine predicts with the prompt's chunk count (rows only: full / fused = n / (2 fresh + budget))
+    engine.fusion_cost.use(ROWS_ONLY)
+    engine.strategy = QueryAware(0.1)   # the engine's own, at SmolLM2's calibrated ratio
+    pre = engine.prefill([Chunk(p) for p in PASSAGES] + [QUESTION])
+    spanned = sum(s.end - s.start for s in pre.layout.chunk_spans)
+    n, budget = pre.stats.prompt_tokens, engine.resolve().selection.budget(spanned, len(pre.layout.chunk_spans))
+    assert budget > engine.resolve().selection.budget(spanned)   # the floor is in force on these short chunks
+    assert pre.stats.predicted_speedup == pytest.approx(n / (2 * (n - spanned) + budget))
+
+
 def test_the_skip_count_reaches_the_servers_metrics():
     from ragblend.core.results import Stats
 

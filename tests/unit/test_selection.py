@@ -23,6 +23,28 @@ def test_question_attention_takes_the_most_attended_tokens():
     assert selected.nonzero().squeeze(1).tolist() == [0, 1, 3, 6, 7, 9, 10, 11]  # fresh + the top 3
 
 
+def test_the_budget_is_at_least_per_chunk_tokens_for_each_cached_chunk():
+    floor = QuestionAttention(0.1, per_chunk=24)
+    assert floor.budget(700, chunks=6) == 144      # six 128-token chunks: 24 each, not 70
+    assert floor.budget(1440, chunks=3) == 144     # three 480-token chunks: the ratio's 144, not 72
+    assert floor.budget(100, chunks=6) == 25       # 17-token chunks: a quarter of them at most
+    assert QuestionAttention(0.5, per_chunk=24).budget(100, chunks=6) == 50   # a larger ratio as it is
+    assert QuestionAttention(0.1).budget(700, chunks=6) == 70   # per_chunk 0: the ratio alone
+    # still the question's choice: the floor adds the most attended tokens, wherever they are
+    spans = [ReusedSpan(1, 4), ReusedSpan(5, 4), ReusedSpan(9, 4)]
+    prompt = FusionPrompt.build(15, spans, "cpu")
+    relevance = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.3, 0.2, 0.0, 0.0, 0.0, 0.0, 0.4, 0.0])
+    selected = QuestionAttention(0.1, per_chunk=1).first(prompt, lambda: relevance[None])
+    assert selected.nonzero().squeeze(1).tolist() == [0, 5, 6, 11, 13, 14]   # 3 of 12 reused, not 2
+    assert QuestionAttention(0.1, per_chunk=4).budget(12, chunks=3) == 3     # a quarter at most
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "24"])
+def test_a_bad_per_chunk_is_a_clear_error(bad):
+    with pytest.raises(RagblendError, match="per_chunk"):
+        QueryAware(0.1, per_chunk=bad)
+
+
 def test_whole_chunks_fill_the_budget_with_the_most_attended_chunk_first():
     spans = [ReusedSpan(0, 4), ReusedSpan(4, 3)]
     prompt = FusionPrompt.build(9, spans, "cpu")
@@ -139,10 +161,13 @@ def test_query_aware_counts_and_compute(arch, tokenizer):
     engine = make_tiny_engine(arch, tokenizer)
     engine.precompute(CHUNKS)
     segments = [Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"]
-    pre = engine.prefill(segments, strategy=QueryAware(0.25))
+    pre = engine.prefill(segments, strategy=QueryAware(0.25, per_chunk=0))
     reused = sum(len(engine.prompts.tokenize(c)) for c in CHUNKS[:3])
     fresh = pre.stats.prompt_tokens - reused
     assert pre.stats.recomputed_tokens == fresh + math.ceil(0.25 * reused - 1e-9)
+    # as shipped, at 0.1 the floor for each of the three short chunks is in force (a quarter of them)
+    floored = engine.prefill(segments, strategy=QueryAware(0.1)).stats.recomputed_tokens
+    assert floored == fresh + QueryAware(0.1).selection().budget(reused, 3) == fresh + math.ceil(0.25 * reused - 1e-9)
     layers = engine.adapter.shape.num_layers
     # The question pass (fresh tokens at every layer) plus the second pass (fresh + chosen tokens).
     expected = layers * fresh + layers * pre.stats.recomputed_tokens

@@ -133,9 +133,10 @@ def full_prefill_terms(layers: int, n: int) -> Terms:
     return (layers, layers * n, layers * n * (n + 1) / 2, 0.0)
 
 
-def fused_prefill_terms(layers: int, selection: Selection, n: int, reused: int) -> tuple[Terms, int] | None:
-    """``(terms, tokens computed)`` of fusing a prompt of ``n`` tokens, ``reused`` of them cached,
-    as ``selection`` runs it; None for a selection this model does not know."""
+def fused_prefill_terms(layers: int, selection: Selection, n: int, reused: int,
+                        chunks: int = 1) -> tuple[Terms, int] | None:
+    """``(terms, tokens computed)`` of fusing a prompt of ``n`` tokens, ``reused`` of them cached
+    (in ``chunks`` chunks), as ``selection`` runs it; None for a selection this model does not know."""
     fresh = n - reused
 
     def masked_pass(rows: int, pass_layers: int, pairs_per_row: float = 1.0, placed: int = reused) -> Terms:
@@ -145,7 +146,7 @@ def fused_prefill_terms(layers: int, selection: Selection, n: int, reused: int) 
     if isinstance(selection, EveryToken):
         return full_prefill_terms(layers, n), n
     if isinstance(selection, QuestionAttention):
-        budget = selection.budget(reused)
+        budget = selection.budget(reused, chunks)
         if budget == 0:
             return masked_pass(fresh, layers), fresh
         # the question pass (its attention computed twice: once to run, once to read it), then
@@ -175,11 +176,12 @@ def full_prefill_s(c: CostConstants, layers: int, n: int) -> float:
 
 
 def fused_prefill_s(c: CostConstants, layers: int, selection: Selection, n: int, reused: int,
-                    disk_tokens: int = 0, disk_bytes_per_token_layer: float = 0.0) -> tuple[float, int] | None:
+                    disk_tokens: int = 0, disk_bytes_per_token_layer: float = 0.0,
+                    chunks: int = 1) -> tuple[float, int] | None:
     """``(seconds, tokens computed)`` of fusing a prompt of ``n`` tokens, ``reused`` of them cached
-    (``disk_tokens`` of those read from the disk tier), as ``selection`` runs it; None for a
-    selection this model does not know (no prediction: it fuses)."""
-    fused = fused_prefill_terms(layers, selection, n, reused)
+    (``disk_tokens`` of those read from the disk tier; in ``chunks`` chunks), as ``selection`` runs
+    it; None for a selection this model does not know (no prediction: it fuses)."""
+    fused = fused_prefill_terms(layers, selection, n, reused, chunks)
     if fused is None:
         return None
     terms, computed = fused
@@ -270,12 +272,12 @@ class FusionCost:
         return asdict(min(first, second, key=lambda c: c.row_s)), True
 
     def verdict(self, selection: Selection, n: int, reused: int, disk_tokens: int = 0,
-                min_speedup: float = DEFAULT_MIN_SPEEDUP) -> FusionVerdict | None:
+                min_speedup: float = DEFAULT_MIN_SPEEDUP, chunks: int = 1) -> FusionVerdict | None:
         """The prediction for fusing a prompt of ``n`` tokens, ``reused`` of them cached
         (``disk_tokens`` of those from the disk tier), with ``selection``; None where the selection
         is not one the model knows."""
         c, layers = self.constants(), self.adapter.shape.num_layers
-        fused = fused_prefill_s(c, layers, selection, n, reused, disk_tokens, self.disk_bytes_per_token_layer)
+        fused = fused_prefill_s(c, layers, selection, n, reused, disk_tokens, self.disk_bytes_per_token_layer, chunks)
         if fused is None:
             return None
         seconds, computed = fused

@@ -117,9 +117,9 @@ class Selection:
         """Bool [N]: the tokens that go on after ``step.layer`` (a subset of ``step.positions``)."""
         raise NotImplementedError
 
-    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
-        """Whether fusing a prompt of ``num_tokens`` tokens, ``num_reused`` of them cached,
-        computes fewer token-layers than a full prefill of it."""
+    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int, chunks: int = 1) -> bool:
+        """Whether fusing a prompt of ``num_tokens`` tokens, ``num_reused`` of them cached (in
+        ``chunks`` chunks), computes fewer token-layers than a full prefill of it."""
         return True
 
 
@@ -206,6 +206,10 @@ class TopScoreSelection(Selection):
 # moved Qwen2.5's first token nearly 3x further than single tokens on SQuAD; 0.25 brought it
 # back and kept the answers' mend, where 1 and 4 lost it (docs/notes/sentence-runs.md).
 SENTENCE_OWN_SHARE = 0.25
+# QueryAware's floor of per_chunk tokens a chunk recomputes at most this share of the reused tokens:
+# chunks shorter than per_chunk / FLOOR_SHARE are repaired in proportion, so that tiny chunks (a
+# sentence each) are not recomputed whole, which would leave nothing to fuse.
+FLOOR_SHARE = 0.25
 
 
 class QuestionAttention(Selection):
@@ -219,25 +223,33 @@ class QuestionAttention(Selection):
     question's attention averaged over a window this fraction of its chunk long, centred on
     it, so the chosen tokens come in runs with their neighbours (0: each token alone).
     ``sentence_runs``: averaged over its sentence instead (the prompt's ``sentence_of``), plus a
-    share of its own (:meth:`by_sentence`).
+    share of its own (:meth:`by_sentence`). ``per_chunk``: the budget is at least this many tokens
+    for each cached chunk (:meth:`budget`).
     """
 
     name = "query_aware"
 
     def __init__(self, ratio: float, whole_chunks: bool = False, query_tokens: int | None = None,
-                 cached_attention_scale: float = 1.0, neighbour_window: float = 0.0, sentence_runs: bool = False):
+                 cached_attention_scale: float = 1.0, neighbour_window: float = 0.0, sentence_runs: bool = False,
+                 per_chunk: int = 0):
         self.ratio, self.whole_chunks, self.query_tokens = ratio, whole_chunks, query_tokens
         self.cached_attention_scale, self.neighbour_window = cached_attention_scale, neighbour_window
-        self.sentence_runs = sentence_runs
+        self.sentence_runs, self.per_chunk = sentence_runs, per_chunk
 
-    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int) -> bool:
+    def cheaper_than_a_prefill(self, num_tokens: int, num_reused: int, chunks: int = 1) -> bool:
         # The uncached tokens run twice (the question pass, then the fused pass) when any
         # reused token is to be chosen: over a mostly uncached prompt that is more than a prefill.
-        budget = self.budget(num_reused)
+        budget = self.budget(num_reused, chunks)
         return budget == 0 or 2 * (num_tokens - num_reused) + budget < num_tokens
 
-    def budget(self, num_reused: int) -> int:
-        return math.ceil(self.ratio * num_reused - 1e-9)
+    def budget(self, num_reused: int, chunks: int = 1) -> int:
+        """Reused tokens recomputed: ``ratio`` of them, but at least ``per_chunk`` for each of the
+        ``chunks`` cached chunks, up to :data:`FLOOR_SHARE` of them. Why a floor per chunk: what a
+        chunk precomputed alone lacks is its place after the chunks before it, a repair that does
+        not shrink with the chunk; on six 128-token chunks a tenth of them (13 a chunk) lost 3 of 6
+        sample answers, 24 a chunk kept 2 back (docs/notes/answers-by-size.md)."""
+        floor = min(self.per_chunk * chunks, math.ceil(FLOOR_SHARE * num_reused - 1e-9))
+        return max(math.ceil(self.ratio * num_reused - 1e-9), floor)
 
     def scores(self, prompt: FusionPrompt, relevance: torch.Tensor) -> torch.Tensor:
         """Each reused token's claim to be recomputed, from its ``[layers, reused tokens]``
@@ -285,7 +297,7 @@ class QuestionAttention(Selection):
         return (totals / lengths)[sentence] + SENTENCE_OWN_SHARE * claims
 
     def first(self, prompt, probe):
-        budget = self.budget(prompt.num_reused)
+        budget = self.budget(prompt.num_reused, len(prompt.spans))
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
         relevance = self.scores(prompt, probe())
@@ -334,6 +346,6 @@ def selection_for(strategy, ratio: float | str | None = None) -> Selection:
             raise InvalidInputError("QueryAware(ratio=None) takes the engine's ratio; run it through "
                                     "BlendEngine.prefill, or pass a number.")
         return QuestionAttention(ratio, strategy.whole_chunks, strategy.query_tokens, strategy.cached_attention_scale,
-                                 strategy.neighbour_window, strategy.sentence_runs)
+                                 strategy.neighbour_window, strategy.sentence_runs, strategy.per_chunk)
     raise InvalidInputError(f"Unknown strategy {strategy!r}: use CacheBlend(), QueryAware(), LegoLink(k), "
                             "FullReuse() or FullRecompute().")

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from ..errors import InvalidInputError
 from .selection import Selection, cacheblend_schedule, selection_for
 
+# QueryAware's floor on the budget for each cached chunk (QueryAware.per_chunk; issue 59, replayed on
+# SmolLM2's 120 user-like prompts in docs/notes/answers-by-size.md)
+PER_CHUNK = 24
+
 
 class _Settings:
     """What every strategy has: the Selection it runs (made from its fields, in .selection)."""
@@ -153,6 +157,15 @@ class QueryAware(_Settings):
     goes to the sentences the question reads, whole where it reaches, and to the tokens it reads
     far more than their sentence. Not with ``neighbour_window`` (``docs/notes/sentence-runs.md``).
 
+    ``per_chunk``: the budget is at least this many reused tokens for each cached chunk in the
+    prompt (``ratio`` of the reused tokens or ``per_chunk`` times the chunks, whichever is more,
+    the latter at most a quarter of them; still chosen by the question's attention). A chunk
+    precomputed alone lacks its place after the chunks before it, a repair that does not shrink
+    with the chunk: on a user's LlamaIndex prompts of six 128-token chunks, a tenth of the reused
+    tokens (13 a chunk) lost three of six sample answers full prefill gave; 24 a chunk kept two of
+    them back, and at chunks of 240 tokens and more it changes nothing at 0.10
+    (``docs/notes/answers-by-size.md``). 0: the ratio alone.
+
     ``ratio=None`` (the default) takes the engine's own ratio (its calibration's, else the safe
     default) when :meth:`BlendEngine.prefill` runs it: ``QueryAware()`` is the engine's choice
     made explicit, as ``strategy="query_aware"`` without a ratio is in the integrations and the CLI.
@@ -165,6 +178,7 @@ class QueryAware(_Settings):
     scale_in_decoding: bool = False
     neighbour_window: float = 0.0
     sentence_runs: bool = False
+    per_chunk: int = PER_CHUNK
     name = "query_aware"
 
     def __post_init__(self):
@@ -184,6 +198,9 @@ class QueryAware(_Settings):
         if self.sentence_runs and window:
             raise InvalidInputError("QueryAware takes runs of sentences (sentence_runs=True) or of a fraction of "
                                     "the chunk (neighbour_window), not both: set one.")
+        if isinstance(self.per_chunk, bool) or not isinstance(self.per_chunk, int) or self.per_chunk < 0:
+            raise InvalidInputError(f"QueryAware per_chunk must be an integer >= 0 (tokens recomputed at least for "
+                                    f"each cached chunk), got {self.per_chunk!r}.")
         if self.query_tokens is not None and (isinstance(self.query_tokens, bool) or not isinstance(
                 self.query_tokens, int) or self.query_tokens < 1):
             raise InvalidInputError(f"QueryAware query_tokens must be an integer >= 1 or None, got {self.query_tokens!r}.")
