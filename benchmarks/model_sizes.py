@@ -52,6 +52,22 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak() -> bool:
+    """Start :func:`peak_since_reset` over (Linux: writing 5 to clear_refs resets VmHWM); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_since_reset() -> int:
+    """This process's peak RSS (VmHWM) since :func:`reset_peak`."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_prefill: bool = False) -> dict:
     """One shape's figures (run in a process of its own)."""
     import torch
@@ -96,9 +112,12 @@ def load_ragblend(path: str, tokens: int, result: dict):
 
     engine, before = load_measured(path, result)
     sample = load_sample()
+    reset = reset_peak()
     t0 = time.perf_counter()
     ragblend = RagblendPeer(engine, sample["chunks"], tokens)
     result["precompute_s"] = time.perf_counter() - t0
+    if reset:   # the process's peak while precomputing, the prefill's working memory included
+        result["precompute_peak"] = peak_since_reset()
     result["prompt_tokens"] = len(engine.build_prompt([Chunk(c) for c in sample["chunks"]] + [sample["question"]]).token_ids)
     result["kv_bytes_per_token"] = bytes_per_token(engine.kv_shape, "float16")   # as stored, headers included
     result["ragblend_rss_with_kv"] = rss_bytes() - before
@@ -233,8 +252,10 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
     lines += fast_plan_table([r for r in timed if "ragblend fast default" in r["ttft_s"]])
     lines += ["", "Prompt tokens, peak memory and settings:", ""]
     for r in results:
-        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; ragblend peak RSS "
-                     f"{r['ragblend_peak'] / 1e9:.2f} GB (whole process); {r['threads']} torch threads"
+        lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; peak RSS of the whole process over the run "
+                     f"{r['ragblend_peak'] / 1e9:.2f} GB"
+                     + (f", while precomputing the chunks {r['precompute_peak'] / 1e9:.2f} GB" if "precompute_peak" in r else "")
+                     + f"; {r['threads']} torch threads"
                      + (f"; prefill matmuls {r.get('long_pass')}, default prefill {r.get('prefill')}" if r in timed
                         else f"; a short prompt answered in {r['short_prompt_s']:.1f} s")
                      + (f"; llama.cpp: {r['llama_skipped']}" if "llama_skipped" in r else

@@ -37,9 +37,12 @@ class TextEncoder:
     them the ids are exactly the tokenizer's own (``tokenizer(text, add_special_tokens=False)``).
 
     Hugging Face's ``split_special_tokens=True`` does the splitting, but it works by setting a
-    flag on the tokenizer shared by every thread; this encoder runs on a private copy of the
-    fast tokenizer with the flag set once, so no other call can flip it under it. Built
-    once per tokenizer (:func:`text_encoder`).
+    flag on the tokenizer shared by every thread. Text holding no control string tokenizes the
+    same with the flag or without, so it runs on the fast tokenizer's own Rust backend
+    untouched; only text that holds one runs on a private copy of the backend with the flag
+    set once, so no other call can flip it under it. That copy is made on the first such text:
+    it holds a second vocabulary (48 MB for Qwen2.5's 151k tokens), which most engines never
+    need. Built once per tokenizer (:func:`text_encoder`).
     """
 
     # Ordinary text whose ids the private copy must reproduce exactly (else it is not used).
@@ -54,8 +57,9 @@ class TextEncoder:
                    if t.special or (t.content in template and not t.content.isspace())}
         self.control_ids = frozenset(control)
         self.control_strings = tuple(sorted(set(control.values()), key=len, reverse=True))
-        self._backend = self._private_backend(set(control.values()))
-        if self._backend is not None and self._encode_backend(self.PROBE) != self._encode_wrapper(self.PROBE):
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._private, self._private_lock = None, threading.Lock()
+        if self._backend is not None and self._encode_shared(self.PROBE) != self._encode_wrapper(self.PROBE):
             self._backend = None   # the wrapper does more than the Rust tokenizer: use the wrapper
 
     @staticmethod
@@ -63,25 +67,39 @@ class TextEncoder:
         """What the encoder depends on besides the vocabulary: the added tokens and the template."""
         return len(getattr(tokenizer, "added_tokens_decoder", {}) or {}), str(getattr(tokenizer, "chat_template", None))
 
-    def _private_backend(self, control: set[str]):
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
-            return None
-        from tokenizers import Tokenizer
+    def _private_backend(self):
+        """The backend's copy with every control token split as text (made once, on first use)."""
+        with self._private_lock:
+            if self._private is None:
+                from tokenizers import Tokenizer
 
-        state = json.loads(backend.to_str())
-        state["truncation"] = state["padding"] = None
-        for token in state.get("added_tokens", []):
-            if token["content"] in control:
-                token["special"] = True   # split by encode_special_tokens like the special ones
-        copy = Tokenizer.from_str(json.dumps(state))
-        copy.encode_special_tokens = True
-        return copy
+                state = json.loads(self._backend.to_str())
+                state["truncation"] = state["padding"] = None
+                for token in state.get("added_tokens", []):
+                    if token["content"] in self.control_strings:
+                        token["special"] = True   # split by encode_special_tokens like the special ones
+                copy = Tokenizer.from_str(json.dumps(state))
+                copy.encode_special_tokens = True
+                self._private = copy
+            return self._private
 
-    def _encode_backend(self, text: str) -> list[int]:
+    def _encode_shared(self, text: str) -> list[int] | None:
+        """The ids of text holding no control string, from the tokenizer's own backend; None where
+        that backend's result is not the plain one: a control token found after all (through its
+        normalizer), or truncation or padding another caller left set on the shared backend."""
         # encode_batch releases the GIL while it works (encode holds it: ~0.8 s on a 540k-character
         # prompt, during which a server's event loop could not answer even /health).
-        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        encoding = self._backend.encode_batch([text], add_special_tokens=False)[0]
+        ids = encoding.ids
+        if encoding.overflowing or sum(encoding.attention_mask) != len(ids) or self.control_ids.intersection(ids):
+            return None
+        return ids
+
+    def _encode_backend(self, text: str) -> list[int]:
+        ids = None if self.contains_control(text) else self._encode_shared(text)
+        if ids is None:
+            ids = self._private_backend().encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
 
     def _encode_wrapper(self, text: str) -> list[int]:
         with split_flag_lock:

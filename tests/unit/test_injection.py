@@ -109,6 +109,29 @@ def test_control_strings_become_ordinary_tokens_and_text_keeps_its_ids(tokenizer
     check_text_tokenization(tokenizer)
 
 
+def test_ordinary_text_runs_on_the_shared_backend_and_hostile_text_on_a_private_copy():
+    """The private copy of the tokenizer (a second vocabulary: 48 MB at Qwen2.5's 151k tokens) is
+    made only for text holding a control string; truncation or padding another caller left on the
+    shared backend does not cut or pad the text's ids."""
+    from transformers import AutoTokenizer
+
+    from ragblend.core.text_encoder import TextEncoder
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    encoder = TextEncoder(tok)
+    expected = {text: list(tok(text, add_special_tokens=False)["input_ids"]) for text in ORDINARY + [FACT]}
+    for text in ORDINARY + [FACT]:
+        assert encoder(text) == expected[text]
+    assert encoder._private is None                        # never made for ordinary text
+    tok.backend_tokenizer.enable_truncation(max_length=3)   # as a caller's truncation=True call leaves it
+    tok.backend_tokenizer.enable_padding(length=64)
+    assert encoder(FACT) == expected[FACT]
+    tok.backend_tokenizer.no_truncation()
+    tok.backend_tokenizer.no_padding()
+    hostile = encoder(HOSTILE_DOC)
+    assert encoder._private is not None and not controls(tok, hostile) and tok.decode(hostile) == HOSTILE_DOC
+
+
 def test_template_parts_equal_the_old_rendering_for_ordinary_text(tokenizer, llama3_tokenizer):
     for tok in (tokenizer, llama3_tokenizer):
         builder = PromptBuilder(tok)

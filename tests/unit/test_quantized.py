@@ -410,7 +410,7 @@ def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
     kernel_form = codes * sz[..., 0].T.repeat_interleave(32, 1) + (sz[..., 1] - 8 * sz[..., 0]).T.repeat_interleave(32, 1)
     assert (kernel_form - reference).abs().max() > 1000 * ulp
     held = {name: b.dtype for name, b in layer.named_buffers() if name not in ("packed", "scales_and_zeros")}
-    assert held == {"Q4_0": {"scale_residuals": torch.int8}, "Q4_1": {"exact_scales": torch.float16},
+    assert held == {"Q4_0": {"scale_residual_nibbles": torch.uint8}, "Q4_1": {"exact_scales": torch.float16},
                     "Q4_K": {"q4_k_heads": torch.uint8}}[type_name]
     _, scales, low = four_bit_groups(raw, type_name)   # the file's own scales and minimums, bit for bit
     groups = codes.reshape(rows, -1, 32)
@@ -422,7 +422,7 @@ def test_a_long_pass_dequantizes_4_bit_weights_to_the_files_values(type_name):
 def test_a_q4_0_scale_is_held_as_a_byte_beside_the_kernels_and_read_back_bit_for_bit():
     """Every finite float16 scale (subnormals, negatives, zero, the largest) comes back exactly
     from its bfloat16 rounding and a residual of -4..4: what lets Q4_0 drop its stored copy."""
-    from ragblend.core.model.quantized import exact_from_residuals, scale_residuals
+    from ragblend.core.model.quantized import exact_from_residuals, pack_nibbles, scale_residuals, unpack_nibbles
 
     halves = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
     scales = halves[torch.isfinite(halves)].float().reshape(-1, 32)
@@ -431,6 +431,10 @@ def test_a_q4_0_scale_is_held_as_a_byte_beside_the_kernels_and_read_back_bit_for
     assert residuals.dtype == torch.int8 and residuals.abs().max() == 4
     assert torch.equal(exact_from_residuals(kernel, residuals).view(torch.int32), scales.view(torch.int32))
     assert torch.equal(exact_from_residuals(kernel.T, residuals.T).view(torch.int32), scales.T.view(torch.int32))
+    for groups in (32, 31):   # half a byte a group, an odd count of groups too
+        nibbles = pack_nibbles(residuals[:, :groups])
+        assert nibbles.dtype == torch.uint8 and nibbles.shape[1] == (groups + 1) // 2
+        assert torch.equal(unpack_nibbles(nibbles, groups), residuals[:, :groups])
 
 
 def test_a_long_pass_and_a_lookup_read_q5_0_and_q8_0_weights_exactly_from_the_file(models):

@@ -258,8 +258,8 @@ def quantized_estimate(gguf) -> int:
         count = int(math.prod(info.shape))
         if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
             # packed codes, the kernel's bfloat16 scales and zeros, and the file's scales for the prefill:
-            # Q4_0's a byte a group (see quantized.scale_residuals), Q4_1's float16 pairs, Q4_K's 16 bytes a block
-            total += count // 2 + count // 32 * (4 + {"Q4_0": 1, "Q4_1": 4, "Q4_K": 2}[info.type_name])
+            # Q4_0's half a byte a group (see quantized.scale_residuals), Q4_1's float16 pairs, Q4_K's 16 bytes a block
+            total += count // 2 + count // 64 * (8 + {"Q4_0": 1, "Q4_1": 8, "Q4_K": 4}[info.type_name])
         elif info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
             total += count + info.shape[0] * 4
         else:

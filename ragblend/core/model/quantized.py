@@ -6,9 +6,9 @@ Each weight is held in one form, the nearest PyTorch's CPU kernels read:
 * Q4_0, Q4_1, Q4_K: the file's own 4-bit codes in groups of 32 (Q4_K's 6-bit sub-block scales
   and minimums multiplied out per group), packed for ``aten._weight_int4pack_mm_for_cpu``, with
   bfloat16 scales and zeros (the kernel's, for decoding) and the file's own scales and minimums
-  (Q4_0's float16 scale as a byte a group beside the kernel's: :func:`scale_residuals`; Q4_1's
+  (Q4_0's float16 scale as half a byte a group beside the kernel's: :func:`scale_residuals`; Q4_1's
   in float16; Q4_K's blocks' own 16 bytes of scales): what a longer pass dequantizes with, so its
-  weights are the file's to float32 rounding. ~0.66 bytes a weight (Q4_1 0.75, Q4_K 0.69).
+  weights are the file's to float32 rounding. ~0.64 bytes a weight (Q4_1 0.75, Q4_K 0.69).
 * Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: 8-bit codes, one scale per output row (the nearest 8-bit form:
   the rounding is a fraction of the file's own step), for ``aten._weight_int8pack_mm``: ~1 byte.
   Those rows round the file's weights again, so for Q5_0 and Q8_0 a longer pass, an embedding
@@ -270,12 +270,12 @@ class QuantLinear(torch.nn.Module):
         # bits: enough for a decoding step, but a prefill on them parted from the float32 file's
         # answers (docs/benchmarks.md). The dequantized long pass reads the file's own scales and
         # minimums: for Q4_0 (minimum = -8 x scale) the float16 scale as its distance from the
-        # kernel's, +1 byte a group; for Q4_K the file's 16 bytes of scales a block (their products
+        # kernel's, +half a byte a group; for Q4_K the file's 16 bytes of scales a block (their products
         # would take 8 bytes a group in float32); else both, in float16 where that holds them (Q4_1).
         if q4_k_heads is not None:
             tensors["q4_k_heads"] = torch.from_numpy(np.ascontiguousarray(q4_k_heads))
         elif torch.equal(low, -8 * scales) and torch.equal(scales.half().float(), scales):
-            tensors["scale_residuals"] = scale_residuals(scales, scales_and_zeros[..., 0].T)
+            tensors["scale_residual_nibbles"] = pack_nibbles(scale_residuals(scales, scales_and_zeros[..., 0].T))
         else:
             exact_scales = torch.stack([scales, low], dim=-1)
             if torch.equal(exact_scales.half().float(), exact_scales):
@@ -289,11 +289,12 @@ class QuantLinear(torch.nn.Module):
         heads = getattr(self, "q4_k_heads", None)
         if heads is not None:
             return q4_k_scales(heads[start:stop].numpy())
-        residuals = getattr(self, "scale_residuals", None)
-        if residuals is None:
+        nibbles = getattr(self, "scale_residual_nibbles", None)
+        if nibbles is None:
             exact = self.exact_scales[start:stop].float()
             return exact[..., 0], exact[..., 1]
-        scales = exact_from_residuals(self.scales_and_zeros[:, start:stop, 0].T, residuals[start:stop])
+        kernel_scales = self.scales_and_zeros[:, start:stop, 0].T
+        scales = exact_from_residuals(kernel_scales, unpack_nibbles(nibbles[start:stop], kernel_scales.shape[1]))
         return scales, -8 * scales
 
     # -- computing
@@ -380,6 +381,22 @@ def scale_residuals(scales: torch.Tensor, kernel_scales: torch.Tensor) -> torch.
     difference of their bit patterns is that of their magnitudes)."""
     difference = scales.contiguous().view(torch.int32) - kernel_scales.float().contiguous().view(torch.int32)
     return (difference >> RESIDUAL_SHIFT).to(torch.int8).contiguous()
+
+
+def pack_nibbles(residuals: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[rows, ceil(groups / 2)]``: the residuals ``[rows, groups]`` (-4..4, :func:`scale_residuals`)
+    as 4-bit two's complement, two groups a byte (the even one in the low nibble): half a byte a
+    group, 0.024 GB of a 1.5B model's 0.048 GB as bytes."""
+    rows, groups = residuals.shape
+    nibbles = torch.zeros(rows, groups + groups % 2, dtype=torch.uint8)
+    nibbles[:, :groups] = residuals.to(torch.uint8) & 15
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(nibbles: torch.Tensor, groups: int) -> torch.Tensor:
+    """int8 ``[rows, groups]``, the residuals :func:`pack_nibbles` packed."""
+    both = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)[:, :groups]
+    return ((both ^ 8).to(torch.int8) - 8)   # 4-bit two's complement, sign-extended
 
 
 def exact_from_residuals(kernel_scales: torch.Tensor, residuals: torch.Tensor) -> torch.Tensor:
