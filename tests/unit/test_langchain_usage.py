@@ -40,3 +40,22 @@ def test_the_usage_recipe_reports_the_engines_cache_read(tokenizer, capsys):
     printed = capsys.readouterr().out.splitlines()[-1]
     assert printed.endswith(f"{counts['input_tokens']} prompt tokens, {cached_tokens(engine.last_stats)} of them "
                             "from the KV store")
+
+
+def test_the_history_recipe_reuses_the_earlier_turns(tokenizer, monkeypatch, capsys):
+    """docs/integrations.md's conversation recipe (MessagesPlaceholder): its second turn reuses the
+    first turn's prompt and answer, and the cache_read it prints is the engine's."""
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    (code,) = re.findall(r"<!-- history recipe -->\n```python\n(.*?)```", text, flags=re.S)
+    engine = make_tiny_engine("qwen2", tokenizer, history_pieces=True)
+    # a first turn is kept by a background pass; run it at once so the second turn surely finds it
+    monkeypatch.setattr(engine.runner.background, "submit", lambda fn, *args: fn(*args))
+    assert code.count("BlendEngine.from_pretrained()") == 1
+    names = {"TINY_ENGINE": engine}
+    exec(compile(code.replace("BlendEngine.from_pretrained()", "TINY_ENGINE"), "docs/integrations.md", "exec"), names)
+    first, second = capsys.readouterr().out.splitlines()[-2:]
+    stats = engine.last_stats
+    assert stats.prefix_tokens + stats.history_tokens > 0
+    assert second.endswith(f"| {cached_tokens(stats)} of {stats.prompt_tokens} prompt tokens reused")
+    assert int(second.split("|")[-1].split()[0]) > int(first.split("|")[-1].split()[0])
+    assert [type(m).__name__ for m in names["history"]] == ["HumanMessage", "AIMessage"] * 2
