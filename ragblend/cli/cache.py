@@ -50,12 +50,14 @@ def _is_broken_database(err: BaseException) -> bool:
 
 
 def run(args) -> int:
-    from ragblend.core.store.tiers import check_store_folder
+    from ragblend.core.store.tiers import DATABASE, MARKER, check_store_folder
 
     if args.action == "fill":   # opens (or creates) the index's store like ingest does
         return _fill(args)
     folder = _store_folder(args)
-    if not (folder / "cache.db").exists():   # look, never create
+    if (folder / MARKER).exists():   # a damaged marker is said as an engine opening the folder says it
+        check_store_folder(folder, create=False)
+    if not (folder / DATABASE).exists():   # look, never create
         print(f"No KV store at {folder}: nothing has been stored there yet.")
         return 0
     # Only a folder that is a ragblend store is read or changed (--kv-dir may be any folder).

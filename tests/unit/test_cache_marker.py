@@ -149,7 +149,20 @@ def test_a_bad_marker_is_refused_saying_what_is_wrong_and_what_to_do(tmp_path, c
     with pytest.raises(NotAStoreError) as caught:
         DiskStore(folder, SPEC)
     assert says in str(caught.value) and f"delete its {MARKER}" in str(caught.value)
+    for action in ("stats", "clear"):   # the cache commands say the same, not "nothing stored yet"
+        assert main(["cache", action, "--kv-dir", str(folder)]) == 2
+        assert says in capsys.readouterr().err
     assert snapshot(folder) == {MARKER: content.encode()}
+
+
+def test_cache_stats_on_a_store_with_only_its_marker_creates_nothing(tmp_path, capsys):
+    folder = tmp_path / "kv"
+    DiskStore(folder, SPEC).close()
+    (folder / "cache.db").unlink()
+    before = snapshot(folder)
+    assert main(["cache", "stats", "--kv-dir", str(folder)]) == 0
+    assert "nothing has been stored there yet" in capsys.readouterr().out
+    assert snapshot(folder) == before
 
 
 def test_clear_deletes_nothing_in_a_broken_folder_without_the_marker(tmp_path, capsys):
