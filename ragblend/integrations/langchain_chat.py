@@ -70,6 +70,22 @@ def _role(message: BaseMessage) -> str:
     return message.type
 
 
+# Content blocks a text-only model cannot read (LangChain's standard and OpenAI-style kinds).
+MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file"})
+
+
+def _refuse_media(messages: Sequence[BaseMessage]) -> None:
+    """Refuse an image, audio, video or file block instead of dropping it: the model would answer
+    as if it had seen it (as ``ragblend serve`` refuses them with a 400)."""
+    for i, message in enumerate(messages):
+        for block in message.content if isinstance(message.content, list) else ():
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind in MEDIA_BLOCKS:
+                raise InvalidInputError(f"BlendChatModel: messages[{i}] holds a {kind!r} content block, and the "
+                                        "local model reads text only; send its text (or a description) as a "
+                                        "text block instead.")
+
+
 def _check_max_tokens(max_tokens):
     """``max_tokens`` if it is None (then 256 at most) or an integer >= 1; anything else is an error,
     never a silent default."""
@@ -152,6 +168,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
         return self.as_chat(self._laid_out(messages, kv_chunks))   # a long stuffed first message keeps none
 
     def _laid_out(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
+        _refuse_media(messages)
         engine = self.engine
         turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")

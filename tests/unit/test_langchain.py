@@ -118,3 +118,24 @@ def test_generic_chat_messages_keep_their_role(tokenizer):
     generic = engine.last_prompt.token_ids
     chat.invoke([SystemMessage("Be brief."), HumanMessage("Hi")])
     assert generic == engine.last_prompt.token_ids
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    {"type": "image", "source_type": "base64", "data": "iVBORw0KGgo=", "mime_type": "image/png"},
+    {"type": "file", "source_type": "base64", "data": "JVBERi0=", "mime_type": "application/pdf"},
+])
+def test_a_media_block_is_refused_not_dropped(tokenizer, block):
+    """A text-only model would answer as if it had seen the image: refused, as the server does."""
+    from langchain_core.messages import HumanMessage
+
+    from ragblend.core.errors import InvalidInputError
+
+    from ..conftest import make_tiny_engine
+
+    engine = make_tiny_engine("llama", tokenizer)
+    chat = BlendChatModel(engine=engine, max_tokens=2)
+    with pytest.raises(InvalidInputError, match=f"messages\\[0\\] holds a '{block['type']}' content block"):
+        chat.invoke([HumanMessage(content=[{"type": "text", "text": "What is in this?"}, block])])
+    assert engine.last_stats is None
+    assert chat.invoke([HumanMessage(content=[{"type": "text", "text": "Hi"}])]).content is not None
