@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from jinja2 import TemplateError
 
 from .errors import InvalidInputError
 from .text_encoder import check_text, split_flag_lock
+
+T = TypeVar("T")   # what a chat turn carries besides its role (a text, or a text and its blocks)
 
 # A role is written into the template as template text (``'<|im_start|>' + role``), so it
 # must be a plain name, never free text.
@@ -41,6 +43,22 @@ def checked_history(history) -> list[tuple[str, str]]:
             raise InvalidInputError(f"history turn {i} must be a (role, text) pair, got {type(turn).__name__}.")
         turns.append((_checked_role(turn[0], f"history turn {i}'s"), check_text(turn[1], f"history turn {i}")))
     return turns
+
+
+def split_chat(turns: Sequence[tuple[str, T]], who: str = "The chat") -> tuple[T | None, list[tuple[str, T]], T]:
+    """``(system, history, last)`` of a chat's ``(role, value)`` turns, roles the template's
+    ("system", "user", "assistant"), as ``apply_chat_template`` renders them: a first system
+    turn is the system prompt (an empty one too, so a template's default prompt is not put in
+    its place), the turns after it the history in their order (a later system turn keeps its
+    place), the last turn, which must be the user's, the question. The one splitter of the
+    library (BlendLLM.chat, BlendChatModel) and the server (``ChatPrompt.parse``)."""
+    turns = list(turns)
+    if not turns or turns[-1][0] != "user":
+        raise InvalidInputError(f"{who} needs the last message to be the user's: ragblend answers a user turn; "
+                                "it does not continue an assistant's or answer a system message alone.")
+    if turns[0][0] != "system":
+        return None, turns[:-1], turns[-1][1]
+    return turns[0][1], turns[1:-1], turns[-1][1]
 
 
 def _checked_messages(messages) -> list[tuple[str, str]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from .background import Background
-from .decode.prefix_cache import is_bypassed
+from .decode.prefix_cache import PrefixHit, is_bypassed
 from .fusion.ingest import Ingestion, packs
 from .model.adapter import ModelAdapter
 from .plan import StrategyPlan
@@ -38,16 +38,18 @@ class HistoryPieces:
         """Whether conversations' turns are kept as pieces (switched on, with memory for them)."""
         return self.enabled and self.piece_store.max_bytes > 0
 
-    def mark(self, layout: PromptLayout, plan: StrategyPlan) -> tuple[PromptLayout, bool]:
+    def mark(self, layout: PromptLayout, plan: StrategyPlan, found: PrefixHit | None) -> tuple[PromptLayout, bool]:
         """``layout`` with the stored pieces of its conversation's earlier turns marked (.pieces), and
         whether this turn's are to be kept once answered. Only a conversation's turns (chat messages
         with earlier turns), and a chat request's first turn, are worth keeping: a single-shot query
-        would pay a background pass for text that is never asked again."""
+        would pay a background pass for text that is never asked again. ``found``: the prefix tier's
+        longest prefix of the prompt (:meth:`.PrefixReuse.lookup`); where it covers the history, the
+        tier serves all a piece could."""
         pieces = self.keeps and (layout.conversation or layout.chat) and plan.engine_default and plan.reuses \
             and not is_bypassed()
         if pieces and layout.conversation:   # a first turn has no earlier one to find
             end = self.last_message_start(layout.token_ids)
-            if not self.prefix.reaches(layout, plan, end):   # else the tier serves all a piece could
+            if not self.prefix.reaches(layout, plan, end, found):
                 prompts = self.ingestion.prompts
                 layout = with_pieces(layout, self.index.finder, start=prompts.opening_length(layout.token_ids),
                                      end=end, control_ids=prompts.text_encoder.control_ids)

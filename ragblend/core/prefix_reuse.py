@@ -35,37 +35,35 @@ class PrefixReuse:
         """What this engine's K/V in the prefix tier are keyed under, besides their token ids."""
         return PrefixScope(self.ingestion.fingerprint, str(self.kv_dtype), exact, namespace)
 
-    def reaches(self, layout: PromptLayout, plan: StrategyPlan, end: int) -> bool:
-        """Whether the prefix tier holds this prompt's first ``end`` tokens (uncounted: :meth:`hit`
-        counts the lookup that serves it)."""
+    def lookup(self, layout: PromptLayout, plan: StrategyPlan) -> PrefixHit | None:
+        """The longest stored prefix of this prompt, exact K/V or fused (uncounted), or None where the
+        tier is off or not read for this prompt. Looked up once per prompt: :meth:`reaches` (whether
+        pieces are worth marking) and :meth:`hit` (what the prefill reuses) both take it."""
         prefix = self.prefix
-        if prefix is None or not plan.engine_default:
-            return False
-        hit = self._lookup(prefix, layout, end)
-        # Only a hit that hit() will take: one it refuses would leave the history to no piece.
-        return hit is not None and hit.num_tokens >= end and self.pays(layout, plan, hit.num_tokens)
+        if prefix is None or is_bypassed() or not plan.engine_default:
+            return None
+        return prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)], layout.token_ids)
 
-    def hit(self, layout: PromptLayout, plan: StrategyPlan) -> PrefixHit | None:
-        """The stored K/V of the longest prefix of this prompt that it pays to reuse, or None. Only
-        where the prefix is at least as long as the chunk tokens after it, which fusing the
-        whole prompt instead could reuse. The whole prompt is a hit only with its stored logits (an
-        exact repeat computes nothing); else the last token is computed: its logits are the answer's."""
+    def reaches(self, layout: PromptLayout, plan: StrategyPlan, end: int, found: PrefixHit | None) -> bool:
+        """Whether ``found`` (:meth:`lookup`'s) covers this prompt's first ``end`` tokens, and
+        :meth:`hit` will take it: one it refuses would leave the history to no piece."""
+        return found is not None and found.num_tokens >= end and self.pays(layout, plan, found.num_tokens)
+
+    def hit(self, layout: PromptLayout, plan: StrategyPlan, found: PrefixHit | None) -> PrefixHit | None:
+        """What the prefill reuses of ``found`` (:meth:`lookup`'s, of this prompt's tokens), counted:
+        only a prefix at least as long as the chunk tokens after it, which fusing the whole prompt
+        instead could reuse. The whole prompt is a hit only with its stored logits (an exact repeat
+        computes nothing); else the last token is computed: its logits are the answer's."""
         prefix = self.prefix   # read once: a caller may switch the tier off meanwhile
         if prefix is None or is_bypassed() or not plan.engine_default:
             return None
-        n = len(layout.token_ids)
-        hit = self._lookup(prefix, layout, n)
+        n, hit = len(layout.token_ids), found
         if hit is not None and hit.num_tokens == n and hit.logits is None:
             hit = hit.first(n - 1)   # the whole prompt without its logits: the last token is computed
         if hit is not None and not self.pays(layout, plan, hit.num_tokens):
             hit = None
         prefix.count(hit)
         return hit
-
-    def _lookup(self, prefix: PrefixCache, layout: PromptLayout, limit: int) -> PrefixHit | None:
-        """The longest stored prefix of this prompt's first ``limit`` tokens, exact K/V or fused."""
-        return prefix.lookup([self.scope(exact, layout.namespace) for exact in (True, False)],
-                             layout.token_ids, limit=limit)
 
     @staticmethod
     def pays(layout: PromptLayout, plan: StrategyPlan, reused: int) -> bool:

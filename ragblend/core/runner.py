@@ -68,8 +68,9 @@ class PrefillRunner:
         stats = Stats(prompt_tokens=n, strategy=plan.name, strategy_reason=plan.reason)
         faults_before = store.faults
         computed: dict = {}  # chunks computed during this call, by key
-        layout, pieces = self.history.mark(layout, plan)
-        hit = self.prefixes.hit(layout, plan)
+        found = self.prefixes.lookup(layout, plan)   # the tier looked up once per prompt: pieces and prefill
+        layout, pieces = self.history.mark(layout, plan, found)
+        hit = self.prefixes.hit(layout, plan, found)
         # A stored entry can turn out corrupt mid-fusion; it is then dropped and the
         # prefill restarts, at most once per entry.
         attempts = len(layout.chunk_spans) + 1

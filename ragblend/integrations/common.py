@@ -12,9 +12,9 @@ from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, Field, SecretStr
 
+from ragblend.core.chat_template import split_chat
 from ragblend.core.decode.generate import SamplingParams
 from ragblend.core.engine import BlendEngine, Stats
-from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
 from ragblend.serving.client import Backend, RemoteEngine
@@ -92,13 +92,11 @@ def template_role(name: str, unknown: str | None = None) -> str:
 
 
 def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
-    """``(system, history, last user text)`` from ``(role, text)`` turns, role one of
-    "system", "user", "assistant": system texts are joined, the last turn must be the user's."""
-    system = "\n\n".join(text for role, text in turns if role == "system") or None
-    rest = [(role, text) for role, text in turns if role != "system"]
-    if not rest or rest[-1][0] != "user":
-        raise InvalidInputError(f"{framework} needs the last message to be from the user.")
-    return system, rest[:-1], rest[-1][1]
+    """``(system, history, last user text)`` from ``(role, text)`` turns, role one of "system",
+    "user", "assistant", in the order the chat template renders them: the core's one splitter
+    (:func:`ragblend.core.chat_template.split_chat`), as the server uses it. An empty first
+    system message stays (the system prompt ""), a later one keeps its place in the history."""
+    return split_chat(turns, framework)
 
 
 def token_usage(stats: Stats) -> dict[str, Any]:

@@ -154,7 +154,9 @@ class BlendLLM(EngineFields, CustomLLM):
         # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
         turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
-        layout = self.engine.find_chunks(text, system=system or self.system_prompt or None, history=history)
+        if self.system_prompt:   # the field's prompt leads the chat's own, in one system message (see _extend_messages)
+            system = f"{self.system_prompt}\n\n{system}" if system else self.system_prompt
+        layout = self.engine.find_chunks(text, system=system, history=history)
         return self.as_chat(layout) if chat else layout   # a completion (a query engine's prompt) keeps none
 
     def _stream_chat(self, messages: Sequence[ChatMessage], chat: bool = True, **kwargs: Any) -> ChatResponseGen:
@@ -169,6 +171,12 @@ class BlendLLM(EngineFields, CustomLLM):
     def _chat(self, messages: Sequence[ChatMessage], chat: bool = True, **kwargs: Any) -> ChatResponse:
         *_, last = self._stream_chat(messages, chat, **kwargs)
         return last.model_copy(update={"delta": None})
+
+    def _extend_messages(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+        # LlamaIndex puts the LLM's system_prompt before the messages as a system message of its own:
+        # before a chat engine's (its context), that is a second system message, which templates such
+        # as Gemma 3's refuse. _chat_layout joins it to the chat's first system message instead.
+        return list(messages)
 
     def _as_messages(self, prompt: str) -> list[ChatMessage]:
         return [ChatMessage(role=MessageRole.USER, content=prompt)]   # the system prompt is added in _chat_layout

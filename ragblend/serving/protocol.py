@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from ragblend.core.chat_template import split_chat
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.fusion.strategies import STRATEGIES, STRATEGY_NAMES, strategy_from_name
@@ -298,6 +299,20 @@ def _pieces(text: str) -> list[str]:
     return [piece for piece in map(str.strip, text.split(PASSAGE_BREAK)) if piece]
 
 
+def _checked_role(message, i: int) -> str:
+    """The role of ``messages[i]``, a message this server answers (no tool calls)."""
+    if not isinstance(message, dict):
+        raise ApiError(400, f"messages[{i}] must be an object with a role and a content.", param=f"messages[{i}]")
+    role = message.get("role")
+    if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
+        raise ApiError(400, f"messages[{i}] is a tool call or result; this server does not implement "
+                            "tool calling.", param=f"messages[{i}]", code="unsupported_parameter")
+    if role not in ("system", "developer", "user", "assistant"):
+        raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, "
+                            f"got {role!r}.", param=f"messages[{i}].role")
+    return role
+
+
 @dataclass
 class ChatPrompt:
     """A chat request's messages, checked: a first system or developer message is the system
@@ -320,18 +335,9 @@ class ChatPrompt:
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
                            param="messages")
-        system, history, last, parts, chars, unmarked, question, turns = None, [], None, 0, 0, [], [], []
+        parts, chars, said = 0, 0, []
         for i, message in enumerate(messages):
-            if not isinstance(message, dict):
-                raise ApiError(400, f"messages[{i}] must be an object with a role and a content.",
-                               param=f"messages[{i}]")
-            role = message.get("role")
-            if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
-                raise ApiError(400, f"messages[{i}] is a tool call or result; this server does not implement "
-                                    "tool calling.", param=f"messages[{i}]", code="unsupported_parameter")
-            if role not in ("system", "developer", "user", "assistant"):
-                raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, "
-                                    f"got {role!r}.", param=f"messages[{i}].role")
+            role = _checked_role(message, i)
             content = message.get("content")
             if isinstance(content, list):
                 parts += len(content)
@@ -339,24 +345,22 @@ class ChatPrompt:
                     raise ApiError(400, f"The messages hold more than {MAX_PARTS} content blocks; merge them.",
                                    param=f"messages[{i}].content")
             text, segments = _text_of(content, f"messages[{i}]")
-            plain = [text] if text is not None else [s for s in segments if isinstance(s, str)]
             chars += len(_joined(text, segments))
             limit.check(chars, "The messages", "messages")
-            if role in ("system", "developer") and i == 0:
-                system = _joined(text, segments)   # "" stays an (empty) system prompt: no template default
-            elif i == len(messages) - 1 and role == "user":
-                last, question = (text, segments), plain
-                continue
-            else:   # in order, as apply_chat_template renders them; OpenAI's developer role is a system one
-                history.append(("system" if role == "developer" else role, _joined(text, segments)))
-                turns += plain
-            unmarked += plain
-        if last is None:
+            plain = [text] if text is not None else [s for s in segments if isinstance(s, str)]
+            said.append(("system" if role == "developer" else role, (text, segments, plain)))  # developer: OpenAI's system
+        try:   # the library's splitter: messages in their order, as apply_chat_template renders them
+            system, history, last = split_chat(said, "The request")
+        except InvalidInputError:   # the one thing split_chat refuses
             raise ApiError(400, "The last message must be the user's: end `messages` with a "
                                 "{\"role\": \"user\", \"content\": ...} message (this server answers a user "
                                 "turn; it does not continue an assistant's or answer a system message alone).",
-                           param="messages")
-        return cls(system, history, *last, unmarked, question, turns)
+                           param="messages") from None
+        unmarked = [t for _, (_, _, plain) in said[:-1] for t in plain]
+        turns = [t for _, (_, _, plain) in history for t in plain]
+        history = [(role, _joined(text, segments)) for role, (text, segments, _) in history]
+        system = None if system is None else _joined(*system[:2])   # "" stays: no template default
+        return cls(system, history, last[0], last[1], unmarked, last[2], turns)
 
     def passages(self, history: bool = True) -> list[str]:
         """The passages of the messages' unmarked text but the question's (see :func:`passages`);

@@ -175,4 +175,5 @@ def test_prefix_reuse_pays_only_where_the_prefix_is_as_long_as_the_chunks_after_
                             num_layers=engine.adapter.shape.num_layers)
     assert not PrefixReuse.pays(layout, plan, span.start)   # the whole chunk after it: fusing reuses more
     assert PrefixReuse.pays(layout, plan, span.end)
-    assert PrefixReuse(engine.adapter, engine.ingestion, engine.lock, None).hit(layout, plan) is None   # tier off
+    off = PrefixReuse(engine.adapter, engine.ingestion, engine.lock, None)   # tier off
+    assert off.lookup(layout, plan) is None and off.hit(layout, plan, None) is None

@@ -1,0 +1,174 @@
+"""A chat's messages reach the model in the order ``apply_chat_template`` renders them, through
+BlendLLM.chat (LlamaIndex), BlendChatModel (LangChain) and the server's ChatPrompt alike (one
+splitter: ragblend.core.chat_template.split_chat): an empty first system message stays the system
+prompt (no template default in its place), a later system message keeps its place, and a template
+refusing an order is a ragblend error, not a Jinja traceback."""
+
+import copy
+
+import pytest
+
+from ragblend.core.chat_template import split_chat
+from ragblend.core.errors import InvalidInputError
+from ragblend.serving.protocol import ApiError, ChatPrompt, TextLimit
+
+from ..conftest import make_tiny_engine
+
+# SmolLM2-135M-Instruct's template: a chat without a first system message gets its default one.
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Gemma 3's instruction-tuned template (google/gemma-3-*-it, text part): the first system message
+# is folded into the first user turn, any other order of roles is refused.
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {{- message['content'] | trim }}
+    {{- '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+EMPTY_SYSTEM = [("system", ""), ("user", "Where does the ferry leave from?")]
+MID_SYSTEM = [("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello."),
+              ("system", "Answer in French from now on."), ("user", "Where does the ferry leave from?")]
+TWO_SYSTEMS = [("system", "Be brief."), ("system", "Context: the ferry leaves from Pier 4."),
+               ("user", "Where does the ferry leave from?")]
+
+
+def _engine(tokenizer, template):
+    with_template = copy.deepcopy(tokenizer)
+    with_template.chat_template = template
+    return make_tiny_engine("llama", with_template)
+
+
+def _expected(engine, turns):
+    return engine.tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns],
+                                                tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def _llamaindex_chat(engine, turns):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+
+    from ragblend import BlendLLM
+
+    BlendLLM(engine=engine, max_new_tokens=1).chat([ChatMessage(role=r, content=t) for r, t in turns])
+    return engine.last_prompt.token_ids
+
+
+def _langchain_chat(engine, turns):
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+    from ragblend import BlendChatModel
+
+    kinds = {"system": SystemMessage, "user": HumanMessage, "assistant": AIMessage}
+    BlendChatModel(engine=engine, max_tokens=1).invoke([kinds[r](t) for r, t in turns])
+    return engine.last_prompt.token_ids
+
+
+def _served(engine, turns):
+    prompt = ChatPrompt.parse([{"role": r, "content": t} for r, t in turns], TextLimit(engine))
+    return prompt.layout(engine, find_chunks=False).token_ids
+
+
+CHATS = {"llamaindex": _llamaindex_chat, "langchain": _langchain_chat, "server": _served}
+
+
+def test_the_splitter_keeps_the_order_the_template_renders():
+    assert split_chat(EMPTY_SYSTEM) == ("", [], "Where does the ferry leave from?")
+    assert split_chat(MID_SYSTEM) == ("Be brief.", MID_SYSTEM[1:-1], MID_SYSTEM[-1][1])
+    assert split_chat([("user", "Hi"), ("system", "Be brief."), ("user", "Bye")]) == (
+        None, [("user", "Hi"), ("system", "Be brief.")], "Bye")
+    for turns in ([], [("system", "Be brief.")], [("user", "Hi"), ("assistant", "Hello.")]):
+        with pytest.raises(InvalidInputError, match="last message to be the user's"):
+            split_chat(turns, "BlendLLM.chat")
+
+
+@pytest.mark.parametrize("via", CHATS)
+def test_an_empty_system_message_stays_and_keeps_the_default_out(tokenizer, via):
+    engine = _engine(tokenizer, SMOLLM2_TEMPLATE)
+    ids = CHATS[via](engine, EMPTY_SYSTEM)
+    assert ids == _expected(engine, EMPTY_SYSTEM)
+    assert "SmolLM" not in engine.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("via", CHATS)
+def test_a_mid_chat_system_message_keeps_its_place(tokenizer, via):
+    engine = _engine(tokenizer, SMOLLM2_TEMPLATE)
+    assert CHATS[via](engine, MID_SYSTEM) == _expected(engine, MID_SYSTEM)
+    assert CHATS[via](engine, TWO_SYSTEMS) == _expected(engine, TWO_SYSTEMS)
+
+
+@pytest.mark.parametrize("via", CHATS)
+def test_a_template_refusing_a_second_system_message_is_a_ragblend_error(tokenizer, via):
+    engine = _engine(tokenizer, GEMMA3_TEMPLATE)
+    assert CHATS[via](engine, TWO_SYSTEMS[1:]) == _expected(engine, TWO_SYSTEMS[1:])   # one is fine
+    with pytest.raises(InvalidInputError, match=r"refused these turns \(system, system, user\).*alternate"):
+        CHATS[via](engine, TWO_SYSTEMS)
+
+
+def test_the_server_answers_a_chat_without_a_last_user_message_400(tokenizer):
+    engine = make_tiny_engine("llama", tokenizer)
+    with pytest.raises(ApiError, match="last message must be the user.s") as err:
+        ChatPrompt.parse([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+                         TextLimit(engine))
+    assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_llamaindex_chat_engines_still_reach_the_model_as_their_turns(tokenizer):
+    """The context and condense-plus-context engines send one system message (their context with
+    their system prompt) before the history. BlendLLM's own system_prompt, which LlamaIndex would
+    put before it as a second system message, joins it: Gemma 3's template, which refuses a second
+    system message, answers them as well."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.core import Document, VectorStoreIndex
+    from llama_index.core.chat_engine import CondensePlusContextChatEngine, ContextChatEngine
+    from llama_index.core.embeddings import MockEmbedding
+    from llama_index.core.llms import ChatMessage
+
+    from ragblend import BlendLLM
+
+    index = VectorStoreIndex.from_documents([Document(text="The ferry leaves from Pier 4 at noon.")],
+                                            embed_model=MockEmbedding(embed_dim=8))
+    for kind in (CondensePlusContextChatEngine, ContextChatEngine):
+        for template in (GEMMA3_TEMPLATE, SMOLLM2_TEMPLATE):
+            engine = _engine(tokenizer, template)
+            llm = BlendLLM(engine=engine, max_new_tokens=2, system_prompt="Speak plainly.")
+            chat = kind.from_defaults(index.as_retriever(similarity_top_k=1), llm=llm, system_prompt="Be brief.")
+            chat.chat("Where does the ferry leave from?")
+            chat.chat("When?")
+            assert llm.calls[-1].stats.generated_tokens > 0
+            prompt = engine.tokenizer.decode(engine.last_prompt.token_ids)
+            assert prompt.count("user\n") == 2 and prompt.count("system\n") <= 1, prompt
+            assert prompt.index("Speak plainly.") < prompt.index("Pier 4") < prompt.index("Where does the ferry")
+            assert "Be brief." in prompt
+    # The field joins a chat's system prompt in BlendLLM.chat as well; it is the system prompt of one without.
+    llm = BlendLLM(engine=_engine(tokenizer, SMOLLM2_TEMPLATE), max_new_tokens=1, system_prompt="Speak plainly.")
+    llm.chat([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")])
+    assert llm.engine.tokenizer.decode(llm.engine.last_prompt.token_ids).startswith(
+        "<|im_start|>system\nSpeak plainly.\n\nBe brief.<|im_end|>\n<|im_start|>user\nHi")
+    llm.chat([ChatMessage(role="user", content="Hi")])
+    assert llm.engine.tokenizer.decode(llm.engine.last_prompt.token_ids).startswith(
+        "<|im_start|>system\nSpeak plainly.<|im_end|>\n<|im_start|>user\nHi")
