@@ -15,7 +15,8 @@ def run(args) -> int:
         remeasure_fusion_cost(engine)
     about = engine.describe()
     print(f"Host: {cpu_summary()}")
-    print(f"Model: {about.name} ({about.arch}, {about.num_layers} layers, {about.dtype}, {about.device})")
+    computes_in = str(about.dtype).removeprefix("torch.")   # the activations'; the weights' form is the next line
+    print(f"Model: {about.name} ({about.arch}, {about.num_layers} layers, computes in {computes_in}, {about.device})")
     print(f"Weights: held {about.weights_form}, because: {about.weights_reason}")
     for line in about.weights_lines:
         print(f"  {line}")

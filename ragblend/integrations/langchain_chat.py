@@ -81,7 +81,7 @@ def _refuse_media(messages: Sequence[BaseMessage]) -> None:
         for block in message.content if isinstance(message.content, list) else ():
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in MEDIA_BLOCKS:
-                raise InvalidInputError(f"BlendChatModel: messages[{i}] holds a {kind!r} content block, and the "
+                raise InvalidInputError(f"BlendChatModel: messages[{i}] has {kind!r} content, and the "
                                         "local model reads text only; send its text (or a description) as a "
                                         "text block instead.")
 

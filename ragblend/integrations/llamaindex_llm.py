@@ -63,6 +63,23 @@ class CallRecord:
     stats: Stats
 
 
+# Blocks a text-only model cannot read (LlamaIndex's ImageBlock, AudioBlock, VideoBlock, DocumentBlock).
+MEDIA_BLOCKS = frozenset({"image", "audio", "video", "document"})
+
+
+def _refuse_media(messages: Sequence[ChatMessage]) -> None:
+    """Refuse an image, audio, video or document block instead of dropping it (``content`` holds
+    only the text blocks): the model would answer as if it had seen it, as ``ragblend serve``
+    refuses such blocks with a 400."""
+    for i, message in enumerate(messages):
+        for block in getattr(message, "blocks", ()):
+            kind = getattr(block, "block_type", None)
+            if kind in MEDIA_BLOCKS:
+                raise InvalidInputError(f"BlendLLM.chat: messages[{i}] has {kind} content ({type(block).__name__}), "
+                                        "and the local model reads text only; send its text (or a description) "
+                                        "as a text block instead.")
+
+
 class BlendLLM(EngineFields, CustomLLM):
     """LlamaIndex LLM running a local model through ragblend's KV-fusion engine.
 
@@ -151,6 +168,7 @@ class BlendLLM(EngineFields, CustomLLM):
         yield "", stream.stats
 
     def _chat_layout(self, messages: Sequence[ChatMessage], chat: bool) -> PromptLayout:
+        _refuse_media(messages)
         # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
         turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")

@@ -135,7 +135,7 @@ def test_a_media_block_is_refused_not_dropped(tokenizer, block):
 
     engine = make_tiny_engine("llama", tokenizer)
     chat = BlendChatModel(engine=engine, max_tokens=2)
-    with pytest.raises(InvalidInputError, match=f"messages\\[0\\] holds a '{block['type']}' content block"):
+    with pytest.raises(InvalidInputError, match=f"messages\\[0\\] has '{block['type']}' content"):
         chat.invoke([HumanMessage(content=[{"type": "text", "text": "What is in this?"}, block])])
     assert engine.last_stats is None
     assert chat.invoke([HumanMessage(content=[{"type": "text", "text": "Hi"}])]).content is not None

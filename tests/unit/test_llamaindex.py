@@ -56,3 +56,18 @@ def test_an_abandoned_astream_stops_decoding(tokenizer):
 
     asyncio.run(take_two_then_wait())
     assert llm.calls == [] and engine.last_stats.generated_tokens == 0
+
+def test_an_image_block_is_refused_not_dropped(tokenizer):
+    """ChatMessage.content holds only the text blocks: a text-only model would answer as if it had
+    seen the image. Refused, as the server does."""
+    from llama_index.core.base.llms.types import ImageBlock, TextBlock
+
+    from ragblend.core.errors import InvalidInputError
+
+    engine = make_tiny_engine("llama", tokenizer)
+    llm = BlendLLM(engine=engine, max_new_tokens=2)
+    image = ImageBlock(image=b"\x89PNG\r\n\x1a\n", image_mimetype="image/png")
+    with pytest.raises(InvalidInputError, match=r"messages\[0\] has image content \(ImageBlock\)"):
+        llm.chat([ChatMessage(role="user", blocks=[TextBlock(text="What is in this?"), image])])
+    assert engine.last_stats is None
+    assert llm.chat([ChatMessage(role="user", blocks=[TextBlock(text="Hi")])]).message.content is not None
