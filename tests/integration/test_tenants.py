@@ -102,7 +102,10 @@ def test_a_shared_chunk_is_found_alike_by_every_tenants_first_request(tmp_path):
 
     passage = ("The keeper of the Marrow Point light logs every passing ship in a green ledger; the ledger for "
                "the winter of 1931 records forty-two vessels, the last a grain barge named Osprey that ran "
-               "aground on the sandbar two miles south of the point in the February storm. ")
+               "aground on the sandbar two miles south of the point in the February storm. The crew of six "
+               "walked ashore at low tide, and the barge's cargo of oats was sold where it lay to farmers from "
+               "the villages inland, who carted it away over the sand for a week before the next gale broke "
+               "the hull apart. ")   # long enough beside the prompt that fusing it computes less than a prefill
     BlendEngine.from_pretrained(kv_dir=tmp_path / "kv").generate([Chunk(passage), "Which barge?"], max_new_tokens=1)
     server = tenant_server(BlendEngine.from_pretrained(kv_dir=tmp_path / "kv"))
     prompt = f"Context information is below.\n---------------------\n{passage}\n---------------------\nQuery: Which barge?"
