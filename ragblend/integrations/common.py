@@ -95,7 +95,16 @@ def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
     """``(system, history, last user text)`` from ``(role, text)`` turns, role one of "system",
     "user", "assistant", in the order the chat template renders them: the core's one splitter
     (:func:`ragblend.core.chat_template.split_chat`), as the server uses it. An empty first
-    system message stays (the system prompt ""), a later one keeps its place in the history."""
+    system message stays (the system prompt ""), a later one keeps its place in the history.
+
+    The system messages that open the chat are joined into one first: the frameworks send
+    several there (LlamaIndex's ContextChatEngine its context, then a memory's summary; a
+    LangChain prompt two system templates), and templates such as Gemma 3's and Mistral's
+    refuse a second system turn."""
+    turns = list(turns)
+    lead = next((i for i, (role, _) in enumerate(turns) if role != "system"), len(turns))
+    if lead > 1:
+        turns = [("system", "\n\n".join(text for _, text in turns[:lead])), *turns[lead:]]
     return split_chat(turns, framework)
 
 

@@ -70,8 +70,10 @@ def _role(message: BaseMessage) -> str:
     return message.type
 
 
-# Content blocks a text-only model cannot read (LangChain's standard and OpenAI-style kinds).
-MEDIA_BLOCKS = frozenset({"image", "image_url", "audio", "input_audio", "video", "file"})
+# Content blocks a text-only model cannot read: LangChain's standard kinds, OpenAI's chat and
+# Responses kinds, Anthropic's document and Google's media blocks.
+MEDIA_BLOCKS = frozenset({"image", "image_url", "input_image", "audio", "input_audio", "video", "file",
+                          "input_file", "document", "media"})
 
 
 def _refuse_media(messages: Sequence[BaseMessage]) -> None:

@@ -124,6 +124,7 @@ def test_generic_chat_messages_keep_their_role(tokenizer):
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
     {"type": "image", "source_type": "base64", "data": "iVBORw0KGgo=", "mime_type": "image/png"},
     {"type": "file", "source_type": "base64", "data": "JVBERi0=", "mime_type": "application/pdf"},
+    {"type": "media", "data": "iVBORw0KGgo=", "mime_type": "image/png"},
 ])
 def test_a_media_block_is_refused_not_dropped(tokenizer, block):
     """A text-only model would answer as if it had seen the image: refused, as the server does."""
