@@ -59,7 +59,8 @@ class TextEncoder:
         self.control_strings = tuple(sorted(set(control.values()), key=len, reverse=True))
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._private, self._private_lock = None, threading.Lock()
-        if self._backend is not None and self._encode_shared(self.PROBE) != self._encode_wrapper(self.PROBE):
+        # probed through the path every text takes (a backend left padding falls back to the copy)
+        if self._backend is not None and self._encode_backend(self.PROBE) != self._encode_wrapper(self.PROBE):
             self._backend = None   # the wrapper does more than the Rust tokenizer: use the wrapper
 
     @staticmethod
