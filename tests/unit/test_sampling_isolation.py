@@ -160,7 +160,9 @@ def test_random_sampling_settings_never_fail_a_batch_mate(server, alone, body, f
         assert kind == "done" or isinstance(value, Exception)
     else:   # accepted by the checks: it answers
         assert kind == "done", f"{body} was accepted, then failed: {type(value).__name__}: {value}"
-        assert value.generated_tokens >= 1 and value.finish_reason in ("stop", "length")
+        assert value.finish_reason in ("stop", "length")
+        # An unseeded sample may draw the end token first: no tokens, stopped -- still an answer.
+        assert value.generated_tokens >= 1 or value.finish_reason == "stop"
 
 
 def test_the_batches_really_held_several_answers(server, alone):
