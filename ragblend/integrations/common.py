@@ -8,13 +8,14 @@ import asyncio
 import contextvars
 import os
 import threading
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Iterable, Literal, Optional, Sequence
 
 from pydantic import BaseModel, Field, SecretStr
 
 from ragblend.core.chat_template import split_chat
 from ragblend.core.decode.generate import SamplingParams
 from ragblend.core.engine import BlendEngine, Stats
+from ragblend.core.errors import InvalidInputError
 from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
 from ragblend.serving.client import Backend, RemoteEngine
@@ -106,6 +107,15 @@ def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
     if lead > 1:
         turns = [("system", "\n\n".join(text for _, text in turns[:lead])), *turns[lead:]]
     return split_chat(turns, framework)
+
+
+def refuse_media(media: Iterable[tuple[int, str]], framework: str) -> None:
+    """Refuse the first image, audio, video or file block of a chat instead of dropping it: the
+    text-only model would answer as if it had seen it (``ragblend serve`` refuses such blocks with
+    a 400). ``media`` gives each such block as ``(message index, what it is)``."""
+    for index, kind in media:
+        raise InvalidInputError(f"{framework}: messages[{index}] has {kind} content, and the local model reads "
+                                "text only; send its text (or a description) as a text block instead.")
 
 
 def token_usage(stats: Stats) -> dict[str, Any]:

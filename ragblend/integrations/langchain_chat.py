@@ -48,6 +48,7 @@ from .common import (
     EngineFields,
     iterate_in_thread,
     lazy_engine,
+    refuse_media,
     split_conversation,
     template_role,
     token_usage,
@@ -76,16 +77,13 @@ MEDIA_BLOCKS = frozenset({"image", "image_url", "input_image", "audio", "input_a
                           "input_file", "document", "media"})
 
 
-def _refuse_media(messages: Sequence[BaseMessage]) -> None:
-    """Refuse an image, audio, video or file block instead of dropping it: the model would answer
-    as if it had seen it (as ``ragblend serve`` refuses them with a 400)."""
+def _media_blocks(messages: Sequence[BaseMessage]):
+    """``(index, 'kind')`` of each media block in LangChain messages' content lists."""
     for i, message in enumerate(messages):
         for block in message.content if isinstance(message.content, list) else ():
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in MEDIA_BLOCKS:
-                raise InvalidInputError(f"BlendChatModel: messages[{i}] has {kind!r} content, and the "
-                                        "local model reads text only; send its text (or a description) as a "
-                                        "text block instead.")
+                yield i, repr(kind)
 
 
 def _check_max_tokens(max_tokens):
@@ -170,7 +168,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
         return self.as_chat(self._laid_out(messages, kv_chunks))   # a long stuffed first message keeps none
 
     def _laid_out(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
-        _refuse_media(messages)
+        refuse_media(_media_blocks(messages), "BlendChatModel")
         engine = self.engine
         turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")

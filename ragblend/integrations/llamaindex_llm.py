@@ -47,6 +47,7 @@ from .common import (
     EngineFields,
     iterate_in_thread,
     lazy_engine,
+    refuse_media,
     split_conversation,
     template_role,
     token_usage,
@@ -67,17 +68,13 @@ class CallRecord:
 MEDIA_BLOCKS = frozenset({"image", "audio", "video", "document"})
 
 
-def _refuse_media(messages: Sequence[ChatMessage]) -> None:
-    """Refuse an image, audio, video or document block instead of dropping it (``content`` holds
-    only the text blocks): the model would answer as if it had seen it, as ``ragblend serve``
-    refuses such blocks with a 400."""
+def _media_blocks(messages: Sequence[ChatMessage]):
+    """``(index, 'kind (BlockClass)')`` of each media block (``content`` holds only the text ones)."""
     for i, message in enumerate(messages):
         for block in getattr(message, "blocks", ()):
             kind = getattr(block, "block_type", None)
             if kind in MEDIA_BLOCKS:
-                raise InvalidInputError(f"BlendLLM.chat: messages[{i}] has {kind} content ({type(block).__name__}), "
-                                        "and the local model reads text only; send its text (or a description) "
-                                        "as a text block instead.")
+                yield i, f"{kind} ({type(block).__name__})"
 
 
 class BlendLLM(EngineFields, CustomLLM):
@@ -168,7 +165,7 @@ class BlendLLM(EngineFields, CustomLLM):
         yield "", stream.stats
 
     def _chat_layout(self, messages: Sequence[ChatMessage], chat: bool) -> PromptLayout:
-        _refuse_media(messages)
+        refuse_media(_media_blocks(messages), "BlendLLM.chat")
         # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
         turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")

@@ -67,7 +67,7 @@ def test_an_image_block_is_refused_not_dropped(tokenizer):
     engine = make_tiny_engine("llama", tokenizer)
     llm = BlendLLM(engine=engine, max_new_tokens=2)
     image = ImageBlock(image=b"\x89PNG\r\n\x1a\n", image_mimetype="image/png")
-    with pytest.raises(InvalidInputError, match=r"messages\[0\] has image content \(ImageBlock\)"):
+    with pytest.raises(InvalidInputError, match=r"messages\[0\] has image \(ImageBlock\) content"):
         llm.chat([ChatMessage(role="user", blocks=[TextBlock(text="What is in this?"), image])])
     assert engine.last_stats is None
     assert llm.chat([ChatMessage(role="user", blocks=[TextBlock(text="Hi")])]).message.content is not None
