@@ -51,13 +51,30 @@ from ragblend.data import load_sample
 from .common import MUSIQUE, RUNS_DIR, TokenClock, percentile, prompt_sets, report_per_model, rouge_l
 from .models import MODELS, model_path
 
+_REFERENCES: dict = {}
+
+
+def transformers_reference(hf_model):
+    """``hf_model``, or for a GGUF model on ragblend's own modules (no ``generate``) transformers'
+    model of the same file in float32, built once."""
+    if hasattr(hf_model, "generate"):
+        return hf_model
+    if id(hf_model) not in _REFERENCES:
+        from ragblend.core.model.gguf_file import read_gguf
+        from ragblend.core.model.quantized import build_quantized_model
+
+        _REFERENCES[id(hf_model)] = build_quantized_model(read_gguf(hf_model.ragblend_source["path"]), hf_model.config,
+                                                          exact=True, transformers_modules=True)
+    return _REFERENCES[id(hf_model)]
+
 
 def hf_decode_s(engine: BlendEngine, token_ids: list[int], tokens: int) -> float:
     """Seconds transformers ``generate`` takes from the first to the last token of a
     ``tokens``-token answer (``tokens - 1`` passes, as ragblend's decoding makes)."""
     clock = TokenClock()
+    model = transformers_reference(engine.hf_model)
     with torch.inference_mode():
-        engine.hf_model.generate(torch.tensor([token_ids]), max_new_tokens=tokens, min_new_tokens=tokens,
+        model.generate(torch.tensor([token_ids]), max_new_tokens=tokens, min_new_tokens=tokens,
                                  do_sample=False, streamer=clock)
     return clock.times[-1] - clock.times[1]
 

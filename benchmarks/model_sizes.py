@@ -132,16 +132,14 @@ def load_ragblend(path: str, tokens: int, result: dict):
 def load_measured(path: str, result: dict):
     """``(engine, the process's RSS before the load)``, with the load's time and memory in
     ``result``: the whole process's RSS after it (interpreter, torch, the engine); the engine's
-    own (RSS after minus before, in this process), and of that transformers' modeling code, which
-    the load imports (imported first here, to be measured apart: code any transformers program
-    holds, not the model's), and the weights held (the rest: tokenizer, modules, buffers)."""
+    own (RSS after minus before, in this process), and of that transformers' modeling code where
+    the load imported it (a GGUF held on the CPU is built of ragblend's own modules and does not;
+    where it does, its size is measured in a fresh process: code any transformers program holds,
+    not the model's), and the weights held (the rest: tokenizer, modules, buffers)."""
     from ragblend import BlendEngine
     from ragblend.core.model.quantized import quantized_bytes
 
     before = rss_bytes()
-    import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoModelForCausalLM  # noqa: F401
-    result["library_rss"] = rss_bytes() - before
     t0 = time.perf_counter()
     # No prompt-lookup drafts: random weights repeat themselves, which drafts would turn into a
     # decoding speed real answers do not get (llama.cpp drafts nothing either).
@@ -150,7 +148,16 @@ def load_measured(path: str, result: dict):
     result["process_rss"] = rss_bytes()
     result["ragblend_rss"] = result["process_rss"] - before
     result["weights_bytes"] = quantized_bytes(engine.hf_model)
+    result["library_rss"] = modeling_code_rss() if "transformers.modeling_utils" in sys.modules else 0
     return engine, before
+
+
+def modeling_code_rss() -> int:
+    """The RSS ``transformers.modeling_utils`` adds to a process that has torch and transformers."""
+    code = ("import os, torch, transformers\n"
+            "def rss():\n    return int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE')\n"
+            "before = rss()\nimport transformers.modeling_utils\nprint(rss() - before)")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def measure_memory(name: str, tokens: int) -> dict:

@@ -53,9 +53,16 @@ def test_full_recompute_equals_model_forward(smol_engine):
 
 
 def test_greedy_generate_equals_transformers_generate(smol_engine):
+    """ragblend's decoding against transformers' own model of the same weights and its ``generate``
+    (the engine runs ragblend's modules, core.model.decoder, which have no ``generate``)."""
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.quantized import build_quantized_model
+
     out = smol_engine.generate(segs(), strategy=FullRecompute(), max_new_tokens=24)
+    theirs = build_quantized_model(read_gguf(default_gguf_path()), smol_engine.hf_model.config, exact=True,
+                                   transformers_modules=True)
     with torch.no_grad():
-        ref = smol_engine.hf_model.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=24,
+        ref = theirs.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=24,
                                             do_sample=False)[0, len(out.prompt_token_ids):].tolist()
     ref = [t for t in ref if t not in smol_engine.answers.eos_ids]  # ours never includes EOS
     assert out.token_ids == ref[:len(out.token_ids)] and len(out.token_ids) == len(ref)

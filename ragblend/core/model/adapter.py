@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
+from .decoder import RMSNorm
 from .kernels import DRAFT_ROWS
 from .linear import weight_samples
 
@@ -73,6 +74,11 @@ def _norm_of(module: torch.nn.Module | None, dtype: torch.dtype):
     when the adapter is built); the module itself for anything else. None stays None."""
     if module is None:
         return None
+    if isinstance(module, RMSNorm):   # ragblend's own (a GGUF model's: .decoder), Gemma 3's offset included
+        if dtype != torch.float32:
+            return module
+        weight, shape, eps = module.scale(), tuple(module.weight.shape), module.variance_epsilon
+        return lambda x: F.rms_norm(x, shape, weight, eps)
     kind, weight = type(module).__name__, getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if dtype != torch.float32 or not kind.endswith("RMSNorm") or weight is None or eps is None or weight.dim() != 1:
@@ -191,7 +197,9 @@ class ModelAdapter:
                                         "ragblend needs causal attention.")
         # Which RoPE each layer uses: None where the model has one kind (its rotary module takes
         # no layer type), else the layer's type (Gemma 3: "sliding_attention" / "full_attention").
-        per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
+        per_type = getattr(self.base.rotary_emb, "per_layer_type", None)   # ragblend's own modules say
+        if per_type is None:
+            per_type = "layer_type" in inspect.signature(self.base.rotary_emb.forward).parameters
         self._rope_kinds = [cfg.layer_types[i] if per_type else None for i in range(cfg.num_hidden_layers)]
         self._final_softcap = getattr(cfg, "final_logit_softcapping", None)
         self._steps = [LayerSteps.of(block, self.dtype) for block in self.layers]

@@ -173,3 +173,35 @@ def _checked(path: Path, size: int, metadata: dict, raw: list, data_start: int) 
             f"{path} is truncated: its header describes {expected:,} bytes, the file has {size:,}. "
             "The download or copy was cut short; fetch the file again.")
     return GGUFFile(path, size, metadata, tensors)
+
+
+class TensorForm:
+    """How a GGUF file stores some tensors otherwise than the model computes with them, undone as
+    transformers' GGUF loader undoes it (its ``TENSOR_PROCESSORS``, whose import pulls in its
+    modeling code): llama.cpp's converter interleaves each head's halves of a Llama model's Q and
+    K rows (for its RoPE), and stores Gemma 3's norm weights plus 1."""
+
+    def __init__(self, architecture: str, num_heads: int, num_kv_heads: int):
+        self.architecture, self.num_heads, self.num_kv_heads = architecture, num_heads, num_kv_heads
+
+    def _heads(self, name: str) -> int | None:
+        """The heads a Llama Q or K weight's rows are permuted in (None: not permuted)."""
+        if self.architecture != "llama":
+            return None
+        return self.num_heads if ".attn_q." in name else self.num_kv_heads if ".attn_k." in name else None
+
+    def row_order(self, name: str, rows: int) -> np.ndarray | None:
+        """The file's row of each of the model's rows of weight ``name`` (None where they are the same)."""
+        heads = self._heads(name)
+        if heads is None:
+            return None
+        return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
+
+    def values(self, name: str, weights: np.ndarray) -> np.ndarray:
+        """A whole tensor's float32 ``weights`` as the file stores them -> as the model uses them."""
+        order = self.row_order(name, weights.shape[0]) if weights.ndim else None
+        if order is not None:
+            weights = weights[order]
+        if self.architecture == "gemma3" and "norm.weight" in name:
+            weights = weights - 1
+        return weights

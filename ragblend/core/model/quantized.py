@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .gguf_file import EIGHT_BIT, FOUR_BIT, GGUFFile, TensorInfo
+from .gguf_file import EIGHT_BIT, FOUR_BIT, GGUFFile, TensorForm, TensorInfo
 from .kernels import DRAFT_ROWS, fastest_rounds
 from .linear import quantize_int8
 
@@ -480,13 +480,11 @@ class QuantHead(torch.nn.Module):
 # ------------------------------------------------------------------------------ the loader
 
 
-def _row_order(processor, gguf_name: str, rows: int) -> torch.Tensor | None:
-    """The order of a weight's rows that transformers' tensor processor gives the dequantized
-    weight (Llama's Q and K rows are permuted in GGUF files), or None where it keeps them."""
-    index = np.arange(rows, dtype=np.float64)[:, None]
-    moved = processor.process(weights=index, name=gguf_name).weights
-    order = torch.from_numpy(np.asarray(moved).reshape(-1).astype(np.int64))
-    return None if torch.equal(order, torch.arange(rows)) else order
+def _row_order(form: TensorForm, gguf_name: str, rows: int) -> torch.Tensor | None:
+    """The order of a weight's rows in the model, as rows of the file (Llama's Q and K rows are
+    permuted in GGUF files), or None where it keeps them (:class:`~.gguf_file.TensorForm`)."""
+    order = form.row_order(gguf_name, rows)
+    return None if order is None else torch.from_numpy(order.astype(np.int64))
 
 
 def gguf_names(model, architecture: str, num_layers: int) -> dict[str, str]:
@@ -541,20 +539,18 @@ def _set_head(model, exact: bool):
         model.lm_head = QuantHead(head)
 
 
-def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
-    """An HF causal LM of ``config`` whose linear layers and embedding hold ``gguf``'s weights in
+def build_quantized_model(gguf: GGUFFile, config, exact: bool = False, transformers_modules: bool = False):
+    """A causal LM of ``config`` (ragblend's own modules, :mod:`.decoder`; transformers' for what
+    those do not cover, or with ``transformers_modules``: a reference with ``generate``) whose linear layers and embedding hold ``gguf``'s weights in
     their quantized form (:class:`QuantLinear`, :class:`QuantEmbedding`, :class:`QuantHead`), or
     with ``exact`` dequantized to float32 (by gguf's reference dequantizer, as transformers does);
     norms, biases and rotary tables in float32. Built on the meta device first, so no float32
     weight is ever allocated."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
-
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = skeleton_of(config, transformers_modules)
     skeleton = [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
     model.config.dtype = torch.float32   # what it computes in (its config then reads as the file's float32 model's)
-    processor = TENSOR_PROCESSORS.get(gguf.architecture, TensorProcessor)(config=config.to_dict())
+    form = TensorForm(gguf.architecture, config.num_attention_heads, config.num_key_value_heads)
     hf_names = gguf_names(model, gguf.architecture, config.num_hidden_layers)
     by_hf = {hf_names[name]: info for name, info in gguf.tensors.items() if name in hf_names}
     missing = [name for name, _ in model.named_parameters() if name not in by_hf
@@ -572,13 +568,12 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
             bias_info = by_hf.get(owner_name + ".bias")
             bias = None if bias_info is None else torch.from_numpy(
                 dequantized_rows(gguf, bias_info, slice(None)).reshape(-1).copy())
-            _set_linear(model, modules, owner_name, gguf, info, _row_order(processor, info.name, info.shape[0]), bias,
+            _set_linear(model, modules, owner_name, gguf, info, _row_order(form, info.name, info.shape[0]), bias,
                         exact)
         elif isinstance(owner, torch.nn.Embedding):
             _set_embedding(model, owner, gguf, info, config, exact)
         elif not (isinstance(owner, torch.nn.Linear) and attribute == "bias"):   # norms: small, float32
-            values = processor.process(weights=dequantized_rows(gguf, info, slice(None)).reshape(info.shape),
-                                       name=info.name).weights
+            values = form.values(info.name, dequantized_rows(gguf, info, slice(None)).reshape(info.shape))
             setattr(owner, attribute, torch.nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
                                                          requires_grad=False))
     _set_head(model, exact)
@@ -590,7 +585,7 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
     tied = by_hf.get("model.embed_tokens.weight")
     sources = {name: by_hf.get(name) or (tied if name == "lm_head.weight" else None) for name, _ in skeleton}
     if not exact:   # a float32 model's samples are its own weights' (model.weight_samples)
-        model.gguf_weight_samples = lambda: exact_samples(gguf, processor, sources, skeleton)
+        model.gguf_weight_samples = lambda: exact_samples(gguf, form, sources, skeleton)
     model.ragblend_weights_form = "float32" if exact else "quantized"
     left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
@@ -601,13 +596,26 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False):
     return model.eval()
 
 
+def skeleton_of(config, transformers_modules: bool = False):
+    """The model of ``config`` to fill: ragblend's own modules (:func:`.decoder.plain_decoder`,
+    which import no modeling code), else transformers' (their import costs ~0.15 GB resident)."""
+    from .decoder import plain_decoder
+
+    model = None if transformers_modules else plain_decoder(config)
+    if model is None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    return model
+
+
 def _parameter(values) -> torch.nn.Parameter:
     """A frozen float32 parameter of ``values`` (a numpy array or a tensor)."""
     tensor = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
     return torch.nn.Parameter(tensor.float(), requires_grad=False)
 
 
-def exact_samples(gguf: GGUFFile, processor, sources: dict, skeleton: list):
+def exact_samples(gguf: GGUFFile, form: TensorForm, sources: dict, skeleton: list):
     """``(name, shape, samples)`` as :func:`~ragblend.core.model.linear.weight_samples` gives them for the
     float32 model of ``gguf``: every ``len / 4096``-th value of each weight as transformers
     dequantizes it, from only the blocks that hold those values."""
@@ -625,15 +633,14 @@ def exact_samples(gguf: GGUFFile, processor, sources: dict, skeleton: list):
             rows, cols = info.shape
             index = np.arange(0, count, step)
             row, col = index // cols, index % cols
-            order = _row_order(processor, info.name, rows)
+            order = _row_order(form, info.name, rows)
             file_row = row if order is None else order.numpy()[row]
             per_block = 256 if info.type_name.endswith("_K") else 32
             blocks = gguf.blocks(info).reshape(rows, cols // per_block, -1)[file_row, col // per_block]
             values = dequantize(np.ascontiguousarray(blocks), GGMLQuantizationType(info.type_id)).reshape(len(index), -1)
             samples = values[np.arange(len(index)), col % per_block]
         else:
-            whole = processor.process(weights=dequantized_rows(gguf, info, slice(None)).reshape(info.shape),
-                                      name=info.name).weights
+            whole = form.values(info.name, dequantized_rows(gguf, info, slice(None)).reshape(info.shape))
             samples = np.asarray(whole, dtype=np.float32).reshape(-1)[::step]
         yield name, shape, np.ascontiguousarray(samples, dtype=np.float32)
 
