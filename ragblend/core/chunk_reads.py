@@ -30,11 +30,11 @@ class Found:
     from_store: torch.Tensor | None = None        # bool [N]: tokens whose KV came from the store
 
     def add(self, span, reader: ChunkReader) -> None:
-        self.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset))
+        self.spans.append(ReusedSpan(span.start, span.end - span.start, span.offset, piece=is_piece(span)))
         self.readers.append(reader)
 
     def close(self) -> None:
-        for reader in self.readers:
+        for reader in dict.fromkeys(self.readers):   # a piece's parts share one reader
             reader.close()
 
     def count_tiers(self, stats: Stats) -> dict:
@@ -68,13 +68,16 @@ class ChunkReads:
         # differ from its own); the chunk counts in Stats are of distinct chunks.
         found = Found(from_store=torch.zeros(len(layout.token_ids), dtype=torch.bool))
         lead_spans = self.lead_spans(layout)
+        pieces: dict = {}   # one reader per piece, however many parts its span was split into
         try:
             for j, span in enumerate(layout.chunk_spans):
                 if not span.token_ids or not plan.reuses:
                     continue
                 if is_piece(span):   # from the pieces' memory; one evicted meanwhile is computed as text
-                    reader = _open(self.piece_store, self.ingestion.key_for(span.token_ids, namespace=span.namespace),
-                                   span.token_ids)
+                    key = self.ingestion.key_for(span.token_ids, namespace=span.namespace)
+                    if key not in pieces:
+                        pieces[key] = _open(self.piece_store, key, span.token_ids)
+                    reader = pieces[key]
                     if reader is not None:
                         found.add(span, reader)
                         found.tier_of.setdefault(reader.key, reader.tier)

@@ -21,7 +21,7 @@ from .fusion.fusion_cost import FusionCost, FusionVerdict
 from .fusion.ingest import Ingestion
 from .fusion.pipeline import PrefetchSource, SequentialSource
 from .fusion.prefill import fused_prefill
-from .fusion.selection import EveryToken
+from .fusion.selection import EveryToken, floor_chunks
 from .fusion.strategies import FullRecompute
 from .history_pieces import HistoryPieces
 from .model.adapter import ModelAdapter
@@ -166,7 +166,7 @@ class PrefillRunner:
         prompt tokens whose KV came from the store (not computed during this call)."""
         n = len(layout.token_ids)
         spanned = sum(sp.end - sp.start for sp in layout.chunk_spans if sp.token_ids) if plan.reuses else 0
-        chunks = sum(1 for sp in layout.chunk_spans if sp.token_ids)
+        chunks = sum(1 for sp in layout.chunk_spans if sp.token_ids and not is_piece(sp))   # the floor's (not pieces)
         if spanned and plan.selection is not None and not plan.selection.cheaper_than_a_prefill(n, spanned, chunks):
             # Decided before the store is read or a missing chunk computed: both would be wasted.
             return self._full_prefill(layout, plan, stats, spanned)
@@ -178,11 +178,11 @@ class PrefillRunner:
             tiers = found.count_tiers(stats)
             reused = sum(sp.num_tokens for sp in found.spans)
             plan = plan.with_auto_ratio(self.loading(), n, reused, tiers) if plan.ratio == "auto" else plan
-            if reused and not plan.selection.cheaper_than_a_prefill(n, reused, len(found.spans)):
+            if reused and not plan.selection.cheaper_than_a_prefill(n, reused, floor_chunks(found.spans)):
                 # Fewer chunks found than the prompt holds (the rest computed as plain text).
                 found.close()
                 return self._full_prefill(layout, plan, stats, reused)
-            verdict = self.fusion_pays(plan, found, n, reused, min_speedup, len(found.spans))
+            verdict = self.fusion_pays(plan, found, n, reused, min_speedup, floor_chunks(found.spans))
             if verdict is not None and not verdict.pays:
                 found.close()
                 return self._full_prefill(layout, plan, stats, reused, verdict)

@@ -36,6 +36,11 @@ class SequentialSource(LayerSource):
         self.readers = readers
         # The token range of each chunk that the prompt uses (all of it, usually).
         self.windows = windows or [slice(None)] * len(readers)
+        # Each distinct reader is read once a layer, and its windows cut from that: a conversation's
+        # piece is fused in parts (split around the template's control tokens) from one reader.
+        self._distinct = list(dict.fromkeys(readers))
+        slot = {id(reader): i for i, reader in enumerate(self._distinct)}
+        self._slots = [slot[id(reader)] for reader in readers]
         self.device = torch.device(device)
         self.load_s = 0.0
         self.wait_s = 0.0
@@ -51,14 +56,18 @@ class SequentialSource(LayerSource):
 
     def _fetch(self, index: int) -> list:
         t0 = time.perf_counter()
-        raw = [reader.fetch(index) for reader in self.readers]
+        raw = [reader.fetch(index) for reader in self._distinct]
         self._count_load(t0)
         return raw
 
+    def _windows(self, index: int, raw: list):
+        """``raw`` (one per distinct reader) decoded, then ``(K, V, window)`` per span."""
+        decoded = [reader.decode(index, r) for reader, r in zip(self._distinct, raw)]
+        return [(*decoded[slot], w) for slot, w in zip(self._slots, self.windows)]
+
     def _decode(self, index: int, raw: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         t0 = time.perf_counter()
-        parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
-        parts = [self._to_device(k[:, w], v[:, w]) for (k, v), w in zip(parts, self.windows)]
+        parts = [self._to_device(k[:, w], v[:, w]) for k, v, w in self._windows(index, raw)]
         self._count_load(t0)
         return parts
 
@@ -72,7 +81,7 @@ class SequentialSource(LayerSource):
         return out
 
     def close(self) -> None:
-        for reader in self.readers:
+        for reader in self._distinct:
             reader.close()
 
 
@@ -111,8 +120,7 @@ class PrefetchSource(SequentialSource):
         0.38 s of waiting (docs/benchmarks.md#scaling-with-the-prompt)."""
         raw = self._fetch(index)
         t0 = time.perf_counter()
-        parts = [reader.decode(index, r) for reader, r in zip(self.readers, raw)]
-        pinned = [(_pinned_copy(k[:, w]), _pinned_copy(v[:, w])) for (k, v), w in zip(parts, self.windows)]
+        pinned = [(_pinned_copy(k[:, w]), _pinned_copy(v[:, w])) for k, v, w in self._windows(index, raw)]
         self._count_load(t0)
         return pinned
 

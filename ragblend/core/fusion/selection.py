@@ -24,6 +24,9 @@ class ReusedSpan:
     start: int
     num_tokens: int
     offset: int = 0  # where the run starts inside its cached chunk
+    # a piece of the conversation's history (ragblend.core.store.pieces), not a retrieved chunk:
+    # QueryAware's per-chunk floor (QuestionAttention.budget) does not count it
+    piece: bool = False
 
 
 @dataclass
@@ -60,6 +63,11 @@ class FusionPrompt:
     @property
     def num_reused(self) -> int:
         return self.reused_pos.numel()
+
+    @property
+    def num_chunks(self) -> int:
+        """The spans of retrieved chunks, which QueryAware's per-chunk floor counts (not pieces)."""
+        return floor_chunks(self.spans)
 
     @property
     def question_start(self) -> int:
@@ -212,6 +220,15 @@ SENTENCE_OWN_SHARE = 0.25
 FLOOR_SHARE = 0.25
 
 
+def floor_chunks(spans) -> int:
+    """How many of ``spans`` (:class:`ReusedSpan`) QueryAware's per-chunk floor counts: the retrieved chunks, not a conversation's pieces. Why: the floor repairs a
+    document chunk computed without the chunks before it (docs/notes/answers-by-size.md); counting
+    each part of every earlier turn (a piece is split around the template's control tokens, four
+    parts a turn) raised turn 5's recompute from 233 to 494 tokens, where without the floor the
+    pieces' first-token KL was within the order noise (docs/benchmarks.md, conversations)."""
+    return sum(1 for span in spans if not span.piece)
+
+
 class QuestionAttention(Selection):
     """QueryAware's selection: computed from layer 0 are the tokens without a cache and the
     reused tokens the question attends to most (``ratio`` of the reused tokens).
@@ -297,7 +314,7 @@ class QuestionAttention(Selection):
         return (totals / lengths)[sentence] + SENTENCE_OWN_SHARE * claims
 
     def first(self, prompt, probe):
-        budget = self.budget(prompt.num_reused, len(prompt.spans))
+        budget = self.budget(prompt.num_reused, prompt.num_chunks)
         if budget == 0:
             return prompt.with_reused(prompt.reused_pos[:0])
         relevance = self.scores(prompt, probe())
