@@ -9,6 +9,8 @@ float32 buffer, then code * scale + minimum in place) against codes first gather
 buffer; and the file's scales alone. Alternated rounds, one process; results compared bit for bit.
 """
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -16,14 +18,8 @@ import torch
 
 from ragblend.core.model.quantized import GROUP, QuantLinear, scratch
 
-SHAPES = {"q": (1536, 1536), "k": (256, 1536), "v": (256, 1536), "o": (1536, 1536),
-          "gate": (8960, 1536), "up": (8960, 1536), "down": (1536, 8960)}
-
-
-def q4_0_layer(rows: int, cols: int, rng) -> QuantLinear:
-    codes = rng.integers(0, 16, (rows, cols), dtype=np.uint8)
-    scales = torch.from_numpy(rng.uniform(0.001, 0.004, (rows, cols // 32)).astype(np.float16).astype(np.float32))
-    return QuantLinear.int4(codes, scales, -8 * scales, source_type="Q4_0")
+sys.path.insert(0, os.path.dirname(__file__))
+from split_bf16_gemm import SHAPES, q4_0_layer  # noqa: E402  (the same layer, built once)
 
 
 def uint8_first(layer: QuantLinear) -> torch.Tensor:
