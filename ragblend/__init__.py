@@ -5,6 +5,7 @@ from .core.engine import BlendEngine, Generation, Prefill, Stats
 from .core.errors import (
     InvalidInputError,
     InvalidTypeError,
+    ModelFileError,
     ModelNotFoundError,
     PromptTooLongError,
     RagblendError,
@@ -48,6 +49,6 @@ def __getattr__(name):
 __all__ = [
     "BlendEngine", "EngineOptions", "Chunk", "ChunkRef", "CacheBlend", "QueryAware", "LegoLink", "FullReuse", "FullRecompute",
     "Generation", "Prefill", "Stats", "SamplingParams", "RagblendError", "InvalidInputError", "InvalidTypeError", "SegmentTypeError",
-    "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError", "StoreUnavailableError",
+    "PromptTooLongError", "UnsupportedModelError", "ModelNotFoundError", "ModelFileError", "StoreUnavailableError",
     "BlendLLM", "BlendSynthesizer", "KVPrecompute", "BlendChatModel",
 ]

@@ -30,6 +30,12 @@ class ModelNotFoundError(RagblendError, FileNotFoundError):
     """The requested model (or the embedded default) is not installed."""
 
 
+class ModelFileError(InvalidInputError):
+    """A model file exists but cannot be loaded as it is: not a GGUF file, damaged, truncated,
+    one shard of a split GGUF, or without the tokenizer ragblend needs. Not a
+    ``FileNotFoundError``: the file is there, and the message says what to do with it."""
+
+
 class StoreUnavailableError(RagblendError, OSError):
     """A KV store folder cannot be opened (not a folder, unreadable, broken database).
     Engines never raise it (they keep KV in memory instead); ``ragblend cache`` does."""

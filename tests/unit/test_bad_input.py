@@ -318,3 +318,133 @@ def test_suggested_commands_name_the_same_index(monkeypatch):
     monkeypatch.setenv("RAGBLEND_CHROMA_URL", "http://127.0.0.1:8001")
     monkeypatch.setenv("RAGBLEND_CHROMA_COLLECTION", "mine")
     assert _index_option(given) == " --index 'my index'"   # the environment gives the rest
+
+
+# --- a user's model file or directory (issue 55 "Bad input", trial 43) ---
+
+def _peaks(path):
+    """(quantized, float32) LoadMemory of a GGUF file, as _weights_form estimates them."""
+    import math
+
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.load_memory import gguf_load_memory
+
+    gguf = read_gguf(path)
+    float32 = sum(math.prod(t.shape) for t in gguf.tensors.values()) * 4
+    return (gguf_load_memory(gguf, model_module.quantized_estimate(gguf), exact=False),
+            gguf_load_memory(gguf, float32, exact=True))
+
+
+def test_the_memory_check_counts_the_loads_peak_not_only_the_weights(tmp_path, monkeypatch):
+    from ragblend.core.model import loading as model_module
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    quantized, float32 = _peaks(path)
+    assert quantized.peak > quantized.held and float32.peak > float32.held > quantized.held
+    # Memory enough for the held weights but not the load's peak: refused (it used to pass, then peak 2-3x).
+    assert float32.held < quantized.peak < float32.peak
+    monkeypatch.setattr(model_module, "available_memory", lambda: quantized.peak)
+    with pytest.raises(InvalidInputError, match=r"needs about [\d.]+ GiB of memory at the load's peak \([\d.]+ GiB "
+                                                r"of weights held once loaded") as info:
+        model_module._weights_form(path, None, "cpu")   # small: float32 by default
+    assert 'dtype="quantized" holds it in the file\'s quantized form' in str(info.value)
+    # Forced float32 where the default holds it quantized (a large model) and that fits: say to drop it.
+    monkeypatch.setattr(model_module, "FLOAT32_GGUF_BYTES", 0)
+    assert model_module._weights_form(path, None, "cpu")[1] is None
+    with pytest.raises(InvalidInputError, match=r"Drop dtype=float32 \(the default holds it quantized: ~[\d.]+ GiB"):
+        model_module._weights_form(path, "float32", "cpu")
+
+
+def test_a_four_bit_file_too_large_is_not_told_to_use_four_bits(tmp_path, monkeypatch):
+    from ragblend.core.model import loading as model_module
+
+    from .test_quantized import TYPES, write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "q4.gguf", types={kind: "Q4_0" for kind in TYPES})
+    monkeypatch.setattr(model_module, "available_memory", lambda: 1000)
+    with pytest.raises(InvalidInputError, match="use a smaller model") as info:
+        model_module._weights_form(path, "quantized", "cpu")
+    assert "Q4_0" not in str(info.value)
+    mixed = write_tiny_gguf(tmp_path / "q8.gguf", types={kind: "Q8_0" for kind in TYPES})
+    with pytest.raises(InvalidInputError, match=r"a smaller quantization of it \(Q4_0, Q4_K_M\)"):
+        model_module._weights_form(mixed, "quantized", "cpu")
+
+
+def test_an_hf_directory_gets_the_memory_check_from_its_safetensors(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.load_memory import hf_load_memory
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a": torch.zeros(256, 64, dtype=torch.bfloat16), "b": torch.zeros(64, dtype=torch.bfloat16)},
+              tmp_path / "model.safetensors")
+    stored, float32 = hf_load_memory(tmp_path, None), hf_load_memory(tmp_path, torch.float32)
+    assert stored.held == (256 * 64 + 64) * 2 and float32.held == 2 * stored.held
+    assert float32.peak - float32.held >= 256 * 64 * 6   # the largest tensor read and converted
+    monkeypatch.setattr(model_module, "available_memory", lambda: stored.peak)
+    assert model_module._weights_form(tmp_path, None, "cpu") == (None, None)
+    with pytest.raises(InvalidInputError, match=r"Drop dtype=float32 \(the default holds it as stored, 16-bit"):
+        model_module._weights_form(tmp_path, "float32", "cpu")
+    monkeypatch.setattr(model_module, "available_memory", lambda: 1000)
+    with pytest.raises(InvalidInputError, match="a quantized GGUF file of it"):
+        model_module._weights_form(tmp_path, None, "cpu")
+
+
+def _gguf_with(path, **metadata):
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in metadata.items():
+        writer.add_uint32(key.replace("_", "."), value)
+    writer.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_split_gguf_is_refused_saying_how_to_merge_it(tmp_path):
+    from ragblend import ModelFileError
+    from ragblend.core.model.gguf_file import read_gguf
+
+    path = _gguf_with(tmp_path / "m-00001-of-00002.gguf", split_no=0, split_count=2)
+    with pytest.raises(ModelFileError, match=r"shard 1 of 2 of a split GGUF.*llama-gguf-split --merge") as info:
+        read_gguf(path)
+    assert isinstance(info.value, InvalidInputError) and not isinstance(info.value, FileNotFoundError)
+
+
+def test_a_gguf_without_tokenizer_or_cut_inside_its_header_is_a_model_file_error(tmp_path):
+    from ragblend import ModelFileError
+    from ragblend.core.model.loading import load_model
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")   # no tokenizer metadata
+    with pytest.raises(ModelFileError, match="holds no tokenizer.*convert_hf_to_gguf.py"):
+        load_model(path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ModelFileError, match=r"truncated inside its header: reading the header needs at least "
+                                             r"[\d,]+ bytes, the file has 100\b") as info:
+        load_model(cut)
+    assert not isinstance(info.value, FileNotFoundError)
+
+
+def test_a_gguf_is_known_by_its_magic_bytes_and_an_existing_file_is_never_not_found(tmp_path):
+    from ragblend import ModelFileError
+    from ragblend.core.model.loading import local_model_path
+
+    data = _gguf_with(tmp_path / "x.gguf").read_bytes()
+    for name in ("model.GGUF", "model"):
+        (tmp_path / name).write_bytes(data)
+        assert local_model_path(tmp_path / name) == tmp_path / name
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ModelFileError, match="not a GGUF file"):
+        local_model_path(tmp_path / "notes.txt")

@@ -7,8 +7,10 @@ https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) and skips the arrays.
 data is then read straight from the file, memory-mapped, one tensor at a time.
 
 Refused here, each with what to do: a file that is not GGUF, one shorter than its header
-says (truncated: its expected and actual size), an architecture ragblend cannot run, a
-quantization type it cannot hold (naming the types that load).
+says (truncated, inside its header or in its data: its expected and actual size), one shard
+of a split GGUF, an architecture ragblend cannot run, a quantization type it cannot hold
+(naming the types that load). A file that is there but unusable raises
+:class:`~ragblend.core.errors.ModelFileError` (a ``ValueError``), never "not found".
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ModelNotFoundError, RagblendError, UnsupportedModelError
+from ..errors import ModelFileError, RagblendError, UnsupportedModelError
 
 # ggml type id -> (name, weights per block, bytes per block), the types ragblend loads.
 TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
@@ -74,68 +76,113 @@ class GGUFFile:
         return data.reshape(rows, -1)
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file that starts with GGUF's magic bytes (whatever its name)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+class _HeaderCut(Exception):
+    """The header runs past the end of the file: ``needed`` bytes at least."""
+
+    def __init__(self, needed: int):
+        self.needed = needed
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
     """The header of the GGUF file at ``path``, checked (see the module's docstring)."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        if size < 24 or f.read(4) != b"GGUF":
-            raise ModelNotFoundError(f"{path} is not a GGUF file (it does not start with 'GGUF'). Pass a .gguf "
-                                     "model file, or a Hugging Face model directory.")
+        if f.read(4) != b"GGUF":
+            raise ModelFileError(f"{path} is not a GGUF file (it does not start with 'GGUF'). Pass a .gguf "
+                                 "model file, or a Hugging Face model directory.")
+        if size < 24:
+            raise _cut(path, 24, size)
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
             try:
                 return _parse(path, size, view)
             except RagblendError:
                 raise
+            except _HeaderCut as cut:
+                raise _cut(path, cut.needed, size) from None
             except (struct.error, IndexError, ValueError, UnicodeDecodeError, KeyError) as err:
-                raise ModelNotFoundError(f"{path} is a damaged GGUF file: its header cannot be read ({err}). "
-                                         "Download or copy it again.") from None
+                raise ModelFileError(f"{path} is a damaged GGUF file: its header cannot be read ({err}). "
+                                     "Download or copy it again.") from None
 
 
-def _parse(path: Path, size: int, view) -> GGUFFile:
-    pos = 4
-    version, tensor_count, kv_count = struct.unpack_from("<IQQ", view, pos)
-    pos += 20
-    if version not in (2, 3):
-        raise UnsupportedModelError(f"{path} is GGUF version {version}; ragblend reads versions 2 and 3.")
+def _cut(path: Path, needed: int, size: int) -> ModelFileError:
+    return ModelFileError(f"{path} is truncated inside its header: reading the header needs at least {needed:,} "
+                          f"bytes, the file has {size:,}. The download or copy was cut short; fetch the file again.")
 
-    def string(at: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", view, at)
-        if at + 8 + length > size:
-            raise struct.error("a string runs past the end of the file")
-        return bytes(view[at + 8:at + 8 + length]).decode("utf-8"), at + 8 + length
 
-    def skip(value_type: int, at: int, count: int) -> int:
+class _Header:
+    """Reads a GGUF header from a mapped file; reading past its end is a truncated file, told
+    with its sizes (not struct's buffer message)."""
+
+    def __init__(self, view, size: int):
+        self.view, self.size = view, size
+
+    def unpack(self, fmt: str, at: int) -> tuple:
+        if at + struct.calcsize(fmt) > self.size:
+            raise _HeaderCut(at + struct.calcsize(fmt))
+        return struct.unpack_from(fmt, self.view, at)
+
+    def string(self, at: int) -> tuple[str, int]:
+        (length,) = self.unpack("<Q", at)
+        if at + 8 + length > self.size:
+            raise _HeaderCut(at + 8 + length)
+        return bytes(self.view[at + 8:at + 8 + length]).decode("utf-8"), at + 8 + length
+
+    def skip(self, value_type: int, at: int, count: int) -> int:
         if value_type == _STRING:
             for _ in range(count):   # each string has its own length: walk them
-                (length,) = struct.unpack_from("<Q", view, at)
+                (length,) = self.unpack("<Q", at)
                 at += 8 + length
             return at
         return at + count * struct.calcsize(_SCALARS[value_type])
 
-    metadata = {}
-    for _ in range(kv_count):
-        key, pos = string(pos)
-        (value_type,) = struct.unpack_from("<I", view, pos)
-        pos += 4
-        if value_type == _STRING:
-            metadata[key], pos = string(pos)
-        elif value_type == _ARRAY:
-            element_type, count = struct.unpack_from("<IQ", view, pos)
-            pos = skip(element_type, pos + 12, count)
-            metadata[key] = count
-        else:
-            (metadata[key],) = struct.unpack_from(_SCALARS[value_type], view, pos)
-            pos += struct.calcsize(_SCALARS[value_type])
+    def metadata(self, pos: int, kv_count: int) -> tuple[dict, int]:
+        metadata = {}
+        for _ in range(kv_count):
+            key, pos = self.string(pos)
+            (value_type,) = self.unpack("<I", pos)
+            pos += 4
+            if value_type == _STRING:
+                metadata[key], pos = self.string(pos)
+            elif value_type == _ARRAY:
+                element_type, count = self.unpack("<IQ", pos)
+                pos = self.skip(element_type, pos + 12, count)
+                metadata[key] = count
+            else:
+                (metadata[key],) = self.unpack(_SCALARS[value_type], pos)
+                pos += struct.calcsize(_SCALARS[value_type])
+        return metadata, pos
 
-    raw = []
-    for _ in range(tensor_count):
-        name, pos = string(pos)
-        (dims,) = struct.unpack_from("<I", view, pos)
-        shape = struct.unpack_from(f"<{dims}Q", view, pos + 4)
-        type_id, offset = struct.unpack_from("<IQ", view, pos + 4 + 8 * dims)
-        pos += 4 + 8 * dims + 12
-        raw.append((name, tuple(reversed(shape)), type_id, offset))
+    def tensors(self, pos: int, tensor_count: int) -> tuple[list, int]:
+        raw = []
+        for _ in range(tensor_count):
+            name, pos = self.string(pos)
+            (dims,) = self.unpack("<I", pos)
+            if dims > 4:   # GGML tensors have at most 4: a larger count is damage (read_gguf says so), not a short file
+                raise struct.error(f"tensor {name!r} claims {dims} dimensions")
+            shape = self.unpack(f"<{dims}Q", pos + 4)
+            type_id, offset = self.unpack("<IQ", pos + 4 + 8 * dims)
+            pos += 4 + 8 * dims + 12
+            raw.append((name, tuple(reversed(shape)), type_id, offset))
+        return raw, pos
+
+
+def _parse(path: Path, size: int, view) -> GGUFFile:
+    header = _Header(view, size)
+    version, tensor_count, kv_count = header.unpack("<IQQ", 4)
+    if version not in (2, 3):
+        raise UnsupportedModelError(f"{path} is GGUF version {version}; ragblend reads versions 2 and 3.")
+    metadata, pos = header.metadata(24, kv_count)
+    raw, pos = header.tensors(pos, tensor_count)
     alignment = int(metadata.get("general.alignment", 32))
     if alignment < 1:
         raise UnsupportedModelError(f"{path.name}: its header gives a data alignment of {alignment}; not a valid GGUF file.")
@@ -144,6 +191,12 @@ def _parse(path: Path, size: int, view) -> GGUFFile:
 
 def _checked(path: Path, size: int, metadata: dict, raw: list, data_start: int) -> GGUFFile:
     """The file of this header, if ragblend can run it and it is whole."""
+    split = int(metadata.get("split.count", 1) or 1)
+    if split > 1:   # before anything else: a shard after the first holds no config or tokenizer
+        raise ModelFileError(
+            f"{path.name} is shard {int(metadata.get('split.no', 0)) + 1} of {split} of a split GGUF; ragblend loads "
+            "one whole file: merge the shards with `llama-gguf-split --merge "
+            f"{path.name} merged.gguf` (llama.cpp) and pass merged.gguf.")
     architecture = str(metadata.get("general.architecture", ""))
     if architecture not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -164,15 +217,26 @@ def _checked(path: Path, size: int, metadata: dict, raw: list, data_start: int) 
         _, per_block, block_bytes = TYPES[type_id]
         count = int(np.prod(shape))
         if count % per_block or shape[-1] % per_block:
-            raise ModelNotFoundError(f"{path} is a damaged GGUF file: tensor {name} of shape {shape} is not whole "
+            raise ModelFileError(f"{path} is a damaged GGUF file: tensor {name} of shape {shape} is not whole "
                                      f"{TYPES[type_id][0]} blocks. Download or copy it again.")
         tensors[name] = TensorInfo(name, shape, type_id, data_start + offset, count // per_block * block_bytes)
     expected = max((t.offset + t.nbytes for t in tensors.values()), default=data_start)
     if size < expected:
-        raise ModelNotFoundError(
+        raise ModelFileError(
             f"{path} is truncated: its header describes {expected:,} bytes, the file has {size:,}. "
             "The download or copy was cut short; fetch the file again.")
     return GGUFFile(path, size, metadata, tensors)
+
+
+def check_tokenizer(gguf: GGUFFile | None) -> None:
+    """Refuse a GGUF file without tokenizer metadata (ragblend reads the tokenizer from the file)
+    before transformers fails on it with "Cannot build a tokenizer ... tokenizer None"; None (an
+    HF directory) passes."""
+    if gguf is not None and "tokenizer.ggml.model" not in gguf.metadata:
+        raise ModelFileError(
+            f"{gguf.path.name} holds no tokenizer (its metadata has no tokenizer.ggml.model), and ragblend reads the "
+            "tokenizer from the GGUF file. Use a GGUF of the model converted with its tokenizer (llama.cpp's "
+            "convert_hf_to_gguf.py writes it), or the model's Hugging Face directory.")
 
 
 class TensorForm:

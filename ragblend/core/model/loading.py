@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidInputError, ModelNotFoundError
+from ..errors import InvalidInputError, ModelFileError, ModelNotFoundError
 from ..paths import cache_dir
+from .gguf_file import check_tokenizer, is_gguf
+from .load_memory import LoadMemory, gguf_load_memory, hf_load_memory, mostly_four_bit
 from .sixteen_bit import SIXTEEN_BIT, hold_in_16_bit
 
 log = logging.getLogger("ragblend")
@@ -127,12 +129,17 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
 
 
 def local_model_path(model: str | os.PathLike) -> Path:
-    """``model`` as the .gguf file or Hugging Face model directory it names, or the
-    ModelNotFoundError that says what to pass. Cheap (it reads no file), so that a command
-    can check its ``--model`` before anything slow."""
+    """``model`` as the GGUF file or Hugging Face model directory it names, or the error that
+    says what to pass. Cheap (it reads at most a file's first 4 bytes), so that a command can
+    check its ``--model`` before anything slow. A GGUF file is known by its name (.gguf, any
+    case) or its magic bytes; an existing file is never "not found"."""
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf" or is_gguf(path):
+            return path
+        raise ModelFileError(
+            f"{path} is not a GGUF file (it does not start with 'GGUF'): pass a GGUF model file, a local Hugging "
+            "Face model directory (with config.json), or nothing for the embedded default.")
     if path.is_dir() and (path / "config.json").exists():
         return path
     raise ModelNotFoundError(
@@ -169,14 +176,53 @@ def available_memory() -> int | None:
     return available
 
 
-def check_memory(needed: int, what: str) -> None:
-    """Refuse to load ``what`` when its ``needed`` bytes exceed the memory available, instead of
-    being killed by the kernel half-way."""
+def check_memory(memory: LoadMemory, what: str, advice=lambda available: "Close other programs, or use a smaller "
+                 "model.") -> None:
+    """Refuse to load ``what`` when the peak of its load exceeds the memory available, instead of
+    being killed by the kernel half-way; ``advice(available)`` says what to do instead."""
     available = available_memory()
-    if available is not None and needed > available:
-        raise InvalidInputError(
-            f"{what} needs about {needed / 2**30:.1f} GiB of memory and {available / 2**30:.1f} GiB is available. "
-            "Close other programs, or use a smaller model or a smaller quantization (Q4_0, Q4_K_M).")
+    if available is not None and memory.peak > available:
+        raise InvalidInputError(f"{what} needs {memory}, and {available / 2**30:.1f} GiB is available. "
+                                f"{advice(available)}")
+
+
+def _check_gguf_memory(gguf, name: str, dtype, device) -> None:
+    """:func:`check_memory` for a GGUF file held quantized (``dtype`` None) or in float32, whose
+    advice names the default form where that would fit (never a 4-bit file's own quantization)."""
+    quantized = gguf_load_memory(gguf, quantized_estimate(gguf), exact=False)
+
+    def advice(available: int) -> str:
+        if dtype is not None and str(device) == "cpu" and quantized.peak <= available:
+            if not gguf_in_float32(gguf):
+                return (f"Drop dtype={_named(dtype)} (the default holds it quantized: ~{quantized.peak / 2**30:.1f} "
+                        "GiB at the load's peak).")
+            return (f"dtype=\"quantized\" holds it in the file's quantized form: ~{quantized.peak / 2**30:.1f} GiB at "
+                    "the load's peak.")
+        return "Close other programs, or use a smaller model" + \
+            ("." if mostly_four_bit(gguf) else " or a smaller quantization of it (Q4_0, Q4_K_M).")
+
+    if dtype is None:
+        check_memory(quantized, name, advice)
+    else:
+        float32 = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4
+        check_memory(gguf_load_memory(gguf, float32, exact=True), f"{name} in float32", advice)
+
+
+def _check_hf_memory(folder: Path, dtype) -> None:
+    """:func:`check_memory` for an HF directory, from its safetensors' sizes and dtypes."""
+    memory = hf_load_memory(folder, dtype)
+    if memory is None:
+        return
+    stored = hf_load_memory(folder, None)
+
+    def advice(available: int) -> str:
+        if dtype is not None and stored.peak < memory.peak and stored.peak <= available:
+            return (f"Drop dtype={_named(dtype)} (the default holds it as stored, 16-bit: ~{stored.peak / 2**30:.1f} "
+                    "GiB at the load's peak).")
+        return ("Close other programs, or use a smaller model, or a quantized GGUF file of it (llama.cpp's "
+                "convert_hf_to_gguf.py, then llama-quantize).")
+
+    check_memory(memory, folder.name, advice)
 
 
 # The largest GGUF model kept in float32 by default. The prefill on quantized weights (each layer
@@ -281,13 +327,15 @@ def _weights_form(gguf_path: Path, dtype, device) -> tuple:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InvalidInputError(f"dtype {asked!r} is not a floating-point torch dtype; use \"auto\" (the default), "
                                 "\"quantized\" or a dtype such as \"float32\" or \"bfloat16\".")
-    if not (gguf_path.suffix == ".gguf" and gguf_path.is_file()):
+    if not gguf_path.is_file():
         if quantized:
             raise InvalidInputError(
                 f"dtype=\"quantized\" (--dtype quantized) needs a GGUF file, and {gguf_path} is not one: a Hugging "
                 "Face directory's weights are held as stored (bfloat16 or float16 stay 16-bit) or in the dtype you "
                 "name (\"float32\", \"bfloat16\", \"float16\"). To hold it quantized, convert it to a GGUF "
                 "file (llama.cpp's convert_hf_to_gguf.py, then llama-quantize) and load that.")
+        if gguf_path.is_dir():
+            _check_hf_memory(gguf_path, dtype)
         return None, dtype
     from .gguf_file import read_gguf
 
@@ -296,10 +344,7 @@ def _weights_form(gguf_path: Path, dtype, device) -> tuple:
         raise InvalidInputError("dtype=\"quantized\" runs on the CPU only; leave dtype out on another device.")
     if dtype is None and (not quantized and gguf_in_float32(gguf) or str(device) != "cpu"):
         dtype = torch.float32
-    if dtype is None:
-        check_memory(quantized_estimate(gguf), gguf_path.name)
-    else:
-        check_memory(sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4, f"{gguf_path.name} in float32")
+    _check_gguf_memory(gguf, gguf_path.name, dtype, device)
     return gguf, dtype
 
 
@@ -356,9 +401,10 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     ``hf_model.ragblend_weights_reason`` says why the weights are held as they are. A GGUF file
     held on the CPU is built of ragblend's own modules (:mod:`.decoder`), without importing
     transformers' modeling code (~0.15 GB resident); the rest loads through transformers."""
-    gguf_path = default_gguf_path() if model is None else Path(model).expanduser()
+    gguf_path = default_gguf_path() if model is None else local_model_path(model)
     asked = dtype
     gguf, dtype = _weights_form(gguf_path, dtype, device)
+    check_tokenizer(gguf)   # before transformers fails on a file without one, reading the config and tokenizer
     model_dir = resolve_model_dir(model)
     tokenizer = _load_tokenizer(model_dir)
     from transformers.utils import logging as hf_logging
