@@ -48,6 +48,9 @@ def index_option(args) -> str:
         options += ["--model", args.model]
     if getattr(args, "dtype", None):   # another weights form keys its KV apart too
         options += ["--dtype", args.dtype]
+    for name in ("kv_dtype", "disk_bytes"):   # another stored dtype is other entries; a smaller limit evicts
+        if getattr(args, name, None) not in (None, engine_options.field_default(name)):
+            options += ["--" + name.replace("_", "-"), getattr(args, name)]
     if args.chroma_url and args.chroma_url != os.environ.get("RAGBLEND_CHROMA_URL"):
         options += ["--chroma-url", args.chroma_url]
     if args.collection != env_collection():
@@ -104,6 +107,14 @@ whole_number = whole_number_from(0)
 ENGINE_FLAG_HELP = {
     "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
     "kv_dir": "KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)",
+    "disk_bytes": "the KV store's disk tier, what later commands find: bytes or a size such as 40GiB (default: "
+                  "8GiB). Give the same to every command on this store: one run with a smaller limit evicts down "
+                  "to it when it stores KV",
+    "memory_bytes": "the KV store's memory tier, which lasts this command only: bytes or a size such as 4GiB "
+                    "(default: 2GiB)",
+    "kv_dtype": "how chunk KV is stored: float16 (default), int8 (about half the bytes), uint4 (0.31x), float32, "
+                "bfloat16; fidelity measured in docs/benchmarks.md ('Stored KV dtypes'). Give the same to every "
+                "command on this index: KV stored in one dtype is not found by another",
     "dtype": "how the weights are held in memory: auto (default: a GGUF in float32 up to 4 GiB of it, else "
              "quantized; an HF dir as stored, bf16/fp16 staying 16-bit), float32, bfloat16, float16, or quantized "
              "(GGUF files only); see docs/models.md",

@@ -87,7 +87,7 @@ def add_parser(sub) -> None:
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
                      help="LlamaIndex response mode, or blend for BlendSynthesizer")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
-    add_engine_options(ask, "model", "dtype", "decode_dtype", "decode_kv_dtype")
+    add_engine_options(ask, "model", "dtype", "kv_dtype", "disk_bytes", "memory_bytes", "decode_dtype", "decode_kv_dtype")
     add_answer_options(ask)
     add_index(ask)
     ask.set_defaults(func=run)

@@ -30,7 +30,7 @@ def _disk_store(args, spec=None):
 
     folder = _store_folder(args)
     try:
-        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0))
+        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0), args.disk_bytes)
     except NotAStoreError:
         raise   # its message says what to do; nothing in the folder was touched
     except store_faults() as err:
@@ -86,13 +86,15 @@ def run(args) -> int:
 
 def _cache_stats(args) -> int:
     """`ragblend cache stats`: the store's entries (by dtype), hit rate, the index's coverage and projected KV."""
+    from ragblend.core.store.kv_budget import size_arg
+
     store = _disk_store(args)
     disk = store.stats()["disk"]
     lookups = disk["hits"] + disk["misses"]
     rate = f"{disk['hits'] / lookups:.1%}" if lookups else "n/a"
     print(f"KV store: {disk['directory']}")
     print(f"  disk tier:   {disk['entries']} entries, {disk['bytes'] / 2**20:.1f} MiB "
-          f"(limit {disk['max_bytes'] / 2**30:.1f} GiB), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
+          f"(limit {size_arg(disk['max_bytes'], ' ')}), hit rate {rate} ({disk['hits']} hits, {disk['misses']} misses)")
     by_dtype = store.entries_by_dtype()
     if by_dtype:
         print("  by dtype:    " + "; ".join(f"{dtype}: {row['entries']} entries, {row['bytes'] / 2**20:.1f} MiB"
@@ -103,13 +105,19 @@ def _cache_stats(args) -> int:
     coverage = _index_coverage(args, store)
     projection = _stored_projection(coverage, by_dtype, disk["max_bytes"])
     if projection is not None:
-        print(f"  projected:   {projection.describe()}")
+        print(f"  projected:   {projection.describe(flags=True)}")
+    elif coverage is not None:   # nothing to weigh yet: no model is loaded here
+        print("  projected:   nothing of the index stored yet to weigh; `ragblend info --model M` says what a token "
+              "of stored KV weighs")
     if coverage is not None:
         # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
         fill = f"`ragblend cache fill{index_option(args)}`"
         hint = (f" ({fill} computes them)" if coverage.pending else
                 f" (each chunk's own entry; {fill} also adds any lead entries missing)")
         print(f"  index:       {coverage.describe()}{hint}")
+        # The keys counted are those the index recorded at ingest: the ingesting model's, whatever --model says.
+        print("  counted:     the KV of the model that ingested the index (the keys it recorded); --model does "
+              "not change this count")
     return 0
 
 
@@ -243,6 +251,6 @@ def add_parser(sub) -> None:
     add_collection(cache)
     # Not the engine's kv_dir option: the store to inspect (verify loads its engine with no store).
     cache.add_argument("--kv-dir", default=None, help="any KV store directory instead (e.g. an engine's kv_dir)")
-    add_engine_options(cache, "model", "dtype")
+    add_engine_options(cache, "model", "dtype", "kv_dtype", "disk_bytes", "memory_bytes")
     cache.add_argument("--fix", action="store_true", help="with verify: delete failing entries")
     cache.set_defaults(func=run)

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ragblend.core.errors import InvalidInputError
+from ragblend.core.options import field_default
 
 from .args import add_engine_options, add_index, check_model, index_option, open_index
 
@@ -34,13 +35,15 @@ def run(args) -> int:
         return 1
     rag = open_index(args)
     rag.lock_wait_s, rag.read_limits = args.wait, limits
+    # The projection is printed below in this command's flags; the library's own warning would say it twice.
+    rag.engine.budget.warned.add("index")
     if args.rebuild:
         rag.rebuild()
         print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
     # First the chunks and their embeddings (searchable), then the KV (faster answers).
     report = rag.ingest_documents(documents, report, kv="skip")
     print_ingest_report(report, rag)
-    print(rag.kv_projection(warn=False).describe())
+    print(rag.kv_projection(warn=False).describe(flags=True))
     return _ingest_kv(args, rag)
 
 
@@ -91,6 +94,9 @@ def _spawn_fill(args, rag) -> tuple[int, str]:
         command += ["--model", args.model]
     if getattr(args, "dtype", None):
         command += ["--dtype", args.dtype]
+    for name in ("kv_dtype", "disk_bytes"):   # the fill must store what this command's engine would
+        if getattr(args, name) != field_default(name):
+            command += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     log_file = rag.path / "kv-fill.log"
     with open(log_file, "ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -142,6 +148,6 @@ def add_parser(sub) -> None:
                              "progress bar; Ctrl-C stops safely and `ragblend cache fill` resumes), background "
                              "(a `ragblend cache fill` process; this command returns at once) or skip (questions "
                              "compute the KV of the chunks they use)")
-    add_engine_options(ingest, "model", "dtype")
+    add_engine_options(ingest, "model", "dtype", "kv_dtype", "disk_bytes", "memory_bytes")
     add_index(ingest)
     ingest.set_defaults(func=run)

@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    add_engine_options(serve, "model", "dtype", "kv_dir", "kv_dtype", "decode_dtype", "decode_kv_dtype")
+    add_engine_options(serve, "model", "dtype", "kv_dir", "kv_dtype", "disk_bytes", "memory_bytes", "decode_dtype", "decode_kv_dtype")
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     serve.add_argument("--api-key", action="append", default=None,
                        help="require Authorization: Bearer KEY on every endpoint but /health (default: "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -37,6 +38,23 @@ DECODE_DTYPES = ("auto", "float32", "float16", "int4", "int8")
 DECODE_KV_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # A pass over more rows than this is timed and run as a prefill (kernels.BUCKETS).
 MAX_DRAFT_TOKENS = DRAFT_ROWS - 1
+
+
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: bytes, as a whole number or with a binary unit (``512MiB``, ``37.6GiB``,
+    ``40G``: K, M, G, T all powers of 1024, as ragblend prints sizes)."""
+    number = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = number[-1:] if number[-1:] in _SIZE_UNITS else ""
+    try:
+        value = float(number[:len(number) - len(unit)]) * _SIZE_UNITS[unit]
+    except ValueError:
+        value = math.nan
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 8589934592, 512MiB or 8GiB, got {text!r}")
+    return math.ceil(value)
 
 
 def option(default, help: str, *, flag: str | None = None, choices: tuple | None = None,
@@ -59,8 +77,10 @@ class EngineOptions:
     kv_dir: str | os.PathLike | Literal[False] | None = option(
         None, "Folder of the KV store's disk tier; None: <user cache>/ragblend/kv; False: memory only.",
         flag="--kv-dir", load=True, type=str)
-    memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes.", load=True, type=int)
-    disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes.", load=True, type=int)
+    memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes; it lasts one process.",
+                               flag="--memory-bytes", load=True, type=byte_size)
+    disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes: what the next process "
+                                      "finds.", flag="--disk-bytes", load=True, type=byte_size)
     dtype: torch.dtype | str | None = option(
         None, "How the model's weights are held in memory: 'auto' (or None, the default): a GGUF file's in float32 "
               "where that takes at most 4 GiB, else in its quantized form; an HF directory's as stored (bfloat16 or "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, Chunk
+from ragblend.core.options import byte_size
 from ragblend.core.store.kv import ChunkKV, ChunkRef, to_storage
 from ragblend.core.store.kv_budget import (
     BudgetWarnings,
@@ -17,6 +18,7 @@ from ragblend.core.store.kv_budget import (
     entry_bytes,
     project,
     store_budget,
+    store_tiers,
 )
 from ragblend.core.store.tiers import DiskStore, EntrySpec, MemoryStore, encode_entry, open_store
 
@@ -52,11 +54,56 @@ def test_a_projection_says_what_share_the_budget_holds_and_what_to_do():
     assert whole.share_kept == pytest.approx((8 << 30) / whole.bytes) and not whole.fits
     line = whole.describe()
     assert line.startswith("KV for 10,000 chunks: 1342.3 GB projected (float16, 2 entries of ~512 tokens a chunk)")
-    assert "KV budget 8.0 GiB holds 1%" in line and "disk_bytes" in line and "kv_dtype='int8'" in line
+    assert "KV budget 8.0 GiB (disk tier) holds 1%" in line and "disk_bytes" in line and "kv_dtype='int8'" in line
     small = project(LLAMA_8B, "uint4", chunks=10, tokens_per_chunk=512, entries_per_chunk=1, budget=8 << 30)
-    assert small.fits and small.describe().endswith("KV budget 8.0 GiB holds all of it.")
-    tiered = open_store.__defaults__   # (memory_bytes, disk_bytes): the largest tier bounds what is kept
-    assert store_budget(MemoryStore(1000)) == 1000 and max(tiered) == 8 << 30
+    assert small.fits and small.describe().endswith("KV budget 8.0 GiB (disk tier) holds all of it.")
+    assert store_budget(MemoryStore(1000)) == 1000
+
+
+def test_the_disk_tier_is_judged_where_there_is_one_and_both_tiers_are_said(tmp_path, caplog):
+    # Trial 43: disk_bytes=20 MiB beside the default 2 GiB memory tier was judged by the memory tier ("holds all
+    # of it"), and the next process reused nothing. What the next process finds is the disk tier's.
+    spec = EntrySpec("f" * 64, num_layers=2, num_kv_heads=1, head_dim=8)
+    store = open_store(tmp_path / "kv", spec, memory_bytes=2 << 30, disk_bytes=20 << 20)
+    assert store_budget(store) == 20 << 20 and store_tiers(store) == {"budget": 20 << 20, "memory": 2 << 30,
+                                                                    "persists": True}
+    warnings = BudgetWarnings(KVShape(2, 1, 8), entries_per_chunk=2)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        big = warnings.project(store, torch.float16, chunks=100_000, tokens_per_chunk=256)
+    assert not big.fits and big.budget == 20 << 20 and big.memory == 2 << 30
+    line = big.describe()
+    assert "KV budget 20.0 MiB (disk tier, kept across processes; the memory tier's 2.0 GiB lasts one process)" in line
+    assert "Raise disk_bytes to 3.5 GiB or more" in line   # 3.499 GiB, rounded up to what holds it
+    assert [r.getMessage() for r in caplog.records] == ["ragblend: " + line]   # the disk keeps less: warned
+    flags = big.describe(flags=True)   # as the CLI says it: its flags, a size its --disk-bytes takes back
+    raise_to = flags.split("Raise --disk-bytes to ")[1].split(" ")[0]
+    assert byte_size(raise_to) >= big.bytes and "--kv-dtype int8" in flags and "disk_bytes" not in flags
+    store.disk.close()
+    memory_only = warnings.project(MemoryStore(2 << 30), torch.float16, chunks=1_000, tokens_per_chunk=256)
+    assert memory_only.describe().endswith("KV budget 2.0 GiB (memory only: none of it outlives the process) "
+                                           "holds all of it.")
+    tight = project(KVShape(2, 1, 8), "float16", 100_000, 256, 2, **store_tiers(MemoryStore(1 << 20)))
+    assert "Raise memory_bytes" in tight.describe() and "disk" not in tight.describe()
+    assert "Raise --memory-bytes" in tight.describe(flags=True)
+
+
+def test_a_memory_tier_too_small_for_an_entry_says_why_once(tokenizer, caplog):
+    # Trial 43: a 1 MiB memory-only store said "6 of 6 chunk(s) could not be stored (cause logged above)" with
+    # nothing logged above at the default level. The tier itself says why, once, at WARNING.
+    store = MemoryStore(1000)
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert not store.put(synthetic_entry(1)) and not store.put(synthetic_entry(2))
+    assert len(caplog.records) == 1 and "larger than the whole memory tier (memory_bytes=1000" in caplog.text
+    assert not MemoryStore(0).put(synthetic_entry(1)) and len(caplog.records) == 1   # 0: the tier is off, on purpose
+    caplog.clear()
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.store = MemoryStore(8_000)   # less than one chunk's entry
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        refs = engine.precompute(PASSAGES[:3])
+    said = [r.getMessage() for r in caplog.records]
+    assert not any(ref.stored for ref in refs)
+    cause = next(i for i, m in enumerate(said) if "larger than the whole memory tier" in m)
+    assert cause < next(i for i, m in enumerate(said) if "could not be stored" in m)   # logged above, indeed
 
 
 def test_budget_warnings_count_each_chunk_once_and_say_each_thing_once(caplog):
@@ -86,7 +133,8 @@ def test_precompute_past_the_budget_warns_once_and_the_memory_tier_counts(tokeni
         engine.precompute(PASSAGES[:1] + ["A fifth chunk of text, about the harbour's night ferry and its crew."])
     warned = [r.getMessage() for r in caplog.records if "projected" in r.getMessage()]
     assert len(warned) == 1 and warned[0].startswith("ragblend: KV for 4 chunks:")
-    assert "KV budget 97.7 KiB holds" in warned[0] and "computed at query time" in warned[0]
+    assert "KV budget 97.7 KiB (memory only: none of it outlives the process) holds" in warned[0]
+    assert "computed at query time" in warned[0] and "Raise memory_bytes" in warned[0] and "disk_bytes" not in warned[0]
     assert engine.kv_projection(5, 40, warn=False).budget == 100_000
 
 
@@ -105,7 +153,8 @@ def test_a_budget_too_small_for_one_prompts_chunks_still_answers_and_says_so_onc
     assert first.stats.chunks_computed == second.stats.chunks_computed == 3   # nothing kept: computed each time
     assert answer.text is not None and answer.stats.chunks_computed == 3
     said = [r.getMessage() for r in caplog.records if "more than the KV store keeps" in r.getMessage()]
-    assert len(said) == 1 and "3 chunk(s)" in said[0] and "disk_bytes" in said[0]
+    assert len(said) == 1 and "3 chunk(s)" in said[0] and "(7.8 KiB)" in said[0]
+    assert "Raise memory_bytes" in said[0] and "disk_bytes" not in said[0]   # a memory-only store has no disk tier
     assert len(tight.store) == 0
 
 
@@ -147,14 +196,18 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
     # 12 chunks of up to 256 tokens (LocalIndex's chunk size), 2 entries each, 512 bytes a token in float16
     line = next(line for line in out.splitlines() if line.startswith("KV for 12 chunks:"))
     assert "projected (float16, 2 entries of ~256 tokens a chunk)" in line
-    assert "KV budget 146.5 KiB holds" in line and "computed at query time" in line
-    warned = [r.getMessage() for r in caplog.records if "projected" in r.getMessage()]
-    assert len(warned) == 1 and "KV for 12 chunks" in warned[0]   # logged once, by the library
+    assert "KV budget 146.5 KiB (disk tier) holds" in line and "computed at query time" in line
+    assert "Raise --disk-bytes to " in line and "--kv-dtype int8" in line   # the flags ingest has
+    assert len([line for line in out.splitlines() if "projected" in line]) == 1
+    assert not [r for r in caplog.records if "projected" in r.getMessage()]   # said once: not logged too
 
     # `cache stats` (no model): from what the stored chunks weigh, against the store's limit
     from ragblend.vectorstore_hooks.llamaindex import llm_text
 
     engine.store.disk.close()
+    assert cli.main(["cache", "stats", "--index", str(tmp_path / "index")]) == 0   # nothing stored yet (--kv skip)
+    empty = capsys.readouterr().out
+    assert "projected:   nothing of the index stored yet to weigh" in empty and "--model does not change" in empty
     engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec)   # the default budget
     engine.precompute([llm_text(node) for node in LocalIndex(tmp_path / "index", engine=engine)
                        .vector_store.get_nodes()][:3])
@@ -173,3 +226,23 @@ def test_info_says_what_a_token_of_stored_kv_weighs_and_why_that_dtype(tokenizer
     per_token = bytes_per_token(KVShape(4, 2, 16), "uint4")   # the tiny model: 4 layers x 2 KV heads x 16
     assert line.startswith(f"Stored KV (kv_dtype='uint4'): {per_token:,.0f} bytes a token; a 512-token chunk")
     assert "float16 stays the default" in line and "Stored KV dtypes" in line
+
+
+def test_the_cli_advice_can_be_followed_from_the_commands_that_build_a_store():
+    # Trial 43: ingest said "Raise disk_bytes ... or kv_dtype='int8'" and ingest/ask/cache had neither flag.
+    from ragblend import cli
+    from ragblend.core import options as engine_options
+
+    parser = cli.build_parser()
+    for argv in (["ingest", "docs"], ["ask", "a question"], ["cache", "fill"], ["serve"]):
+        args = parser.parse_args(argv + ["--disk-bytes", "40GiB", "--memory-bytes", "1MiB", "--kv-dtype", "int8"])
+        options = engine_options.from_args(args)
+        assert (options.disk_bytes, options.memory_bytes, options.kv_dtype) == (40 << 30, 1 << 20, "int8")
+    # A command ingest suggests (`ragblend cache fill ...`) keeps them: another dtype is other entries, a
+    # smaller limit evicts.
+    suggested = cli._index_option(parser.parse_args(["ingest", "docs", "--index", "ix", "--kv-dtype", "int8",
+                                                     "--disk-bytes", "1GiB"]))
+    assert suggested == f" --index ix --kv-dtype int8 --disk-bytes {1 << 30}"
+    assert cli._index_option(parser.parse_args(["ingest", "docs", "--index", "ix"])) == " --index ix"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ingest", "docs", "--disk-bytes", "lots"])

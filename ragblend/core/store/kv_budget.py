@@ -13,6 +13,7 @@ at query time, so an index larger than its budget loses most of what fusion save
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,13 +64,20 @@ def bytes_per_token(shape: KVShape, dtype: torch.dtype | str, chunk_tokens: int 
 
 @dataclass(frozen=True)
 class Projection:
-    """The projected size of an index's KV against the budget of the store that keeps it."""
+    """The projected size of an index's KV against the budget of the store that keeps it.
+
+    ``budget`` is the tier judged: the disk tier where the store has one, since only it outlives
+    the process (the next process finds nothing of what the memory tier held); a memory-only
+    store's own limit otherwise (``persists`` False). ``memory`` is the memory tier's limit beside
+    a disk tier, said alongside."""
 
     chunks: int
     bytes: int               # all of it
-    budget: int | None       # the store's (largest tier's) limit in bytes; None: unbounded
+    budget: int | None       # the judged tier's limit in bytes; None: unbounded
     dtype: str               # the stored dtype ("" when unknown, e.g. several)
     basis: str = ""          # what the figure is made of, e.g. "float16, 2 entries of ~512 tokens a chunk"
+    memory: int | None = None   # the memory tier's limit, where the judged tier is a disk tier
+    persists: bool = True    # False: a memory-only store, which keeps nothing for the next process
 
     @property
     def share_kept(self) -> float:
@@ -82,34 +90,59 @@ class Projection:
     def fits(self) -> bool:
         return self.share_kept >= 1.0
 
-    def describe(self) -> str:
-        """One line: ``KV for 10,000 chunks: 12.3 GB projected (...); KV budget 8.0 GiB holds 65%: ...``."""
+    def describe(self, flags: bool = False) -> str:
+        """One line: ``KV for 10,000 chunks: 12.3 GB projected (...); KV budget 8.0 GiB (disk tier...) holds
+        65%: ...``. ``flags``: the advice names the CLI's flags (``--disk-bytes 40GiB``), not the options."""
         line = f"KV for {self.chunks:,} chunks: {_gb(self.bytes)} projected" + (f" ({self.basis})" if self.basis else "")
         if self.budget is None:
             return line + "."
-        budget = f"KV budget {_gib(self.budget)}"
+        budget = f"KV budget {_gib(self.budget)} ({self._tiers()})"
         if self.fits:
             return f"{line}; {budget} holds all of it."
+        knob = "disk_bytes" if self.persists else "memory_bytes"
+        raise_to = f"{knob} to {size_arg(self.bytes, ' ')}"
+        if flags:
+            raise_to = f"--{knob.replace('_', '-')} to {size_arg(self.bytes)}"
         return (f"{line}; {budget} holds {self.share_kept:.0%}: the rest is computed at query time. "
-                f"Raise disk_bytes to {_gib(self.bytes)} or more, or store smaller KV ({_cheaper(self.dtype)}).")
+                f"Raise {raise_to} or more, or store smaller KV ({_cheaper(self.dtype, flags)}).")
+
+    def _tiers(self) -> str:
+        if not self.persists:
+            return "memory only: none of it outlives the process"
+        if self.memory is None:
+            return "disk tier"
+        return f"disk tier, kept across processes; the memory tier's {_gib(self.memory)} lasts one process"
 
 
 def project(shape: KVShape, dtype: torch.dtype | str, chunks: int, tokens_per_chunk: int, entries_per_chunk: int,
-            budget: int | None) -> Projection:
+            budget: int | None, *, memory: int | None = None, persists: bool = True) -> Projection:
     """The projected KV of ``chunks`` chunks of ``tokens_per_chunk`` tokens each, ``entries_per_chunk``
-    entries each (2 where the engine keeps lead entries)."""
+    entries each (2 where the engine keeps lead entries), against ``budget`` (see :class:`Projection`
+    for ``memory`` and ``persists``)."""
     name = dtype if isinstance(dtype, str) else next(n for n, d in STORAGE_DTYPES.items() if d == dtype)
     total = chunks * entries_per_chunk * entry_bytes(shape, max(tokens_per_chunk, 1), name)
     entries = "1 entry" if entries_per_chunk == 1 else f"{entries_per_chunk} entries"
-    return Projection(chunks, total, budget, name, f"{name}, {entries} of ~{tokens_per_chunk} tokens a chunk")
+    return Projection(chunks, total, budget, name, f"{name}, {entries} of ~{tokens_per_chunk} tokens a chunk",
+                      memory, persists)
 
 
 def store_budget(store) -> int | None:
-    """The most bytes ``store`` keeps: its own limit, or its largest tier's (a chunk kept in either
-    tier is read from there); None when it has no limit."""
-    tiers = [t for t in (getattr(store, "memory", None), getattr(store, "disk", None)) if t is not None] or [store]
-    limits = [t.max_bytes for t in tiers if isinstance(getattr(t, "max_bytes", None), int)]
-    return max(limits) if limits else None
+    """The most bytes ``store`` keeps for the next process: its disk tier's limit where it has one
+    (the memory tier is lost when the process ends, however large), else its own limit (a
+    memory-only store: for this process); None when it has no limit."""
+    disk = getattr(store, "disk", None)
+    tier = disk if disk is not None else getattr(store, "memory", None) or store
+    limit = getattr(tier, "max_bytes", None)
+    return limit if isinstance(limit, int) else None
+
+
+def store_tiers(store) -> dict:
+    """``store``'s budget as :func:`project` takes it: ``budget``, ``memory`` and ``persists``."""
+    disk, memory = getattr(store, "disk", None), getattr(store, "memory", None)
+    persists = disk is not None or getattr(store, "tier", "") == "disk"
+    limit = getattr(memory, "max_bytes", None) if disk is not None else None
+    return {"budget": store_budget(store), "memory": limit if isinstance(limit, int) and limit else None,
+            "persists": persists}
 
 
 class BudgetWarnings:
@@ -126,7 +159,8 @@ class BudgetWarnings:
 
     def project(self, store, dtype: torch.dtype, chunks: int, tokens_per_chunk: int, *, warn: bool = True) -> Projection:
         """:func:`project` against ``store``'s budget; ``warn``: log once when the budget holds only part of it."""
-        projection = project(self.shape, dtype, chunks, tokens_per_chunk, self.entries_per_chunk, store_budget(store))
+        projection = project(self.shape, dtype, chunks, tokens_per_chunk, self.entries_per_chunk,
+                             **store_tiers(store))
         if warn and not projection.fits and "index" not in self.warned:
             self.warned.add("index")
             log.warning("ragblend: %s", projection.describe())
@@ -148,19 +182,32 @@ class BudgetWarnings:
         each): the prompt is answered, the chunks the store cannot keep computed each time."""
         if "prompt" in self.warned or not chunk_tokens:
             return
-        budget = store_budget(store)
+        # The next prompt may be this process's: a chunk kept in either tier is reused, so the larger counts.
+        tiers = store_tiers(store)
+        budget = max(limit for limit in (tiers["budget"], tiers["memory"]) if limit is not None) \
+            if tiers["budget"] is not None else None
         needed = sum(entry_bytes(self.shape, tokens, dtype) for tokens in chunk_tokens)
         if budget is not None and needed > budget:
             self.warned.add("prompt")
-            log.warning("ragblend: a prompt's %d chunk(s) need %.1f MiB of KV, more than the KV store keeps (%.1f MiB): "
-                        "they are answered, the chunks it cannot keep computed at each query. Raise memory_bytes / "
-                        "disk_bytes, or store smaller KV (kv_dtype).", len(chunk_tokens), needed / 2**20,
-                        budget / 2**20)
+            knobs = "memory_bytes / disk_bytes" if tiers["persists"] else "memory_bytes"
+            log.warning("ragblend: a prompt's %d chunk(s) need %s of KV, more than the KV store keeps (%s): they are "
+                        "answered, the chunks it cannot keep computed at each query. Raise %s, or store smaller KV "
+                        "(kv_dtype).", len(chunk_tokens), _gib(needed), _gib(budget), knobs)
 
 
-def _cheaper(dtype: str) -> str:
+def _cheaper(dtype: str, flags: bool = False) -> str:
     smaller = {"float32": "float16", "float16": "int8", "bfloat16": "int8", "int8": "uint4"}.get(dtype)
-    return f"kv_dtype='{smaller}'" if smaller else "fewer chunks"
+    if not smaller:
+        return "fewer chunks"
+    return f"--kv-dtype {smaller}" if flags else f"kv_dtype='{smaller}'"
+
+
+def size_arg(n: int, sep: str = "") -> str:
+    """``n`` bytes as a CLI size (``37.6GiB``; ``sep``: between number and unit), rounded up so that it
+    holds ``n``: what to raise a limit to."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale or unit == "KiB":
+            return f"{math.ceil(n / scale * 10) / 10:g}{sep}{unit}"
 
 
 def _gb(n: int) -> str:

@@ -127,6 +127,7 @@ class MemoryStore(KVStore):
                                     f"got {max_bytes!r}.")
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self._warned_too_large = False
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -145,6 +146,7 @@ class MemoryStore(KVStore):
     def put(self, entry: ChunkKV) -> bool:
         size = entry.nbytes
         if size > self.max_bytes:
+            self._too_large(size)
             return False
         evicted = []
         with self._lock:
@@ -169,6 +171,15 @@ class MemoryStore(KVStore):
         self.dropped(entry)
         return True
 
+    def _too_large(self, size: int) -> None:
+        # Said once: callers count what was not stored, but only this tier knows why. Not for a
+        # subclass (the history pieces' store), whose budget is another option, reported apart.
+        if type(self) is MemoryStore and self.max_bytes and not self._warned_too_large:   # 0: off on purpose
+            self._warned_too_large = True
+            log.warning("ragblend: a KV entry of %s is larger than the whole memory tier (memory_bytes=%d, %s), so "
+                        "it is not kept there; raise memory_bytes or store smaller KV (kv_dtype).",
+                        _size(size), self.max_bytes, _size(self.max_bytes))
+
     def dropped(self, entry: ChunkKV) -> None:
         """Called (outside the lock) for each entry evicted or deleted; nothing here."""
 
@@ -186,6 +197,10 @@ class MemoryStore(KVStore):
 
     def stats(self) -> dict:
         return {"memory": {"entries": len(self), "bytes": self.nbytes, "max_bytes": self.max_bytes}}
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 # diskcache names every value file "xx/yy/<28 hex digits>.val" under its directory; a row
