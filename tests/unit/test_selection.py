@@ -251,3 +251,20 @@ def test_the_fused_pass_keeps_the_question_pass_template_only_on_exact_weights(t
     for k_kept, k_both in zip(kept.keys, both.keys):
         torch.testing.assert_close(k_kept[:, :first], k_both[:, :first], atol=1e-4, rtol=1e-4)
     assert (torch.softmax(kept.logits, -1) - torch.softmax(both.logits, -1)).abs().max() < 0.05
+
+
+def test_query_aware_at_ratio_one_is_a_full_prefill_bit_for_bit(tokenizer):
+    # Called directly (the runner would not fuse at ratio 1): nothing of the question pass is kept.
+    from ragblend.core.fusion.pipeline import SequentialSource
+    from ragblend.core.fusion.prefill import fused_prefill
+
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.precompute(CHUNKS)
+    layout = engine.prompts.build([Chunk(c) for c in CHUNKS[:3]] + ["Question: who ran the ferry?"])
+    spans = [ReusedSpan(s.start, s.end - s.start) for s in layout.chunk_spans]
+    source = SequentialSource([engine.store.open(engine.ingestion.key_for(s.token_ids)) for s in layout.chunk_spans])
+    fused = fused_prefill(engine.adapter, layout.token_ids, spans, source, QueryAware(1.0))
+    full = fused_prefill(engine.adapter, layout.token_ids, [], None, FullRecompute())
+    assert torch.equal(fused.logits, full.logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused.keys, full.keys))
+    assert all(len(p) == len(layout.token_ids) for p in fused.layer_positions)

@@ -146,15 +146,14 @@ def _take_over(adapter: ModelAdapter, prompt: FusionPrompt, selected: torch.Tens
     recomputes and scales them: on the served conversation of benchmarks.conversation the mean
     first-token KL to full prefill moved 0.0036 -> 0.0037 (docs/benchmarks.md, conversations).
     Only where the question pass ran on this model's exact weights (a quantized model's may run on
-    low-bit kernels), and only the exact part where every reused token is recomputed (ratio 1
-    stays a full prefill)."""
+    low-bit kernels), and nothing where every reused token is recomputed: a pass of its own gives
+    other roundings than one row batch, and ratio 1 must stay bit for bit a full prefill."""
     if question_pass is None:
         return None, None
     probed = question_pass.layer_positions[0]
     bound = 0   # the positions before it are kept
-    if adapter.scoring is adapter:
-        every = bool(selected[prompt.reused_pos].all())
-        bound = prompt.spans[0].start if every else prompt.question_start
+    if adapter.scoring is adapter and not bool(selected[prompt.reused_pos].all()):
+        bound = prompt.question_start
     kept = probed[probed < bound]
     selected[kept] = False
     if not bool(selected[probed[probed >= bound]].all()):   # a selection that drops some: start afresh
