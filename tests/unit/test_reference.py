@@ -49,7 +49,9 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, ke
     ids = torch.tensor([token_ids])
     hidden = base.embed_tokens(ids)
     layer_types = getattr(config, "layer_types", None)
-    per_type = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
+    # ragblend's own modules (a GGUF's) say whether the family has tables per layer type
+    per_type = getattr(base.rotary_emb, "per_layer_type",
+                       "layer_type" in inspect.signature(base.rotary_emb.forward).parameters)
     tables = ({t: base.rotary_emb(hidden, torch.arange(n)[None], t) for t in set(layer_types)} if per_type
               else {None: base.rotary_emb(hidden, torch.arange(n)[None])})
     distance = torch.arange(n)[:, None] - torch.arange(n)[None, :]

@@ -120,46 +120,14 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 
     selected = selection.first(prompt, probe) if prompt.num_reused else torch.ones(
         prompt.num_tokens, dtype=torch.bool, device=adapter.device)
-    earlier, kept = _take_over(adapter, prompt, selected, probe_runs[0] if probe_runs else None)
     key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale)
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
-                  selection, rope, earlier=earlier, key_bias=key_bias)
-    if kept is not None:
-        fused.recomputed[kept.cpu()] = True   # computed through every layer, in the question pass
+                  selection, rope, key_bias=key_bias)
     fused.key_bias = key_bias
     fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
     fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
     fused.compute_s = time.perf_counter() - t0 - fused.load_wait_s
     return fused
-
-
-def _take_over(adapter: ModelAdapter, prompt: FusionPrompt, selected: torch.Tensor,
-               question_pass: FusedPrefill | None) -> tuple[FusedPrefill | None, torch.Tensor | None]:
-    """What the fused pass takes over from ``question_pass`` (QueryAware's first stage; None where
-    none ran): its K/V, every cached token's already placed and rotated, where each position it
-    computed is computed again or kept; and the positions kept (None: none), which ``selected`` loses.
-
-    Kept are the uncached tokens before the question (the template's opening, its text between the
-    chunks, the control tokens between a conversation's pieces, ~50 tokens of a turn-5 prompt), so
-    they are computed once, not in both passes. Those before the first chunk come out the same in
-    both passes; the others attended to the chunks before them as cached, not as the fused pass
-    recomputes and scales them: on the served conversation of benchmarks.conversation the mean
-    first-token KL to full prefill moved 0.0036 -> 0.0037 (docs/benchmarks.md, conversations).
-    Only where the question pass ran on this model's exact weights (a quantized model's may run on
-    low-bit kernels), and nothing where every reused token is recomputed: a pass of its own gives
-    other roundings than one row batch, and ratio 1 must stay bit for bit a full prefill."""
-    if question_pass is None:
-        return None, None
-    probed = question_pass.layer_positions[0]
-    bound = 0   # the positions before it are kept
-    if adapter.scoring is adapter and not bool(selected[prompt.reused_pos].all()):
-        bound = prompt.question_start
-    kept = probed[probed < bound]
-    selected[kept] = False
-    if not bool(selected[probed[probed >= bound]].all()):   # a selection that drops some: start afresh
-        selected[kept] = True
-        return None, None
-    return question_pass, (kept if kept.numel() else None)
 
 
 def _cached_key_bias(prompt: FusionPrompt, selected: torch.Tensor, scale: float) -> torch.Tensor | None:
