@@ -120,9 +120,12 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
 
     selected = selection.first(prompt, probe) if prompt.num_reused else torch.ones(
         prompt.num_tokens, dtype=torch.bool, device=adapter.device)
+    # The question pass already placed every cached K/V: the second pass writes over it
+    # (when it recomputes every token the question pass computed, as QueryAware does).
+    earlier = probe_runs[0] if probe_runs and bool(selected[probe_runs[0].layer_positions[0]].all()) else None
     key_bias = _cached_key_bias(prompt, selected, selection.cached_attention_scale)
     fused = _walk(adapter, ids, prompt, layers, selected, selection.check_layers if prompt.num_reused else (),
-                  selection, rope, key_bias=key_bias)
+                  selection, rope, earlier=earlier, key_bias=key_bias)
     fused.key_bias = key_bias
     fused.probe_token_layers = sum(run.token_layers for run in probe_runs)
     fused.load_wait_s += sum(run.load_wait_s for run in probe_runs)
