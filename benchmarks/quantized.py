@@ -108,7 +108,7 @@ def main(argv=None) -> None:
                 print(line, flush=True)
                 report.append(f"    {line}")
         noise = statistics.mean(r["noise"] for r in rows)
-        forms = [f"{name}'s quantized weights: " + "; ".join(describe(quantized.hf_model))]
+        forms = [f"{name}'s quantized weights: " + "; ".join(line.strip() for line in describe(quantized.hf_model))]
         for what in ("full",) if args.full_only else ("full", "fused"):
             kl = statistics.mean(r[f"{what}_kl"] for r in rows)
             same = sum(r[f"{what}_same"] for r in rows)

@@ -107,9 +107,9 @@ whole_number = whole_number_from(0)
 ENGINE_FLAG_HELP = {
     "model": "a .gguf file or a Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)",
     "kv_dir": "KV store folder (default: <user cache>/ragblend/kv; 'none': memory only)",
-    "disk_bytes": "the KV store's disk tier, what later commands find: bytes or a size such as 40GiB (default: "
-                  "8GiB). Give the same to every command on this store: one run with a smaller limit evicts down "
-                  "to it when it stores KV",
+    "disk_bytes": "the KV store's disk tier, what later commands find: bytes or a size such as 40GiB. Saved with "
+                  "the store: later commands without it keep that size (default: the saved size, 8GiB where none "
+                  "was). A smaller one than the store holds evicts down to it when it stores KV, and says so",
     "memory_bytes": "the KV store's memory tier, which lasts this command only: bytes or a size such as 4GiB "
                     "(default: 2GiB)",
     "kv_dtype": "how chunk KV is stored: float16 (default), int8 (about half the bytes), uint4 (0.31x), float32, "

@@ -102,23 +102,56 @@ def _cache_stats(args) -> int:
     if disk["faults"]:
         print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
     print("  memory tier: lives inside each process (see engine.store.stats())")
-    coverage = _index_coverage(args, store)
-    projection = _stored_projection(coverage, by_dtype, disk["max_bytes"])
+    _print_index(args, store, by_dtype, disk["max_bytes"])
+    return 0
+
+
+def _print_index(args, store, by_dtype: dict, budget: int) -> None:
+    """The lines of `cache stats` about the index: projected KV, coverage, and what was counted."""
+    found = _index_coverage(args, store)
+    if found is None:
+        return
+    coverage, projection, keyed_apart = found
+    if projection is None:   # the index's recorded keys: weighed by what is stored
+        projection = _stored_projection(coverage, by_dtype, budget)
     if projection is not None:
         print(f"  projected:   {projection.describe(flags=True)}")
-    elif coverage is not None:   # nothing to weigh yet: no model is loaded here
+    else:   # nothing to weigh yet: no model is loaded here
         print("  projected:   nothing of the index stored yet to weigh; `ragblend info --model M` says what a token "
               "of stored KV weighs")
-    if coverage is not None:
-        # Without the model the lead entries' keys are unknown: a chunk counts by its own entry.
-        fill = f"`ragblend cache fill{index_option(args)}`"
+    fill = f"`ragblend cache fill{index_option(args)}`"
+    if keyed_apart:   # the fill computes the keys the index recorded: the ingesting engine's
+        hint = (f" ({keyed_apart:,} keyed apart from the keys the index recorded, another engine's: queries with "
+                "these flags compute and store them; `ragblend ingest --rebuild` with them keys the index for this one)")
+    elif coverage.lead_missing is None:   # no model: the lead entries' keys are unknown, a chunk counts by its own
         hint = (f" ({fill} computes them)" if coverage.pending else
                 f" (each chunk's own entry; {fill} also adds any lead entries missing)")
-        print(f"  index:       {coverage.describe()}{hint}")
-        # The keys counted are those the index recorded at ingest: the ingesting model's, whatever --model says.
-        print("  counted:     the KV of the model that ingested the index (the keys it recorded); --model does "
-              "not change this count")
-    return 0
+    else:
+        hint = f" ({fill} computes them)" if coverage.to_compute else ""
+    print(f"  index:       {coverage.describe()}{hint}")
+    if _names_an_engine(args):
+        print(f"  counted:     the KV of the engine {_engine_flags(args)} names, each chunk keyed as it keys it")
+    else:
+        print("  counted:     the KV of the engine that ingested the index (the keys it recorded); --model M "
+              "counts M's instead (it loads M)")
+
+
+# The flags that make other entries' keys: the model, its weights' form, the stored dtype.
+_KEYING_FLAGS = ("model", "dtype", "kv_dtype")
+
+
+def _names_an_engine(args) -> bool:
+    """Whether the flags name an engine whose keys may differ from those the index recorded."""
+    from ragblend.core.options import field_default
+
+    return any(getattr(args, name, None) not in (None, field_default(name)) for name in _KEYING_FLAGS)
+
+
+def _engine_flags(args) -> str:
+    from ragblend.core.options import field_default
+
+    return " ".join(f"--{name.replace('_', '-')} {getattr(args, name)}" for name in _KEYING_FLAGS
+                    if getattr(args, name, None) not in (None, field_default(name)))
 
 
 def _stored_projection(coverage, by_dtype: dict, budget: int):
@@ -137,8 +170,12 @@ def _stored_projection(coverage, by_dtype: dict, budget: int):
 
 
 def _index_coverage(args, store):
-    """How much of the index's chunks' KV ``store`` holds; None without an index (e.g. --kv-dir
-    alone) or when its Chroma database holds no ragblend collection. Needs no model."""
+    """``(coverage, projection, keyed apart)``: how much of the index's chunks' KV ``store`` holds,
+    with its projection and how many chunks the engine keys apart from the index where the flags
+    name an engine (:func:`_engine_coverage`). Without --model, --dtype or --kv-dtype it needs no
+    model: it counts the keys the index recorded (the ingesting engine's), with no projection and
+    0 apart. None without an index (e.g. --kv-dir alone) or when its Chroma database holds no
+    ragblend collection."""
     from ragblend.integrations.kv_fill import coverage_of
     from ragblend.integrations.local_index import chroma_client, index_folder
 
@@ -151,7 +188,46 @@ def _index_coverage(args, store):
         collection = chroma_client(folder, args.chroma_url).get_collection(args.collection)
     except Exception:   # no such collection (chromadb raises its own NotFoundError or ValueError)
         return None
-    return coverage_of(collection, store.keys())
+    if _names_an_engine(args):
+        return _engine_coverage(args, collection, store)
+    return coverage_of(collection, store.keys()), None, 0
+
+
+def _engine_coverage(args, collection, store):
+    """The index's coverage by the KV of the engine the flags name (its model loaded, with no store
+    of its own): each chunk keyed as ingesting with that engine keys it, from the text its model is
+    shown (the keys the index recorded are the ingesting engine's; another model's, weights form's
+    or stored dtype's entries are others). With its projection (from the model's shape and the
+    chunks' mean length) and how many chunks it keys apart from the recorded keys."""
+    from llama_index.core.vector_stores.utils import metadata_dict_to_node
+
+    from ragblend.integrations.kv_fill import KVCoverage
+    from ragblend.vectorstore_hooks.llamaindex import KV_KEY, KVPrecompute, llm_text
+
+    print("Loading the model to key the index's chunks as it does...", file=sys.stderr, flush=True)
+    engine = load_engine(args, kv_dir=False)
+    keyer, stored = KVPrecompute(engine, compute=False), set(store.keys())
+    chunks = keyed = covered = lead_missing = tokens = apart = 0
+    for offset in range(0, collection.count(), _PAGE):
+        page = collection.get(include=["metadatas", "documents"], limit=_PAGE, offset=offset)
+        nodes = [metadata_dict_to_node(meta or {}, text=text) for meta, text in zip(page["metadatas"], page["documents"])]
+        recorded = [node.metadata.get(KV_KEY) for node in nodes]
+        for node, was in zip(keyer(nodes), recorded):
+            chunks += 1
+            key = node.metadata.get(KV_KEY)
+            apart += key != was
+            if key is None:
+                continue
+            keyed += 1
+            tokens += engine.count_tokens(llm_text(node))
+            if key in stored:
+                covered += 1
+                lead_missing += not engine.entries_stored(key, stored)
+    projection = engine.budget.project(store, engine.kv_dtype, keyed, -(-tokens // keyed), warn=False) if keyed else None
+    return KVCoverage(chunks, keyed, covered, lead_missing), projection, apart
+
+
+_PAGE = 5000   # chunks read from Chroma at a time
 
 
 def _fill(args) -> int:

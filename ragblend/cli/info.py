@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from .args import add_engine_options, load_engine
 
 
@@ -17,9 +19,7 @@ def run(args) -> int:
     print(f"Host: {cpu_summary()}")
     computes_in = str(about.dtype).removeprefix("torch.")   # the activations'; the weights' form is the next line
     print(f"Model: {about.name} ({about.arch}, {about.num_layers} layers, computes in {computes_in}, {about.device})")
-    print(f"Weights: held {about.weights_form}, because: {about.weights_reason}")
-    for line in about.weights_lines:
-        print(f"  {line}")
+    print_weights(about.weights_form, about.weights_reason, about.weights_lines)
     _print_kernels(about)
     for bits in ("4", "8"):
         why_not = about.low_bit_decoding[f"int{bits}"]
@@ -34,6 +34,27 @@ def run(args) -> int:
     _print_history_pieces(about.history_pieces)
     _print_drafts(about)
     return 0
+
+
+# Lines `ragblend info` says at length (why the weights are held so, how they run) are wrapped at this width.
+WIDTH = 100
+
+
+def print_wrapped(text: str, indent: str = "", more: str = "    ") -> None:
+    """``text`` in lines of at most :data:`WIDTH` characters (a longer word alone), the first after
+    ``indent``, the rest after ``indent + more``."""
+    print(textwrap.fill(text, WIDTH, initial_indent=indent, subsequent_indent=indent + more,
+                        break_long_words=False, break_on_hyphens=False))
+
+
+def print_weights(form: str, reason: str, lines) -> None:
+    """How the weights are held and why (a clause of the reason a line), then how they run."""
+    first, *clauses = reason.split("; ")
+    print_wrapped(f"Weights: held {form}, because: {first}" + (";" if clauses else ""))
+    for i, clause in enumerate(clauses, 1):
+        print_wrapped(clause + (";" if i < len(clauses) else ""), "    ", "  ")
+    for line in lines:   # a line indented under the one before keeps its indent
+        print_wrapped(line.strip(), "  " + line[:len(line) - len(line.lstrip())])
 
 
 def _print_memory_tier(title: str, what: str, off: str, info: dict, counts: str) -> None:

@@ -30,6 +30,7 @@ import torch
 from .errors import InvalidInputError, InvalidTypeError
 from .model.kernels import DRAFT_ROWS
 from .prompt import CHUNK_CONTEXT, check_text
+from .store.disk_limit import check_disk_bytes
 from .store.tiers import STORAGE_DTYPES
 
 KV_DTYPES = tuple(STORAGE_DTYPES)                    # ("float32", "float16", "bfloat16", "int8", "uint4")
@@ -79,8 +80,11 @@ class EngineOptions:
         flag="--kv-dir", load=True, type=str)
     memory_bytes: int = option(2 << 30, "Size of the KV store's memory tier (LRU), in bytes; it lasts one process.",
                                flag="--memory-bytes", load=True, type=byte_size)
-    disk_bytes: int = option(8 << 30, "Size of the KV store's disk tier (LRU), in bytes: what the next process "
-                                      "finds.", flag="--disk-bytes", load=True, type=byte_size)
+    disk_bytes: int | None = option(
+        None, "Size of the KV store's disk tier (LRU), in bytes: what the next process finds. Saved with the store: "
+              "None (the default) keeps the size saved there (8 GiB where none was); a size given is saved for later "
+              "openers, and one below what the store holds evicts its least recently used entries (and says so).",
+        flag="--disk-bytes", load=True, type=byte_size)
     dtype: torch.dtype | str | None = option(
         None, "How the model's weights are held in memory: 'auto' (or None, the default): a GGUF file's in float32 "
               "where that takes at most 4 GiB, else in its quantized form; an HF directory's as stored (bfloat16 or "
@@ -176,6 +180,7 @@ class EngineOptions:
         if self.decode_kv_dtype not in DECODE_KV_DTYPES:
             raise InvalidInputError(f"decode_kv_dtype must be one of {', '.join(map(repr, DECODE_KV_DTYPES))}, "
                                     f"got {self.decode_kv_dtype!r}.")
+        object.__setattr__(self, "disk_bytes", check_disk_bytes(self.disk_bytes))
         prefix_bytes = self.prefix_cache_bytes
         if isinstance(prefix_bytes, bool) or not isinstance(prefix_bytes, numbers.Integral) or prefix_bytes < 0:
             raise InvalidInputError(f"prefix_cache_bytes must be an integer >= 0 (0: no prefix tier), got {prefix_bytes!r}.")

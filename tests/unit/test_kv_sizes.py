@@ -207,8 +207,9 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
     engine.store.disk.close()
     assert cli.main(["cache", "stats", "--index", str(tmp_path / "index")]) == 0   # nothing stored yet (--kv skip)
     empty = capsys.readouterr().out
-    assert "projected:   nothing of the index stored yet to weigh" in empty and "--model does not change" in empty
-    engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec)   # the default budget
+    assert "projected:   nothing of the index stored yet to weigh" in empty and "--model M counts M's instead" in empty
+    # a larger limit given: saved with the store, so `cache stats` judges by it
+    engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, disk_bytes=8 << 30)
     engine.precompute([llm_text(node) for node in LocalIndex(tmp_path / "index", engine=engine)
                        .vector_store.get_nodes()][:3])
     engine.store.disk.close()

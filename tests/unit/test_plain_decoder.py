@@ -181,3 +181,45 @@ def test_the_engine_on_the_plain_modules_is_the_engine_on_transformers(arch_gguf
     with torch.no_grad():
         forward = ours(torch.tensor([full[0].token_ids])).logits[0, -1]
     assert (forward - full[0].logits).abs().max() <= 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_a_llama_or_mistral_gguf_config_reads_as_transformers_class_without_its_imports(arch, tmp_path):
+    # Issue 55: LlamaConfig's module imports transformers.activations, and with it sympy and accelerate
+    # (~60 MB). The GGUF path's config is the same fields in a plain PreTrainedConfig, read the same.
+    from transformers import AutoConfig
+
+    from ragblend.core.model.loading import gguf_config
+
+    tiny_config(arch).save_pretrained(tmp_path)   # as gguf_metadata_dir writes it
+    ours, theirs = gguf_config(tmp_path), AutoConfig.from_pretrained(tmp_path)
+    assert type(ours).__name__ == "GGUFConfig" and ours.model_type == theirs.model_type == arch
+    assert json.loads(ours.to_json_string(use_diff=False)) == json.loads(theirs.to_json_string(use_diff=False))
+    with torch.device("meta"):
+        assert dict(plain_decoder(ours).named_parameters()).keys() == dict(plain_decoder(theirs).named_parameters()).keys()
+    stale = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**stale, "transformers_version": "4.0.0"}))
+    assert type(gguf_config(tmp_path)).__name__ != "GGUFConfig"   # written by another transformers: its class
+
+
+def test_the_embedded_llama_gguf_loads_without_sympy_and_keeps_its_fingerprint():
+    child = """
+import json, sys
+from ragblend.core.model.loading import load_model
+from ragblend.core.model.adapter import ModelAdapter
+model, _ = load_model(None, dtype="quantized")
+heavy = [m for m in ("transformers.activations", "sympy", "accelerate", "transformers.modeling_utils") if m in sys.modules]
+print(json.dumps({"heavy": heavy, "config": json.loads(model.config.to_json_string(use_diff=False))}))
+"""
+    result = json.loads(subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                                       check=True).stdout.splitlines()[-1])
+    assert result["heavy"] == []
+    from transformers import AutoConfig
+
+    from ragblend.core.model.loading import resolve_model_dir
+
+    theirs = AutoConfig.from_pretrained(resolve_model_dir(None))
+    theirs.dtype = "float32"   # as build_quantized_model sets it
+    expected = json.loads(theirs.to_json_string(use_diff=False))
+    assert {k: v for k, v in result["config"].items() if k != "_name_or_path"} == \
+        {k: v for k, v in expected.items() if k != "_name_or_path"}

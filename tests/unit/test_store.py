@@ -1,5 +1,7 @@
 """KV store tiers, the binary format, integrity, process safety and eviction."""
 
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -11,8 +13,20 @@ import pytest
 import torch
 
 from ragblend import CacheBlend, FullReuse
+from ragblend.cli import main
+from ragblend.core.errors import InvalidInputError
+from ragblend.core.options import EngineOptions
+from ragblend.core.store.disk_limit import DEFAULT_DISK_BYTES
 from ragblend.core.store.kv import ChunkKV, quantize_int8, quantize_uint4
-from ragblend.core.store.tiers import CorruptEntryError, DiskStore, MemoryStore, TieredStore, encode_entry
+from ragblend.core.store.tiers import (
+    MARKER,
+    CorruptEntryError,
+    DiskStore,
+    MemoryStore,
+    TieredStore,
+    encode_entry,
+    open_store,
+)
 
 from ..conftest import PASSAGES, SEGMENTS, SPEC, entry_path, flip_byte, make_tiny_engine, synthetic_entry
 
@@ -289,6 +303,56 @@ def test_disk_tier_stays_under_its_limit(tmp_path):
         assert store.nbytes <= limit
     assert 0 < len(store) < 20
     assert f"{19:064x}" in store
+
+
+def test_a_store_keeps_the_size_limit_given_when_a_later_opener_names_none(tmp_path, capsys):
+    # Issue 55: `ragblend ingest --disk-bytes 20GB`, then a command without the flag (or the Python
+    # API's default) opened the store at 8 GiB and evicted down to it.
+    big = synthetic_entry(0, tokens=4000)
+    limit = 5 * big.nbytes
+    DiskStore(tmp_path, SPEC, max_bytes=limit).close()
+    store = DiskStore(tmp_path, SPEC)   # names no limit: the saved one
+    assert store.max_bytes == limit
+    for i in range(12):
+        store.put(synthetic_entry(i, tokens=4000))
+        assert store.nbytes <= limit
+    assert 0 < len(store) < 12
+    store.close()
+    assert open_store(tmp_path, SPEC).stats()["disk"]["max_bytes"] == limit
+    DiskStore(tmp_path, SPEC, max_bytes=20 << 30).close()   # a larger one given is saved too
+    assert open_store(tmp_path, SPEC).stats()["disk"]["max_bytes"] == 20 << 30
+    assert main(["cache", "stats", "--kv-dir", str(tmp_path)]) == 0
+    assert "(limit 20 GiB)" in capsys.readouterr().out
+
+
+def test_a_smaller_limit_given_wins_and_says_what_it_evicts(tmp_path, caplog):
+    store = DiskStore(tmp_path, SPEC, max_bytes=1 << 30)
+    for i in range(6):
+        store.put(synthetic_entry(i, tokens=4000))
+    store.close()
+    entry_bytes = synthetic_entry(0, tokens=4000).nbytes
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        store = DiskStore(tmp_path, SPEC, max_bytes=int(2.5 * entry_bytes))
+    said = [r.getMessage() for r in caplog.records if "limit given now" in r.getMessage()]
+    assert len(said) == 1 and "holds" in said[0] and "in 6 entries" in said[0] and "(it kept 1.0 GiB)" in said[0]
+    assert "its next write evicts at least the 4 least recently used" in said[0]
+    store.put(synthetic_entry(6, tokens=4000))
+    assert len(store) == 2 and f"{6:064x}" in store and f"{5:064x}" in store
+    store.close()
+    assert DiskStore(tmp_path, SPEC).max_bytes == int(2.5 * entry_bytes)   # kept for later openers
+
+
+def test_a_store_saved_without_a_limit_keeps_the_default(tmp_path):
+    DiskStore(tmp_path, SPEC).close()
+    marker = json.loads((tmp_path / MARKER).read_text())
+    assert "disk_bytes" not in marker   # a default is not saved: the default may change
+    assert DiskStore(tmp_path, SPEC).max_bytes == DEFAULT_DISK_BYTES == 8 << 30
+    (tmp_path / MARKER).write_text(json.dumps({**marker, "disk_bytes": "lots"}))   # not bytes: as if none
+    assert DiskStore(tmp_path, SPEC).max_bytes == 8 << 30
+    with pytest.raises(InvalidInputError, match="disk_bytes must be a whole number"):
+        DiskStore(tmp_path, SPEC, max_bytes=-1)
+    with pytest.raises(InvalidInputError, match="disk_bytes must be a whole number"):
+        EngineOptions(disk_bytes=1.5)
 
 
 def test_tiered_store_promotes_disk_hits(tokenizer, tmp_path):

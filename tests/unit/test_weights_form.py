@@ -88,7 +88,7 @@ def test_ragblend_info_prints_the_weights_form_its_bytes_and_why(tmp_path, token
     folder = save_tiny(tmp_path / "model", tokenizer)
     assert main(["info", "--model", folder]) == 0
     out = capsys.readouterr().out
-    assert "Weights: held bfloat16, because: bfloat16, as stored in the checkpoint; computed in float32" in out
+    assert "Weights: held bfloat16, because: bfloat16, as stored in the checkpoint;\n    computed in float32" in out
     assert "matrices as stored (16/32-bit), from BF16" in out and "MiB of weights in memory" in out
     assert "each 16-bit matrix copied into one reused float32 buffer" in out
     assert main(["info", "--model", folder, "--dtype", "float32"]) == 0
@@ -97,7 +97,7 @@ def test_ragblend_info_prints_the_weights_form_its_bytes_and_why(tmp_path, token
     assert "matrices float32" in out
 
 
-def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch):
+def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch, capsys):
     from transformers import AutoConfig
 
     from ragblend.core.model import loading as model_module
@@ -119,7 +119,25 @@ def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch):
     lines = describe(build_quantized_model(gguf, AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)))
     assert any("4-bit (groups of 32" in line for line in lines) and any("8-bit (a scale per row)" in line
                                                                         for line in lines)
-    assert any("int4/int8 CPU kernels" in line for line in lines) and lines[-2].endswith("MiB of weights in memory")
+    assert any("int4/int8 CPU kernels" in line for line in lines)
+    assert any(line.endswith("MiB of weights in memory") for line in lines)
+    # Issue 55: `ragblend info` said why and how in one line of ~900 characters; now a subject a line, wrapped.
+    monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {"llama": model_module.PrefillFidelity(
+        "Gemma 3 270M Q4_K_M", 0.1384, 5, 11)})   # a verdict that missed: the longest reason
+    from ragblend.cli.info import WIDTH, print_weights
+    from ragblend.core.model.quantized import FAST_PLAN_MISSES
+
+    model = build_quantized_model(gguf, AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name))
+    model.ragblend_fast_prefill_fidelity = model_module.PrefillFidelity("Gemma 3 270M Q4_K_M", 0.1, 5, 11)
+    monkeypatch.delenv("RAGBLEND_QUANTIZED_PREFILL", raising=False)
+    lines = describe(model)
+    assert any(FAST_PLAN_MISSES in line for line in lines)
+    print_weights("quantized", reason(gguf, "auto", None, "cpu"), lines)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("Weights: held quantized, because: the file's quantized form")
+    assert len(out) >= 10 and max(len(line) for line in out) <= WIDTH
+    said = " ".join(out)
+    assert "MISSED the fidelity rule" in said and "nearest exact path" in said and "is not taken, because it" in said
 
 
 def test_blend_chat_model_passes_its_dtype_to_the_engine(tmp_path, tokenizer):
@@ -158,3 +176,54 @@ def test_an_architecture_that_missed_the_fidelity_rule_is_held_quantized_when_la
     assert "MISSED the fidelity rule" in model_module.gguf_weights_reason(gguf, "quantized", None, "cpu")
     monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {})
     assert "not measured for the llama architecture" in model_module.gguf_weights_reason(gguf, None, None, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_gguf_held_16_bit_is_read_by_ragblend_as_transformers_dequantizer_reads_it(tmp_path, dtype):
+    # Issue 55: --dtype bfloat16 on a GGUF went through transformers' GGUF dequantizer (a float32
+    # model first, then a 16-bit one); ragblend's reader rounds each tensor as it dequantizes it.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.quantized import build_quantized_model
+    from ragblend.core.model.sixteen_bit import hold_in_16_bit
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = hold_in_16_bit(build_quantized_model(read_gguf(path), config, exact=True, dtype=dtype))
+    theirs = hold_in_16_bit(AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=dtype))
+    mine = {name: m for name, m in ours.named_modules() if isinstance(m, QuantLinear)}
+    other = {name: m for name, m in theirs.named_modules() if isinstance(m, QuantLinear)}
+    assert mine.keys() == other.keys() and len(mine) > 10
+    for name, layer in mine.items():
+        assert layer.weight.dtype == dtype and torch.equal(layer.weight, other[name].weight), name
+    # The same 16-bit matrices; the norms stay the file's float32 (transformers rounds them to 16 bits too).
+    exact = build_quantized_model(read_gguf(path), config, exact=True).eval()
+    norms = {name: t for name, t in exact.state_dict().items() if "norm" in name}
+    assert norms and all(torch.equal(ours.state_dict()[name], t) for name, t in norms.items())
+    ids = torch.arange(40)[None] * 7 % 200
+    with torch.no_grad():
+        reference = exact(ids).logits
+        for model in (ours, theirs):   # both a 16-bit rounding of the float32 model's weights
+            assert (model.eval()(ids).logits - reference).abs().max() < 0.25
+    assert ours.ragblend_weights_form == _name(dtype)
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def test_load_model_holds_a_gguf_16_bit_without_transformers_gguf_loader(monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("transformers' GGUF loader was used")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+    model, _ = load_model(None, dtype="bfloat16")   # the embedded SmolLM2's GGUF
+    assert model.ragblend_weights_form == "bfloat16" and model.config.dtype == torch.float32
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(layer.weight.dtype == torch.bfloat16 for layer in layers)
+    assert model.ragblend_weights_reason.startswith("bfloat16, asked for (dtype='bfloat16')")

@@ -274,16 +274,20 @@ def _causal_mask(tokens: int, window: int | None, device) -> torch.Tensor:
 def plain_decoder(config) -> CausalLM | None:
     """``config``'s model in ragblend's modules (on the current default device: build it under
     ``torch.device("meta")`` to allocate nothing), or None where these modules do not cover it."""
+    return CausalLM(config) if covers(config) else None
+
+
+def covers(config) -> bool:
+    """Whether these modules build ``config``'s model (:func:`plain_decoder`)."""
     if config.model_type not in FAMILIES or activation_of(config) not in ACTIVATIONS:
-        return None
+        return False
     if getattr(config, "attn_logit_softcapping", None) is not None or \
             getattr(config, "use_bidirectional_attention", False):
-        return None   # the adapter refuses these with its own message
+        return False   # the adapter refuses these with its own message
     family = FAMILIES[config.model_type]
     kinds = sorted(set(config.layer_types)) if family.rope_per_layer_type else [None]
     try:
-        if any(_rope_parameters(config, kind)["rope_type"] not in STATIC_ROPE for kind in kinds):
-            return None   # a RoPE that changes with the sequence length (dynamic, longrope): transformers'
+        # not a RoPE that changes with the sequence length (dynamic, longrope): transformers' modules
+        return all(_rope_parameters(config, kind)["rope_type"] in STATIC_ROPE for kind in kinds)
     except (AttributeError, KeyError, TypeError):
-        return None
-    return CausalLM(config)
+        return False

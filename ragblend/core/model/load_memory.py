@@ -1,10 +1,12 @@
 """What loading a model takes in memory at its peak, so that a load that cannot fit is refused
 before anything heavy starts (instead of the kernel killing the process half-way).
 
-The peak is the weights held once loaded, plus the load's transient (the largest tensor being
-unpacked at once), plus the process's fixed cost of a load (tokenizer, config, buffers). A new
-user's trial (2026-12-06) measured peaks of 1.9-3.2x the held weights alone on SmolLM2 and
-Gemma 3 270M, which the check compared with the memory available before.
+The peak is the process's fixed cost of a load (tokenizer, config, imports) plus the larger of:
+what is held while one tensor is unpacked (the weights before it, in file order, and the tensor's
+unpacking), and the weights once all are held with what the allocator keeps of the freed
+temporaries. A new user's trial (2026-12-06) measured peaks of 1.9-3.2x the held weights alone on
+SmolLM2 and Gemma 3 270M, which the check compared with the memory available before; the constants
+below are measured against the real peak (VmHWM) of three models (within -5% to +15%).
 """
 
 from __future__ import annotations
@@ -17,20 +19,27 @@ from pathlib import Path
 
 import torch
 
-# Tokenizer, config and the engine's first buffers: RSS after a GGUF load minus the held weights
-# was 190-290 MiB on SmolLM2 and Gemma 3 270M (trial 43, Intel Xeon AMX host); with 320 MiB the
-# estimated peak is at or above all four load peaks that trial measured (within 0.1 GiB but for
-# Gemma's float32 load, 1.2 GiB over: its 262k-row embedding counted at FLOAT32_UNPACK).
-# An HF directory also imports transformers' modeling code (~0.15 GB resident, docs/models.md).
-FIXED_BYTES = 320 << 20
-HF_FIXED_BYTES = FIXED_BYTES + (160 << 20)
-# Peak bytes per weight of the tensor being unpacked, above the memory before it (one 8192x2048
-# tensor, Intel Xeon AMX host, 2026-12-06): dequantized to float32 10.4-10.5 (gguf's numpy
-# dequantizer's temporaries and the float32 result); a 4-bit tensor packed for the int4 kernel
-# 4.2; an 8-bit-held one 9.6, one slice of SCRATCH_WEIGHTS at a time. Rounded up for glibc's fragments.
-FLOAT32_UNPACK = 12
+# What a GGUF load takes above the weights it holds: the growth of the process's peak resident
+# memory (VmHWM) from where the check runs (python -m benchmarks.load_peak; docs/models.md, "The
+# load's peak"), SmolLM2-135M Q4_1, Qwen2.5-Coder-0.5B Q4 and Gemma 3 270M Q4_K_M, quantized and in
+# float32 (SmolLM2 and Gemma also 16-bit), AMD EPYC AVX-512 host, 2026-12-07.
+# * The tokenizer, config and imports: 53 MiB plus ~1 KiB a vocabulary entry (the fast tokenizer's
+#   tables: 0.1 GiB for SmolLM2's 49k, 0.3 GiB for Gemma's 262k).
+# * The tensor being dequantized, above what is held before it (file order): ~10 bytes a weight
+#   for gguf's reference dequantizer to float32 (its temporaries and the float32 result; Gemma's
+#   262k-row embedding is its whole peak); the int4 packing 4.2 (5, trial 43); an 8-bit one 7 on one
+#   slice of SCRATCH_WEIGHTS at a time (at most 6.3 in SmolLM2's quantized load; 9.6 in trial 43's
+#   one-tensor test, on an Intel host), with its codes.
+# * What glibc keeps of the freed temporaries once all is held, as a share of the held bytes: 0.3
+#   quantized (0.25-0.33 measured), 0.55 in float32 (0.34-0.65), 0.1 in 16 bits (one model measured).
+FIXED_BYTES = 53 << 20
+BYTES_PER_VOCAB_ENTRY = 1024
+# An HF directory (not measured again): the earlier 320 MiB, and transformers' modeling code (~0.15 GB).
+HF_FIXED_BYTES = 480 << 20
+FLOAT32_UNPACK = 10
 INT4_UNPACK = 5
-INT8_UNPACK = 10
+INT8_UNPACK = 7
+RETAINED_SHARE = {"quantized": 0.3, 4: 0.55, 2: 0.1}
 
 
 @dataclass(frozen=True)
@@ -43,23 +52,54 @@ class LoadMemory:
                 "weights held once loaded, plus the largest tensor being unpacked and the tokenizer)")
 
 
-def gguf_load_memory(gguf, held: int, exact: bool) -> LoadMemory:
-    """The load of a GGUF file whose weights take ``held`` bytes, in float32 (``exact``) or quantized."""
+def quantized_tensor_bytes(info) -> int:
+    """Bytes one GGUF tensor takes once loaded in its quantized form (see :mod:`.quantized`)."""
+    from .gguf_file import EIGHT_BIT, FOUR_BIT
+
+    count = int(math.prod(info.shape))
+    if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
+        # packed codes, the kernel's bfloat16 scales and zeros, and the file's scales for the prefill:
+        # Q4_0's half a byte a group (see quantized.scale_residuals), Q4_1's float16 pairs, Q4_K's 16 bytes a block
+        return count // 2 + count // 64 * (8 + {"Q4_0": 1, "Q4_1": 8, "Q4_K": 4}[info.type_name])
+    if info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
+        return count + info.shape[0] * 4
+    return info.nbytes
+
+
+def gguf_load_memory(gguf, weight_bytes: int | None) -> LoadMemory:
+    """The load of a GGUF file in its quantized form (``weight_bytes`` None) or dequantized to
+    ``weight_bytes`` a weight (4: float32, 2: 16-bit): its peak is the larger of the peak while
+    one tensor is unpacked (what is held before it, in file order, and the tensor's unpacking)
+    and the weights once held with what glibc keeps of the freed temporaries; plus the
+    tokenizer's share (the constants above)."""
     from .gguf_file import EIGHT_BIT, FOUR_BIT
     from .quantized import SCRATCH_WEIGHTS
 
+    def held_bytes(info) -> int:
+        return quantized_tensor_bytes(info) if weight_bytes is None else int(math.prod(info.shape)) * weight_bytes
+
     def unpack(info) -> int:
         count = int(math.prod(info.shape))
-        if exact:
+        if weight_bytes is not None:
             return count * FLOAT32_UNPACK
         if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
             return count * INT4_UNPACK
         if info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
-            return min(count, SCRATCH_WEIGHTS) * INT8_UNPACK
+            return quantized_tensor_bytes(info) + min(count, SCRATCH_WEIGHTS) * INT8_UNPACK
         return info.nbytes * 2   # a float tensor: the mapped bytes and their copy
 
-    transient = max((unpack(info) for info in gguf.tensors.values()), default=0)
-    return LoadMemory(held, held + transient + FIXED_BYTES)
+    held = unpacking = 0
+    for info in gguf.tensors.values():   # in file order, as the loader reads them
+        unpacking = max(unpacking, held + unpack(info))
+        held += held_bytes(info)
+    retained = held * (1 + RETAINED_SHARE["quantized" if weight_bytes is None else weight_bytes])
+    return LoadMemory(held, int(max(unpacking, retained)) + FIXED_BYTES + _vocabulary(gguf) * BYTES_PER_VOCAB_ENTRY)
+
+
+def _vocabulary(gguf) -> int:
+    """The model's vocabulary size: its token embedding's rows."""
+    embedding = gguf.tensors.get("token_embd.weight")
+    return int(embedding.shape[0]) if embedding is not None and embedding.shape else 0
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,

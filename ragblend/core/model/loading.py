@@ -29,7 +29,7 @@ import torch
 from ..errors import InvalidInputError, ModelFileError, ModelNotFoundError
 from ..paths import cache_dir
 from .gguf_file import check_tokenizer, is_gguf
-from .load_memory import LoadMemory, gguf_load_memory, hf_load_memory, mostly_four_bit
+from .load_memory import LoadMemory, gguf_load_memory, hf_load_memory, mostly_four_bit, quantized_tensor_bytes
 from .sixteen_bit import SIXTEEN_BIT, hold_in_16_bit
 
 log = logging.getLogger("ragblend")
@@ -189,7 +189,7 @@ def check_memory(memory: LoadMemory, what: str, advice=lambda available: "Close 
 def _check_gguf_memory(gguf, name: str, dtype, device) -> None:
     """:func:`check_memory` for a GGUF file held quantized (``dtype`` None) or in float32, whose
     advice names the default form where that would fit (never a 4-bit file's own quantization)."""
-    quantized = gguf_load_memory(gguf, quantized_estimate(gguf), exact=False)
+    quantized = gguf_load_memory(gguf, None)
 
     def advice(available: int) -> str:
         if dtype is not None and str(device) == "cpu" and quantized.peak <= available:
@@ -203,9 +203,9 @@ def _check_gguf_memory(gguf, name: str, dtype, device) -> None:
 
     if dtype is None:
         check_memory(quantized, name, advice)
-    else:
-        float32 = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4
-        check_memory(gguf_load_memory(gguf, float32, exact=True), f"{name} in float32", advice)
+    else:   # dequantized, held in float32 or (on the CPU) rounded to 16 bits tensor by tensor
+        size = 4 if str(device) != "cpu" or dtype not in SIXTEEN_BIT else 2
+        check_memory(gguf_load_memory(gguf, size), f"{name} in {'float32' if size == 4 else _named(dtype)}", advice)
 
 
 def _check_hf_memory(folder: Path, dtype) -> None:
@@ -298,20 +298,7 @@ def gguf_in_float32(gguf) -> bool:
 
 def quantized_estimate(gguf) -> int:
     """Bytes a GGUF model takes once loaded in its quantized form (see :mod:`.quantized`)."""
-    from .gguf_file import EIGHT_BIT, FOUR_BIT
-
-    total = 0
-    for info in gguf.tensors.values():
-        count = int(math.prod(info.shape))
-        if info.type_name in FOUR_BIT and len(info.shape) == 2 and info.shape[0] % 64 == 0:
-            # packed codes, the kernel's bfloat16 scales and zeros, and the file's scales for the prefill:
-            # Q4_0's half a byte a group (see quantized.scale_residuals), Q4_1's float16 pairs, Q4_K's 16 bytes a block
-            total += count // 2 + count // 64 * (8 + {"Q4_0": 1, "Q4_1": 8, "Q4_K": 4}[info.type_name])
-        elif info.type_name in FOUR_BIT or info.type_name in EIGHT_BIT:
-            total += count + info.shape[0] * 4
-        else:
-            total += info.nbytes
-    return total
+    return sum(quantized_tensor_bytes(info) for info in gguf.tensors.values())
 
 
 def _weights_form(gguf_path: Path, dtype, device) -> tuple:
@@ -392,15 +379,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
                device: str | torch.device = "cpu"):
     """Load ``(hf_model, tokenizer)`` from the default model, a ``.gguf`` file or an HF directory.
 
-    A GGUF file's weights are read straight from the file. ``dtype=None`` (the default) keeps
-    them in float32 where that is small (:func:`gguf_in_float32`), else in their quantized form
-    (:mod:`.quantized`); ``dtype="quantized"`` asks for the quantized form and ``torch.float32``
-    for float32 whatever the size. An HF directory's weights are held as stored (None or "auto":
-    a bfloat16 or float16 checkpoint stays 16-bit) or in ``dtype``. On the CPU, 16-bit weights are
-    computed in float32 (:mod:`.sixteen_bit`), so they give the numbers of ``dtype=torch.float32``.
-    ``hf_model.ragblend_weights_reason`` says why the weights are held as they are. A GGUF file
-    held on the CPU is built of ragblend's own modules (:mod:`.decoder`), without importing
-    transformers' modeling code (~0.15 GB resident); the rest loads through transformers."""
+    A GGUF file's weights are read straight from the file: ``dtype=None`` (the default) keeps
+    them in float32 where that is small (:func:`gguf_in_float32`), else quantized (:mod:`.quantized`;
+    ``"quantized"`` whatever the size); a dtype dequantizes them to it. An HF directory's are held
+    as stored (None or "auto": 16-bit stays 16-bit) or in ``dtype``. On the CPU, 16-bit weights are
+    computed in float32 (:mod:`.sixteen_bit`). ``hf_model.ragblend_weights_reason`` says why. A GGUF
+    held on the CPU is built of ragblend's own reader and modules (:mod:`.decoder`),
+    without transformers' modeling code (~0.15 GB resident); the rest loads through transformers."""
     gguf_path = default_gguf_path() if model is None else local_model_path(model)
     asked = dtype
     gguf, dtype = _weights_form(gguf_path, dtype, device)
@@ -412,13 +397,13 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
     try:
-        if gguf is not None and dtype in (None, torch.float32) and str(device) == "cpu":
-            from transformers import AutoConfig
-
+        if gguf is not None and dtype in (None, torch.float32, *SIXTEEN_BIT) and str(device) == "cpu":
             from .quantized import build_quantized_model
 
-            hf_model = build_quantized_model(gguf, AutoConfig.from_pretrained(model_dir), exact=dtype is not None)
-        elif gguf is not None:
+            hf_model = build_quantized_model(gguf, gguf_config(model_dir), exact=dtype is not None,
+                                             dtype=dtype or torch.float32)   # 16-bit: each tensor rounded as read
+        elif gguf is not None:   # another device: transformers' own GGUF reader
+
             from transformers import AutoModelForCausalLM
 
             hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
@@ -448,6 +433,36 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
         hf_model.ragblend_fast_prefill_fidelity = FAST_PREFILL_FIDELITY.get(gguf.architecture)
         return_freed_memory()
     return hf_model, tokenizer
+
+
+# Families whose transformers config class imports transformers.activations (through
+# utils.type_validators), and with it hub kernels, accelerate and sympy: ~60 MB resident.
+_HEAVY_CONFIG_FAMILIES = ("llama", "mistral")
+
+
+def gguf_config(model_dir: Path):
+    """The config of a GGUF file's model, from its cached directory (:func:`gguf_metadata_dir`).
+    For a Llama or Mistral model that ragblend's modules build (:func:`.decoder.covers`), from a
+    config.json this transformers wrote: a plain ``PreTrainedConfig`` of its fields, which reads
+    (``to_json_string``, so the fingerprint) as transformers' own class does, without its imports.
+    Otherwise transformers' class (``AutoConfig``)."""
+    import transformers
+    from transformers import AutoConfig
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    if raw.get("model_type") in _HEAVY_CONFIG_FAMILIES and raw.get("transformers_version") == transformers.__version__:
+        from transformers.configuration_utils import PreTrainedConfig
+
+        from .decoder import covers
+
+        fields = {key: value for key, value in raw.items()
+                  if key not in ("model_type", "transformers_version", "_name_or_path")}
+        fields["name_or_path"] = str(model_dir)   # as AutoConfig names it
+        plain = type("GGUFConfig", (PreTrainedConfig,), {"model_type": raw["model_type"]})(**fields)
+        plain.use_cache = raw.get("use_cache", True)   # kept by the model's class; the base leaves it to generation
+        if covers(plain):
+            return plain
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def _load_tokenizer(model_dir: Path):

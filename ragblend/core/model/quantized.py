@@ -503,24 +503,26 @@ def gguf_names(model, architecture: str, num_layers: int) -> dict[str, str]:
     return names
 
 
-def _set_linear(model, modules: dict, owner_name: str, gguf: GGUFFile, info: TensorInfo, order, bias, exact: bool):
-    """Put ``info``'s weight (its rows in ``order``) in the Linear ``owner_name``: as float32
-    parameters (``exact``: a plain Linear, which the engine's CPU kernels and decoding twins wrap
-    as any), or as a :class:`QuantLinear` in its place."""
-    if exact:
+def _set_linear(model, modules: dict, owner_name: str, gguf: GGUFFile, info: TensorInfo, order, bias,
+                held: torch.dtype | None):
+    """Put ``info``'s weight (its rows in ``order``) in the Linear ``owner_name``: dequantized, as
+    parameters in ``held`` (float32, or 16-bit: a plain Linear, which the engine's CPU kernels and
+    decoding twins wrap as any), or, ``held`` None, as a :class:`QuantLinear` in its place."""
+    if held is not None:
         owner = modules[owner_name]
-        owner.weight = _parameter(dequantized_rows(gguf, info, np.arange(info.shape[0]) if order is None else order.numpy()))
+        rows = np.arange(info.shape[0]) if order is None else order.numpy()
+        owner.weight = _parameter(dequantized_rows(gguf, info, rows), held)
         owner.bias = None if bias is None else _parameter(bias)
         return
     parent_name, _, child = owner_name.rpartition(".")
     setattr(modules[parent_name] if parent_name else model, child, QuantLinear.from_gguf(gguf, info, order, bias))
 
 
-def _set_embedding(model, owner, gguf: GGUFFile, info: TensorInfo, config, exact: bool):
-    """The token embedding of ``info``: float32 in ``owner`` (``exact``), else a :class:`QuantEmbedding`."""
+def _set_embedding(model, owner, gguf: GGUFFile, info: TensorInfo, config, held: torch.dtype | None):
+    """The token embedding of ``info``: dequantized in ``owner``, in ``held``, else (None) a :class:`QuantEmbedding`."""
     scale = float(config.hidden_size ** 0.5) if hasattr(owner, "embed_scale") else None   # Gemma 3's
-    if exact:
-        owner.weight = _parameter(dequantized_rows(gguf, info, slice(None)))
+    if held is not None:
+        owner.weight = _parameter(dequantized_rows(gguf, info, slice(None)), held)
         if scale is not None:
             owner.embed_scale = torch.tensor(scale)
         return
@@ -539,13 +541,15 @@ def _set_head(model, exact: bool):
         model.lm_head = QuantHead(head)
 
 
-def build_quantized_model(gguf: GGUFFile, config, exact: bool = False, transformers_modules: bool = False):
+def build_quantized_model(gguf: GGUFFile, config, exact: bool = False, transformers_modules: bool = False,
+                          dtype: torch.dtype = torch.float32):
     """A causal LM of ``config`` (ragblend's own modules, :mod:`.decoder`; transformers' for what
     those do not cover, or with ``transformers_modules``: a reference with ``generate``) whose linear layers and embedding hold ``gguf``'s weights in
     their quantized form (:class:`QuantLinear`, :class:`QuantEmbedding`, :class:`QuantHead`), or
-    with ``exact`` dequantized to float32 (by gguf's reference dequantizer, as transformers does);
-    norms, biases and rotary tables in float32. Built on the meta device first, so no float32
-    weight is ever allocated."""
+    with ``exact`` dequantized to float32 (by gguf's reference dequantizer, as transformers does)
+    and held in ``dtype`` (bfloat16 or float16: each tensor rounded as it is dequantized, for
+    :func:`~.sixteen_bit.hold_in_16_bit`); norms, biases and rotary tables in float32. Built on the
+    meta device first, so no whole model of float32 weights is ever allocated."""
     with torch.device("meta"):
         model = skeleton_of(config, transformers_modules)
     skeleton = [(name, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
@@ -569,9 +573,9 @@ def build_quantized_model(gguf: GGUFFile, config, exact: bool = False, transform
             bias = None if bias_info is None else torch.from_numpy(
                 dequantized_rows(gguf, bias_info, slice(None)).reshape(-1).copy())
             _set_linear(model, modules, owner_name, gguf, info, _row_order(form, info.name, info.shape[0]), bias,
-                        exact)
+                        dtype if exact else None)
         elif isinstance(owner, torch.nn.Embedding):
-            _set_embedding(model, owner, gguf, info, config, exact)
+            _set_embedding(model, owner, gguf, info, config, dtype if exact else None)
         elif not (isinstance(owner, torch.nn.Linear) and attribute == "bias"):   # norms: small, float32
             values = form.values(info.name, dequantized_rows(gguf, info, slice(None)).reshape(info.shape))
             setattr(owner, attribute, torch.nn.Parameter(torch.from_numpy(np.array(values, dtype=np.float32)),
@@ -609,10 +613,10 @@ def skeleton_of(config, transformers_modules: bool = False):
     return model
 
 
-def _parameter(values) -> torch.nn.Parameter:
-    """A frozen float32 parameter of ``values`` (a numpy array or a tensor)."""
+def _parameter(values, dtype: torch.dtype = torch.float32) -> torch.nn.Parameter:
+    """A frozen parameter of ``values`` (a numpy array or a tensor) in ``dtype``."""
     tensor = values if isinstance(values, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
-    return torch.nn.Parameter(tensor.float(), requires_grad=False)
+    return torch.nn.Parameter(tensor.to(dtype), requires_grad=False)
 
 
 def exact_samples(gguf: GGUFFile, form: TensorForm, sources: dict, skeleton: list):
@@ -872,19 +876,27 @@ def describe(model) -> list[str]:
         lines += [f"{count} matrices {name}" for name, count in dtypes.items()]
     lines.append(f"{quantized_bytes(model) / 2**20:.0f} MiB of weights in memory")
     if "int4" in kinds or "int8" in kinds:
-        fast, why = fast_prefill(model)
-        # The plan the twin took (remembered on the model, or forced by the environment: no measuring here)
-        plan = long_pass_plan(model) if fast else \
-            getattr(model, "ragblend_long_pass", None) or {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
-        lines.append(f"decoding passes: PyTorch's int4/int8 CPU kernels on bfloat16 activations (a near-tied greedy "
-                     f"pick checked again in float32); QueryAware's question pass the same up to {plan['kernel_rows']} "
-                     "rows (measured on this host); the prefill: each matrix dequantized into one reused buffer, then "
-                     "F.linear " + (f"in {plan['dtype']} (measured on this host"
-                                    + "".join(f"; {part} in float32" for part in float32_layers(model)
-                                              if plan["dtype"] != "float32")
-                                    + f"), kernels up to {plan['kernel_rows']} rows, because {why}" if fast else
-                                    f"in float32; the fast plan ({plan['dtype']}, measured on this host) is not taken "
-                                    f"because {why}"))
+        lines += _low_bit_passes(model)
     elif kinds:
         lines.append("every pass: each 16-bit matrix copied into one reused float32 buffer, then F.linear in float32")
+    return lines
+
+
+def _low_bit_passes(model) -> list[str]:
+    """How a quantized model's passes run, a line a subject (``ragblend info`` wraps them)."""
+    fast, why = fast_prefill(model)
+    # The plan the twin took (remembered on the model, or forced by the environment: no measuring here)
+    plan = long_pass_plan(model) if fast else \
+        getattr(model, "ragblend_long_pass", None) or {"dtype": "float32", "kernel_rows": DRAFT_ROWS}
+    lines = ["decoding: PyTorch's int4/int8 CPU kernels on bfloat16 activations (a near-tied greedy pick checked "
+             "again in float32)",
+             f"QueryAware's question pass: the same, up to {plan['kernel_rows']} rows (measured on this host)"]
+    if fast:
+        kept = "".join(f"; {part} in float32" for part in float32_layers(model) if plan["dtype"] != "float32")
+        lines += [f"prefill: each matrix dequantized into one reused buffer, then F.linear in {plan['dtype']} "
+                  f"(measured on this host{kept}), kernels up to {plan['kernel_rows']} rows",
+                  f"  because {why}"]
+    else:
+        lines += ["prefill: each matrix dequantized into one reused buffer, then F.linear in float32",
+                  f"  the fast plan ({plan['dtype']}, measured on this host) is not taken, because {why}"]
     return lines

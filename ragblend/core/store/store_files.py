@@ -194,36 +194,55 @@ class NotAStoreError(StoreUnavailableError):
 def _marker_problem(path: Path) -> str | None:
     """What is wrong with the marker at ``path`` (said as the message's end), or None when it
     is ragblend's: a small regular JSON file naming ragblend's format (never follows a link)."""
+    return _read_marker(path)[1]
+
+
+def _read_marker(path: Path) -> tuple[dict, str | None]:
+    """The marker's content and None, or ``{}`` and what is wrong with it (see :func:`_marker_problem`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
     except OSError as err:
-        return f"that cannot be read ({err.strerror or err})"
+        return {}, f"that cannot be read ({err.strerror or err})"
     with os.fdopen(fd, "rb") as handle:
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
-            return "that is not a regular file"
+            return {}, "that is not a regular file"
         raw = handle.read(4097)
     if not raw.strip():
-        return "that is empty"
+        return {}, "that is empty"
     if len(raw) > 4096:
-        return "that is too large to be ragblend's"
+        return {}, "that is too large to be ragblend's"
     try:
         content = json.loads(raw)
     except ValueError:
-        return "that is not JSON"
+        return {}, "that is not JSON"
     if not isinstance(content, dict) or "format" not in content:
-        return f"that names no format (ragblend's names \"format\": {json.dumps(MARKER_FORMAT)})"
+        return {}, f"that names no format (ragblend's names \"format\": {json.dumps(MARKER_FORMAT)})"
     if content["format"] != MARKER_FORMAT:   # the value found next to the one expected
-        return f"whose format is {json.dumps(content['format'])[:80]}, not {json.dumps(MARKER_FORMAT)}"
-    return None
+        return {}, f"whose format is {json.dumps(content['format'])[:80]}, not {json.dumps(MARKER_FORMAT)}"
+    return content, None
 
 
-def _write_marker(directory: Path) -> None:
+def read_marker(directory: str | os.PathLike) -> dict:
+    """What the store's marker says (``{}`` where it is missing or not ragblend's)."""
+    return _read_marker(Path(directory) / MARKER)[0]
+
+
+def _write_marker(directory: Path, **settings) -> None:
     """Write the marker atomically (a temporary file renamed over), so a concurrent opener
-    reads either none or a whole one."""
+    reads either none or a whole one. ``settings``: what the store keeps beside its format
+    (``disk_bytes``, the size limit saved with it: see :mod:`.disk_limit`)."""
     partial = directory / f"{MARKER}.{os.getpid()}{threading.get_ident()}.tmp"   # one per writer, threads too
     partial.write_text(json.dumps({"format": MARKER_FORMAT, "version": 1,
-                                   "about": "a ragblend KV store (a cache: deleting it only costs recomputation)"}))
+                                   "about": "a ragblend KV store (a cache: deleting it only costs recomputation)",
+                                   **settings}))
     os.replace(partial, directory / MARKER)
+
+
+def update_marker(directory: str | os.PathLike, **settings) -> None:
+    """Rewrite the marker of the store at ``directory`` with ``settings`` over what it says."""
+    directory = Path(directory)
+    kept = {k: v for k, v in read_marker(directory).items() if k not in ("format", "version", "about")}
+    _write_marker(directory, **{**kept, **settings})
 
 
 def _looks_like_old_store(directory: Path) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import InvalidInputError, StoreUnavailableError
+from .disk_limit import check_disk_bytes, settle_limit
 
 # The entry format lives in entry_format; the names callers import from here stay importable here.
 from .entry_format import (  # noqa: F401
@@ -217,7 +218,8 @@ def store_faults() -> tuple[type[BaseException], ...]:
 
 
 class DiskStore(KVStore):
-    """KV entries as files in a ``diskcache`` directory, LRU-evicted under ``max_bytes``.
+    """KV entries as files in a ``diskcache`` directory, LRU-evicted under ``max_bytes``
+    (None: the limit saved with the store, see :mod:`.disk_limit`; a limit given is saved).
 
     The store is a cache: when its files or database fail (full disk, read-only or vanished
     folder, malformed or locked database) a read is a miss and a write is skipped. Each kind
@@ -234,16 +236,16 @@ class DiskStore(KVStore):
     LOCK_TIMEOUT_S = 0.25
     DATABASE = DATABASE
 
-    def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int = 8 << 30,
+    def __init__(self, directory: str | os.PathLike, spec: EntrySpec, max_bytes: int | None = None,
                  orphan_age_s: float = 60.0):
         import diskcache
 
         self.directory = Path(directory).expanduser()
         if self.directory.exists() and not self.directory.is_dir():
             raise StoreUnavailableError(f"{self.directory} is a file, not a KV store folder")
+        max_bytes = check_disk_bytes(max_bytes)
         check_store_folder(self.directory)   # before diskcache creates or opens anything in it
         self.spec = spec
-        self.max_bytes = max_bytes
         self.faults = 0
         self.rejected = 0   # entries dropped on reading as unusable (corrupt, or a header that disagrees with its key)
         self._logged: set[str] = set()
@@ -251,9 +253,11 @@ class DiskStore(KVStore):
         # diskcache's own culling drops entries in batches of 10, far more than needed when
         # entries are megabytes each; eviction is done here instead, one entry at a time.
         self.cache = diskcache.Cache(
-            str(self.directory), size_limit=max_bytes, eviction_policy="least-recently-used",
+            str(self.directory), eviction_policy="least-recently-used",
             cull_limit=0, disk=safe_disk_class(), statistics=1, timeout=self.LOCK_TIMEOUT_S,
         )
+        # max_bytes None: the limit saved with the store (a named one is saved for later openers)
+        self.max_bytes = settle_limit(self.directory, max_bytes, self.cache)
         self._database_id = file_identity(self.directory / DATABASE)
         try:   # entry files no row names, old enough not to be another process's write in progress
             self.reclaimed = reclaim_orphan_files(self.cache, self.directory, orphan_age_s)
@@ -464,7 +468,7 @@ class DiskStore(KVStore):
 
 
 def open_store(directory: str | os.PathLike, spec: EntrySpec, memory_bytes: int = 2 << 30,
-               disk_bytes: int = 8 << 30) -> KVStore:
+               disk_bytes: int | None = None) -> KVStore:
     """A memory tier in front of a disk tier at ``directory``; the memory tier alone, with a
     warning, when the disk tier cannot be opened (read-only folder, broken database...)."""
     memory = MemoryStore(memory_bytes)
