@@ -33,18 +33,75 @@ def run(args) -> int:
         print(f"Nothing to ingest in {', '.join(printable(p) for p in args.paths)}: ragblend ingests "
               f"{', '.join(sorted(SUPPORTED_SUFFIXES))} files, searching folders recursively.", file=sys.stderr)
         return 1
-    rag = open_index(args)
-    rag.lock_wait_s, rag.read_limits = args.wait, limits
-    # The projection is printed below in this command's flags; the library's own warning would say it twice.
-    rag.engine.budget.warned.add("index")
-    if args.rebuild:
-        rag.rebuild()
-        print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
-    # First the chunks and their embeddings (searchable), then the KV (faster answers).
-    report = rag.ingest_documents(documents, report, kv="skip")
-    print_ingest_report(report, rag)
+    with NewIndex(args) as new_index:   # a new index that ends up holding nothing is removed again
+        rag = new_index.rag = open_index(args)
+        rag.lock_wait_s, rag.read_limits = args.wait, limits
+        # The projection is printed below in this command's flags; the library's own warning would say it twice.
+        rag.engine.budget.warned.add("index")
+        if args.rebuild:
+            rag.rebuild()
+            print(f"Emptied the index at {rag.path} (the KV store is kept); ingesting again.", file=sys.stderr)
+        # First the chunks and their embeddings (searchable), then the KV (faster answers).
+        report = rag.ingest_documents(documents, report, kv="skip")
+        print_ingest_report(report, rag)
+        if new_index.remove_if_empty():
+            return 1
     print(rag.kv_projection(warn=False).describe(flags=True))
     return _ingest_kv(args, rag)
+
+
+class NewIndex:
+    """The index folder an ingest creates, removed again when the ingest leaves no chunk in it
+    (it failed, was interrupted, or every document was dropped): otherwise the next `ragblend
+    ask --index NEW` would find an empty index instead of saying there is none. Only what this
+    command created goes: nothing of an index folder (or a Chroma server) that was there before.
+    Set :attr:`rag` once the index is open."""
+
+    def __init__(self, args):
+        from ragblend.integrations.local_index import index_folder
+
+        folder = index_folder(args.index).absolute()
+        # The index folder if it is missing now, and the folders above it that are (`--index new/idx`
+        # creates `new` too): those go only if empty then (the default index's cache folder may hold
+        # a converted model by then).
+        self.created = None if os.path.lexists(folder) or args.chroma_url else folder
+        self.parents = [p for p in folder.parents if not os.path.lexists(p)]
+        self.rag = None
+
+    def __enter__(self) -> "NewIndex":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if kind is not None:
+            self.remove_if_empty()
+        return False   # the error goes on to the CLI's handler
+
+    def remove_if_empty(self) -> bool:
+        """Remove the created folder if the index holds no chunk; True if it was removed."""
+        import shutil
+
+        if self.created is None or not os.path.isdir(self.created) or self._chunks():
+            return False
+        if self.rag is not None:   # Chroma keeps one client per folder in a process: let it go first
+            try:
+                self.rag.client.close()
+            except Exception:   # the folder goes all the same; this process ends here
+                pass
+        shutil.rmtree(self.created, ignore_errors=True)
+        for parent in self.parents:   # innermost first
+            try:
+                parent.rmdir()
+            except OSError:   # not empty (or not there): kept
+                break
+        print(f"ragblend: no chunk was ingested; removed the index folder {self.created} this command had "
+              "created.", file=sys.stderr)
+        return True
+
+    def _chunks(self) -> int:
+        try:
+            return 0 if self.rag is None else len(self.rag)
+        except Exception:   # an index that cannot even count its chunks holds none this command can use
+            return 0
 
 
 def _ingest_kv(args, rag) -> int:

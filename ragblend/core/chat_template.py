@@ -26,6 +26,17 @@ T = TypeVar("T")   # what a chat turn carries besides its role (a text, or a tex
 # must be a plain name, never free text.
 _ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
+# The roles a chat is laid out with: the template's own names. "tool" is a tool's result, laid out
+# with the template's tool role where the template has one (ChatTemplateMixin.check_tool_turns).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# A template with a tool role names it as a string it compares a message's role with
+# (Qwen's, Llama 3's, Mistral's: ``message.role == "tool"``); one without writes any role as
+# given (SmolLM2's ChatML) or refuses it (Gemma 3's), and its model never saw a tool turn.
+_TOOL_ROLE = re.compile(r"""(['"])tool\1""")
+
+RESULT_AS_TEXT = "give the tool's result as text in a user message (e.g. 'The weather tool says: ...')"
+
 
 def _checked_role(role, what: str) -> str:
     if not isinstance(role, str) or not _ROLE.fullmatch(role):
@@ -51,8 +62,17 @@ def split_chat(turns: Sequence[tuple[str, T]], who: str = "The chat") -> tuple[T
     turn is the system prompt (an empty one too, so a template's default prompt is not put in
     its place), the turns after it the history in their order (a later system turn keeps its
     place), the last turn, which must be the user's, the question. The one splitter of the
-    library (BlendLLM.chat, BlendChatModel) and the server (``ChatPrompt.parse``)."""
+    library (BlendLLM.chat, BlendChatModel) and the server (``ChatPrompt.parse``). A "tool"
+    turn (a tool's result) may be in the history; the template lays it out, or refuses it
+    (:meth:`ChatTemplateMixin.check_tool_turns`)."""
     turns = list(turns)
+    for i, (role, _) in enumerate(turns):
+        if role not in CHAT_ROLES:
+            raise InvalidInputError(f"{who}: message {i} has the role {str(role)[:40]!r}; ragblend lays out "
+                                    "system, user, assistant and tool messages.")
+    if turns and turns[-1][0] == "tool":
+        raise InvalidInputError(f"{who} ends with a tool's result; ragblend answers a user turn and does not "
+                                f"implement tool calling: {RESULT_AS_TEXT}.")
     if not turns or turns[-1][0] != "user":
         raise InvalidInputError(f"{who} needs the last message to be the user's: ragblend answers a user turn; "
                                 "it does not continue an assistant's or answer a system message alone.")
@@ -98,6 +118,7 @@ class ChatTemplateMixin:
         ``history`` holds earlier turns as ``(role, text)`` with role "user" or "assistant".
         """
         turns = ([] if system is None else [("system", check_text(system, "system"))]) + checked_history(history)
+        self.check_tool_turns(turns)
         if not self.use_chat_template:
             return self._plain_ids(turns, more_follows=True), self._plain_cue()
         pieces = self._chat_pieces(turns + [("user", None)], add_generation_prompt=True)
@@ -114,10 +135,25 @@ class ChatTemplateMixin:
         ...}`` blocks (joined); other message keys are ignored.
         """
         turns = _checked_messages(messages)
+        self.check_tool_turns(turns)
         if not self.use_chat_template:
             ids = self._plain_ids(turns)
             return ids + self._plain_cue() if add_generation_prompt and turns[-1][0] != "assistant" else ids
         return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
+
+    def check_tool_turns(self, turns: Sequence[tuple[str, object]]) -> None:
+        """Refuse a tool turn unless the chat template has a tool role: written as any other
+        role (ChatML's ``<|im_start|>tool``) or as the user's, a model trained without tool
+        turns reads a tool's result as something it or the user said."""
+        if not any(role == "tool" for role, _ in turns):
+            return
+        template = self.tokenizer.chat_template if self.use_chat_template else None
+        if isinstance(template, dict):   # named templates: apply_chat_template renders "default" (without tools=)
+            template = template.get("default")
+        if not template or not _TOOL_ROLE.search(template):
+            where = "the model's chat template has no tool role" if template else "the model has no chat template"
+            raise InvalidInputError(f"The chat holds a tool's result, and {where}: {RESULT_AS_TEXT}, or use a "
+                                    "model whose template has a tool role (Qwen2.5, Llama 3.1).")
 
     # ------------------------------------------------------------------ the plain layout (no chat template)
 

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence
 
 from pydantic import BaseModel, Field, SecretStr
 
-from ragblend.core.chat_template import split_chat
+from ragblend.core.chat_template import RESULT_AS_TEXT, split_chat
 from ragblend.core.decode.generate import SamplingParams
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
@@ -20,6 +20,8 @@ from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name
 from ragblend.core.options import DECODE_DTYPES, KV_DTYPES, WEIGHT_DTYPES, EngineOptions, field_default, field_help
 from ragblend.serving.client import Backend, RemoteEngine
 from ragblend.serving.protocol import cached_tokens
+
+from .shared_engines import shared_engine
 
 # Literal[tuple] lists the tuple's values: the names come from each strategy class's `name`.
 StrategyName = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
@@ -81,9 +83,11 @@ class EngineFields(BaseModel):
 
 # The chat template's role for the role names frameworks and APIs use: OpenAI's "developer" is a
 # system turn, LangChain's "human"/"ai" are the user's and the assistant's, Gemini's "model" and
-# Cohere's "chatbot" the assistant's.
+# Cohere's "chatbot" the assistant's; a tool's or (OpenAI's older name) a function's result is a
+# tool turn, which the core lays out with the template's tool role or refuses (never as the user's).
 TEMPLATE_ROLES = {"system": "system", "developer": "system", "user": "user", "human": "user",
-                  "assistant": "assistant", "ai": "assistant", "model": "assistant", "chatbot": "assistant"}
+                  "assistant": "assistant", "ai": "assistant", "model": "assistant", "chatbot": "assistant",
+                  "tool": "tool", "function": "tool"}
 
 
 def template_role(name: str, unknown: str | None = None) -> str:
@@ -107,6 +111,17 @@ def split_conversation(turns: Sequence[tuple[str, str]], framework: str):
     if lead > 1:
         turns = [("system", "\n\n".join(text for _, text in turns[:lead])), *turns[lead:]]
     return split_chat(turns, framework)
+
+
+def refuse_tool_calls(calls: Iterable[tuple[int, str]], framework: str) -> None:
+    """Refuse the first assistant message that calls a tool instead of laying out its text alone:
+    the model would read a turn in which it said nothing, or its text without the call the tool's
+    result answers (``ragblend serve`` refuses such messages with a 400). ``calls`` gives each such
+    message as ``(message index, the tool's name)``."""
+    for index, name in calls:
+        raise InvalidInputError(f"{framework}: messages[{index}] is an assistant's call of the tool {name!r}, and "
+                                "ragblend does not implement tool calling (bind no tools to this model): leave the "
+                                f"call out (keep its text as an assistant message) and {RESULT_AS_TEXT}.")
 
 
 def refuse_media(media: Iterable[tuple[int, str]], framework: str) -> None:
@@ -133,16 +148,17 @@ make_strategy = strategy_from_name
 
 def lazy_engine(owner) -> BlendEngine | RemoteEngine:
     """``owner``'s engine (an :class:`EngineFields`), made on first use: a :class:`RemoteEngine` for
-    its ``base_url``, else a local model with its :meth:`~EngineFields.engine_options` (``owner``
-    has ``_engine`` and ``_lock`` private attributes)."""
+    its ``base_url``, else the process's local engine for its :meth:`~EngineFields.engine_options`,
+    shared with every other owner asking for the same (``owner`` has ``_engine`` and ``_lock``
+    private attributes)."""
     with owner._lock:
         if owner._engine is None and owner.base_url:
             # BlendChatModel keeps its key as a pydantic SecretStr, whose str() is "**********".
             key = owner.api_key.get_secret_value() if isinstance(owner.api_key, SecretStr) else owner.api_key
             owner._engine = RemoteEngine(owner.base_url, api_key=key or os.environ.get("RAGBLEND_API_KEY"),
                                          backend=owner.backend)
-        elif owner._engine is None:
-            owner._engine = BlendEngine.from_pretrained(options=owner.engine_options())
+        elif owner._engine is None:   # one engine per model and options in the process (shared_engines)
+            owner._engine = shared_engine(owner.engine_options())
     return owner._engine
 
 

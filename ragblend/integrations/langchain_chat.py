@@ -49,6 +49,7 @@ from .common import (
     iterate_in_thread,
     lazy_engine,
     refuse_media,
+    refuse_tool_calls,
     split_conversation,
     template_role,
     token_usage,
@@ -68,7 +69,7 @@ def _role(message: BaseMessage) -> str:
         return "user"
     if isinstance(message, ChatMessage):
         return template_role(message.role)   # the generic message carries its role as a string
-    return message.type
+    return template_role(message.type)   # ToolMessage's "tool", FunctionMessage's "function": a tool turn
 
 
 # Content blocks a text-only model cannot read: LangChain's standard kinds, OpenAI's chat and
@@ -84,6 +85,18 @@ def _media_blocks(messages: Sequence[BaseMessage]):
             kind = block.get("type") if isinstance(block, dict) else None
             if kind in MEDIA_BLOCKS:
                 yield i, repr(kind)
+
+
+def _tool_calls(messages: Sequence[BaseMessage]):
+    """``(index, tool name)`` of each message that calls a tool (an AIMessage's ``tool_calls``, or
+    OpenAI's ``tool_calls``/``function_call`` kept in ``additional_kwargs``)."""
+    for i, message in enumerate(messages):
+        extra = message.additional_kwargs or {}
+        calls = [*(getattr(message, "tool_calls", None) or ()), *(getattr(message, "invalid_tool_calls", None) or ()),
+                 *(extra.get("tool_calls") or ()), *([extra["function_call"]] if extra.get("function_call") else [])]
+        if calls:
+            call = calls[0] if isinstance(calls[0], dict) else {}
+            yield i, call.get("name") or (call.get("function") or {}).get("name") or "?"
 
 
 def _check_max_tokens(max_tokens):
@@ -106,7 +119,8 @@ class BlendChatModel(EngineFields, BaseChatModel):
     """LangChain chat model running a local model through ragblend's KV-fusion engine.
 
     Pass ``engine=`` to share a :class:`~ragblend.BlendEngine`; otherwise one is loaded
-    from ``model_path``/``kv_dir`` on first use, so constructing the class is cheap.
+    from ``model_path``/``kv_dir`` on first use (so constructing the class is cheap), shared with
+    every BlendLLM and BlendChatModel of the same model and options (:mod:`.shared_engines`).
     """
 
     max_tokens: Optional[int] = Field(default=SAMPLING.max_new_tokens, description="Most tokens to generate (None = 256).")
@@ -169,6 +183,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
 
     def _laid_out(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         refuse_media(_media_blocks(messages), "BlendChatModel")
+        refuse_tool_calls(_tool_calls(messages), "BlendChatModel")
         engine = self.engine
         turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")

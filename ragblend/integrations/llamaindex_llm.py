@@ -48,6 +48,7 @@ from .common import (
     iterate_in_thread,
     lazy_engine,
     refuse_media,
+    refuse_tool_calls,
     split_conversation,
     template_role,
     token_usage,
@@ -77,11 +78,27 @@ def _media_blocks(messages: Sequence[ChatMessage]):
                 yield i, f"{kind} ({type(block).__name__})"
 
 
+def _tool_calls(messages: Sequence[ChatMessage]):
+    """``(index, tool name)`` of each message that calls a tool: a ToolCallBlock, or OpenAI's
+    ``tool_calls``/``function_call`` kept in ``additional_kwargs`` (LlamaIndex's OpenAI LLM)."""
+    for i, message in enumerate(messages):
+        blocks = [b for b in getattr(message, "blocks", ()) if getattr(b, "block_type", None) == "tool_call"]
+        extra = message.additional_kwargs or {}
+        calls = [*(extra.get("tool_calls") or ()), *([extra["function_call"]] if extra.get("function_call") else [])]
+        if blocks:
+            yield i, blocks[0].tool_name
+        elif calls:
+            call = calls[0] if isinstance(calls[0], dict) else getattr(calls[0], "model_dump", dict)()
+            yield i, call.get("name") or (call.get("function") or {}).get("name") or "?"
+
+
 class BlendLLM(EngineFields, CustomLLM):
     """LlamaIndex LLM running a local model through ragblend's KV-fusion engine.
 
     Pass ``engine=`` to share a :class:`~ragblend.BlendEngine` (then ``engine.last_stats``
-    shows what the last call reused), or let BlendLLM build one from the fields below.
+    shows what the last call reused), or let BlendLLM build one from the fields below (on first
+    use, shared with every BlendLLM and BlendChatModel of the same model and options:
+    :mod:`.shared_engines`).
     The system prompt goes into the model's chat template, not in front of the text.
 
     Chat is implemented once (:meth:`stream_answer` under ``_stream_chat``); chat without
@@ -166,8 +183,9 @@ class BlendLLM(EngineFields, CustomLLM):
 
     def _chat_layout(self, messages: Sequence[ChatMessage], chat: bool) -> PromptLayout:
         refuse_media(_media_blocks(messages), "BlendLLM.chat")
-        # LlamaIndex's roles are strings too; the ones a template lacks (tool, function) are the user's.
-        turns = [(template_role(m.role, unknown="user"), m.content or "") for m in messages]
+        refuse_tool_calls(_tool_calls(messages), "BlendLLM.chat")
+        # LlamaIndex's roles are strings too (MessageRole is a str enum); tool and function are tool turns.
+        turns = [(template_role(m.role), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
         if self.system_prompt:   # the field's prompt leads the chat's own, in one system message (see _extend_messages)
             system = f"{self.system_prompt}\n\n{system}" if system else self.system_prompt

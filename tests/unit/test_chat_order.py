@@ -186,3 +186,81 @@ def test_llamaindex_chat_engines_still_reach_the_model_as_their_turns(tokenizer)
     llm.chat([ChatMessage(role="user", content="Hi")])
     assert llm.engine.tokenizer.decode(llm.engine.last_prompt.token_ids).startswith(
         "<|im_start|>system\nSpeak plainly.<|im_end|>\n<|im_start|>user\nHi")
+
+
+# Qwen2.5's way with a tool's result (its template, tool part): a user turn wrapped in <tool_response>.
+TOOL_TEMPLATE = (
+    "{%- for message in messages %}{%- if message.role == \"tool\" %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}")
+WITH_TOOL = [("user", "What is the weather in Lowenmark?"), ("assistant", "I asked the weather tool."),
+             ("tool", "Sunny, 21 degrees."), ("user", "Shall I take the ferry?")]
+
+
+def _llamaindex_tool_chat(engine, turns, calls=False):
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage, MessageRole
+
+    from ragblend import BlendLLM
+
+    roles = {"user": MessageRole.USER, "assistant": MessageRole.ASSISTANT, "tool": MessageRole.TOOL}
+    messages = [ChatMessage(role=roles[r], content=t) for r, t in turns]
+    if calls:   # as LlamaIndex's OpenAI LLM keeps a call
+        messages[1].additional_kwargs["tool_calls"] = [{"id": "1", "type": "function",
+                                                        "function": {"name": "weather", "arguments": "{}"}}]
+    BlendLLM(engine=engine, max_new_tokens=1).chat(messages)
+    return engine.last_prompt.token_ids
+
+
+def _langchain_tool_chat(engine, turns, calls=False):
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from ragblend import BlendChatModel
+
+    kinds = {"user": HumanMessage, "assistant": AIMessage, "tool": lambda t: ToolMessage(t, tool_call_id="1")}
+    messages = [kinds[r](t) for r, t in turns]
+    if calls:
+        messages[1] = AIMessage(turns[1][1], tool_calls=[{"name": "weather", "args": {}, "id": "1"}])
+    BlendChatModel(engine=engine, max_tokens=1).invoke(messages)
+    return engine.last_prompt.token_ids
+
+
+TOOL_CHATS = {"llamaindex": _llamaindex_tool_chat, "langchain": _langchain_tool_chat}
+
+
+@pytest.mark.parametrize("via", TOOL_CHATS)
+def test_a_tools_result_takes_the_templates_tool_role(tokenizer, via):
+    """A tool's result (LangChain's ToolMessage, LlamaIndex's TOOL role) is laid out as the
+    template lays out a tool turn, never as the user's text."""
+    engine = _engine(tokenizer, TOOL_TEMPLATE)
+    ids = TOOL_CHATS[via](engine, WITH_TOOL)
+    assert ids == _expected(engine, WITH_TOOL)
+    assert "<tool_response>\nSunny, 21 degrees.\n</tool_response>" in engine.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("via", TOOL_CHATS)
+def test_a_tools_result_without_a_tool_role_is_a_clear_error(tokenizer, via):
+    """SmolLM2's template has no tool role (it would write ``<|im_start|>tool``, which its model
+    never saw), and a plain layout has no roles: a clear error says to pass the result as text."""
+    for engine in (_engine(tokenizer, SMOLLM2_TEMPLATE), make_tiny_engine("llama", tokenizer, use_chat_template=False)):
+        with pytest.raises(InvalidInputError, match="has no (tool role|chat template): give the tool's result as "
+                                                    "text in a user message"):
+            TOOL_CHATS[via](engine, WITH_TOOL)
+
+
+@pytest.mark.parametrize("via", TOOL_CHATS)
+def test_an_assistants_tool_call_is_a_clear_error(tokenizer, via):
+    engine = _engine(tokenizer, TOOL_TEMPLATE)
+    with pytest.raises(InvalidInputError, match=r"messages\[1\] is an assistant's call of the tool 'weather', "
+                                                "and ragblend does not implement tool calling"):
+        TOOL_CHATS[via](engine, WITH_TOOL, calls=True)
+
+
+def test_the_splitter_refuses_a_last_tool_turn_and_unknown_roles():
+    assert split_chat(WITH_TOOL) == (None, WITH_TOOL[:-1], WITH_TOOL[-1][1])
+    with pytest.raises(InvalidInputError, match="ends with a tool's result.*as text in a user message"):
+        split_chat(WITH_TOOL[:-1], "BlendLLM.chat")
+    with pytest.raises(InvalidInputError, match="message 0 has the role 'narrator'"):
+        split_chat([("narrator", "Once."), ("user", "Hi")], "BlendLLM.chat")

@@ -252,3 +252,42 @@ def test_a_truncated_docstore_is_a_clear_error_and_rebuild_repairs_it(tiny_index
     rag.rebuild()
     report = rag.ingest([six_docs], show_progress=False)
     assert report.unchanged == 0 and len(report.files) == 6 and len(rag) == 6
+
+
+# ---------------------------------------------------------------------------- a failed ingest's leftovers
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path, tokenizer):
+    from ..conftest import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+def test_a_failed_ingest_into_a_new_index_leaves_no_index_behind(tiny_model_dir, six_docs, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Ctrl-C while the chunks are embedded: the index folder (and the folders above it) this
+    ingest created go again, so `ragblend ask` says there is no index, not that it is empty. An
+    index folder that was there before keeps everything; a finished ingest keeps its index."""
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+    real_ingest = LocalIndex.ingest_documents
+    monkeypatch.setattr(LocalIndex, "ingest_documents", ctrl_c)
+    new = tmp_path / "new" / "index"
+    assert main(["ingest", str(six_docs), "--index", str(new), "--model", tiny_model_dir]) == 130
+    assert "removed the index folder" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    assert main(["ask", "When does the ferry leave?", "--index", str(new), "--model", tiny_model_dir]) == 2
+    assert "There is no index at" in capsys.readouterr().err
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own file")
+    assert main(["ingest", str(six_docs), "--index", str(mine), "--model", tiny_model_dir]) == 130
+    assert (mine / "notes.txt").read_text() == "the user's own file" and (mine / "chroma").is_dir()
+
+    monkeypatch.setattr(LocalIndex, "ingest_documents", real_ingest)
+    assert main(["ingest", str(six_docs), "--index", str(new), "--model", tiny_model_dir, "--kv", "skip"]) == 0
+    assert (new / "chroma").is_dir()

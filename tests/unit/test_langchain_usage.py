@@ -3,6 +3,7 @@
 engine's."""
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,12 @@ def test_the_history_recipe_reuses_the_earlier_turns(tokenizer, monkeypatch, cap
     monkeypatch.setattr(engine.runner.background, "submit", lambda fn, *args: fn(*args))
     assert code.count("BlendEngine.from_pretrained()") == 1
     names = {"TINY_ENGINE": engine}
-    exec(compile(code.replace("BlendEngine.from_pretrained()", "TINY_ENGINE"), "docs/integrations.md", "exec"), names)
+    from langchain_core._api.deprecation import LangChainDeprecationWarning
+
+    with warnings.catch_warnings():   # nothing deprecated (RunnableWithMessageHistory is, since langchain-core 1.3.3)
+        warnings.simplefilter("error", LangChainDeprecationWarning)
+        exec(compile(code.replace("BlendEngine.from_pretrained()", "TINY_ENGINE"), "docs/integrations.md", "exec"),
+             names)
     first, second = capsys.readouterr().out.splitlines()[-2:]
     stats = engine.last_stats
     assert stats.prefix_tokens + stats.history_tokens > 0

@@ -57,7 +57,7 @@ def slow_engine(tokenizer):
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-        model.lm_head.weight[tokenizer.eos_token_id] = 0   # a logit of 0 is never the greedy pick: no early end
+        model.lm_head.weight[tokenizer.eos_token_id] = 0   # a logit of 0 is never the greedy pick (LONG_ANSWER)
     return BlendEngine(model, tokenizer, prompt_lookup_num_tokens=0)
 
 
@@ -69,6 +69,12 @@ def post(server, path, body=None, raw=None, headers=None, timeout=60):
 
 def story(words: int = 40) -> list[dict]:
     return [{"role": "user", "content": " ".join(f"w{i}" for i in range(words))}]
+
+
+# An answer that runs for minutes on slow_engine: greedy, since its EOS logit of 0 only keeps the
+# greedy pick off EOS. At the server's default temperature of 1, EOS has a chance of ~6e-5 a step
+# (1 % over 200 steps): a rare early end made a timed-out request's 504 a 200.
+LONG_ANSWER = {"max_tokens": 3000, "temperature": 0}
 
 
 # ---------------------------------------------------------------------------- 4. /metrics
@@ -212,8 +218,8 @@ def test_chunks_past_their_timeout_stop_computing(slow_engine):
 def test_a_timed_out_answer_stops_within_a_step(slow_engine):
     timed = RunningServer(slow_engine, request_timeout_s=1.0)
     try:
-        response = post(timed, "/v1/chat/completions", {"messages": story(), "max_tokens": 3000})
-        assert response.status_code == 504
+        response = post(timed, "/v1/chat/completions", {"messages": story(), **LONG_ANSWER})
+        assert response.status_code == 504, response.text[:500]
         wait_idle(timed.url, within_s=1.0)
     finally:
         timed.stop()
@@ -224,7 +230,7 @@ def test_a_non_streaming_client_that_leaves_stops_its_generation(slow_engine, ca
     running = RunningServer(slow_engine)
     try:
         with pytest.raises(httpx.ReadTimeout):   # hangs up after 0.5 s; 3000 tokens take minutes here
-            post(running, "/v1/chat/completions", {"messages": story(), "max_tokens": 3000}, timeout=0.5)
+            post(running, "/v1/chat/completions", {"messages": story(), **LONG_ANSWER}, timeout=0.5)
         wait_idle(running.url, within_s=1.5)
         time.sleep(0.1)
         assert any("disconnected" in r.getMessage() for r in caplog.records if r.name == "ragblend.server")
@@ -236,7 +242,7 @@ def test_a_streaming_client_that_leaves_is_logged_as_a_disconnect(slow_engine, c
     caplog.set_level(logging.INFO, logger="ragblend.server")
     running = RunningServer(slow_engine)
     try:
-        body = {"messages": story(), "max_tokens": 3000, "stream": True}
+        body = {"messages": story(), **LONG_ANSWER, "stream": True}
         with httpx.stream("POST", f"{running.url}/v1/chat/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
