@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from ragblend.core.options import field_default
 from ragblend.core.paths import cache_dir
+from ragblend.core.store.disk_limit import DEFAULT_DISK_BYTES
 from ragblend.core.store.kv import ChunkKV, to_storage
 from ragblend.core.store.kv_budget import CHUNK_TOKENS, KVShape, bytes_per_token, entry_bytes, project
 from ragblend.core.store.tiers import STORAGE_DTYPES, DiskStore, EntrySpec
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=10_000)
     parser.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS)
-    parser.add_argument("--budget-gib", type=float, default=field_default("disk_bytes") / 2**30)
+    parser.add_argument("--budget-gib", type=float, default=DEFAULT_DISK_BYTES / 2**30)
     parser.add_argument("--entries-per-chunk", type=int, default=2, help="2: a lead entry too (the default)")
     parser.add_argument("--read-tokens", type=int, default=0, help="also time reading this many tokens back")
     args = parser.parse_args(argv)

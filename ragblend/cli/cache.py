@@ -30,7 +30,9 @@ def _disk_store(args, spec=None):
 
     folder = _store_folder(args)
     try:
-        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0), args.disk_bytes)
+        # None: the limit saved with the store. `cache` looks at and empties a store; it never resizes
+        # one (a --disk-bytes given here is only the projection's budget).
+        return DiskStore(folder, spec or EntrySpec("", 0, 0, 0), None)
     except NotAStoreError:
         raise   # its message says what to do; nothing in the folder was touched
     except store_faults() as err:
@@ -102,7 +104,7 @@ def _cache_stats(args) -> int:
     if disk["faults"]:
         print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
     print("  memory tier: lives inside each process (see engine.store.stats())")
-    _print_index(args, store, by_dtype, disk["max_bytes"])
+    _print_index(args, store, by_dtype, getattr(args, "disk_bytes", None) or disk["max_bytes"])
     return 0
 
 

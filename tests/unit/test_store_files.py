@@ -136,3 +136,34 @@ def test_a_folder_holding_only_another_process_marker_draft_is_a_new_store(tmp_p
     store.put(synthetic_entry(1, tokens=8))
     assert len(store) == 1
     store.close()
+
+
+def test_the_marker_is_never_written_through_a_planted_link(tmp_path):
+    # Review of issue 55's saved limit: the marker's draft name is predictable; a link planted there
+    # must not make the store write over a file outside its folder.
+    import threading
+
+    from ragblend.core.store.disk_limit import saved_limit
+    from ragblend.core.store.store_files import MARKER, check_store_folder, update_marker
+
+    store, outside = tmp_path / "kv", tmp_path / "precious.txt"
+    check_store_folder(store)
+    outside.write_text("keep me")
+    (store / f"{MARKER}.{os.getpid()}{threading.get_ident()}.tmp").symlink_to(outside)
+    update_marker(store, disk_bytes=12345)
+    assert outside.read_text() == "keep me"
+    assert saved_limit(store) == 12345
+
+
+def test_a_bare_marker_never_replaces_one_with_settings(tmp_path):
+    # Two processes making one new store: the one without a limit must not erase the limit the other saved.
+    from ragblend.core.store.disk_limit import saved_limit
+    from ragblend.core.store.store_files import _write_marker, update_marker
+
+    tmp_path.joinpath("kv").mkdir()
+    store = tmp_path / "kv"
+    _write_marker(store, replace=False)
+    update_marker(store, disk_bytes=40 << 30)
+    _write_marker(store, replace=False)   # the other process's bare marker, written late
+    assert saved_limit(store) == 40 << 30
+    assert sorted(os.listdir(store)) == ["ragblend-store.json"]   # no draft left behind

@@ -26,9 +26,10 @@ def check_disk_bytes(value) -> int | None:
     """``value`` as a limit in bytes (None: the store's saved one); refuses anything else."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise InvalidInputError(f"disk_bytes must be a whole number of bytes >= 0, or None for the limit saved with "
-                                f"the store (8 GiB where none was), got {value!r}.")
+    whole = isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 0:   # 20e9 and 1.5 * 2**30 are whole numbers too
+        raise InvalidInputError(f"disk_bytes must be a whole number of bytes >= 0 (such as 20e9 or 20 << 30), or None "
+                                f"for the limit saved with the store (8 GiB where none was), got {value!r}.")
     return int(value)
 
 

@@ -227,15 +227,35 @@ def read_marker(directory: str | os.PathLike) -> dict:
     return _read_marker(Path(directory) / MARKER)[0]
 
 
-def _write_marker(directory: Path, **settings) -> None:
+def _write_marker(directory: Path, replace: bool = True, **settings) -> None:
     """Write the marker atomically (a temporary file renamed over), so a concurrent opener
     reads either none or a whole one. ``settings``: what the store keeps beside its format
-    (``disk_bytes``, the size limit saved with it: see :mod:`.disk_limit`)."""
+    (``disk_bytes``, the size limit saved with it: see :mod:`.disk_limit`). With ``replace``
+    False a marker already there is kept: two processes making one new store at once must not
+    overwrite the settings the other saved with a bare marker."""
     partial = directory / f"{MARKER}.{os.getpid()}{threading.get_ident()}.tmp"   # one per writer, threads too
-    partial.write_text(json.dumps({"format": MARKER_FORMAT, "version": 1,
-                                   "about": "a ragblend KV store (a cache: deleting it only costs recomputation)",
-                                   **settings}))
-    os.replace(partial, directory / MARKER)
+    text = json.dumps({"format": MARKER_FORMAT, "version": 1,
+                       "about": "a ragblend KV store (a cache: deleting it only costs recomputation)", **settings})
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)   # never through a planted link
+    try:
+        fd = os.open(partial, flags, 0o644)
+    except FileExistsError:   # a draft this process and thread left when killed: its own name, removed
+        os.unlink(partial)
+        fd = os.open(partial, flags, 0o644)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    if replace:
+        os.replace(partial, directory / MARKER)
+        return
+    try:
+        os.link(partial, directory / MARKER)   # fails where a marker is there: that one stays
+    except FileExistsError:
+        pass
+    except OSError:   # a file system without hard links: renamed over, as before
+        os.replace(partial, directory / MARKER)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
 
 
 def update_marker(directory: str | os.PathLike, **settings) -> None:
@@ -334,7 +354,7 @@ def check_store_folder(directory: str | os.PathLike, create: bool = True) -> Non
         # opening one new store).
         if create:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_marker(directory)
+            _write_marker(directory, replace=False)
         return
     reason = _looks_like_old_store(directory)
     if reason is not None and _check_marker(directory):
@@ -346,7 +366,7 @@ def check_store_folder(directory: str | os.PathLike, create: bool = True) -> Non
             "another --index); if this folder is one you gave ragblend before, delete it (the KV is a cache: "
             "ragblend recomputes it).")
     if create:
-        _write_marker(directory)
+        _write_marker(directory, replace=False)
         log.info("ragblend: adopted the KV store in %s, written by an earlier ragblend (added %s).", directory, MARKER)
 
 
