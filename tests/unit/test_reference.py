@@ -59,7 +59,11 @@ def dense_reference(hf_model, token_ids, layer_positions, cached_k, cached_v, ke
     for layer_index, layer in enumerate(base.layers):
         attn = layer.self_attn
         cos, sin = tables[layer_types[layer_index] if per_type else None]
-        window = getattr(attn, "sliding_window", getattr(config, "sliding_window", None))
+        # Gemma 3's window is its sliding layers' only (transformers' attention holds it per layer;
+        # ragblend's own modules, a GGUF's, do not: the layer's type says)
+        window = getattr(config, "sliding_window", None) if layer_types is None or \
+            layer_types[layer_index] == "sliding_attention" else None
+        window = getattr(attn, "sliding_window", window)
         causal = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
         x = layer.input_layernorm(hidden)
         shape = (1, n, -1, attn.head_dim)
