@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ragblend: error: {hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        hint = (" Files already ingested are kept; run the same command again to go on." if args.func is ingest.run
+        hint = (" What was ingested before is kept; run the same command again to go on." if args.func is ingest.run
                 else "")   # (an interrupt in ingest's KV phase is reported by ingest itself)
         print(f"\nragblend: interrupted.{hint}", file=sys.stderr)
         return 130

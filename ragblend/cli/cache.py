@@ -104,7 +104,11 @@ def _cache_stats(args) -> int:
     if disk["faults"]:
         print(f"  faults:      {disk['faults']} while reading these statistics (see the warning above)")
     print("  memory tier: lives inside each process (see engine.store.stats())")
-    _print_index(args, store, by_dtype, getattr(args, "disk_bytes", None) or disk["max_bytes"])
+    asked = getattr(args, "disk_bytes", None)
+    if asked is not None and asked != disk["max_bytes"]:
+        print(f"  (--disk-bytes {size_arg(asked, ' ')}: the projection below is at that size; the store keeps its "
+              f"{size_arg(disk['max_bytes'], ' ')}, which `ingest`, `ask` or `serve` with --disk-bytes change)")
+    _print_index(args, store, by_dtype, asked or disk["max_bytes"])
     return 0
 
 

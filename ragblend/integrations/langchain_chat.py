@@ -38,6 +38,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field, PrivateAttr, SecretStr
 
+from ragblend.core.chat_template import RESULT_AS_TEXT
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.prompt import Chunk
@@ -177,6 +178,12 @@ class BlendChatModel(EngineFields, BaseChatModel):
         return self.engine.tokenize(text)
 
     # ------------------------------------------------------------------ prompt
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any):
+        """Refused with what to do instead: ragblend does not implement tool calling (LangChain's
+        base class raises a bare NotImplementedError)."""
+        raise InvalidInputError("BlendChatModel does not implement tool calling (bind_tools): call the tool in your "
+                                f"own code and {RESULT_AS_TEXT}, or use a chat model that calls tools.")
 
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         return self.as_chat(self._laid_out(messages, kv_chunks))   # a long stuffed first message keeps none

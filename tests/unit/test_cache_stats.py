@@ -58,3 +58,11 @@ def test_cache_stats_with_model_counts_that_models_entries(tmp_path, tokenizer, 
     assert "KV for 8 of 8 chunk(s) (100.0%), 0 to compute" in same and "keyed apart" not in same
     int8 = stats("--model", ingesting, "--kv-dtype", "int8")   # another stored dtype is other entries
     assert "KV for 0 of 8 chunk(s)" in int8 and "(8 keyed apart from the keys the index recorded" in int8
+    # --disk-bytes on `cache stats` projects at that size and says the store keeps its own (a trial's
+    # confusion: the limit line and the projection disagreed); the saved limit is not changed.
+    from ragblend.core.store.disk_limit import saved_limit
+
+    before = saved_limit(index / "kv")
+    small = stats("--disk-bytes", "100KiB")
+    assert "(--disk-bytes 100 KiB: the projection below is at that size; the store keeps its" in small
+    assert saved_limit(index / "kv") == before

@@ -264,3 +264,17 @@ def test_the_splitter_refuses_a_last_tool_turn_and_unknown_roles():
         split_chat(WITH_TOOL[:-1], "BlendLLM.chat")
     with pytest.raises(InvalidInputError, match="message 0 has the role 'narrator'"):
         split_chat([("narrator", "Once."), ("user", "Hi")], "BlendLLM.chat")
+
+
+def test_bind_tools_is_refused_with_what_to_do(tokenizer):
+    # A new user's trial: LangChain's base raised a bare NotImplementedError.
+    pytest.importorskip("langchain_core")
+    from ragblend import BlendChatModel
+
+    def weather(city: str) -> str:
+        """The weather in a city."""
+        return "Sunny"
+
+    chat = BlendChatModel(engine=_engine(tokenizer, TOOL_TEMPLATE))
+    with pytest.raises(InvalidInputError, match="does not implement tool calling.*as text in a user message"):
+        chat.bind_tools([weather])

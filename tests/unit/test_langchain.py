@@ -27,6 +27,15 @@ class TestBlendChatModelUnit(ChatModelUnitTests):
     def supports_model_override(self):
         return False  # one local model per instance
 
+    # bind_tools is overridden only to refuse with what to do (the standard tests read an override as support)
+    @property
+    def has_tool_calling(self):
+        return False
+
+    @property
+    def has_structured_output(self):
+        return False
+
 
 NOT_APPLICABLE = "not applicable to a local text-only model without tool calling or structured output"
 
