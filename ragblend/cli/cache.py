@@ -207,16 +207,15 @@ def _engine_coverage(args, collection, store):
     chunks' mean length) and how many chunks it keys apart from the recorded keys."""
     from llama_index.core.vector_stores.utils import metadata_dict_to_node
 
-    from ragblend.integrations.kv_fill import KVCoverage
+    from ragblend.integrations.kv_fill import KVCoverage, index_pages
     from ragblend.vectorstore_hooks.llamaindex import KV_KEY, KVPrecompute, llm_text
 
     print("Loading the model to key the index's chunks as it does...", file=sys.stderr, flush=True)
     engine = load_engine(args, kv_dir=False)
     keyer, stored = KVPrecompute(engine, compute=False), set(store.keys())
     chunks = keyed = covered = lead_missing = tokens = apart = 0
-    for offset in range(0, collection.count(), _PAGE):
-        page = collection.get(include=["metadatas", "documents"], limit=_PAGE, offset=offset)
-        nodes = [metadata_dict_to_node(meta or {}, text=text) for meta, text in zip(page["metadatas"], page["documents"])]
+    for page in index_pages(collection, include=("metadatas", "documents")):
+        nodes = [metadata_dict_to_node(meta, text=text) for meta, text in zip(page["metadatas"], page["documents"])]
         recorded = [node.metadata.get(KV_KEY) for node in nodes]
         for node, was in zip(keyer(nodes), recorded):
             chunks += 1
@@ -232,8 +231,6 @@ def _engine_coverage(args, collection, store):
     projection = engine.budget.project(store, engine.kv_dtype, keyed, -(-tokens // keyed), warn=False) if keyed else None
     return KVCoverage(chunks, keyed, covered, lead_missing), projection, apart
 
-
-_PAGE = 5000   # chunks read from Chroma at a time
 
 
 def _fill(args) -> int:

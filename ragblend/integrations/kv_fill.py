@@ -32,7 +32,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from ragblend.core.errors import RagblendError
 from ragblend.core.fusion.ingest import packs
@@ -84,19 +84,30 @@ class KVCoverage:
         return f"KV for {self.stored:,} of {self.keyed:,} chunk(s) ({self.fraction:.1%}), {self.pending:,} to compute{extra}"
 
 
-def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, str | None]]:
-    """``(node id, KV key or None, document id)`` of every chunk in a Chroma collection,
-    in the order Chroma lists them, reading metadata only."""
+def index_pages(collection, include: Sequence[str] = ("metadatas",), page: int = 5000) -> Iterator[dict]:
+    """A Chroma collection's chunks ``page`` at a time, in the order Chroma lists them: each
+    ``collection.get`` result with ``ids`` and what ``include`` names (a missing list as empty
+    metadata / documents, one a chunk)."""
     offset = 0
     while True:
-        got = collection.get(include=["metadatas"], limit=page, offset=offset)
-        ids = got["ids"] or []
-        for node_id, meta in zip(ids, got["metadatas"] or [{}] * len(ids)):
-            meta = meta or {}
-            yield node_id, meta.get(KV_METADATA_KEY) or None, meta.get("ref_doc_id") or meta.get("document_id")
+        got = dict(collection.get(include=list(include), limit=page, offset=offset))
+        ids = got["ids"] = got["ids"] or []
+        for name in include:
+            got[name] = got.get(name) or [None] * len(ids)
+        if "metadatas" in got:
+            got["metadatas"] = [meta or {} for meta in got["metadatas"]]
+        yield got
         if len(ids) < page:
             return
         offset += page
+
+
+def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, str | None]]:
+    """``(node id, KV key or None, document id)`` of every chunk in a Chroma collection,
+    in the order Chroma lists them, reading metadata only."""
+    for got in index_pages(collection, page=page):
+        for node_id, meta in zip(got["ids"], got["metadatas"]):
+            yield node_id, meta.get(KV_METADATA_KEY) or None, meta.get("ref_doc_id") or meta.get("document_id")
 
 
 def coverage_of(collection, stored_keys: Iterable[str], lead_key=None) -> KVCoverage:

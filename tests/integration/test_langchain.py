@@ -13,6 +13,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa:
 from ragblend import BlendChatModel, BlendEngine  # noqa: E402
 
 from ..conftest import reused_floor  # noqa: E402
+from ..unit.test_langchain import NoToolCalling  # noqa: E402
 
 _ENGINE = None
 
@@ -38,7 +39,7 @@ PASSAGE = ("The Sanderling is a small passenger ferry that crosses from the nort
 
 
 @pytest.mark.slow
-class TestBlendChatModelIntegration(ChatModelIntegrationTests):
+class TestBlendChatModelIntegration(NoToolCalling, ChatModelIntegrationTests):
     """The standard integration tests on the real default model (SmolLM2-135M-Instruct).
 
     Not applicable, and so switched off through the suite's own capability flags: tool
@@ -58,14 +59,6 @@ class TestBlendChatModelIntegration(ChatModelIntegrationTests):
     @property
     def standard_chat_model_params(self):
         return {**super().standard_chat_model_params, "max_tokens": 24}
-
-    @property
-    def has_tool_calling(self):
-        return False
-
-    @property
-    def has_structured_output(self):
-        return False
 
     @property
     def supports_json_mode(self):

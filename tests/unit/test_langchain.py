@@ -12,7 +12,20 @@ from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
 from ragblend import BlendChatModel  # noqa: E402
 
 
-class TestBlendChatModelUnit(ChatModelUnitTests):
+class NoToolCalling:
+    """What BlendChatModel lacks, for both langchain-tests suites: its bind_tools is overridden
+    only to refuse with what to do, which the suites would read as support."""
+
+    @property
+    def has_tool_calling(self):
+        return False
+
+    @property
+    def has_structured_output(self):
+        return False
+
+
+class TestBlendChatModelUnit(NoToolCalling, ChatModelUnitTests):
     """The standard unit tests. Constructing the model never loads it."""
 
     @property
@@ -26,15 +39,6 @@ class TestBlendChatModelUnit(ChatModelUnitTests):
     @property
     def supports_model_override(self):
         return False  # one local model per instance
-
-    # bind_tools is overridden only to refuse with what to do (the standard tests read an override as support)
-    @property
-    def has_tool_calling(self):
-        return False
-
-    @property
-    def has_structured_output(self):
-        return False
 
 
 NOT_APPLICABLE = "not applicable to a local text-only model without tool calling or structured output"
