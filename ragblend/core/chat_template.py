@@ -141,10 +141,11 @@ class ChatTemplateMixin:
             return ids + self._plain_cue() if add_generation_prompt and turns[-1][0] != "assistant" else ids
         return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
 
-    def check_tool_turns(self, turns: Sequence[tuple[str, object]]) -> None:
+    def check_tool_turns(self, turns: Sequence[tuple[str, object]], who: str | None = None) -> None:
         """Refuse a tool turn unless the chat template has a tool role: written as any other
         role (ChatML's ``<|im_start|>tool``) or as the user's, a model trained without tool
-        turns reads a tool's result as something it or the user said."""
+        turns reads a tool's result as something it or the user said. ``who``: the message the
+        error names (an integration's "BlendChatModel: messages[3]"), else "The chat"."""
         if not any(role == "tool" for role, _ in turns):
             return
         template = self.tokenizer.chat_template if self.use_chat_template else None
@@ -152,8 +153,9 @@ class ChatTemplateMixin:
             template = template.get("default")
         if not template or not _TOOL_ROLE.search(template):
             where = "the model's chat template has no tool role" if template else "the model has no chat template"
-            raise InvalidInputError(f"The chat holds a tool's result, and {where}: {RESULT_AS_TEXT}, or use a "
-                                    "model whose template has a tool role (Qwen2.5, Llama 3.1).")
+            subject = f"{who} is a tool's result" if who else "The chat holds a tool's result"
+            raise InvalidInputError(f"{subject}, and {where}: {RESULT_AS_TEXT}, or use a model whose template has "
+                                    "a tool role (Qwen2.5, Llama 3.1).")
 
     # ------------------------------------------------------------------ the plain layout (no chat template)
 

@@ -124,6 +124,16 @@ def refuse_tool_calls(calls: Iterable[tuple[int, str]], framework: str) -> None:
                                 f"call out (keep its text as an assistant message) and {RESULT_AS_TEXT}.")
 
 
+def refuse_tool_results(turns: Sequence[tuple[str, str]], engine, framework: str) -> None:
+    """Refuse the first tool result of a chat (a ``(role, text)`` turn of role "tool") where the
+    engine's chat template has no tool role, naming it as the other message errors do
+    (``BlendChatModel: messages[3] ...``); the engine would refuse it too, without saying which
+    message. A tool result that ends the chat is :func:`split_conversation`'s to refuse."""
+    first = next((i for i, (role, _) in enumerate(turns[:-1]) if role == "tool"), None)
+    if first is not None:
+        engine.prompts.check_tool_turns([turns[first]], f"{framework}: messages[{first}]")
+
+
 def refuse_media(media: Iterable[tuple[int, str]], framework: str) -> None:
     """Refuse the first image, audio, video or file block of a chat instead of dropping it: the
     text-only model would answer as if it had seen it (``ragblend serve`` refuses such blocks with

@@ -110,6 +110,24 @@ def scan_index(collection, page: int = 5000) -> Iterator[tuple[str, str | None, 
             yield node_id, meta.get(KV_METADATA_KEY) or None, meta.get("ref_doc_id") or meta.get("document_id")
 
 
+def mean_chunk_tokens(collection, engine, sample: int = 256) -> int | None:
+    """The mean token count (rounded up) of the keyed chunks among the first ``sample`` that
+    Chroma lists, as ``engine`` tokenizes the text its model is shown: what a chunk's stored
+    entry holds. None when none of them is keyed. A sample, not the whole index: tokenizing a
+    large index would cost seconds for a figure that only has to be about right, and a few
+    short documents (the case ``chunk_size`` overstates most) are sampled whole."""
+    from llama_index.core.vector_stores.utils import metadata_dict_to_node
+
+    from ragblend.vectorstore_hooks.llamaindex import llm_text
+
+    got = collection.get(include=["metadatas", "documents"], limit=sample)
+    tokens = []
+    for meta, text in zip(got.get("metadatas") or [], got.get("documents") or []):
+        if meta and meta.get(KV_METADATA_KEY):
+            tokens.append(engine.count_tokens(llm_text(metadata_dict_to_node(meta, text=text))))
+    return -(-sum(tokens) // len(tokens)) if tokens else None
+
+
 def coverage_of(collection, stored_keys: Iterable[str], lead_key=None) -> KVCoverage:
     """The coverage of a Chroma collection's chunks by a set of stored KV keys: a chunk counts
     as stored by its own entry; with ``lead_key`` (an engine's

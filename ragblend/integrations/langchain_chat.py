@@ -51,6 +51,7 @@ from .common import (
     lazy_engine,
     refuse_media,
     refuse_tool_calls,
+    refuse_tool_results,
     split_conversation,
     template_role,
     token_usage,
@@ -194,6 +195,7 @@ class BlendChatModel(EngineFields, BaseChatModel):
         engine = self.engine
         turns = [(_role(m), text_of(m.content)) for m in messages]
         system, history, _ = split_conversation(turns, "BlendChatModel")
+        refuse_tool_results(turns, engine, "BlendChatModel")
         content = messages[-1].content
         if isinstance(content, list) and any(is_marked(b) for b in content):
             return engine.build_prompt(segments_of(content), system=system, history=history)

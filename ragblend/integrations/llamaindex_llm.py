@@ -49,6 +49,7 @@ from .common import (
     lazy_engine,
     refuse_media,
     refuse_tool_calls,
+    refuse_tool_results,
     split_conversation,
     template_role,
     token_usage,
@@ -187,6 +188,7 @@ class BlendLLM(EngineFields, CustomLLM):
         # LlamaIndex's roles are strings too (MessageRole is a str enum); tool and function are tool turns.
         turns = [(template_role(m.role), m.content or "") for m in messages]
         system, history, text = split_conversation(turns, "BlendLLM.chat")
+        refuse_tool_results(turns, self.engine, "BlendLLM.chat")
         if self.system_prompt:   # the field's prompt leads the chat's own, in one system message (see _extend_messages)
             system = f"{self.system_prompt}\n\n{system}" if system else self.system_prompt
         layout = self.engine.find_chunks(text, system=system, history=history)

@@ -656,11 +656,15 @@ class LocalIndex:
         return query_engine
 
     def kv_projection(self, warn: bool = True):
-        """The projected size of the KV of every chunk in the index (chunks of up to ``chunk_size``
-        tokens, so an upper bound) against the KV store's budget: a
-        :class:`~ragblend.core.store.kv_budget.Projection` (``.describe()``: one line). ``warn``: log once
-        when the budget holds only part of it (the rest is computed at query time)."""
-        return self.engine.kv_projection(len(self), self.chunk_size, warn=warn)
+        """The projected size of the KV of every chunk in the index against the KV store's budget: a
+        :class:`~ragblend.core.store.kv_budget.Projection` (``.describe()``: one line). A chunk is
+        weighed at the mean length of the index's chunks (a sample of them; ``chunk_size`` tokens, an
+        upper bound, before any is keyed): a few short documents are far below ``chunk_size``.
+        ``warn``: log once when the budget holds only part of it (the rest is computed at query time)."""
+        from .kv_fill import mean_chunk_tokens
+
+        tokens = mean_chunk_tokens(self.collection, self.engine) or self.chunk_size
+        return self.engine.kv_projection(len(self), tokens, warn=warn)
 
     def kv_coverage(self):
         """How many of the index's chunks have their KV stored: a

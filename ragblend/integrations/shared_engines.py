@@ -15,25 +15,61 @@ next one asking for it loads it again.
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import weakref
+from pathlib import Path
+
+import torch
 
 from ragblend.core.engine import BlendEngine
 from ragblend.core.options import EngineOptions
 
 _engines: "weakref.WeakValueDictionary[EngineOptions, BlendEngine]" = weakref.WeakValueDictionary()
 _registry_lock = threading.Lock()
-# One lock per key while its engine loads: a second caller of the same model waits for the first
-# one's load instead of loading it again; callers of other models are not held up by it.
-_loading: dict[EngineOptions, threading.Lock] = {}
+
+
+class _Load:
+    """One key's load: its lock (a second caller of the same model waits for the first one's load
+    instead of loading it again; callers of other models are not held up by it) and how many
+    callers are loading or waiting, so that the entry goes once none is (an app that builds many
+    distinct models keeps no lock for each)."""
+
+    def __init__(self):
+        self.lock, self.callers = threading.Lock(), 0
+
+
+_loading: dict[EngineOptions, _Load] = {}
+
+
+def _path_key(path):
+    """A model or KV path as one spelling: ``~`` expanded, absolute, symbolic links resolved."""
+    return str(Path(path).expanduser().resolve()) if path else path
+
+
+def _default_model_key():
+    """The embedded default model's file, so that naming it shares the engine of ``model=None``;
+    None where it is not installed (the load says so)."""
+    from ragblend.core.errors import ModelNotFoundError
+    from ragblend.core.model.loading import default_gguf_path
+
+    try:
+        return _path_key(default_gguf_path())
+    except ModelNotFoundError:
+        return None
 
 
 def _key(options: EngineOptions) -> EngineOptions:
-    """``options`` with its paths absolute, so "model.gguf" and "./model.gguf" share an engine."""
-    def absolute(path):
-        return os.path.abspath(os.fspath(path)) if path else path
-    return dataclasses.replace(options, model=absolute(options.model), kv_dir=absolute(options.kv_dir))
+    """``options`` spelled one way, so that equivalent options share an engine: paths as
+    :func:`_path_key` writes them ("model.gguf", "./model.gguf", "~/m/model.gguf" and a link to
+    it are one model), no model as the default model's own file, dtypes by name
+    (``torch.float32`` is "float32") and dtype "auto" as None (both the default)."""
+    def named(value):
+        return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+    model = _path_key(options.model) if options.model else _default_model_key()
+    dtype = named(options.dtype)
+    return dataclasses.replace(options, model=model, kv_dir=_path_key(options.kv_dir),
+                               dtype=None if dtype == "auto" else dtype, kv_dtype=named(options.kv_dtype))
 
 
 def shared_engine(options: EngineOptions) -> BlendEngine:
@@ -44,14 +80,21 @@ def shared_engine(options: EngineOptions) -> BlendEngine:
         engine = _engines.get(key)
         if engine is not None:
             return engine
-        loading = _loading.setdefault(key, threading.Lock())
-    with loading:
-        with _registry_lock:
-            engine = _engines.get(key)
-        if engine is None:   # not loaded by a caller this one waited for
-            engine = BlendEngine.from_pretrained(options=options)
+        load = _loading.setdefault(key, _Load())
+        load.callers += 1
+    try:
+        with load.lock:
             with _registry_lock:
-                _engines[key] = engine
+                engine = _engines.get(key)
+            if engine is None:   # not loaded by a caller this one waited for
+                engine = BlendEngine.from_pretrained(options=options)
+                with _registry_lock:
+                    _engines[key] = engine
+    finally:
+        with _registry_lock:
+            load.callers -= 1
+            if not load.callers:
+                del _loading[key]
     return engine
 
 
@@ -59,3 +102,9 @@ def loaded_engines() -> list[BlendEngine]:
     """The engines the registry holds now (for tests and diagnostics)."""
     with _registry_lock:
         return list(_engines.values())
+
+
+def pending_loads() -> int:
+    """How many keys have a load lock now: loads in progress or waited for (for tests)."""
+    with _registry_lock:
+        return len(_loading)

@@ -359,6 +359,56 @@ def test_the_memory_check_counts_the_loads_peak_not_only_the_weights(tmp_path, m
         model_module._weights_form(path, "float32", "cpu")
 
 
+def test_a_float32_load_that_does_not_fit_is_offered_16_bits_and_the_override(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.gguf_file import read_gguf
+    from ragblend.core.model.load_memory import gguf_load_memory
+
+    from .test_quantized import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf")
+    quantized, float32 = _peaks(path)
+    sixteen = gguf_load_memory(read_gguf(path), 2)
+    assert sixteen.peak < float32.peak
+    monkeypatch.delenv(model_module.SKIP_MEMORY_CHECK, raising=False)
+    monkeypatch.setattr(model_module, "available_memory", lambda: sixteen.peak)
+    with pytest.raises(InvalidInputError) as info:
+        model_module._weights_form(path, "float32", "cpu")
+    said = str(info.value)
+    assert f'dtype="bfloat16" holds it rounded to 16 bits (computed in float32): ~{sixteen.peak / 2**30:.1f} GiB' in said
+    # the estimate was fitted on small models: the refusal says how to load anyway
+    assert "set RAGBLEND_SKIP_MEMORY_CHECK=1 to load anyway" in said
+    monkeypatch.setattr(model_module, "available_memory", lambda: 1000)   # nothing fits: no form offered
+    with pytest.raises(InvalidInputError, match="Close other programs.*RAGBLEND_SKIP_MEMORY_CHECK=1") as info:
+        model_module._weights_form(path, "float32", "cpu")
+    assert "bfloat16" not in str(info.value)
+    monkeypatch.setenv(model_module.SKIP_MEMORY_CHECK, "1")
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert model_module._weights_form(path, "float32", "cpu")[1] is torch.float32   # loads, warning
+    assert [r for r in caplog.records if "loading anyway (RAGBLEND_SKIP_MEMORY_CHECK=1)" in r.getMessage()]
+
+
+def test_a_float32_hf_directory_that_does_not_fit_is_offered_16_bits(tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+
+    from ragblend.core.model import loading as model_module
+    from ragblend.core.model.load_memory import hf_load_memory
+
+    (tmp_path / "config.json").write_text("{}")
+    save_file({"a": torch.zeros(256, 64), "b": torch.zeros(64)}, tmp_path / "model.safetensors")
+    sixteen = hf_load_memory(tmp_path, torch.bfloat16)
+    monkeypatch.delenv(model_module.SKIP_MEMORY_CHECK, raising=False)
+    monkeypatch.setattr(model_module, "available_memory", lambda: sixteen.peak)
+    with pytest.raises(InvalidInputError, match=r'dtype="bfloat16" holds it rounded to 16 bits'):
+        model_module._weights_form(tmp_path, None, "cpu")   # stored float32: held float32 by default
+    assert model_module._weights_form(tmp_path, "bfloat16", "cpu")[1] is torch.bfloat16
+
+
 def test_a_four_bit_file_too_large_is_not_told_to_use_four_bits(tmp_path, monkeypatch):
     from ragblend.core.model import loading as model_module
 

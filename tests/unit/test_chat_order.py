@@ -5,6 +5,7 @@ prompt (no template default in its place), a later system message keeps its plac
 refusing an order is a ragblend error, not a Jinja traceback."""
 
 import copy
+import re
 
 import pytest
 
@@ -243,10 +244,13 @@ def test_a_tools_result_takes_the_templates_tool_role(tokenizer, via):
 @pytest.mark.parametrize("via", TOOL_CHATS)
 def test_a_tools_result_without_a_tool_role_is_a_clear_error(tokenizer, via):
     """SmolLM2's template has no tool role (it would write ``<|im_start|>tool``, which its model
-    never saw), and a plain layout has no roles: a clear error says to pass the result as text."""
+    never saw), and a plain layout has no roles: a clear error says to pass the result as text, naming
+    the message as the integration's other message errors do (trial: it lacked "messages[i]")."""
+    who = {"llamaindex": "BlendLLM.chat", "langchain": "BlendChatModel"}[via]
     for engine in (_engine(tokenizer, SMOLLM2_TEMPLATE), make_tiny_engine("llama", tokenizer, use_chat_template=False)):
-        with pytest.raises(InvalidInputError, match="has no (tool role|chat template): give the tool's result as "
-                                                    "text in a user message"):
+        with pytest.raises(InvalidInputError, match=rf"^{re.escape(who)}: messages\[2\] is a tool's result, and the "
+                                                    "model.* has no (tool role|chat template): give the tool's result "
+                                                    "as text in a user message"):
             TOOL_CHATS[via](engine, WITH_TOOL)
 
 

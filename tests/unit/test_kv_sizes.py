@@ -193,17 +193,20 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
     with caplog.at_level(logging.WARNING, logger="ragblend"):
         assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
     out = capsys.readouterr().out
-    # 12 chunks of up to 256 tokens (LocalIndex's chunk size), 2 entries each, 512 bytes a token in float16
+    # 12 chunks of their mean length (not LocalIndex's chunk size, 256), 2 entries each, 512 bytes a token in float16
+    from ragblend.vectorstore_hooks.llamaindex import llm_text
+
+    nodes = LocalIndex(tmp_path / "index", engine=engine).vector_store.get_nodes()
+    mean = -(-sum(engine.count_tokens(llm_text(node)) for node in nodes) // len(nodes))
+    assert mean < 128
     line = next(line for line in out.splitlines() if line.startswith("KV for 12 chunks:"))
-    assert "projected (float16, 2 entries of ~256 tokens a chunk)" in line
+    assert f"projected (float16, 2 entries of ~{mean} tokens a chunk)" in line
     assert "KV budget 146.5 KiB (disk tier) holds" in line and "computed at query time" in line
     assert "Raise --disk-bytes to " in line and "--kv-dtype int8" in line   # the flags ingest has
     assert len([line for line in out.splitlines() if "projected" in line]) == 1
     assert not [r for r in caplog.records if "projected" in r.getMessage()]   # said once: not logged too
 
     # `cache stats` (no model): from what the stored chunks weigh, against the store's limit
-    from ragblend.vectorstore_hooks.llamaindex import llm_text
-
     engine.store.disk.close()
     assert cli.main(["cache", "stats", "--index", str(tmp_path / "index")]) == 0   # nothing stored yet (--kv skip)
     empty = capsys.readouterr().out
@@ -217,6 +220,26 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
     stats = capsys.readouterr().out
     projected = next(line for line in stats.splitlines() if "projected:" in line)
     assert "KV for 12 chunks:" in projected and "as the " in projected and "holds all of it" in projected
+
+
+def test_a_few_short_documents_are_projected_at_their_own_length(tmp_path, tokenizer, monkeypatch, capsys, caplog):
+    # Trial 44: three short notes got "budget holds 44%", each chunk weighed at the chunk size (256 tokens).
+    from ragblend import cli
+    from ragblend.integrations.local_index import LocalIndex
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.md").write_text(f"Note {i}: {PASSAGES[i]}\n")
+    engine = make_tiny_engine("llama", tokenizer)
+    # ~260 KB at their own length; 3 chunks x 2 entries x 256 tokens would be ~800 KB
+    engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, memory_bytes=0, disk_bytes=400_000)
+    monkeypatch.setattr(cli.ingest, "open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
+    with caplog.at_level(logging.WARNING, logger="ragblend"):
+        assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV for 3 chunks:"))
+    assert "holds all of it" in line and "~256 tokens" not in line
+    assert not [r for r in caplog.records if "projected" in r.getMessage()]
 
 
 def test_info_says_what_a_token_of_stored_kv_weighs_and_why_that_dtype(tokenizer, capsys):

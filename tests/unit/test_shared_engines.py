@@ -16,7 +16,7 @@ pytest.importorskip("llama_index.core")
 pytest.importorskip("langchain_core")
 
 from ragblend import BlendChatModel, BlendLLM  # noqa: E402
-from ragblend.integrations.shared_engines import loaded_engines  # noqa: E402
+from ragblend.integrations.shared_engines import loaded_engines, pending_loads  # noqa: E402
 
 
 @pytest.fixture
@@ -42,9 +42,13 @@ def loads(monkeypatch):
 def test_one_model_is_loaded_once_for_every_integration(model_dir, tmp_path, loads, monkeypatch):
     kv = str(tmp_path / "kv")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "link").symlink_to(model_dir, target_is_directory=True)
     owners = [BlendLLM(model_path=str(model_dir), kv_dir=kv, max_new_tokens=2),
               BlendLLM(model_path="model", kv_dir=kv, temperature=0.7, max_new_tokens=2),   # the same path, relative
-              BlendChatModel(model_path=str(model_dir), kv_dir=kv, max_tokens=2)]
+              BlendChatModel(model_path=str(model_dir), kv_dir=kv, max_tokens=2),
+              BlendLLM(model_path="~/model", kv_dir="~/kv", max_new_tokens=2),          # from the home folder
+              BlendChatModel(model_path=str(tmp_path / "link"), kv_dir=kv, max_tokens=2)]   # through a link
     with ThreadPoolExecutor(len(owners)) as pool:   # all at once: the second and third wait for the first load
         engines = list(pool.map(lambda owner: owner.engine, owners))
     assert len(loads) == 1 and all(engine is engines[0] for engine in engines)
@@ -54,6 +58,34 @@ def test_one_model_is_loaded_once_for_every_integration(model_dir, tmp_path, loa
     # other engine options are another engine
     assert BlendChatModel(model_path=str(model_dir), kv_dir=kv, kv_dtype="int8").engine is not engines[0]
     assert len(loads) == 2
+    assert pending_loads() == 0   # no load lock kept once the loads are done
+
+
+def test_equivalent_options_are_one_key():
+    import torch
+
+    from ragblend.core.model.loading import default_gguf_path
+    from ragblend.core.options import EngineOptions
+    from ragblend.integrations.shared_engines import _key
+
+    assert _key(EngineOptions(dtype=None)) == _key(EngineOptions(dtype="auto"))   # both the default form
+    assert _key(EngineOptions(dtype=torch.bfloat16)) == _key(EngineOptions(dtype="bfloat16"))
+    assert _key(EngineOptions(kv_dtype=torch.float16)) == _key(EngineOptions(kv_dtype="float16"))
+    assert _key(EngineOptions(dtype="float32")) != _key(EngineOptions(dtype="auto"))
+    # the default model, named by its own file
+    assert _key(EngineOptions(model=None)) == _key(EngineOptions(model=str(default_gguf_path())))
+    assert _key(EngineOptions(kv_dir=False)).kv_dir is False
+
+
+def test_a_failed_load_keeps_no_lock(tmp_path):
+    from ragblend.core.errors import RagblendError
+    from ragblend.core.options import EngineOptions
+    from ragblend.integrations.shared_engines import shared_engine
+
+    for i in range(3):   # distinct models, none loadable: each key's lock goes with its load
+        with pytest.raises(RagblendError):
+            shared_engine(EngineOptions(model=str(tmp_path / f"missing-{i}"), kv_dir=False))
+    assert pending_loads() == 0
 
 
 def test_an_engine_nobody_holds_is_freed(model_dir, tmp_path, loads):

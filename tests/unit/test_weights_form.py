@@ -59,7 +59,14 @@ def test_a_float32_hf_dir_stays_float32_and_16_bit_is_held_on_request(tmp_path, 
     assert model.ragblend_weights_reason == "float32, as stored in the checkpoint"
     model, _ = load_model(folder, dtype="bfloat16")
     assert model.ragblend_weights_form == "bfloat16"
-    assert model.ragblend_weights_reason.startswith("bfloat16, asked for (dtype='bfloat16'); computed in float32")
+    # Said truthfully: rounded at load, not "as stored ... from BF16" (the checkpoint holds float32)
+    assert model.ragblend_weights_reason.startswith("bfloat16 rounded at load from the checkpoint's float32, asked "
+                                                    "for (dtype='bfloat16'); computed in float32")
+    from ragblend.core.model.quantized import describe
+
+    lines = describe(model)
+    assert lines[0].endswith("matrices bfloat16, rounded at load from the checkpoint's float32")
+    assert not [line for line in lines if "as stored" in line or "BF16" in line]
 
 
 def test_quantized_on_an_hf_dir_is_refused_saying_it_needs_a_gguf(tmp_path, tokenizer, capsys):
@@ -90,6 +97,9 @@ def test_ragblend_info_prints_the_weights_form_its_bytes_and_why(tmp_path, token
     out = capsys.readouterr().out
     assert "Weights: held bfloat16, because: bfloat16, as stored in the checkpoint;\n    computed in float32" in out
     assert "matrices as stored (16/32-bit), from BF16" in out and "MiB of weights in memory" in out
+    assert "rounded" not in out
+    assert main(["info", "--model", folder, "--dtype", "bfloat16"]) == 0   # asked for what it is stored in
+    assert "matrices as stored (16/32-bit), from BF16" in capsys.readouterr().out
     assert "each 16-bit matrix copied into one reused float32 buffer" in out
     assert main(["info", "--model", folder, "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
@@ -112,6 +122,20 @@ def test_a_gguf_files_form_is_described_with_its_reason(tmp_path, monkeypatch, c
     assert reason(gguf, None, torch.float32, "cpu").startswith("float32, the default for a small model")
     assert reason(gguf, "quantized", None, "cpu").startswith("the file's quantized form, asked for (dtype='quantized')")
     assert reason(gguf, torch.float32, torch.float32, "cpu") == "float32, asked for (dtype='float32')"
+    # 16-bit on request: rounded at load from the file's types, and said so (not "as stored ... from BF16")
+    from ragblend.core.model.sixteen_bit import hold_in_16_bit
+
+    types = sorted({t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2})
+    rounded = model_module.rounded_from(gguf, tmp_path, torch.bfloat16)
+    assert rounded == f"the file's {', '.join(types)}" and "BF16" not in types
+    assert reason(gguf, "bfloat16", torch.bfloat16, "cpu", rounded) == \
+        f"bfloat16 rounded at load from {rounded}, asked for (dtype='bfloat16')"
+    held = hold_in_16_bit(build_quantized_model(gguf, AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name),
+                                                exact=True, dtype=torch.bfloat16), rounded)
+    lines = describe(held)
+    assert lines[0].endswith(f"matrices bfloat16, rounded at load from {rounded}")
+    assert not [line for line in lines if "as stored" in line]
+    assert model_module.rounded_from(gguf, tmp_path, torch.float32) is None   # float32: dequantized, not rounded
     monkeypatch.setattr(model_module, "FLOAT32_GGUF_BYTES", 0)
     monkeypatch.setattr(model_module, "QUANTIZED_PREFILL_FIDELITY", {})   # an architecture not measured
     assert model_module._weights_form(path, "auto", "cpu")[1] is None   # too large for float32: quantized
@@ -226,4 +250,5 @@ def test_load_model_holds_a_gguf_16_bit_without_transformers_gguf_loader(monkeyp
     assert model.ragblend_weights_form == "bfloat16" and model.config.dtype == torch.float32
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(layer.weight.dtype == torch.bfloat16 for layer in layers)
-    assert model.ragblend_weights_reason.startswith("bfloat16, asked for (dtype='bfloat16')")
+    assert model.ragblend_weights_reason.startswith("bfloat16 rounded at load from the file's ")
+    assert "asked for (dtype='bfloat16')" in model.ragblend_weights_reason

@@ -176,28 +176,51 @@ def available_memory() -> int | None:
     return available
 
 
+# Set to 1: a load the memory check would refuse goes ahead, with a warning. The estimate's shares
+# were fitted on models of at most 0.5B (load_memory), so at 7B it may refuse a load that would fit.
+SKIP_MEMORY_CHECK = "RAGBLEND_SKIP_MEMORY_CHECK"
+
+
 def check_memory(memory: LoadMemory, what: str, advice=lambda available: "Close other programs, or use a smaller "
                  "model.") -> None:
     """Refuse to load ``what`` when the peak of its load exceeds the memory available, instead of
-    being killed by the kernel half-way; ``advice(available)`` says what to do instead."""
+    being killed by the kernel half-way; ``advice(available)`` says what to do instead. With
+    :data:`SKIP_MEMORY_CHECK` set to 1, warn and load."""
     available = available_memory()
-    if available is not None and memory.peak > available:
-        raise InvalidInputError(f"{what} needs {memory}, and {available / 2**30:.1f} GiB is available. "
-                                f"{advice(available)}")
+    if available is None or memory.peak <= available:
+        return
+    if os.environ.get(SKIP_MEMORY_CHECK, "").strip() == "1":
+        log.warning("ragblend: %s needs %s, and %.1f GiB is available; loading anyway (%s=1).", what, memory,
+                    available / 2**30, SKIP_MEMORY_CHECK)
+        return
+    raise InvalidInputError(f"{what} needs {memory}, and {available / 2**30:.1f} GiB is available. "
+                            f"{advice(available)} The estimate was fitted on models of at most 0.5B and may be high "
+                            f"for larger ones: if you know the load fits, set {SKIP_MEMORY_CHECK}=1 to load anyway.")
+
+
+def _sixteen_bit_advice(memory: LoadMemory) -> str:
+    return (f"dtype=\"bfloat16\" holds it rounded to 16 bits (computed in float32): ~{memory.peak / 2**30:.1f} GiB at "
+            "the load's peak.")
 
 
 def _check_gguf_memory(gguf, name: str, dtype, device) -> None:
-    """:func:`check_memory` for a GGUF file held quantized (``dtype`` None) or in float32, whose
-    advice names the default form where that would fit (never a 4-bit file's own quantization)."""
-    quantized = gguf_load_memory(gguf, None)
+    """:func:`check_memory` for a GGUF file held quantized (``dtype`` None) or dequantized, whose
+    advice names the smaller forms that would fit: the default (quantized) one and, for float32
+    on the CPU, 16 bits (never a 4-bit file's own quantization)."""
+    quantized, sixteen = gguf_load_memory(gguf, None), gguf_load_memory(gguf, 2)
+    on_cpu = str(device) == "cpu"
 
     def advice(available: int) -> str:
-        if dtype is not None and str(device) == "cpu" and quantized.peak <= available:
-            if not gguf_in_float32(gguf):
-                return (f"Drop dtype={_named(dtype)} (the default holds it quantized: ~{quantized.peak / 2**30:.1f} "
-                        "GiB at the load's peak).")
-            return (f"dtype=\"quantized\" holds it in the file's quantized form: ~{quantized.peak / 2**30:.1f} GiB at "
-                    "the load's peak.")
+        smaller = []
+        if dtype is not None and on_cpu and quantized.peak <= available:
+            smaller.append(f"Drop dtype={_named(dtype)} (the default holds it quantized: ~{quantized.peak / 2**30:.1f} "
+                           "GiB at the load's peak)." if not gguf_in_float32(gguf) else
+                           f"dtype=\"quantized\" holds it in the file's quantized form: ~{quantized.peak / 2**30:.1f} "
+                           "GiB at the load's peak.")
+        if dtype is not None and dtype not in SIXTEEN_BIT and on_cpu and sixteen.peak <= available:
+            smaller.append(("Or " if smaller else "") + _sixteen_bit_advice(sixteen))
+        if smaller:
+            return " ".join(smaller)
         return "Close other programs, or use a smaller model" + \
             ("." if mostly_four_bit(gguf) else " or a smaller quantization of it (Q4_0, Q4_K_M).")
 
@@ -213,12 +236,14 @@ def _check_hf_memory(folder: Path, dtype) -> None:
     memory = hf_load_memory(folder, dtype)
     if memory is None:
         return
-    stored = hf_load_memory(folder, None)
+    stored, sixteen = hf_load_memory(folder, None), hf_load_memory(folder, torch.bfloat16)
 
     def advice(available: int) -> str:
         if dtype is not None and stored.peak < memory.peak and stored.peak <= available:
             return (f"Drop dtype={_named(dtype)} (the default holds it as stored, 16-bit: ~{stored.peak / 2**30:.1f} "
                     "GiB at the load's peak).")
+        if dtype not in SIXTEEN_BIT and sixteen.peak < memory.peak and sixteen.peak <= available:
+            return _sixteen_bit_advice(sixteen)   # a float32 checkpoint, or float32 asked
         return ("Close other programs, or use a smaller model, or a quantized GGUF file of it (llama.cpp's "
                 "convert_hf_to_gguf.py, then llama-quantize).")
 
@@ -341,10 +366,30 @@ def _named(dtype) -> str:
     return str(dtype).split(".")[-1]
 
 
-def hf_weights_reason(stored: torch.dtype, asked, device) -> str:
-    """Why an HF directory's weights are held as they are (for ``ragblend info``)."""
+def rounded_from(gguf, model_dir: Path, dtype) -> str | None:
+    """What weights held 16-bit on request (``dtype`` bfloat16 or float16) were rounded from at
+    load, for ``ragblend info`` ("the file's Q4_0, Q6_K", "the checkpoint's float32"); None where
+    nothing was rounded (another dtype, or a file or checkpoint stored in that dtype already)."""
+    if dtype not in SIXTEEN_BIT:
+        return None
+    if gguf is not None:
+        types = sorted({t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2})
+        return None if types == [SIXTEEN_BIT[dtype]] else f"the file's {', '.join(types)}"
+    try:   # the checkpoint's own dtype: its config says it (transformers writes it on saving)
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+    return None if not isinstance(stored, str) or stored == _named(dtype) else f"the checkpoint's {stored}"
+
+
+def hf_weights_reason(stored: torch.dtype, asked, device, rounded: str | None = None) -> str:
+    """Why an HF directory's weights are held as they are (for ``ragblend info``); ``rounded``:
+    what they were rounded from at load (:func:`rounded_from`)."""
     held = "float32" if stored not in (torch.float32, torch.bfloat16, torch.float16) else _named(stored)
     why = "as stored in the checkpoint" if asked in (None, "auto") else f"asked for (dtype={_named(asked)!r})"
+    if rounded:
+        held += f" rounded at load from {rounded}"
     if held == "float32":
         return f"float32, {why}"
     if str(device) != "cpu":
@@ -353,8 +398,9 @@ def hf_weights_reason(stored: torch.dtype, asked, device) -> str:
             "(which holds twice the memory)")
 
 
-def gguf_weights_reason(gguf, asked, dtype, device) -> str:
-    """Why a GGUF file's weights are held as they are (for ``ragblend info``)."""
+def gguf_weights_reason(gguf, asked, dtype, device, rounded: str | None = None) -> str:
+    """Why a GGUF file's weights are held as they are (for ``ragblend info``); ``rounded``: what
+    they were rounded from at load (:func:`rounded_from`)."""
     float32_gib = sum(int(math.prod(t.shape)) for t in gguf.tensors.values()) * 4 / 2**30
     verdict = QUANTIZED_PREFILL_FIDELITY.get(gguf.architecture)
     fidelity = (f"the prefill on quantized weights {'met' if verdict.meets else 'MISSED'} the fidelity rule {verdict}"
@@ -365,6 +411,7 @@ def gguf_weights_reason(gguf, asked, dtype, device) -> str:
         return f"float32: quantized weights run on the CPU only, and this model runs on {device}"
     if asked not in (None, "auto"):
         held = "the file's quantized form" if dtype is None else _named(dtype)
+        held += f" rounded at load from {rounded}" if rounded else ""
         return f"{held}, asked for (dtype={asked if isinstance(asked, str) else _named(asked)!r})" + \
             (f"; {fidelity}" if dtype is None else "")
     if dtype is not None:
@@ -385,15 +432,15 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     them in float32 where that is small (:func:`gguf_in_float32`), else quantized (:mod:`.quantized`;
     ``"quantized"`` whatever the size); a dtype dequantizes them to it. An HF directory's are held
     as stored (None or "auto": 16-bit stays 16-bit) or in ``dtype``. On the CPU, 16-bit weights are
-    computed in float32 (:mod:`.sixteen_bit`). ``hf_model.ragblend_weights_reason`` says why. A GGUF
-    held on the CPU is built of ragblend's own reader and modules (:mod:`.decoder`),
-    without transformers' modeling code (~0.15 GB resident); the rest loads through transformers."""
+    computed in float32 (:mod:`.sixteen_bit`). ``hf_model.ragblend_weights_reason`` says why. A GGUF held on
+    the CPU is built of ragblend's own modules (:mod:`.decoder`, ~0.15 GB resident), the rest by transformers."""
     gguf_path = default_gguf_path() if model is None else local_model_path(model)
     asked = dtype
     gguf, dtype = _weights_form(gguf_path, dtype, device)
     check_tokenizer(gguf)   # before transformers fails on a file without one, reading the config and tokenizer
     model_dir = resolve_model_dir(model)
     tokenizer = _load_tokenizer(model_dir)
+    rounded = rounded_from(gguf, model_dir, dtype)
     from transformers.utils import logging as hf_logging
 
     bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -422,10 +469,10 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
             stored = hf_model.get_input_embeddings().weight.dtype
             if stored not in (torch.float32, *SIXTEEN_BIT):
                 hf_model = hf_model.float()
-            hf_model.ragblend_weights_reason = hf_weights_reason(stored, asked, device)
+            hf_model.ragblend_weights_reason = hf_weights_reason(stored, asked, device, rounded)
         if getattr(hf_model.get_input_embeddings(), "weight", None) is not None and \
                 hf_model.get_input_embeddings().weight.dtype in SIXTEEN_BIT and str(device) == "cpu":
-            hf_model = hold_in_16_bit(hf_model)   # 16-bit in memory, computed in float32 (as a GGUF's are)
+            hf_model = hold_in_16_bit(hf_model, rounded)   # 16-bit in memory, computed in float32 (as a GGUF's are)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
@@ -433,7 +480,7 @@ def load_model(model: str | os.PathLike | None = None, *, dtype: torch.dtype | s
     if gguf is not None:
         _FROM_GGUF.add(hf_model)
         hf_model.ragblend_source = source_stamp(gguf_path)   # keys the decoding weights' cache
-        hf_model.ragblend_weights_reason = gguf_weights_reason(gguf, asked, dtype, device)
+        hf_model.ragblend_weights_reason = gguf_weights_reason(gguf, asked, dtype, device, rounded)
         hf_model.ragblend_fast_prefill_fidelity = FAST_PREFILL_FIDELITY.get(gguf.architecture)
         return_freed_memory()
     return hf_model, tokenizer

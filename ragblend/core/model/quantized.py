@@ -866,6 +866,10 @@ def describe(model) -> list[str]:
              "float": "as stored (16/32-bit)"}
     lines = [f"{len(sources)} matrices {names[kind]}, from {', '.join(sorted(set(sources)))}"
              for kind, sources in sorted(kinds.items())]
+    rounded = getattr(model, "ragblend_rounded_from", None)   # held 16-bit on request: not as stored
+    if rounded and list(kinds) == ["float"]:
+        form = getattr(model, "ragblend_weights_form", "16-bit")
+        lines = [f"{len(kinds['float'])} matrices {form}, rounded at load from {rounded}"]
     if not layers:
         dtypes: dict[str, int] = {}
         weights = {id(m.weight): m.weight for m in model.modules()

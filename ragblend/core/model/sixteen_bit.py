@@ -19,12 +19,15 @@ from .quantized import QuantEmbedding, QuantHead, QuantLinear
 SIXTEEN_BIT = {torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def hold_in_16_bit(model):
+def hold_in_16_bit(model, rounded_from: str | None = None):
     """``model`` (an HF causal LM loaded in bfloat16 or float16) with its linear layers and
     embedding as 16-bit :class:`QuantLinear` tables computed in float32, everything else in
-    float32. Changes ``model`` in place (no weight is copied) and returns it."""
+    float32. ``rounded_from``: what its weights were rounded from at load where they were not
+    stored 16-bit ("the file's Q4_0"; ``ragblend info`` says it). Changes ``model`` in place (no
+    weight is copied) and returns it."""
     dtype = model.model.embed_tokens.weight.dtype
     source = SIXTEEN_BIT[dtype]
+    model.ragblend_rounded_from = rounded_from
     # What weight_samples gives for the float32 load of the same directory: the same names,
     # shapes and values (16-bit values are exact in float32), so the fingerprint is the same.
     skeleton = [(name, tuple(t.shape), t) for name, t in model.state_dict().items()]
