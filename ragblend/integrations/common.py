@@ -128,10 +128,12 @@ def refuse_tool_results(turns: Sequence[tuple[str, str]], engine, framework: str
     """Refuse the first tool result of a chat (a ``(role, text)`` turn of role "tool") where the
     engine's chat template has no tool role, naming it as the other message errors do
     (``BlendChatModel: messages[3] ...``); the engine would refuse it too, without saying which
-    message. A tool result that ends the chat is :func:`split_conversation`'s to refuse."""
+    message. A tool result that ends the chat is :func:`split_conversation`'s to refuse. A remote
+    engine (``base_url``) has no local template: its server lays the turn out or refuses it."""
+    prompts = getattr(engine, "prompts", None)
     first = next((i for i, (role, _) in enumerate(turns[:-1]) if role == "tool"), None)
-    if first is not None:
-        engine.prompts.check_tool_turns([turns[first]], f"{framework}: messages[{first}]")
+    if first is not None and prompts is not None:
+        prompts.check_tool_turns([turns[first]], f"{framework}: messages[{first}]")
 
 
 def refuse_media(media: Iterable[tuple[int, str]], framework: str) -> None:

@@ -658,13 +658,16 @@ class LocalIndex:
     def kv_projection(self, warn: bool = True):
         """The projected size of the KV of every chunk in the index against the KV store's budget: a
         :class:`~ragblend.core.store.kv_budget.Projection` (``.describe()``: one line). A chunk is
-        weighed at the mean length of the index's chunks (a sample of them; ``chunk_size`` tokens, an
-        upper bound, before any is keyed): a few short documents are far below ``chunk_size``.
-        ``warn``: log once when the budget holds only part of it (the rest is computed at query time)."""
-        from .kv_fill import mean_chunk_tokens
+        weighed at the mean length of the index's keyed chunks (the first 256 Chroma lists; ``chunk_size``
+        tokens, an upper bound, where none of those is keyed): a few short documents are far below
+        ``chunk_size``. Only keyed chunks count: one too short or too long for a KV entry never has one
+        (as ``ragblend cache stats`` counts). ``warn``: log once when the budget holds only part of it (the
+        rest is computed at query time)."""
+        from .kv_fill import mean_chunk_tokens, scan_index
 
+        keyed = sum(1 for _, key, _ in scan_index(self.collection) if key)
         tokens = mean_chunk_tokens(self.collection, self.engine) or self.chunk_size
-        return self.engine.kv_projection(len(self), tokens, warn=warn)
+        return self.engine.kv_projection(keyed, tokens, warn=warn)
 
     def kv_coverage(self):
         """How many of the index's chunks have their KV stored: a

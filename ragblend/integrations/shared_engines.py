@@ -66,7 +66,7 @@ def _key(options: EngineOptions) -> EngineOptions:
     def named(value):
         return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
-    model = _path_key(options.model) if options.model else _default_model_key()
+    model = _path_key(options.model) if options.model is not None else _default_model_key()
     dtype = named(options.dtype)
     return dataclasses.replace(options, model=model, kv_dir=_path_key(options.kv_dir),
                                dtype=None if dtype == "auto" else dtype, kv_dtype=named(options.kv_dtype))

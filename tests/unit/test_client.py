@@ -92,3 +92,20 @@ def test_the_lmcache_backend_keys_chunks_by_their_ids_and_answers_over_completio
     assert ref.key == hashlib.sha256(json.dumps(ids).encode()).hexdigest() and ref.num_tokens == len(ids)
     out = remote.generate([Chunk(PASSAGES[0]), Chunk(PASSAGES[1]), "Who ran the ferry?"], max_new_tokens=3)
     assert out.stats.generated_tokens == 3 and out.finish_reason == "length"
+
+
+def test_a_tool_result_mid_chat_goes_to_the_server_from_a_remote_engine(server):
+    """A remote engine has no local template: a tool result in mid-chat is the server's to lay out or
+    refuse (review: the integrations' check read ``engine.prompts``, which a RemoteEngine lacks)."""
+    pytest.importorskip("langchain_core")
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
+    from ragblend import BlendChatModel
+
+    remote = RemoteEngine(server.url, api_key=KEY)
+    chat = [HumanMessage("Weather?"), AIMessage("I asked the tool."), ToolMessage("Sunny.", tool_call_id="1"),
+            HumanMessage("Ferry?")]
+    try:
+        BlendChatModel(engine=remote, max_tokens=1).invoke(chat)
+    except (InvalidInputError, RemoteError) as refused:   # the tiny model's layout has no tool role
+        assert "tool" in str(refused)

@@ -242,6 +242,24 @@ def test_a_few_short_documents_are_projected_at_their_own_length(tmp_path, token
     assert not [r for r in caplog.records if "projected" in r.getMessage()]
 
 
+def test_chunks_too_short_for_a_kv_entry_are_not_projected(tmp_path, tokenizer, monkeypatch, capsys):
+    # Review 45: one-line notes (no KV entry: under min_chunk_tokens) were projected at the chunk size.
+    from ragblend import cli
+    from ragblend.integrations.local_index import LocalIndex
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"{i}.md").write_text(f"Note {i}.\n")
+    engine = make_tiny_engine("llama", tokenizer)
+    engine.min_chunk_tokens = 200   # each note with its metadata is ~16 tokens: none gets a key
+    engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, memory_bytes=0, disk_bytes=400_000)
+    monkeypatch.setattr(cli.ingest, "open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
+    assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV for "))
+    assert line.startswith("KV for 0 chunks:") and "holds all of it" in line
+
+
 def test_info_says_what_a_token_of_stored_kv_weighs_and_why_that_dtype(tokenizer, capsys):
     from ragblend import cli
 

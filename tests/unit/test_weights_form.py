@@ -2,6 +2,9 @@
 bfloat16 or float16 stays 16-bit and computes the float32 load's numbers; ``quantized`` needs a
 GGUF file; ``ragblend info`` prints the form, its bytes and why."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,13 +63,23 @@ def test_a_float32_hf_dir_stays_float32_and_16_bit_is_held_on_request(tmp_path, 
     model, _ = load_model(folder, dtype="bfloat16")
     assert model.ragblend_weights_form == "bfloat16"
     # Said truthfully: rounded at load, not "as stored ... from BF16" (the checkpoint holds float32)
-    assert model.ragblend_weights_reason.startswith("bfloat16 rounded at load from the checkpoint's float32, asked "
-                                                    "for (dtype='bfloat16'); computed in float32")
+    # ... and its numbers are the rounded ones, not dtype='float32''s (review 45)
+    assert model.ragblend_weights_reason == ("bfloat16 rounded at load from the checkpoint's float32, asked for "
+                                             "(dtype='bfloat16'); computed in float32 one matrix at a time (the "
+                                             "rounded values; dtype='float32' keeps the checkpoint's own, in twice "
+                                             "the memory)")
     from ragblend.core.model.quantized import describe
 
     lines = describe(model)
     assert lines[0].endswith("matrices bfloat16, rounded at load from the checkpoint's float32")
     assert not [line for line in lines if "as stored" in line or "BF16" in line]
+    # A config without its dtype: the safetensors headers tell (review 45)
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    config_file.write_text(json.dumps(config))
+    model, _ = load_model(folder, dtype="bfloat16")
+    assert "rounded at load from the checkpoint's float32" in model.ragblend_weights_reason
 
 
 def test_quantized_on_an_hf_dir_is_refused_saying_it_needs_a_gguf(tmp_path, tokenizer, capsys):

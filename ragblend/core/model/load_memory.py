@@ -107,18 +107,25 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+def safetensors_entries(folder: Path) -> list[dict]:
+    """The tensor entries (``{"dtype": "BF16", "shape": [...], ...}``) of an HF directory's
+    safetensors files, read from their headers only; raises OSError, ValueError or struct.error
+    on a damaged header."""
+    entries = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 100 << 20)))
+        entries += [t for name, t in header.items() if name != "__metadata__"]
+    return entries
+
+
 def hf_load_memory(folder: Path, dtype: torch.dtype | None) -> LoadMemory | None:
     """The load of an HF directory's safetensors weights held in ``dtype`` (None: as stored,
     16-bit kept, anything else float32), from the files' headers; None where they cannot tell
     (no safetensors, a damaged header: transformers then says what is wrong)."""
-    tensors = []   # (weights, stored bytes per weight)
     try:
-        for file in sorted(folder.glob("*.safetensors")):
-            with open(file, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(min(length, 100 << 20)))
-            tensors += [(math.prod(t["shape"]), _SAFETENSORS_BYTES[t["dtype"]])
-                        for name, t in header.items() if name != "__metadata__"]
+        tensors = [(math.prod(t["shape"]), _SAFETENSORS_BYTES[t["dtype"]]) for t in safetensors_entries(folder)]
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
     if not tensors:

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import shutil
+import struct
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ import torch
 from ..errors import InvalidInputError, ModelFileError, ModelNotFoundError
 from ..paths import cache_dir
 from .gguf_file import check_tokenizer, is_gguf
-from .load_memory import LoadMemory, gguf_load_memory, hf_load_memory, mostly_four_bit, quantized_tensor_bytes
+from .load_memory import (
+    LoadMemory,
+    gguf_load_memory,
+    hf_load_memory,
+    mostly_four_bit,
+    quantized_tensor_bytes,
+    safetensors_entries,
+)
 from .sixteen_bit import SIXTEEN_BIT, hold_in_16_bit
 
 log = logging.getLogger("ragblend")
@@ -198,8 +206,9 @@ def check_memory(memory: LoadMemory, what: str, advice=lambda available: "Close 
                             f"for larger ones: if you know the load fits, set {SKIP_MEMORY_CHECK}=1 to load anyway.")
 
 
-def _sixteen_bit_advice(memory: LoadMemory) -> str:
-    return (f"dtype=\"bfloat16\" holds it rounded to 16 bits (computed in float32): ~{memory.peak / 2**30:.1f} GiB at "
+def _sixteen_bit_advice(memory: LoadMemory, on_cpu: bool = True) -> str:
+    computed = " (computed in float32)" if on_cpu else ""
+    return (f"dtype=\"bfloat16\" holds it rounded to 16 bits{computed}: ~{memory.peak / 2**30:.1f} GiB at "
             "the load's peak.")
 
 
@@ -231,7 +240,7 @@ def _check_gguf_memory(gguf, name: str, dtype, device) -> None:
         check_memory(gguf_load_memory(gguf, size), f"{name} in {'float32' if size == 4 else _named(dtype)}", advice)
 
 
-def _check_hf_memory(folder: Path, dtype) -> None:
+def _check_hf_memory(folder: Path, dtype, device) -> None:
     """:func:`check_memory` for an HF directory, from its safetensors' sizes and dtypes."""
     memory = hf_load_memory(folder, dtype)
     if memory is None:
@@ -243,7 +252,7 @@ def _check_hf_memory(folder: Path, dtype) -> None:
             return (f"Drop dtype={_named(dtype)} (the default holds it as stored, 16-bit: ~{stored.peak / 2**30:.1f} "
                     "GiB at the load's peak).")
         if dtype not in SIXTEEN_BIT and sixteen.peak < memory.peak and sixteen.peak <= available:
-            return _sixteen_bit_advice(sixteen)   # a float32 checkpoint, or float32 asked
+            return _sixteen_bit_advice(sixteen, str(device) == "cpu")   # a float32 checkpoint, or float32 asked
         return ("Close other programs, or use a smaller model, or a quantized GGUF file of it (llama.cpp's "
                 "convert_hf_to_gguf.py, then llama-quantize).")
 
@@ -349,7 +358,7 @@ def _weights_form(gguf_path: Path, dtype, device) -> tuple:
                 "name (\"float32\", \"bfloat16\", \"float16\"). To hold it quantized, convert it to a GGUF "
                 "file (llama.cpp's convert_hf_to_gguf.py, then llama-quantize) and load that.")
         if gguf_path.is_dir():
-            _check_hf_memory(gguf_path, dtype)
+            _check_hf_memory(gguf_path, dtype, device)
         return None, dtype
     from .gguf_file import read_gguf
 
@@ -375,25 +384,38 @@ def rounded_from(gguf, model_dir: Path, dtype) -> str | None:
     if gguf is not None:
         types = sorted({t.type_name for t in gguf.tensors.values() if len(t.shape) >= 2})
         return None if types == [SIXTEEN_BIT[dtype]] else f"the file's {', '.join(types)}"
-    try:   # the checkpoint's own dtype: its config says it (transformers writes it on saving)
+    stored = _checkpoint_dtype(model_dir)
+    return None if stored is None or stored == _named(dtype) else f"the checkpoint's {stored}"
+
+
+def _checkpoint_dtype(model_dir: Path) -> str | None:
+    """An HF checkpoint's own dtype ("float32"): its config's (transformers writes it on saving),
+    else its safetensors' float dtype where they hold one; None where neither tells."""
+    try:
         config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
+        if isinstance(stored, str):
+            return stored
+        names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+        floats = {names[t["dtype"]] for t in safetensors_entries(model_dir) if t.get("dtype") in names}
+    except (OSError, ValueError, TypeError, AttributeError, struct.error):
         return None
-    stored = config.get("dtype") or config.get("torch_dtype") if isinstance(config, dict) else None
-    return None if not isinstance(stored, str) or stored == _named(dtype) else f"the checkpoint's {stored}"
+    return floats.pop() if len(floats) == 1 else None
 
 
 def hf_weights_reason(stored: torch.dtype, asked, device, rounded: str | None = None) -> str:
     """Why an HF directory's weights are held as they are (for ``ragblend info``); ``rounded``:
     what they were rounded from at load (:func:`rounded_from`)."""
-    held = "float32" if stored not in (torch.float32, torch.bfloat16, torch.float16) else _named(stored)
+    name = "float32" if stored not in (torch.float32, torch.bfloat16, torch.float16) else _named(stored)
     why = "as stored in the checkpoint" if asked in (None, "auto") else f"asked for (dtype={_named(asked)!r})"
-    if rounded:
-        held += f" rounded at load from {rounded}"
+    held = name + (f" rounded at load from {rounded}" if rounded else "")
     if held == "float32":
         return f"float32, {why}"
     if str(device) != "cpu":
-        return f"{held}, {why}; computed in {held} on {device}"
+        return f"{held}, {why}; computed in {name} on {device}"
+    if rounded:   # the rounded values differ from the checkpoint's own
+        return (f"{held}, {why}; computed in float32 one matrix at a time (the rounded values; dtype='float32' "
+                "keeps the checkpoint's own, in twice the memory)")
     return (f"{held}, {why}; computed in float32 one matrix at a time, so the numbers are those of dtype='float32' "
             "(which holds twice the memory)")
 
