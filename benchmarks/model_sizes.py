@@ -18,10 +18,14 @@ next's), which prints, in one run:
   strategy over the precomputed chunks, ragblend's full prefill, and llama.cpp (its RAM
   prompt cache on); then decoding tokens/s over ``--tokens`` forced greedy tokens (end of
   sequence suppressed). Medians of ``--runs`` interleaved rounds after one warm-up round.
+* with ``--ratios``, in the same rounds, ragblend's fused TTFT at each QueryAware ratio (the
+  engine's default is uncalibrated: random weights cannot be calibrated), the rows each computed
+  and llama.cpp's TTFT over it.
 
     python -m benchmarks.model_sizes --shapes qwen2.5-1.5b qwen2.5-3b --runs 2
     python -m benchmarks.model_sizes --shapes qwen2.5-7b --runs 1 --no-full-prefill
     python -m benchmarks.model_sizes --shapes qwen2.5-1.5b --runs 1 --fast-prefill   # both prefill plans
+    python -m benchmarks.model_sizes --shapes qwen2.5-1.5b --runs 1 --ratios 0.3 0.1 # at QueryAware ratios
     python -m benchmarks.model_sizes --shapes qwen2.5-7b --memory-only --tokens 8    # load + a short prompt
 """
 
@@ -68,9 +72,13 @@ def peak_since_reset() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_prefill: bool = False) -> dict:
-    """One shape's figures (run in a process of its own)."""
+def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_prefill: bool = False,
+                  ratios: list[float] | None = None) -> dict:
+    """One shape's figures (run in a process of its own); ``ratios``: QueryAware ratios timed
+    besides the engine's default (on both plans with ``fast_prefill``)."""
     import torch
+
+    from ragblend import FullRecompute
 
     path = str(write_random_gguf(name))
     result = {"shape": name, "file_bytes": os.path.getsize(path), "threads": torch.get_num_threads()}
@@ -79,21 +87,26 @@ def measure_shape(name: str, runs: int, tokens: int, full_prefill: bool, fast_pr
     except ImportError:
         pass
     engine, ragblend, sample = load_ragblend(path, tokens, result)
-    peers = {"ragblend default": ragblend}
+    result["default_ratio"] = engine.resolve().ratio   # uncalibrated: random weights cannot be calibrated
+    result["ratios"] = sorted({result["default_ratio"], *(ratios or [])}, reverse=True)
+    peers = {"ragblend default": ragblend, **ratio_peers(engine, "ragblend", result, tokens)}
     if full_prefill:
-        peers["ragblend full prefill"] = FullPrefillPeer(engine, tokens)
+        peers["ragblend full prefill"] = StrategyPeer(engine, tokens, FullRecompute())
     if fast_prefill:
+        from ragblend.core.model.quantized import long_pass_plan
+
         from .peers import RagblendPeer
 
         fast = fast_prefill_engine(engine)
-        result["fast_long_pass"] = fast.hf_model.ragblend_long_pass
+        result["fast_long_pass"] = long_pass_plan(fast.hf_model)   # the attribute is unset where none was measured
         t0 = time.perf_counter()
         peers["ragblend fast default"] = RagblendPeer(fast, sample["chunks"], tokens)
         result["fast_precompute_s"] = time.perf_counter() - t0
+        peers.update(ratio_peers(fast, "ragblend fast", result, tokens))
         if full_prefill:
-            peers["ragblend fast full prefill"] = FullPrefillPeer(fast, tokens)
+            peers["ragblend fast full prefill"] = StrategyPeer(fast, tokens, FullRecompute())
     peers.update(load_llama(path, tokens, result))
-    times = timed_rounds(name, engine, peers, sample, runs)
+    times, result["rows"] = timed_rounds(name, engine, peers, sample, runs)
     result["ttft_s"] = {p: statistics.median(t for t, _, _ in v) for p, v in times.items()}
     result["decode_tps"] = {p: statistics.median((tokens - 1) / max(a - t, 1e-9) for t, a, _ in v)
                             for p, v in times.items()}
@@ -210,14 +223,14 @@ def load_llama(path: str, tokens: int, result: dict) -> dict:
     return {"llama-cpp-python": llama}
 
 
-def timed_rounds(name: str, engine, peers: dict, sample: dict, runs: int) -> dict[str, list]:
-    """``{peer: [(TTFT s, answer s, round)]}`` over ``runs`` rounds after a warm-up, the chunks
-    in a new order each round, the peers interleaved."""
+def timed_rounds(name: str, engine, peers: dict, sample: dict, runs: int) -> tuple[dict[str, list], dict]:
+    """``({peer: [(TTFT s, answer s, round)]}, {ragblend peer: its last round's rows (prefill_rows)})``
+    over ``runs`` rounds after a warm-up, the chunks in a new order each round, the peers interleaved."""
     from ragblend import Chunk
 
     chunks, question = sample["chunks"], sample["question"]
     rng = random.Random(0)
-    times = {peer: [] for peer in peers}
+    times, rows = {peer: [] for peer in peers}, {}
     for round_ in range(runs + 1):                      # round 0 warms every peer up
         order = chunks[:]
         while order[0] == chunks[0]:
@@ -230,22 +243,44 @@ def timed_rounds(name: str, engine, peers: dict, sample: dict, runs: int) -> dic
                   file=sys.stderr, flush=True)   # progress: stdout carries the result
             if round_:
                 times[peer_name].append((ttft, total, round_))
-    return times
+                if hasattr(peer, "engine"):
+                    rows[peer_name] = prefill_rows(peer.engine.last_stats)
+    return times, rows
 
 
-class FullPrefillPeer:
-    """ragblend's exact full prefill (every token computed; the chunks' KV unused)."""
+class StrategyPeer:
+    """ragblend with a strategy of the caller's over the chunks precomputed on ``engine``
+    (FullRecompute: its exact full prefill, the chunks' KV unused)."""
 
-    def __init__(self, engine, tokens: int):
-        from ragblend import FullRecompute
-
-        self.engine, self.tokens, self.strategy = engine, tokens, FullRecompute()
+    def __init__(self, engine, tokens: int, strategy):
+        self.engine, self.tokens, self.strategy = engine, tokens, strategy
 
     def answer(self, segments) -> tuple[float, float]:
         t0, first = time.perf_counter(), None
         for _ in self.engine.stream(segments, strategy=self.strategy, max_new_tokens=self.tokens):
             first = first or time.perf_counter()
         return first - t0, time.perf_counter() - t0
+
+
+def ratio_peers(engine, prefix: str, result: dict, tokens: int) -> dict:
+    """``{"<prefix> QueryAware <ratio>": peer}`` for each of ``result["ratios"]`` but the engine's
+    default (its peer is ``"<prefix> default"``), on the chunks precomputed on ``engine``."""
+    from ragblend import QueryAware
+
+    return {ratio_peer_name(prefix, r, result["default_ratio"]): StrategyPeer(engine, tokens, QueryAware(r))
+            for r in result["ratios"] if r != result["default_ratio"]}
+
+
+def ratio_peer_name(prefix: str, ratio: float, default_ratio: float) -> str:
+    return f"{prefix} default" if ratio == default_ratio else f"{prefix} QueryAware {ratio:.2f}"
+
+
+def prefill_rows(stats) -> dict:
+    """What one fused prefill computed: the tokens recomputed through every layer (the prompt's
+    uncached tokens among them), the uncached tokens alone (QueryAware's question pass runs them
+    once more before choosing), and whether the full prefill ran instead."""
+    return {"prompt": stats.prompt_tokens, "recomputed": stats.recomputed_tokens,
+            "uncached": stats.prompt_tokens - stats.cache_hit_tokens, "skipped": stats.fusion_skipped}
 
 
 def report(results: list[dict], tokens: int, runs: int) -> list[str]:
@@ -257,6 +292,7 @@ def report(results: list[dict], tokens: int, runs: int) -> list[str]:
                   f"{tokens} forced greedy tokens; medians of {runs} interleaved rounds after a warm-up.", ""]
         lines += timing_table(timed)
     lines += fast_plan_table([r for r in timed if "ragblend fast default" in r["ttft_s"]])
+    lines += ratio_table([r for r in timed if r.get("rows")])
     lines += ["", "Prompt tokens, peak memory and settings:", ""]
     for r in results:
         lines.append(f"- {r['shape']}: {r['prompt_tokens']} prompt tokens; peak RSS of the whole process over the run "
@@ -327,6 +363,45 @@ def fast_plan_table(fast: list[dict]) -> list[str]:
     return lines
 
 
+# Why a ratio is timed: the default is what a random-weight model runs, as it cannot be calibrated.
+RATIO_NOTES = {0.1: "the ratio SmolLM2 calibrates to; random weights cannot be calibrated, so this is what a "
+                    "model calibrated there would run"}
+
+
+def ratio_table(results: list[dict]) -> list[str]:
+    """Per QueryAware ratio and prefill plan: the rows the fused prefill computed and its TTFT
+    against llama.cpp's full prefill, in the same rounds."""
+    if not results:
+        return []
+    lines = ["", "QueryAware's recompute ratio, in the same rounds. Rows: the prompt tokens the fused prefill "
+             "computed through every layer (recomputed), of them the uncached ones (question, template), which "
+             "the question pass computes once more; a row's cost is llama.cpp's at best, so its full prefill over "
+             "the rows computed bounds the ratio. Ratios:", ""]
+    default = results[0]["default_ratio"]
+    lines += [f"- {r:.2f}: " + ("the engine's default, uncalibrated (random weights cannot be calibrated)"
+                                if r == default else RATIO_NOTES.get(r, "given with --ratios"))
+              for r in results[0]["ratios"]]
+    lines += ["", "| shape | plan | ratio | prompt tokens | recomputed | of them uncached | rows computed "
+              "(+ question pass) | llama.cpp prompt / rows computed | TTFT fused s | TTFT llama.cpp / fused |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        llama = r["ttft_s"].get("llama-cpp-python")
+        for plan, prefix in (("default", "ragblend"), ("fast", "ragblend fast")):
+            for ratio in r["ratios"]:
+                peer = ratio_peer_name(prefix, ratio, r["default_ratio"])
+                if peer in r["rows"]:
+                    lines.append(ratio_row(r, plan, ratio, r["rows"][peer], r["ttft_s"][peer], llama))
+    return lines
+
+
+def ratio_row(r: dict, plan: str, ratio: float, rows: dict, ttft: float, llama: float | None) -> str:
+    computed = rows["recomputed"] + rows["uncached"]
+    skipped = " (fusion skipped: full prefill ran)" if rows["skipped"] else ""
+    return (f"| {r['shape']} | {plan} | {ratio:.2f}{skipped} | {rows['prompt']} | {rows['recomputed']} | "
+            f"{rows['uncached']} | {computed} | {rows['prompt'] / computed:.1f}x | {ttft:.2f} | "
+            f"{'-' if llama is None else format(llama / ttft, '.1f')}x |")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-3b"], choices=sorted(SHAPES))
@@ -335,6 +410,8 @@ def main(argv=None) -> None:
     parser.add_argument("--no-full-prefill", action="store_true", help="skip ragblend's full prefill (the 7B's is minutes)")
     parser.add_argument("--fast-prefill", action="store_true",
                         help="also time a second engine on the fast prefill plan (RAGBLEND_QUANTIZED_PREFILL=fast)")
+    parser.add_argument("--ratios", nargs="+", type=float, default=[], metavar="R",
+                        help="also time ragblend's fused TTFT at these QueryAware ratios (default: the engine's own only)")
     parser.add_argument("--memory-only", action="store_true",
                         help="only load each shape and answer a short prompt: memory, no llama.cpp, no TTFT")
     parser.add_argument("--one", help=argparse.SUPPRESS)   # the per-shape child process
@@ -342,7 +419,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.one:
         result = measure_memory(args.one, args.tokens) if args.memory_only else \
-            measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill, args.fast_prefill)
+            measure_shape(args.one, args.runs, args.tokens, not args.no_full_prefill, args.fast_prefill, args.ratios)
         print("RESULT " + json.dumps(result))
         return
     started, results = time.perf_counter(), []
@@ -350,7 +427,8 @@ def main(argv=None) -> None:
         write_random_gguf(shape)
         child = [sys.executable, "-m", "benchmarks.model_sizes", "--one", shape, "--runs", str(args.runs),
                  "--tokens", str(args.tokens)] + (["--no-full-prefill"] if args.no_full_prefill else []) \
-            + (["--fast-prefill"] if args.fast_prefill else []) + (["--memory-only"] if args.memory_only else [])
+            + (["--fast-prefill"] if args.fast_prefill else []) + (["--memory-only"] if args.memory_only else []) \
+            + (["--ratios", *map(str, args.ratios)] if args.ratios else [])
         out = subprocess.run(child, stdout=subprocess.PIPE, text=True, check=True).stdout
         results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
     lines = report(results, args.tokens, args.runs)

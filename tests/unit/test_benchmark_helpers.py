@@ -494,6 +494,35 @@ def test_the_model_sizes_report_gives_the_whole_process_beside_the_engines_own_m
     assert not any("TTFT" in line for line in lines)   # --memory-only: no timed rounds to report
 
 
+def test_the_model_sizes_ratios_are_timed_in_the_same_rounds_with_the_rows_each_computed(tokenizer):
+    """``--ratios``: each QueryAware ratio but the engine's default is a peer of its own on the
+    same precomputed chunks; the report gives per ratio the rows computed and llama.cpp / fused."""
+    from benchmarks.model_sizes import ratio_peers, report, timed_rounds
+    from benchmarks.peers import RagblendPeer
+
+    engine = make_tiny_engine("llama", tokenizer)
+    sample = {"chunks": PASSAGES[:4], "question": "Who ran the ferry?"}
+    result = {"default_ratio": engine.resolve().ratio, "ratios": [0.3, 0.1]}
+    assert result["default_ratio"] == 0.3   # uncalibrated
+    peers = {"ragblend default": RagblendPeer(engine, sample["chunks"], 2), **ratio_peers(engine, "ragblend", result, 2)}
+    assert list(peers) == ["ragblend default", "ragblend QueryAware 0.10"]
+    times, rows = timed_rounds("tiny", engine, peers, sample, runs=1)
+    default, low = rows["ragblend default"], rows["ragblend QueryAware 0.10"]
+    assert low["prompt"] == default["prompt"] and 0 < low["uncached"] == default["uncached"]
+    assert low["uncached"] < low["recomputed"] < default["recomputed"] and not low["skipped"]
+
+    result.update(shape="tiny", file_bytes=10 ** 9, threads=2, process_rss=1, ragblend_rss=1, library_rss=0,
+                  weights_bytes=1, ragblend_rss_with_kv=1, ragblend_peak=1, prompt_tokens=default["prompt"],
+                  load_s=1.0, kv_bytes_per_token=1024, precompute_s=1.0, rows=rows,
+                  ttft_s={"ragblend default": 2.0, "ragblend QueryAware 0.10": 1.0, "llama-cpp-python": 5.0},
+                  decode_tps={"ragblend default": 10.0})
+    lines = report([result], tokens=2, runs=1)
+    assert any(line.startswith("- 0.10: the ratio SmolLM2 calibrates to") for line in lines)
+    row = next(line for line in lines if line.startswith("| tiny | default | 0.10 |"))
+    computed = low["recomputed"] + low["uncached"]
+    assert row.endswith(f"| {computed} | {low['prompt'] / computed:.1f}x | 1.00 | 5.0x |")
+
+
 def test_the_user_like_replay_reads_its_candidates_and_tables_lost_and_gained_answers():
     """``benchmarks.userlike --replay``: a candidate is QueryAware at a ratio with a floor for each
     chunk (as shipped, a given one, or none), and the table counts, per bucket, the answers each
