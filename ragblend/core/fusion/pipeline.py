@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from ..store.tiers import ChunkReader
+from ..store.tiers import ChunkReader, MemoryReader
 from .prefill import LayerSource
 
 
@@ -78,6 +78,22 @@ class SequentialSource(LayerSource):
         t0 = time.perf_counter()
         out = self._decode(index, self._fetch(index))
         self.wait_s += time.perf_counter() - t0
+        return out
+
+    def same_entry(self, before: int, span: int) -> bool:
+        # Only entries in memory: a file read here would race the read-ahead thread on its handle,
+        # and the pieces this serves are kept in memory.
+        reader = self._distinct[self._slots[span]]
+        return (self._slots[before] == self._slots[span] and isinstance(reader, MemoryReader)
+                and self.windows[before].stop is not None and self.windows[span].start is not None)
+
+    def gap(self, index: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        reader = self._distinct[self._slots[span]]
+        k, v = reader.decode(index, reader.fetch(index))
+        between = slice(self.windows[span - 1].stop, self.windows[span].start)
+        out = k[:, between].to(self.device), v[:, between].to(self.device)
+        self._count_load(t0)
         return out
 
     def close(self) -> None:
