@@ -151,8 +151,9 @@ def add_collection(p):
 
 
 def add_answer_options(p):
-    p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve")
+    p.add_argument("--top-k", type=positive_int, default=4, help="chunks to retrieve (default: %(default)s)")
     p.add_argument("--ratio", type=ratio_value, default=None,
                    help="recompute ratio in (0, 1] (default: the model's calibrated one); "
                         "auto for ask --strategy cacheblend")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128,
+                   help="the most tokens an answer may have (default: %(default)s)")

@@ -28,6 +28,19 @@ def print_answer(label: str, answer) -> None:
     print(f"  {answer.text}\n")
 
 
+def print_sources(sources, width: int = 100) -> None:
+    """The retrieved chunks an answer was given (``Answer.sources``, best first): file, score, start."""
+    print(f"Sources ({len(sources)} retrieved chunk{'' if len(sources) == 1 else 's'}, best first):")
+    for rank, source in enumerate(sources, 1):
+        node = source.node
+        name = node.metadata.get("file_name") or node.ref_doc_id or "(no file)"
+        score = "" if source.score is None else f" (score {source.score:.2f})"
+        text = " ".join(node.get_content().split())   # one line: newlines and runs of spaces as one space
+        start = text if len(text) <= width else text[:width].rstrip() + "..."
+        print(f"  {rank}. {name}{score}: {start}")
+    print()
+
+
 def run(args) -> int:
     from ragblend.core.prompt import check_text
 
@@ -53,13 +66,17 @@ def run(args) -> int:
     rag = open_index(args)   # --model, --decode-dtype
     options = dict(mode=args.mode, top_k=args.top_k, max_new_tokens=args.max_new_tokens, ratio=args.ratio)
     if not args.compare:
-        print_answer(args.strategy, rag.ask(args.question, strategy=args.strategy, **options))
+        answer = rag.ask(args.question, strategy=args.strategy, **options)
+        print_answer(args.strategy, answer)
+        if args.sources:
+            print_sources(answer.sources)
         return 0
-    compare_answers(rag, args.question, args.strategy, args.strategy, **options)
+    compare_answers(rag, args.question, args.strategy, args.strategy, sources=args.sources, **options)
     return 0
 
 
-def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None, **options) -> float | None:
+def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None, sources: bool = False,
+                    **options) -> float | None:
     """Answer ``question`` with ``strategy`` and with a full prefill, each path warmed up first
     (untimed, see ragblend.integrations.compare), and print both and how they compare; returns
     full prefill's TTFT over the fused one (None when either answer had no model call)."""
@@ -76,17 +93,22 @@ def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None
     speed = compare(fused.stats, full.stats)
     if speed is not None:
         print(compare_line(speed) + "\n")
+    if sources:   # both answers were given the same retrieved chunks
+        print_sources(fused.sources)
     return speed.ratio if speed is not None else None
 
 
 def add_parser(sub) -> None:
     ask = sub.add_parser("ask", help="answer a question from the index")
-    ask.add_argument("question")
+    ask.add_argument("question", help="the question to answer from the index")
     ask.add_argument("--strategy", default="default", choices=STRATEGY_NAMES,
                      help="fusion strategy (default: QueryAware at the model's calibrated ratio)")
     ask.add_argument("--mode", default="compact", choices=["compact", "refine", "tree_summarize", "blend"],
-                     help="LlamaIndex response mode, or blend for BlendSynthesizer")
+                     help="LlamaIndex response mode, or blend for BlendSynthesizer (default: %(default)s)")
     ask.add_argument("--compare", action="store_true", help="also answer with a full prefill")
+    ask.add_argument("--sources", "--show-sources", action="store_true",
+                     help="after the answer, print the retrieved chunks it was given: file, score, first 100 "
+                          "characters")
     add_engine_options(ask, "model", "dtype", "kv_dtype", "disk_bytes", "memory_bytes", "decode_dtype", "decode_kv_dtype")
     add_answer_options(ask)
     add_index(ask)

@@ -12,7 +12,10 @@ def run(args) -> int:
     from ragblend.core.model.kernels import cpu_summary
 
     engine = load_engine(args, kv_dir=False)
-    settle_kernels(engine, args.measure, say=lambda line: print(line, flush=True))
+    import sys
+
+    # what it waits for goes to stderr: stdout is one statement of the engine as it is once settled
+    settle_kernels(engine, args.measure, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.measure:
         remeasure_fusion_cost(engine)
     about = engine.describe()

@@ -57,7 +57,7 @@ def serve_keys(args) -> dict:
 def add_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     add_engine_options(serve, "model", "dtype", "kv_dir", "kv_dtype", "disk_bytes", "memory_bytes", "decode_dtype", "decode_kv_dtype")
     serve.add_argument("--model-name", default=None, help="the id clients send as `model` (default: the model's name)")
     serve.add_argument("--api-key", action="append", default=None,
@@ -66,7 +66,7 @@ def add_parser(sub) -> None:
                             "cache (a lone key is the operator's)")
     serve.add_argument("--api-keys-file", default=None,
                        help="tenants' keys, one `TENANT-NAME KEY` a line: each tenant's requests reuse only "
-                            "its own KV and the shared (operator's) KV")
+                            "its own KV and the shared (operator's) KV (default: none)")
     serve.add_argument("--operator-key", default=os.environ.get("RAGBLEND_OPERATOR_KEY") or None,
                        help="the operator's key: what its requests and /v1/chunks store is shared with every "
                             "tenant (default: $RAGBLEND_OPERATOR_KEY)")
@@ -76,13 +76,13 @@ def add_parser(sub) -> None:
     serve.add_argument("--partition-by-user", action="store_true",
                        help="also give each `user` a request names its own KV cache within its tenant")
     serve.add_argument("--queue-size", type=positive_int, default=SERVER_DEFAULTS.queue_size,
-                       help="requests that may wait; more get 429")
+                       help="requests that may wait; more get 429 (default: %(default)s)")
     serve.add_argument("--timeout", type=float, default=SERVER_DEFAULTS.request_timeout_s,
-                       help="seconds a request may wait and run (then 504)")
+                       help="seconds a request may wait and run (then 504; default: %(default)s)")
     serve.add_argument("--max-body-mb", type=float, default=SERVER_DEFAULTS.max_body_bytes / MB,
-                       help="largest request body (then 413)")
+                       help="largest request body, MB (then 413; default: %(default)s)")
     serve.add_argument("--max-batch", type=positive_int, default=SERVER_DEFAULTS.max_batch,
-                       help="answers decoded together, one pass over the weights per step (1: one at a time)")
+                       help="answers decoded together, one pass over the weights per step (1: one at a time; default: %(default)s)")
     serve.add_argument("--max-kv-mb", type=float, default=SERVER_DEFAULTS.max_kv_bytes / MB,
-                       help="KV buffer memory the answers being decoded may hold; a request beyond it waits")
+                       help="KV buffer memory the answers being decoded may hold; a request beyond it waits (default: %(default)s)")
     serve.set_defaults(func=run)

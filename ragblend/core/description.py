@@ -95,7 +95,8 @@ def settle_kernels(engine, remeasure: bool, say: Callable[[str], None] = print) 
     the next engines. Says what it waits for through ``say``."""
     plan = engine.kernel_plan
     if plan is not None and plan.source != "fixed" and (remeasure or plan.measured is None or plan.measuring):
-        say(f"Kernels: {plan.state()}.")
+        if plan.measuring:   # progress, not the state: describe() gives that once settled
+            say("Waiting for the kernel measurement running in the background (a few seconds)...")
         if plan.background is not None:   # this process's own, started as the engine loaded: finished first
             plan.background.join()
         if remeasure or plan.measured is None:

@@ -259,9 +259,11 @@ def add_arguments(parser: argparse.ArgumentParser, names, *, help: dict | None =
         meta = f.metadata
         if not meta["flag"]:
             raise InvalidInputError(f"engine option {name!r} has no CLI flag; give it one in ragblend.core.options.")
-        default = f.default
+        default, text = f.default, (help or {}).get(name, meta["help"])
+        if "default" not in text:   # every flag's help says its default (argparse fills it in)
+            text += " (default: %(default)s)"
         parser.add_argument(meta["flag"], dest=name, default=default, type=meta["type"], choices=meta["choices"],
-                            help=(help or {}).get(name, meta["help"]))
+                            help=text)
 
 
 def from_args(args: argparse.Namespace, **overrides) -> EngineOptions:

@@ -186,6 +186,14 @@ class BlendChatModel(EngineFields, BaseChatModel):
         raise InvalidInputError("BlendChatModel does not implement tool calling (bind_tools): call the tool in your "
                                 f"own code and {RESULT_AS_TEXT}, or use a chat model that calls tools.")
 
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, **kwargs: Any):
+        """Refused with what to do instead: LangChain's base class builds structured output on
+        :meth:`bind_tools`, whose refusal would name tool calling, not what was asked."""
+        raise InvalidInputError("BlendChatModel does not implement structured output (with_structured_output): ask "
+                                "for JSON in the prompt and parse the answer, e.g. with LangChain's "
+                                "PydanticOutputParser or JsonOutputParser (whose get_format_instructions() says "
+                                "what to put in the prompt), or use a chat model that calls tools.")
+
     def _layout(self, messages: Sequence[BaseMessage], kv_chunks: Sequence[str] | None):
         return self.as_chat(self._laid_out(messages, kv_chunks))   # a long stuffed first message keeps none
 

@@ -156,7 +156,9 @@ def test_ask_says_why_a_short_chunk_ran_as_a_full_prefill(capsys, tmp_path):
     assert main(["ingest", str(docs), "--index", index]) == 0
     capsys.readouterr()
     assert main(["ask", "Which ferry goes to Hallow Holm?", "--top-k", "1", "--max-new-tokens", "8",
-                 "--index", index]) == 0
+                 "--index", index, "--sources"]) == 0
     out = capsys.readouterr().out
     assert "| full_recompute |" in out and "0 reused" in out
+    assert "Sources (1 retrieved chunk, best first):\n  1. ferry.txt (score " in out   # --sources
+    assert "The ferry to Hallow Holm is the Sanderling." in out.split("Sources (", 1)[1]
     assert "too few of the prompt's tokens are in cached chunks" in out

@@ -529,3 +529,33 @@ def test_the_estimated_load_peak_is_near_the_real_one(dtype):
     # (what glibc keeps varies from run to run and host to host: a CI run kept 0.97 of float32's weights
     # where the fit measured 0.34-0.65; the bounds say "near", the benchmark gives the figures)
     assert 0.75 * measured["grown"] <= measured["peak"] <= 1.5 * measured["grown"], measured
+
+
+def test_an_hf_directory_without_weights_or_a_model_config_is_refused_before_loading(tmp_path, tokenizer, capsys):
+    # A trial's folders (session 45): config and tokenizer without weights gave transformers'
+    # OSError and a 35-line traceback from `ragblend ask`; a junk config.json, its tokenizer error.
+    from ragblend import BlendEngine, ModelFileError
+    from ragblend.cli import main
+
+    from ..conftest import tiny_config
+
+    no_weights = tmp_path / "noweights"
+    tiny_config("llama").save_pretrained(no_weights)
+    tokenizer.save_pretrained(no_weights)
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "config.json").write_text('{"a": 1}')
+    no_tokenizer = tmp_path / "notokenizer"
+    tiny_config("llama").save_pretrained(no_tokenizer)
+    (no_tokenizer / "model.safetensors").write_bytes(b"")
+    cases = {no_weights: "has no weights: none of model.safetensors", junk: 'not a model\'s config: it has no "model_type"',
+             no_tokenizer: "has no tokenizer: none of tokenizer.json"}
+    for folder, message in cases.items():
+        with pytest.raises(ModelFileError, match=message):
+            BlendEngine.from_pretrained(folder)
+        assert main(["ask", "hi", "--model", str(folder), "--index", str(tmp_path / "index")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    (junk / "config.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match="cannot be read as JSON"):
+        BlendEngine.from_pretrained(junk)

