@@ -32,7 +32,8 @@ def run(args) -> int:
     serve(engine, host=args.host, port=args.port, **keys, shared_cache=args.shared_cache,
           partition_by_user=args.partition_by_user, queue_size=args.queue_size,
           request_timeout_s=args.timeout, max_body_bytes=int(args.max_body_mb * MB),
-          model_name=args.model_name, max_batch=args.max_batch, max_kv_bytes=int(args.max_kv_mb * MB))
+          model_name=args.model_name, max_batch=args.max_batch, max_kv_bytes=int(args.max_kv_mb * MB),
+          max_completion_tokens=args.max_completion_tokens)
     return 0
 
 
@@ -85,4 +86,7 @@ def add_parser(sub) -> None:
                        help="answers decoded together, one pass over the weights per step (1: one at a time; default: %(default)s)")
     serve.add_argument("--max-kv-mb", type=float, default=SERVER_DEFAULTS.max_kv_bytes / MB,
                        help="KV buffer memory the answers being decoded may hold; a request beyond it waits (default: %(default)s)")
+    serve.add_argument("--max-completion-tokens", type=positive_int, default=SERVER_DEFAULTS.max_completion_tokens,
+                       help="tokens one answer may ask for, and gets when it names no max_tokens (never past "
+                            "the model's window); a request asking for more gets 400 (default: %(default)s)")
     serve.set_defaults(func=run)

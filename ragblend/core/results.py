@@ -15,7 +15,8 @@ from .prompt import PromptLayout
 class Stats:
     """What one prefill (and the decode after it, if any) cost and reused."""
 
-    ttft_s: float = 0.0            # from the call to the first token's logits
+    ttft_s: float = 0.0            # from the call to the first token's logits (a server's: from the request's arrival)
+    queued_s: float = 0.0          # a server's: from the request's arrival to its prefill (counted in ttft_s)
     prompt_tokens: int = 0
     reused_tokens: int = 0         # prompt tokens whose KV came from the store (and was kept)
     cache_hit_tokens: int = 0      # prompt tokens found in the store: the reused ones plus those the fusion recomputed

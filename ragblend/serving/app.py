@@ -77,16 +77,20 @@ from .protocol import (
     passages,
     usage,
 )
-from .requests import ChunksRequest, TokenizeRequest, check_options, requested_strategy, sampling
+from .requests import (
+    ChunksRequest,
+    TokenizeRequest,
+    check_completion_limit,
+    check_options,
+    requested_strategy,
+    sampling,
+)
 from .reuse import PassageKeeper
 from .tenants import OPERATOR, Tenants
 from .worker import Decode, Job, Worker
 
 log = logging.getLogger("ragblend.server")
 TTFT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# Other names clients sent as `model` (all served by the one model), listed in /v1/models; a
-# bound, so that clients cannot grow the list without end.
-MAX_ALIASES = 32
 
 # Bounds on a request's head, enforced before the API key is checked or any route runs, so that
 # a client without the key costs the server little. Two checks, at two moments:
@@ -255,7 +259,8 @@ class Guard:
         path, headers = scope["path"], dict(scope["headers"])
         error = None
         tenant = self.tenants.tenant_of(headers.get(b"authorization", b""))
-        scope.setdefault("state", {})["tenant"] = tenant
+        state = scope.setdefault("state", {})
+        state["tenant"], state["arrived"] = tenant, time.perf_counter()   # a TTFT counts from here
         fields = len(scope["headers"])
         target = len(scope.get("raw_path") or path.encode()) + len(scope.get("query_string") or b"")
         head = target + sum(len(k) + len(v) for k, v in scope["headers"])
@@ -300,14 +305,16 @@ class Server:
     ``app.state.server``."""
 
     def __init__(self, engine: BlendEngine, *, queue_size: int, request_timeout_s: float, max_body_bytes: int,
-                 model_name: str | None, max_batch: int, max_kv_bytes: int | None, tenants: Tenants | None = None):
+                 model_name: str | None, max_batch: int, max_kv_bytes: int | None, tenants: Tenants | None = None,
+                 max_completion_tokens: int = SERVER_DEFAULTS.max_completion_tokens):
         self.engine, self.request_timeout_s, self.max_body_bytes = engine, request_timeout_s, max_body_bytes
         self.tenants = tenants or Tenants()
         self.worker, self.metrics = Worker(queue_size, max_batch, max_kv_bytes), Metrics()
         self.model_id = model_name or engine.name
-        self.aliases: dict[str, None] = {}   # other names clients sent, in the order they first sent them
+        # The most tokens one answer may ask for (OpenAI's limit per model): never past the window.
+        self.max_completion_tokens = min(max_completion_tokens, engine.context_window)
         # Passages of the requests' plain text, stored between requests (serving.reuse).
-        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.depth)
+        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.depth, queued=self.worker.queued)
         self.separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
         self.limit = TextLimit(engine)
         self.special_head, self.special_tail = _special_tokens(engine)
@@ -339,7 +346,7 @@ class Server:
         log.info("%s 200: %s", route_label(path), what)
 
     async def read_json(self, request: Request) -> dict:
-        """The request's body: a JSON object, size-checked; its ``model`` a string (noted as an alias)."""
+        """The request's body: a JSON object, size-checked; its ``model`` a string."""
         body = bytearray()
         async for piece in request.stream():   # also bounds bodies sent without a Content-Length
             body += piece
@@ -352,10 +359,8 @@ class Server:
         if model is not None and not isinstance(model, str):
             raise ApiError(400, "model must be a string.", param="model")
         # Any name is served by the one model (ChatOpenAI sends "gpt-3.5-turbo" unless told
-        # otherwise); the first few are listed in /v1/models as its aliases.
-        if model and model != self.model_id and model not in self.aliases and len(self.aliases) < MAX_ALIASES \
-                and len(model) <= 256 and model.isprintable():
-            self.aliases[model] = None
+        # otherwise), but /v1/models lists only the served name: a name one tenant sent is no
+        # other tenant's business.
         return data
 
     def namespace_of(self, request: Request, body: dict) -> str:
@@ -386,10 +391,11 @@ class Call:
     """One request's job, seen from its handler: the job's events, the deadline, and a
     watch on the client's connection (a disconnect cancels the job)."""
 
-    def __init__(self, server: Server, request: Request, run: Callable[[Job], Any]):
+    def __init__(self, server: Server, request: Request, run: Callable[[Job], Any], awaits_storing: bool = False):
         loop = asyncio.get_running_loop()
         self.loop, self.events, self.timeout_s = loop, asyncio.Queue(), server.request_timeout_s
-        self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item))
+        self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item),
+                       awaits_storing=awaits_storing)
         self.deadline = loop.time() + self.timeout_s
         self.finished = False
         server.worker.submit(self.job)   # a full queue raises 429 here, before any response starts
@@ -461,21 +467,31 @@ class Reply:
         return f"data: {json.dumps({'id': self.ident, 'object': kind, 'created': self.created, 'model': self.model_id, **data})}\n\n".encode()
 
 
-def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout]) -> Callable[[Job], Decode]:
+def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout],
+                arrived: float | None = None) -> Callable[[Job], Decode]:
     """The worker's side of a completion: tokenize (``layout_of``); the worker then prefills and
-    decodes the returned :class:`Decode` in its batch."""
+    decodes the returned :class:`Decode` in its batch. Its TTFT counts from ``arrived``
+    (``time.perf_counter()`` when the request came), its wait in the queue included."""
     engine, strategy = server.engine, requested_strategy(body)
+    began: list[float] = []
+    arrived = time.perf_counter() if arrived is None else arrived
 
     def run(job: Job) -> Decode:
         layout = layout_of()
-        params = sampling(body, engine, len(layout.token_ids))
+        params = sampling(body, engine, len(layout.token_ids), server.max_completion_tokens)
         job.emit(("ready", None))
         positions = min(len(layout.token_ids) + params.max_new_tokens, engine.context_window)
-        return Decode(lambda: engine.begin(layout, strategy=strategy, params=params),
-                      kv_bytes_for(engine.adapter, positions, engine.answers.kv_dtype), finished)
+
+        def start():
+            began.append(time.perf_counter())
+            return engine.begin(layout, strategy=strategy, params=params)
+        return Decode(start, kv_bytes_for(engine.adapter, positions, engine.answers.kv_dtype), finished)
 
     def finished(decoding) -> Stats:
         stats = engine.finish(decoding)
+        # What a client waits for: the queue (other requests' steps, a storing job's last layer) and the tokenizing too.
+        stats.queued_s = max(0.0, began[0] - arrived) if began else 0.0
+        stats.ttft_s += stats.queued_s
         server.metrics.answer(stats)
         return stats
 
@@ -488,12 +504,16 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
     them reuses it."""
     check_options(body)
+    check_completion_limit(body, server.max_completion_tokens)   # a 400 now, not after the queue
     # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.decode.prefix_cache),
     # even where --shared-cache shares passages: prompts and answers are never shared.
     own = server.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body, own=True)
-    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own))
+    arrived = getattr(request.state, "arrived", None) or time.perf_counter()
+    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own), arrived)
     reply = Reply(server.model_id, chat)
-    call = Call(server, request, run)
+    # A prompt that holds passages still being stored lets the storing finish (it reads them); any
+    # other makes it yield (serving.reuse).
+    call = Call(server, request, run, awaits_storing=server.keeper.awaits(texts, namespace))
     if not body.get("stream"):
         pieces: list[str] = []
         try:
@@ -583,11 +603,11 @@ async def health(request: Request):
 async def models(request: Request):
     server = request.app.state.server
     server.metrics.request("/v1/models", 200)
-    # The served model first (clients that take the first entry get it), then the other
-    # names clients asked for, each an alias of it ("root", as vLLM lists its served names).
-    entry = {"object": "model", "created": 0, "owned_by": "ragblend", "root": server.model_id,
-             "max_model_len": server.engine.context_window}
-    return {"object": "list", "data": [{"id": name, **entry} for name in (server.model_id, *server.aliases)]}
+    # Only the served model (its --model-name, as started): any name a request sends is served by it,
+    # but listing those names would show one tenant's to every other.
+    return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0, "owned_by": "ragblend",
+                                        "root": server.model_id, "max_model_len": server.engine.context_window,
+                                        "max_completion_tokens": server.max_completion_tokens}]}
 
 
 @router.get("/metrics")
@@ -711,20 +731,24 @@ def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict
                operator_key: str | None = None, shared_cache: bool = False, partition_by_user: bool = False,
                queue_size: int = SERVER_DEFAULTS.queue_size, request_timeout_s: float = SERVER_DEFAULTS.request_timeout_s,
                max_body_bytes: int = SERVER_DEFAULTS.max_body_bytes, model_name: str | None = None,
-               max_batch: int = SERVER_DEFAULTS.max_batch, max_kv_bytes: int | None = SERVER_DEFAULTS.max_kv_bytes):
+               max_batch: int = SERVER_DEFAULTS.max_batch, max_kv_bytes: int | None = SERVER_DEFAULTS.max_kv_bytes,
+               max_completion_tokens: int = SERVER_DEFAULTS.max_completion_tokens):
     """The FastAPI app serving ``engine`` (see the module docstring). Up to ``max_batch``
-    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker).
+    answers decode together, their KV buffers holding at most ``max_kv_bytes`` (serving.worker);
+    a request may ask for at most ``max_completion_tokens`` (and the window's room), else 400.
 
     Keys (:mod:`.tenants`): ``api_key`` and ``operator_key`` are the operator's (a server with one
     key is one user's: its KV is the shared pool, as with no key); ``tenants`` maps each client's
     key to its tenant's name, whose requests find only the shared chunks and their own.
     ``shared_cache`` puts every tenant in the shared pool; ``partition_by_user`` splits a tenant's
     namespace by the requests' ``user`` field."""
-    if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024:
-        raise InvalidInputError("queue_size must be >= 1, request_timeout_s > 0 and max_body_bytes >= 1024.")
+    if queue_size < 1 or request_timeout_s <= 0 or max_body_bytes < 1024 or max_completion_tokens < 1:
+        raise InvalidInputError("queue_size and max_completion_tokens must be >= 1, request_timeout_s > 0 and "
+                                "max_body_bytes >= 1024.")
     who = Tenants.of(api_key, tenants, operator_key, shared_cache=shared_cache, partition_by_user=partition_by_user)
     server = Server(engine, queue_size=queue_size, request_timeout_s=request_timeout_s, max_body_bytes=max_body_bytes,
-                    model_name=model_name, max_batch=max_batch, max_kv_bytes=max_kv_bytes, tenants=who)
+                    model_name=model_name, max_batch=max_batch, max_kv_bytes=max_kv_bytes, tenants=who,
+                    max_completion_tokens=max_completion_tokens)
     app = FastAPI(title="ragblend", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
     app.state.worker, app.state.keeper = server.worker, server.keeper   # for tests and tools: their counters

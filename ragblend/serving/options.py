@@ -18,6 +18,8 @@ class ServerOptions:
     #                                      runs on the decoding kernels
     max_kv_bytes: int | None = 2 << 30   # KV buffers of the answers being decoded: ~45 answers of 1,000
     #                                      positions with SmolLM2 (46 KB a position); None: no limit
+    max_completion_tokens: int = 4096    # tokens one answer may ask for (and gets unasked; never past the
+    #                                      model's window); more is a 400, as OpenAI's per-model limit
 
 
 SERVER_DEFAULTS = ServerOptions()

@@ -135,9 +135,19 @@ class CompletionOptions(CacheSalted):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check_limit(self, limit: int) -> None:
+        """A 400 naming ``limit`` (the server's most tokens an answer) if the request asks for more,
+        as OpenAI answers a max_tokens above its model's limit."""
+        requested = self.requested_tokens
+        if requested is not None and requested > limit:
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise ApiError(400, f"{name} is too large: {requested}. This server generates at most {limit} "
+                                f"tokens an answer (ragblend serve --max-completion-tokens); ask for at most {limit}.",
+                           param=name, code="invalid_value")
+
     def to_sampling_params(self, room: int) -> SamplingParams:
         """The engine's sampling settings; ``max_tokens`` capped by ``room``, what the model's
-        window has left after the prompt."""
+        window has left after the prompt (and the server's limit)."""
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_new_tokens=min(self.requested_tokens or room, room),
                               temperature=1.0 if self.temperature is None else self.temperature,
@@ -166,10 +176,22 @@ def sampling_fields(body: dict) -> dict:
             "seed": params.seed, "stop": params.stop}
 
 
-def sampling(body: dict, engine: BlendEngine, prompt_tokens: int) -> SamplingParams:
-    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left."""
+def check_completion_limit(body: dict, limit: int) -> None:
+    """A 400 if the request asks for more than ``limit`` answer tokens (the server's limit)."""
+    CompletionOptions.of(body).check_limit(limit)
+
+
+def sampling(body: dict, engine: BlendEngine, prompt_tokens: int, limit: int | None = None) -> SamplingParams:
+    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left.
+    ``limit``: the server's most answer tokens; a request above it is a 400, and a request
+    that names none gets at most that many."""
     check_window(engine, prompt_tokens)
-    return CompletionOptions.of(body).to_sampling_params(engine.context_window - prompt_tokens)
+    options = CompletionOptions.of(body)
+    room = engine.context_window - prompt_tokens
+    if limit is not None:
+        options.check_limit(limit)
+        room = min(room, limit)
+    return options.to_sampling_params(room)
 
 
 def requested_strategy(body: dict):

@@ -8,9 +8,11 @@ holds the same passages finds them in the store, as the engine finds any stored 
 prompt, and reuses their KV.
 
 The storing runs as jobs of the server's worker (the one thread that runs the model), queued only
-when no request is waiting, a bounded number of tokens at a time, so that an answer never waits
-for it and a request that arrives meanwhile waits at most one such job. A passage that cannot be
-stored (store full or broken, the job refused) is only a miss: its next prompt computes it.
+when no request is waiting, a bounded number of tokens at a time. A request that arrives while a
+storing job computes makes it yield: the job stops before its next layer (``core.cancel``) and
+puts its passages back, so the request waits for one layer of one passage at most, never for the
+whole job. A passage that cannot be stored (store full or broken, the job refused) is only a
+miss: its next prompt computes it.
 
 Each passage is stored in the namespace of the request it came from (its tenant's: see
 :meth:`~ragblend.serving.app.Server.namespace_of`), so only that tenant's prompts ever find it: one
@@ -24,6 +26,7 @@ import logging
 import threading
 from typing import Callable, Iterable
 
+from ragblend.core.cancel import Cancelled, cancellable
 from ragblend.core.engine import BlendEngine
 
 from .protocol import ApiError
@@ -40,14 +43,16 @@ class PassageKeeper:
     ``submit`` queues a :class:`Job` on the worker; ``load()`` counts the jobs waiting or
     running there (the worker's ``depth``): storing starts only at 0, when no request is
     waiting, prefilling or decoding.
-    ``batch_tokens`` bounds one job's work (the tokens it computes), so that a request arriving
-    during it waits little.
+    ``batch_tokens`` bounds one job's work (the tokens it computes); a request arriving during
+    it makes it yield at the next layer (its passages wait for the next idle moment).
     """
 
     def __init__(self, engine: BlendEngine, submit: Callable[[Job], None], load: Callable[[], int], *,
-                 batch_tokens: int = 2048, max_pending: int = MAX_PENDING):
+                 queued: Callable[[], list[Job]] | None = None, batch_tokens: int = 2048, max_pending: int = MAX_PENDING):
         self.engine, self.submit, self.load, self.batch_tokens = engine, submit, load, batch_tokens
+        self.queued = queued   # the worker's waiting jobs; None: any waiting job makes storing yield
         self.pending: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()   # (namespace, text)
+        self.storing: set[tuple[str, str]] = set()   # the passages of the storing job under way
         self.max_pending = max_pending
         self.lock = threading.Lock()
         self.scheduled = False   # a storing job is queued or running
@@ -62,6 +67,19 @@ class PassageKeeper:
             while len(self.pending) > self.max_pending:
                 self.pending.popitem(last=False)
         self.schedule()
+
+    def awaits(self, texts: Iterable[str], namespace: str = "") -> bool:
+        """Whether a prompt with these passages would read some that wait to be stored (or are
+        being stored) in ``namespace``: its request is better off letting the storing finish."""
+        with self.lock:
+            return any((namespace, text) in self.pending or (namespace, text) in self.storing for text in texts)
+
+    def _request_waits(self) -> bool:
+        """Whether a request waits that the storing job should yield to: any, but one that
+        awaits the passages being stored (``Job.awaits_storing``)."""
+        if self.queued is None:
+            return self.load() > 1   # this job, and a request behind it
+        return any(not job.awaits_storing for job in self.queued())
 
     def pending_count(self) -> int:
         """Passages waiting to be stored (``ragblend_kv_fill_pending`` on /metrics)."""
@@ -106,16 +124,40 @@ class PassageKeeper:
                 namespace = next(iter(self.pending))[0] if self.pending else ""
             texts = self._take(namespace)
             if texts:
-                refs = self.engine.precompute(texts, skip_unusable=True, namespace=namespace)
-                stored = sum(ref is not None and ref.stored for ref in refs)
-                self.stored += stored
-                self.failed += len(texts) - stored
-                log.debug("stored the KV of %d of %d new passage(s)", stored, len(texts))
-        except Exception as err:   # a broken store, a cancelled job...: these passages are misses
+                self._store(job, texts, namespace)
+        except Exception as err:   # a broken store...: these passages are misses
             self.failed += 1
             log.warning("could not store passages' KV (%s: %s); their next prompts compute them",
                         type(err).__name__, err)
         finally:
             with self.lock:
-                self.scheduled = False
+                self.scheduled, self.storing = False, set()
         self.schedule(own=1)   # more passages wait: go on while no request does
+
+    def _store(self, job: Job, texts: list[str], namespace: str) -> None:
+        """Store ``texts``' KV, yielding to any request that arrives meanwhile."""
+        # A request waiting stops the model pass before its next layer, so that it waits one
+        # layer, not this whole job (unless it will read these passages: then it lets it finish).
+        with self.lock:
+            self.storing = {(namespace, text) for text in texts}
+        try:
+            with cancellable(lambda: job.cancelled.is_set() or self._request_waits()):
+                refs = self.engine.precompute(texts, skip_unusable=True, namespace=namespace)
+        except Cancelled:
+            self._put_back(texts, namespace)
+            log.debug("storing %d passage(s) yielded to a request; they wait for the next idle moment", len(texts))
+            return
+        stored = sum(ref is not None and ref.stored for ref in refs)
+        self.stored += stored
+        self.failed += len(texts) - stored
+        log.debug("stored the KV of %d of %d new passage(s)", stored, len(texts))
+
+    def _put_back(self, texts: list[str], namespace: str) -> None:
+        """Return passages a yielding job took to the front of the queue (those it had stored
+        already are skipped when taken again)."""
+        with self.lock:
+            for text in reversed(texts):
+                self.pending[namespace, text] = None
+                self.pending.move_to_end((namespace, text), last=False)
+            while len(self.pending) > self.max_pending:
+                self.pending.popitem(last=False)

@@ -49,6 +49,9 @@ class Job:
     run: Callable[["Job"], Any]
     emit: Callable[[Any], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # A completion whose prompt holds passages being stored (serving.reuse): the storing goes on
+    # for it, since it will read what is stored; for any other request the storing yields.
+    awaits_storing: bool = False
 
 
 @dataclass
@@ -80,6 +83,11 @@ class Worker:
         except queue.Full:
             raise ApiError(429, "The server is busy (request queue full); retry shortly.",
                            kind="rate_limit_error", code="queue_full") from None
+
+    def queued(self) -> list[Job]:
+        """The jobs waiting in the queue (not the one running)."""
+        with self.jobs.mutex:
+            return list(self.jobs.queue)
 
     @property
     def depth(self) -> int:
