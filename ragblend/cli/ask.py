@@ -30,12 +30,15 @@ def print_answer(label: str, answer) -> None:
 
 def print_sources(sources, width: int = 100) -> None:
     """The retrieved chunks an answer was given (``Answer.sources``, best first): file, score, start."""
+    from ragblend.integrations.local_index import printable
+
     print(f"Sources ({len(sources)} retrieved chunk{'' if len(sources) == 1 else 's'}, best first):")
     for rank, source in enumerate(sources, 1):
         node = source.node
-        name = node.metadata.get("file_name") or node.ref_doc_id or "(no file)"
+        # Escaped: a hostile file name or document must not drive the terminal (as ingest prints them).
+        name = printable(node.metadata.get("file_name") or node.ref_doc_id or "(no file)")
         score = "" if source.score is None else f" (score {source.score:.2f})"
-        text = " ".join(node.get_content().split())   # one line: newlines and runs of spaces as one space
+        text = printable(" ".join(node.get_content().split()))   # one line: newlines and spaces as one space
         start = text if len(text) <= width else text[:width].rstrip() + "..."
         print(f"  {rank}. {name}{score}: {start}")
     print()

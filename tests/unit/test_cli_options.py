@@ -48,3 +48,17 @@ def test_ask_sources_prints_each_retrieved_chunk_with_its_file_score_and_start(c
     assert "  2. " in out and "A short one." in out
     args = build_parser().parse_args(["ask", "q", "--show-sources"])
     assert args.sources and build_parser().parse_args(["ask", "q", "--sources"]).sources
+
+
+def test_ask_sources_escapes_what_would_drive_the_terminal(capsys):
+    # Review 45: a hostile file name or text reached the terminal raw (escape sequences, bidi overrides).
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from ragblend.cli.ask import print_sources
+
+    hostile = TextNode(text="\x1b[2J\x1b]0;pwned\x07 clear \u202e", metadata={"file_name": "a\x1b[31m.txt"})
+    print_sources([NodeWithScore(node=hostile, score=0.5)])
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
+    assert "a\\x1b[31m.txt" in out

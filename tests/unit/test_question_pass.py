@@ -20,9 +20,11 @@ def test_a_pieces_parts_are_joined_with_the_pieces_own_tokens_between_them():
     # one piece in two parts (its token 5 a control token, computed), then another entry's part
     spans = [ReusedSpan(10, 5, 0, piece=True), ReusedSpan(16, 4, 6, piece=True), ReusedSpan(21, 4, 0, piece=True)]
     source = SequentialSource([piece, piece, other], windows=[slice(0, 5), slice(6, 10), slice(0, 4)])
-    assert _joined_pieces(spans, source) == [[0, 1], [2]]
+    ids = [0] * 30
+    ids[10:20], ids[21:25] = piece.token_ids[0:10], other.token_ids[0:4]
+    assert _joined_pieces(spans, source, ids) == [[0, 1], [2]]
     prompt = FusionPrompt.build(30, spans, "cpu")
-    joined, layers = _question_pass_prompt(prompt, source)
+    joined, layers = _question_pass_prompt(prompt, source, ids)
     assert [(s.start, s.num_tokens, s.offset) for s in joined.spans] == [(10, 10, 0), (21, 4, 0)]
     assert joined.num_reused == prompt.num_reused + 1
     (k, v), (k2, _) = layers.layer(1)
@@ -37,11 +39,17 @@ def test_only_a_pieces_parts_in_memory_with_exactly_its_tokens_between_are_joine
     shifted = [ReusedSpan(10, 5, 0, piece=True), ReusedSpan(17, 4, 6, piece=True)]   # 2 tokens between, 1 in the piece
     chunks = [ReusedSpan(10, 5, 0), ReusedSpan(16, 4, 6)]                              # a document chunk's parts
     source = SequentialSource([piece, piece], windows=windows)
-    assert _joined_pieces(shifted, source) == [[0], [1]]
-    assert _joined_pieces(chunks, source) == [[0], [1]]
+    ids = [0] * 30
+    ids[10:20] = piece.token_ids[0:10]
+    assert _joined_pieces(shifted, source, ids) == [[0], [1]]
+    assert _joined_pieces(chunks, source, ids) == [[0], [1]]
+    parts = [ReusedSpan(10, 5, 0, piece=True), ReusedSpan(16, 4, 6, piece=True)]
+    other_between = list(ids)
+    other_between[15] = piece.token_ids[5] + 1   # the right count of tokens between, not the piece's own (review 45)
+    assert _joined_pieces(parts, source, other_between) == [[0], [1]]
     ahead = PrefetchSource([piece, piece], windows=windows)   # a read-ahead source joins memory entries too
     try:
-        assert _joined_pieces([ReusedSpan(10, 5, 0, piece=True), ReusedSpan(16, 4, 6, piece=True)], ahead) == [[0, 1]]
+        assert _joined_pieces(parts, ahead, ids) == [[0, 1]]
     finally:
         ahead.close()
 

@@ -80,19 +80,21 @@ class SequentialSource(LayerSource):
         self.wait_s += time.perf_counter() - t0
         return out
 
-    def same_entry(self, before: int, span: int) -> bool:
+    def same_entry(self, before: int, span: int, between: list[int]) -> bool:
         # Only entries in memory: a file read here would race the read-ahead thread on its handle,
         # and the pieces this serves are kept in memory.
         reader = self._distinct[self._slots[span]]
+        first, last = self.windows[before], self.windows[span]
         return (self._slots[before] == self._slots[span] and isinstance(reader, MemoryReader)
-                and self.windows[before].stop is not None and self.windows[span].start is not None)
+                and first.stop is not None and last.start is not None
+                and list(reader.token_ids[first.stop:last.start]) == between)
 
-    def gap(self, index: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def stretch(self, index: int, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = time.perf_counter()
-        reader = self._distinct[self._slots[span]]
+        reader = self._distinct[self._slots[first]]
         k, v = reader.decode(index, reader.fetch(index))
-        between = slice(self.windows[span - 1].stop, self.windows[span].start)
-        out = k[:, between].to(self.device), v[:, between].to(self.device)
+        whole = slice(self.windows[first].start, self.windows[last].stop)
+        out = k[:, whole].to(self.device), v[:, whole].to(self.device)
         self._count_load(t0)
         return out
 

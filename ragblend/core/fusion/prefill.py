@@ -48,14 +48,15 @@ class LayerSource:
     def layer(self, index: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
 
-    def same_entry(self, before: int, span: int) -> bool:
+    def same_entry(self, before: int, span: int, between: list[int]) -> bool:
         """Whether spans ``before`` and ``span`` are parts of one cached entry (a history piece split
-        around the template's control tokens) whose tokens between them :meth:`gap` can give."""
+        around the template's control tokens) that holds exactly the tokens ``between`` between
+        them, so that :meth:`stretch` can give them."""
         return False
 
-    def gap(self, index: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``index`` of the entry's tokens between span ``span - 1`` and span ``span`` (see
-        :meth:`same_entry`), as :meth:`layer` gives a span's."""
+    def stretch(self, index: int, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index`` of one entry from span ``first``'s start to span ``last``'s end, the
+        tokens between its parts included (see :meth:`same_entry`), as :meth:`layer` gives a span's."""
         raise NotImplementedError
 
 
@@ -98,23 +99,25 @@ class _KeptLayers(LayerSource):
             self.kept[index] = self.source.layer(index)
         return self.kept[index]
 
-    def same_entry(self, before, span):
-        return self.source.same_entry(before, span)
+    def same_entry(self, before, span, between):
+        return self.source.same_entry(before, span, between)
 
-    def gap(self, index, span):
-        return self.source.gap(index, span)
+    def stretch(self, index, first, last):
+        return self.source.stretch(index, first, last)
 
 
-def _joined_pieces(spans: list[ReusedSpan], layers: LayerSource) -> list[list[int]]:
+def _joined_pieces(spans: list[ReusedSpan], layers: LayerSource, token_ids: list[int]) -> list[list[int]]:
     """The spans grouped as the question pass reads them: the consecutive parts of one history piece
     in one group, where the prompt holds exactly the piece's tokens between them (the template's
     control tokens the piece was split around); every other span alone."""
     groups: list[list[int]] = []
     for i, span in enumerate(spans):
         before = spans[i - 1] if i else None
-        between = span.start - (before.start + before.num_tokens) if before is not None else 0
-        if (between > 0 and before.piece and span.piece and layers.same_entry(i - 1, i)
-                and between == span.offset - (before.offset + before.num_tokens)):
+        end = before.start + before.num_tokens if before is not None else span.start
+        between = span.start - end
+        if (between > 0 and before.piece and span.piece
+                and between == span.offset - (before.offset + before.num_tokens)
+                and layers.same_entry(i - 1, i, list(token_ids[end:span.start]))):
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -122,8 +125,8 @@ def _joined_pieces(spans: list[ReusedSpan], layers: LayerSource) -> list[list[in
 
 
 class _JoinedPieces(LayerSource):
-    """The question pass's view of ``layers``: each group of :func:`_joined_pieces` one span, its
-    parts joined by the piece's own K/V of the control tokens between them."""
+    """The question pass's view of ``layers``: each group of :func:`_joined_pieces` one span, the
+    piece's own K/V from its first part's start to its last part's end (one read a layer)."""
 
     def __init__(self, layers: LayerSource, groups: list[list[int]]):
         self.layers, self.groups = layers, groups
@@ -132,24 +135,19 @@ class _JoinedPieces(LayerSource):
         self.layers.prepare(layers)
 
     def layer(self, index):
-        parts, out = self.layers.layer(index), []
-        for group in self.groups:
-            keys, values = [parts[group[0]][0]], [parts[group[0]][1]]
-            for i in group[1:]:
-                gap_k, gap_v = self.layers.gap(index, i)
-                keys += [gap_k, parts[i][0]]
-                values += [gap_v, parts[i][1]]
-            out.append((torch.cat(keys, dim=1), torch.cat(values, dim=1)) if len(group) > 1 else parts[group[0]])
-        return out
+        parts = self.layers.layer(index)
+        return [parts[group[0]] if len(group) == 1 else self.layers.stretch(index, group[0], group[-1])
+                for group in self.groups]
 
 
-def _question_pass_prompt(prompt: FusionPrompt, layers: LayerSource) -> tuple[FusionPrompt, LayerSource]:
+def _question_pass_prompt(prompt: FusionPrompt, layers: LayerSource,
+                          token_ids: list[int]) -> tuple[FusionPrompt, LayerSource]:
     """The prompt and cached layers the question pass reads. Why the pieces joined: the template's
     control tokens between a conversation's history pieces (16 by turn 5) are otherwise computed
     in both passes, 0.07 s of the 0.18 s turn 5 added over turn 1 (docs/runs/conversation-epyc-s44.md).
     The question pass only ranks the reused tokens, so there they are read from the piece; the fused
     pass still computes them (reused there too, they moved the first token outside the order noise)."""
-    groups = _joined_pieces(prompt.spans, layers)
+    groups = _joined_pieces(prompt.spans, layers, token_ids)
     if len(groups) == len(prompt.spans):
         return prompt, layers
     spans = [_one_span([prompt.spans[i] for i in group]) for group in groups]
@@ -191,7 +189,7 @@ def fused_prefill(adapter: ModelAdapter, token_ids: list[int], spans: list[Reuse
         query_tokens = getattr(selection, "query_tokens", None)
         start = prompt.question_start if query_tokens is None else max(0, prompt.num_tokens - query_tokens)
         scoring = adapter.scoring   # the question pass only ranks reused tokens: low-bit kernels may run it
-        asked, asked_layers = _question_pass_prompt(prompt, layers)
+        asked, asked_layers = _question_pass_prompt(prompt, layers, token_ids)
         # the relevance is of the fused prompt's reused tokens (not of the control tokens joined in)
         run = _walk(scoring, ids, asked, asked_layers, UncachedTokens().first(asked, probe), frozenset(),
                     None, rope, observe=_question_attention(scoring, prompt, relevance, start))
