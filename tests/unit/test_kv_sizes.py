@@ -222,41 +222,40 @@ def test_ingest_and_cache_stats_print_the_projected_kv_of_the_whole_index(tmp_pa
     assert "KV for 12 chunks:" in projected and "as the " in projected and "holds all of it" in projected
 
 
-def test_a_few_short_documents_are_projected_at_their_own_length(tmp_path, tokenizer, monkeypatch, capsys, caplog):
-    # Trial 44: three short notes got "budget holds 44%", each chunk weighed at the chunk size (256 tokens).
+def _ingest_projection(tmp_path, tokenizer, monkeypatch, capsys, notes: list[str], **engine_attrs) -> str:
+    """The KV projection line `ragblend ingest` prints for ``notes`` (one file each) into a tiny
+    engine's store of 400,000 disk bytes, with ``engine_attrs`` set on the engine."""
     from ragblend import cli
     from ragblend.integrations.local_index import LocalIndex
 
     docs = tmp_path / "docs"
     docs.mkdir()
-    for i in range(3):
-        (docs / f"{i}.md").write_text(f"Note {i}: {PASSAGES[i]}\n")
+    for i, note in enumerate(notes):
+        (docs / f"{i}.md").write_text(note)
     engine = make_tiny_engine("llama", tokenizer)
-    # ~260 KB at their own length; 3 chunks x 2 entries x 256 tokens would be ~800 KB
+    for name, value in engine_attrs.items():
+        setattr(engine, name, value)
     engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, memory_bytes=0, disk_bytes=400_000)
     monkeypatch.setattr(cli.ingest, "open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
+    assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV for "))
+
+
+def test_a_few_short_documents_are_projected_at_their_own_length(tmp_path, tokenizer, monkeypatch, capsys, caplog):
+    # Trial 44: three short notes got "budget holds 44%", each chunk weighed at the chunk size (256 tokens).
+    # ~260 KB at their own length; 3 chunks x 2 entries x 256 tokens would be ~800 KB
     with caplog.at_level(logging.WARNING, logger="ragblend"):
-        assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV for 3 chunks:"))
-    assert "holds all of it" in line and "~256 tokens" not in line
+        line = _ingest_projection(tmp_path, tokenizer, monkeypatch, capsys,
+                                  [f"Note {i}: {PASSAGES[i]}\n" for i in range(3)])
+    assert line.startswith("KV for 3 chunks:") and "holds all of it" in line and "~256 tokens" not in line
     assert not [r for r in caplog.records if "projected" in r.getMessage()]
 
 
 def test_chunks_too_short_for_a_kv_entry_are_not_projected(tmp_path, tokenizer, monkeypatch, capsys):
     # Review 45: one-line notes (no KV entry: under min_chunk_tokens) were projected at the chunk size.
-    from ragblend import cli
-    from ragblend.integrations.local_index import LocalIndex
-
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(3):
-        (docs / f"{i}.md").write_text(f"Note {i}.\n")
-    engine = make_tiny_engine("llama", tokenizer)
-    engine.min_chunk_tokens = 200   # each note with its metadata is ~16 tokens: none gets a key
-    engine.store = open_store(tmp_path / "index" / "kv", engine.entry_spec, memory_bytes=0, disk_bytes=400_000)
-    monkeypatch.setattr(cli.ingest, "open_index", lambda args, options=None: LocalIndex(args.index, engine=engine))
-    assert cli.main(["ingest", str(docs), "--index", str(tmp_path / "index"), "--kv", "skip"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("KV for "))
+    # Each note with its metadata is ~16 tokens: with a 200-token floor none gets a key.
+    line = _ingest_projection(tmp_path, tokenizer, monkeypatch, capsys, [f"Note {i}.\n" for i in range(3)],
+                              min_chunk_tokens=200)
     assert line.startswith("KV for 0 chunks:") and "holds all of it" in line
 
 
