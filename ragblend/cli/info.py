@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 from .args import add_engine_options, load_engine
@@ -12,8 +13,6 @@ def run(args) -> int:
     from ragblend.core.model.kernels import cpu_summary
 
     engine = load_engine(args, kv_dir=False)
-    import sys
-
     # what it waits for goes to stderr: stdout is one statement of the engine as it is once settled
     settle_kernels(engine, args.measure, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.measure:

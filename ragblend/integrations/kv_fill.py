@@ -120,11 +120,9 @@ def mean_chunk_tokens(collection, engine, sample: int = 256) -> int | None:
 
     from ragblend.vectorstore_hooks.llamaindex import llm_text
 
-    got = collection.get(include=["metadatas", "documents"], limit=sample)
-    tokens = []
-    for meta, text in zip(got.get("metadatas") or [], got.get("documents") or []):
-        if meta and meta.get(KV_METADATA_KEY):
-            tokens.append(engine.count_tokens(llm_text(metadata_dict_to_node(meta, text=text))))
+    got = next(index_pages(collection, include=("metadatas", "documents"), page=sample))   # the first page alone
+    tokens = [engine.count_tokens(llm_text(metadata_dict_to_node(meta, text=text)))
+              for meta, text in zip(got["metadatas"], got["documents"]) if meta.get(KV_METADATA_KEY)]
     return -(-sum(tokens) // len(tokens)) if tokens else None
 
 

@@ -77,14 +77,7 @@ from .protocol import (
     passages,
     usage,
 )
-from .requests import (
-    ChunksRequest,
-    TokenizeRequest,
-    check_completion_limit,
-    check_options,
-    requested_strategy,
-    sampling,
-)
+from .requests import ChunksRequest, TokenizeRequest, check_options, requested_strategy, sampling
 from .reuse import PassageKeeper
 from .tenants import OPERATOR, Tenants
 from .worker import Decode, Job, Worker
@@ -503,13 +496,12 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     """Answer a completion; then store the KV of ``texts`` (the passages of its plain
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
     them reuses it."""
-    check_options(body)
-    check_completion_limit(body, server.max_completion_tokens)   # a 400 now, not after the queue
+    check_options(body, server.max_completion_tokens)   # a 400 now, not after the queue
     # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.decode.prefix_cache),
     # even where --shared-cache shares passages: prompts and answers are never shared.
     own = server.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body, own=True)
-    arrived = getattr(request.state, "arrived", None) or time.perf_counter()
-    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own), arrived)
+    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own),
+                      getattr(request.state, "arrived", None))
     reply = Reply(server.model_id, chat)
     # A prompt that holds passages still being stored lets the storing finish (it reads them); any
     # other makes it yield (serving.reuse).

@@ -162,9 +162,12 @@ class CompletionOptions(CacheSalted):
         return strategy_from_json(options)
 
 
-def check_options(body: dict) -> None:
-    """Type checks of the fields every completion request may carry (each error names its field)."""
-    CompletionOptions.of(body)
+def check_options(body: dict, limit: int | None = None) -> None:
+    """Type checks of the fields every completion request may carry (each error names its field);
+    with ``limit`` (the server's most answer tokens), a request asking for more is a 400 too."""
+    options = CompletionOptions.of(body)
+    if limit is not None:
+        options.check_limit(limit)
 
 
 def sampling_fields(body: dict) -> dict:
@@ -176,22 +179,13 @@ def sampling_fields(body: dict) -> dict:
             "seed": params.seed, "stop": params.stop}
 
 
-def check_completion_limit(body: dict, limit: int) -> None:
-    """A 400 if the request asks for more than ``limit`` answer tokens (the server's limit)."""
-    CompletionOptions.of(body).check_limit(limit)
-
-
 def sampling(body: dict, engine: BlendEngine, prompt_tokens: int, limit: int | None = None) -> SamplingParams:
-    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left.
-    ``limit``: the server's most answer tokens; a request above it is a 400, and a request
-    that names none gets at most that many."""
+    """Sampling from the OpenAI fields; ``max_tokens`` is capped by what the window has left
+    and by ``limit``, the server's most answer tokens (a request asking for more was refused
+    by :func:`check_options`; one that names none gets at most that many)."""
     check_window(engine, prompt_tokens)
-    options = CompletionOptions.of(body)
     room = engine.context_window - prompt_tokens
-    if limit is not None:
-        options.check_limit(limit)
-        room = min(room, limit)
-    return options.to_sampling_params(room)
+    return CompletionOptions.of(body).to_sampling_params(room if limit is None else min(room, limit))
 
 
 def requested_strategy(body: dict):

@@ -64,9 +64,13 @@ class PassageKeeper:
             for text in texts:
                 self.pending[namespace, text] = None
                 self.pending.move_to_end((namespace, text))
-            while len(self.pending) > self.max_pending:
-                self.pending.popitem(last=False)
+            self._drop_oldest()
         self.schedule()
+
+    def _drop_oldest(self) -> None:
+        """Keep at most ``max_pending`` passages waiting, dropping from the front (call under the lock)."""
+        while len(self.pending) > self.max_pending:
+            self.pending.popitem(last=False)
 
     def awaits(self, texts: Iterable[str], namespace: str = "") -> bool:
         """Whether a prompt with these passages would read some that wait to be stored (or are
@@ -159,5 +163,4 @@ class PassageKeeper:
             for text in reversed(texts):
                 self.pending[namespace, text] = None
                 self.pending.move_to_end((namespace, text), last=False)
-            while len(self.pending) > self.max_pending:
-                self.pending.popitem(last=False)
+            self._drop_oldest()
