@@ -16,14 +16,21 @@ that form as well as by the prefill; ``benchmarks.prefill_error`` separates the 
 
 ``--max-minutes`` bounds each model's prompts (on a busy machine): a model stops taking new
 prompts once it has run that long, and its verdict says on how many it was measured. The report
-(per prompt, then the verdicts) goes to ``--out``/quantized-fidelity.md.
+(per prompt, then the verdicts) goes to ``--out``/quantized-fidelity.md. A larger sample runs in
+parts, a range of prompts each, their rows kept with ``--json`` and pooled with ``--from-json``:
+
+    python -m benchmarks.quantized --models qwen2.5-0.5b --sets squad:0-10 --chunk-chars 400 \
+        --greedy-tokens 12 --json part1.json      # then squad:10-20 ... squad:30-40
+    python -m benchmarks.quantized --greedy-tokens 12 --from-json part*.json    # the 40 prompts' verdicts
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -55,6 +62,72 @@ def parting(what: str, ids: list[int], ref_ids: list[int], tokenizer) -> str:
             f"{tokenizer.decode(ids)!r}")
 
 
+def measure(exact, quantized, prompt, args) -> dict:
+    """One prompt's row: the order noise, each prefill's first-token KL and whether its answer is the same."""
+    ref, ref_ids, ref_stats = run(exact, prompt, FullRecompute(), args.greedy_tokens)
+    noise, _, _ = run(exact, prompt, FullRecompute(), 0, reverse=True)
+    full, full_ids, full_stats = run(quantized, prompt, FullRecompute(), args.greedy_tokens)
+    if args.full_only:
+        fused_ref, fused_ref_ids, fused, fused_ids = ref, ref_ids, full, full_ids
+    else:
+        for engine in (exact, quantized):
+            engine.precompute(prompt.chunks)
+        fused_ref, fused_ref_ids, _ = run(exact, prompt, None, args.greedy_tokens)
+        fused, fused_ids, _ = run(quantized, prompt, None, args.greedy_tokens)
+    row = {"noise": first_token_kl(ref, noise), "full_kl": first_token_kl(ref, full),
+           "fused_kl": first_token_kl(fused_ref, fused), "full_same": full_ids == ref_ids,
+           "fused_same": fused_ids == fused_ref_ids, "ttft_exact": ref_stats.ttft_s,
+           "ttft_quantized": full_stats.ttft_s}
+    row["parting"] = (parting("full", full_ids, ref_ids, exact.tokenizer)
+                      + parting("fused", fused_ids, fused_ref_ids, exact.tokenizer))
+    return row
+
+
+def row_line(name: str, r: dict) -> str:
+    """A prompt's line of the report, numbered by its place in its set (``squad:20-40`` starts at 21)."""
+    return (f"{name} {r['set']} {r['number']:3d}: noise {r['noise']:.4f} full KL {r['full_kl']:.5f} "
+            f"fused KL {r['fused_kl']:.5f} same {r['full_same']}/{r['fused_same']} "
+            f"TTFT full {r['ttft_exact']:.2f}s -> {r['ttft_quantized']:.2f}s{r['parting']}")
+
+
+def verdicts(name: str, rows: list[dict], greedy_tokens: int, full_only: bool) -> list[str]:
+    """The rule's verdict on each prefill: mean KL against the mean order noise, and identical answers."""
+    noise, lines = statistics.mean(r["noise"] for r in rows), []
+    for what in ("full",) if full_only else ("full", "fused"):
+        kl = statistics.mean(r[f"{what}_kl"] for r in rows)
+        same = sum(r[f"{what}_same"] for r in rows)
+        lines.append(f"{name} {what} prefill on quantized weights: mean KL {kl:.5f} = {kl / noise:.2%} of the order "
+                     f"noise ({noise:.4f}); greedy answers ({greedy_tokens} tokens) identical on {same} of "
+                     f"{len(rows)} prompts: {'meets' if kl < 0.05 * noise and same >= 0.95 * len(rows) else 'MISSES'} "
+                     "the rule")
+    return lines
+
+
+def first_numbers(spec: list[str]) -> dict[str, int]:
+    """Each set's first prompt number as ``prompt_sets`` reads ``spec`` (``squad:20-40``: 21)."""
+    return {item.partition(":")[0]: int(item.partition(":")[2].rpartition("-")[0] or 0) + 1 for item in spec}
+
+
+def measure_model(name: str, sets: dict, args, rows: list[dict], save) -> list[str]:
+    """Every prompt of ``sets`` on one model, its rows appended to ``rows`` (saved after each); its forms."""
+    path = model_path(name)
+    # No prefix tier: the fused prompt repeats the full prefill's tokens, and would be served its K/V.
+    exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype=args.decode_dtype,
+                                        prefix_cache_bytes=0)
+    quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype=args.decode_dtype,
+                                            prefix_cache_bytes=0)
+    started, numbers = time.perf_counter(), first_numbers(args.sets)
+    for set_name, prompts in sets.items():
+        for number, prompt in enumerate(prompts, numbers[set_name]):
+            if args.max_minutes and time.perf_counter() - started > 60 * args.max_minutes:
+                break
+            rows.append({"model": name, "set": set_name, "number": number,
+                         **measure(exact, quantized, prompt, args)})
+            print(row_line(name, rows[-1]), flush=True)
+            save()
+    return [f"{name}'s quantized weights: " + "; ".join(line.strip() for line in describe(quantized.hf_model))]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"], choices=MODELS)
@@ -65,61 +138,33 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-dtype", default="float32", choices=DECODE_DTYPES,
                         help="both engines' decoding (default float32: the answers differ by the prefill alone)")
     parser.add_argument("--max-minutes", type=float, default=0, help="stop a model's new prompts after this long (0: none)")
+    parser.add_argument("--json", type=Path, help="also write every per-prompt row here (after every prompt)")
+    parser.add_argument("--from-json", type=Path, nargs="+",
+                        help="no run: the verdicts on the rows of earlier --json files pooled (e.g. squad:20 and "
+                             "squad:20-40), per model; give the runs' --greedy-tokens and --full-only")
     parser.add_argument("--out", default=RUNS_DIR, help="folder of the report (quantized-fidelity.md)")
     args = parser.parse_args(argv)
-    started, report = time.perf_counter(), []
-    sets = prompt_sets(args.sets, MUSIQUE)
-    if args.chunk_chars:
-        for prompts in sets.values():
-            for prompt in prompts:
-                prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
-    for name in args.models:
-        path = model_path(name)
-        # No prefix tier: the fused prompt repeats the full prefill's tokens, and would be served its K/V.
-        exact = BlendEngine.from_pretrained(path, dtype=torch.float32, kv_dir=False, decode_dtype=args.decode_dtype,
-                                            prefix_cache_bytes=0)
-        quantized = BlendEngine.from_pretrained(path, dtype="quantized", kv_dir=False, decode_dtype=args.decode_dtype,
-                                                prefix_cache_bytes=0)
-        rows, model_started = [], time.perf_counter()
-        for set_name, prompts in sets.items():
-            for prompt in prompts:
-                if args.max_minutes and time.perf_counter() - model_started > 60 * args.max_minutes:
-                    break
-                ref, ref_ids, ref_stats = run(exact, prompt, FullRecompute(), args.greedy_tokens)
-                noise, _, _ = run(exact, prompt, FullRecompute(), 0, reverse=True)
-                full, full_ids, full_stats = run(quantized, prompt, FullRecompute(), args.greedy_tokens)
-                if args.full_only:
-                    fused_ref, fused_ref_ids, fused, fused_ids = ref, ref_ids, full, full_ids
-                else:
-                    for engine in (exact, quantized):
-                        engine.precompute(prompt.chunks)
-                    fused_ref, fused_ref_ids, _ = run(exact, prompt, None, args.greedy_tokens)
-                    fused, fused_ids, _ = run(quantized, prompt, None, args.greedy_tokens)
-                rows.append({"set": set_name, "noise": first_token_kl(ref, noise), "full_kl": first_token_kl(ref, full),
-                             "fused_kl": first_token_kl(fused_ref, fused), "full_same": full_ids == ref_ids,
-                             "fused_same": fused_ids == fused_ref_ids, "ttft_exact": ref_stats.ttft_s,
-                             "ttft_quantized": full_stats.ttft_s})
-                r = rows[-1]
-                line = (f"{name} {set_name} {len(rows):3d}: noise {r['noise']:.4f} full KL {r['full_kl']:.5f} "
-                        f"fused KL {r['fused_kl']:.5f} same {r['full_same']}/{r['fused_same']} "
-                        f"TTFT full {r['ttft_exact']:.2f}s -> {r['ttft_quantized']:.2f}s")
-                line += parting("full", full_ids, ref_ids, exact.tokenizer)
-                line += parting("fused", fused_ids, fused_ref_ids, exact.tokenizer)
-                print(line, flush=True)
-                report.append(f"    {line}")
-        noise = statistics.mean(r["noise"] for r in rows)
-        forms = [f"{name}'s quantized weights: " + "; ".join(line.strip() for line in describe(quantized.hf_model))]
-        for what in ("full",) if args.full_only else ("full", "fused"):
-            kl = statistics.mean(r[f"{what}_kl"] for r in rows)
-            same = sum(r[f"{what}_same"] for r in rows)
-            line = (f"{name} {what} prefill on quantized weights: mean KL {kl:.5f} = {kl / noise:.2%} of the order "
-                    f"noise ({noise:.4f}); greedy answers ({args.greedy_tokens} tokens) identical on {same} of "
-                    f"{len(rows)} prompts: {'meets' if kl < 0.05 * noise and same >= 0.95 * len(rows) else 'MISSES'} "
-                    "the rule")
-            print(line, flush=True)
-            report += ["", line]
-        report += ["", *forms]
-        del exact, quantized
+    started, rows, report = time.perf_counter(), [], []
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+
+    if args.from_json:
+        rows = [row for path in args.from_json for row in json.loads(path.read_text())]
+    else:
+        sets = prompt_sets(args.sets, MUSIQUE)
+        if args.chunk_chars:
+            for prompts in sets.values():
+                for prompt in prompts:
+                    prompt.chunks = [chunk[:args.chunk_chars] for chunk in prompt.chunks]
+    for name in dict.fromkeys(row["model"] for row in rows) if args.from_json else args.models:
+        forms = [] if args.from_json else measure_model(name, sets, args, rows, save)
+        mine = [row for row in rows if row["model"] == name]
+        report += [f"    {row_line(name, row)}" for row in mine]
+        lines = verdicts(name, mine, args.greedy_tokens, args.full_only)
+        print("\n".join(lines), flush=True)
+        report += [part for line in lines for part in ("", line)] + ["", *forms]
         write_report(args.out, "quantized-fidelity.md", "Prefill on quantized weights against float32",
                      command_line("benchmarks.quantized", argv), time.perf_counter() - started, report)
 

@@ -32,7 +32,9 @@ def test_default_model_loads_from_its_gguf_without_a_float32_copy(smol_engine):
     assert smol_engine.adapter.arch == "llama" and smol_engine.context_window == 8192
     assert smol_engine.weights_form == "float32"
     quantized = BlendEngine.from_pretrained(default_gguf_path(), dtype="quantized", kv_dir=False)
-    assert quantized.weights_form == "quantized"
+    # "quantized", or "quantized-fast-..." where the host's plan departs from float32 (llama met the
+    # fast plan's fidelity rule: model.FAST_PREFILL_FIDELITY)
+    assert quantized.weights_form.startswith("quantized")
     assert quantized_bytes(quantized.hf_model) <= 1.3 * default_gguf_path().stat().st_size
 
 

@@ -341,13 +341,19 @@ QUANTIZED_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
 # measure faster, activations rounded to bfloat16), against the same float32 prefill, measured with
 # RAGBLEND_QUANTIZED_PREFILL=bfloat16. An architecture takes that plan by default only where it met the rule.
 FAST_PREFILL_FIDELITY: dict[str, PrefillFidelity] = {
-    # the same command with RAGBLEND_QUANTIZED_PREFILL=bfloat16 (bfloat16, the int4 kernel up to 64 rows).
-    # SmolLM2's: squad:20, 2026-12-06 12:42 UTC, Intel Xeon AMX host, both engines decoding in float32
-    # (before 12:10 the fast plan's "float32" decoding ran on its low-bit kernels): full 1.11%, 19/20;
-    # fused 1.28%, 18/20: one prompt short. Qwen2.5's: the same, 12:47 UTC: full 0.26%, 18/20 (one prompt
-    # short); fused 0.33%, 20/20 (its Q6_K down projections still run from 8 bits a row in both forms).
-    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0128, 18, 20),
-    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0033, 18, 20),
+    # the same command with RAGBLEND_QUANTIZED_PREFILL=bfloat16 (bfloat16, the int4 kernel up to 64 rows),
+    # both engines decoding in float32. SmolLM2's: squad:40 (parts squad:0-10, 10-20, 20-40, --json, pooled
+    # with --from-json), 2026-12-07 07:53-08:24 UTC, AMD EPYC AVX-512 host (no AMX), session 46: full 1.02%,
+    # 40/40; fused 1.17%, 39/40: both meet, so llama models held quantized take the fast plan by default.
+    # On the Xeon AMX host's squad:20 (2026-12-06 12:42 UTC) full 1.11%, 19/20; fused 1.28%, 18/20; the
+    # Xeon's prompts 1-20 pooled with the EPYC's 21-40: full 0.97%, 39/40; fused 1.14%, 38/40 (meets).
+    "llama": PrefillFidelity("SmolLM2-135M-Instruct Q4_1", 0.0117, 39, 40),
+    # Qwen2.5's: squad:40 (parts of 10 prompts, --json, pooled with --from-json), 2026-12-07 07:15-07:53 UTC,
+    # AMD EPYC AVX-512 host (no AMX), session 46: full 0.30%, 36/40; fused 0.38%, 34/40: both miss (>= 38
+    # needed). On the Xeon AMX host's squad:20 (2026-12-06 12:47 UTC) full 0.26%, 18/20; fused 0.33%, 20/20;
+    # the Xeon's prompts 1-20 pooled with the EPYC's 21-40: full 0.32%, 36/40; fused 0.35%, 36/40.
+    # (Its Q6_K down projections still run from 8 bits a row in both forms.)
+    "qwen2": PrefillFidelity("Qwen2.5-Coder-0.5B-Instruct Q4", 0.0038, 34, 40),
 }
 
 
