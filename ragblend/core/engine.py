@@ -195,6 +195,14 @@ class BlendEngine(ChunksMixin, GenerationMixin):
         """The prefix tier's entries, bytes (and budget), hits, misses and tokens served; {} when off."""
         return self.prefix.info() if self.prefix is not None else {}
 
+    def prefix_held(self, token_ids: Sequence[int], namespace: str = "") -> int:
+        """How many of a prompt's first tokens the prefix tier holds in ``namespace`` (its own
+        entries only), looked up as the engine's own strategy looks them up but counted as neither
+        hit nor miss; 0 where the tier is off or not read. A server asks it before the prompt runs,
+        to know which part of it the prefill will compute (serving.reuse)."""
+        found = self.runner.prefixes.lookup(PromptLayout(list(token_ids), [], namespace=namespace), self.resolve())
+        return 0 if found is None else found.num_tokens
+
     def pieces_info(self) -> dict:
         """The history pieces' memory: its entries, bytes (and budget) and evictions; {} when off."""
         return self.runner.piece_store.info() if self.runner.keeps_pieces else {}

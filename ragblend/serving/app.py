@@ -384,7 +384,8 @@ class Call:
     """One request's job, seen from its handler: the job's events, the deadline, and a
     watch on the client's connection (a disconnect cancels the job)."""
 
-    def __init__(self, server: Server, request: Request, run: Callable[[Job], Any], awaits_storing: bool = False):
+    def __init__(self, server: Server, request: Request, run: Callable[[Job], Any],
+                 awaits_storing: bool | Callable[[], bool] = False):
         loop = asyncio.get_running_loop()
         self.loop, self.events, self.timeout_s = loop, asyncio.Queue(), server.request_timeout_s
         self.job = Job(run, lambda item: loop.call_soon_threadsafe(self.events.put_nowait, item),
@@ -492,10 +493,11 @@ def _decode_job(server: Server, body: dict, layout_of: Callable[[], PromptLayout
 
 
 async def answer(server: Server, request: Request, path: str, body: dict, layout_of: Callable[[], PromptLayout],
-                 chat: bool, texts: list[str], namespace: str):
+                 chat: bool, texts: list[str], namespace: str, ids_of: Callable[[], list[int]] | None = None):
     """Answer a completion; then store the KV of ``texts`` (the passages of its plain
     text) in ``namespace`` between requests, so that the next prompt of that namespace holding
-    them reuses it."""
+    them reuses it. ``ids_of``: the prompt's token ids, cheaper than ``layout_of`` (no chunks
+    looked for), where a storing job under way asks which passages the prompt reads."""
     check_options(body, server.max_completion_tokens)   # a 400 now, not after the queue
     # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.decode.prefix_cache),
     # even where --shared-cache shares passages: prompts and answers are never shared.
@@ -503,9 +505,11 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own),
                       getattr(request.state, "arrived", None))
     reply = Reply(server.model_id, chat)
-    # A prompt that holds passages still being stored lets the storing finish (it reads them); any
-    # other makes it yield (serving.reuse).
-    call = Call(server, request, run, awaits_storing=server.keeper.awaits(texts, namespace))
+    # A prompt that will read passages still being stored lets the storing finish; any other (one
+    # whose passages lie in the prefix its tenant's prefix tier holds too) makes it yield (serving.reuse).
+    awaits = server.keeper.awaited_by(texts, namespace, ids_of or (lambda: layout_of().token_ids), own,
+                                      reads_tier=requested_strategy(body) is None)
+    call = Call(server, request, run, awaits_storing=awaits)
     if not body.get("stream"):
         pieces: list[str] = []
         try:
@@ -622,7 +626,8 @@ async def chat_completions(server: Server, request: Request):
         and requested_strategy(body) is None
     return await answer(server, request, "/v1/chat/completions", body,
                         lambda: prompt.layout(server.engine, namespace=namespace).as_chat(), True,
-                        prompt.passages(history=not pieces), namespace)
+                        prompt.passages(history=not pieces), namespace,
+                        lambda: prompt.layout(server.engine, find_chunks=False, namespace=namespace).token_ids)
 
 
 @router.post("/v1/completions")

@@ -72,18 +72,41 @@ class PassageKeeper:
         while len(self.pending) > self.max_pending:
             self.pending.popitem(last=False)
 
-    def awaits(self, texts: Iterable[str], namespace: str = "") -> bool:
+    def awaits(self, texts: Iterable[str], namespace: str = "", within: str | None = None) -> bool:
         """Whether a prompt with these passages would read some that wait to be stored (or are
-        being stored) in ``namespace``: its request is better off letting the storing finish."""
+        being stored) in ``namespace``: its request is better off letting the storing finish.
+        ``within``: the text of the part of the prompt its prefill will compute (the rest comes
+        from the prefix tier); only a passage wholly inside it would be read."""
         with self.lock:
-            return any((namespace, text) in self.pending or (namespace, text) in self.storing for text in texts)
+            awaited = [text for text in texts if (namespace, text) in self.pending or (namespace, text) in self.storing]
+        return any(within is None or text in within for text in awaited)
+
+    def awaited_by(self, texts: list[str], namespace: str, ids_of: Callable[[], list[int]], own: str,
+                   reads_tier: bool = True) -> bool | Callable[[], bool]:
+        """Whether a request with these passages (stored in ``namespace``) lets the storing finish
+        (``Job.awaits_storing``): False at once where none of them waits to be stored; else a
+        function the worker asks while a storing job runs. It tokenizes the prompt (``ids_of``) and
+        looks up the prefix tier in ``own``, the request's tenant's namespace (``reads_tier``
+        False: its strategy does not read the tier): a passage inside the prefix the tier holds is
+        not read from the store (a conversation's next turn computes only its last tokens), so only
+        the passages in the rest of the prompt count."""
+        if not self.awaits(texts, namespace):
+            return False
+
+        def decide() -> bool:
+            ids = ids_of()
+            held = self.engine.prefix_held(ids, own) if reads_tier else 0
+            if 2 * held < len(ids):   # a prefix shorter than the rest may go unused (PrefixReuse.pays)
+                return self.awaits(texts, namespace)
+            return self.awaits(texts, namespace, within=self.engine.tokenizer.decode(ids[held:]))
+        return decide
 
     def _request_waits(self) -> bool:
         """Whether a request waits that the storing job should yield to: any, but one that
-        awaits the passages being stored (``Job.awaits_storing``)."""
+        awaits the passages being stored (``Job.awaits``)."""
         if self.queued is None:
             return self.load() > 1   # this job, and a request behind it
-        return any(not job.awaits_storing for job in self.queued())
+        return any(not job.awaits() for job in self.queued())
 
     def pending_count(self) -> int:
         """Passages waiting to be stored (``ragblend_kv_fill_pending`` on /metrics)."""

@@ -49,9 +49,21 @@ class Job:
     run: Callable[["Job"], Any]
     emit: Callable[[Any], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # A completion whose prompt holds passages being stored (serving.reuse): the storing goes on
-    # for it, since it will read what is stored; for any other request the storing yields.
-    awaits_storing: bool = False
+    # A completion whose prompt will read passages being stored (serving.reuse): the storing goes
+    # on for it; for any other request the storing yields. A function is asked once, in the worker
+    # thread, the first time a storing job runs while this job waits (what it reads may take
+    # tokenizing its prompt to know: that cost is paid only then).
+    awaits_storing: bool | Callable[[], bool] = False
+
+    def awaits(self) -> bool:
+        """Whether this job lets a storing job finish (:attr:`awaits_storing`, asked once)."""
+        if callable(self.awaits_storing):
+            try:
+                self.awaits_storing = bool(self.awaits_storing())
+            except Exception as err:   # the job's own run reports a bad prompt; here it only does not wait
+                log.debug("could not tell whether a request reads passages being stored (%s)", type(err).__name__)
+                self.awaits_storing = False
+        return self.awaits_storing
 
 
 @dataclass

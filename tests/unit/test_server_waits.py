@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from ragblend.core.prompt import PromptLayout  # noqa: E402
 from ragblend.serving.reuse import PassageKeeper  # noqa: E402
 from ragblend.serving.worker import Job  # noqa: E402
 from tests.servers import RunningServer, wait_idle  # noqa: E402
@@ -85,6 +86,44 @@ def test_storing_passages_yields_to_a_request_that_arrives(engine):
     keeper._run(job)
     assert keeper.stored == 3 and keeper.pending_count() == 0
     assert not keeper.awaits(texts, "tenant-a")
+
+
+def test_a_turn_whose_passages_the_prefix_tier_holds_does_not_wait_for_their_storing(tokenizer):
+    """A conversation's next turn reads its passages from the prefix tier (only its last tokens
+    are computed): it lets the storing of those passages yield. A prompt that has them in the part
+    it computes, or whose tenant's tier holds no prefix of it (another tenant's is never looked
+    into), lets the storing finish."""
+    engine = make_tiny_engine("llama", tokenizer, prefix_cache_bytes=64 << 20)
+    texts = [" ".join(f"held{i}w{j}" for j in range(40)) for i in range(2)]
+    keeper = PassageKeeper(engine, submit=lambda job: None, load=lambda: 1, queued=lambda: [])
+    turn = engine.tokenize("Context: " + texts[0] + "\n\nQuestion one?")
+    engine.prefill(PromptLayout(turn, [], namespace="tenant-a"))   # turn 1, now in tenant-a's tier
+    assert keeper.awaited_by(texts, "tenant-a", lambda: turn, "tenant-a") is False   # nothing waits to be stored
+    keeper.add(texts, "tenant-a")
+    asked: list[int] = []
+    counted = {k: engine.prefix_info()[k] for k in ("hits", "misses")}
+
+    def decision(ids: list[int], own: str, reads_tier: bool = True) -> bool:
+        ask = keeper.awaited_by(texts, "tenant-a", lambda: asked.append(1) or ids, own, reads_tier)
+        job = Job(lambda job: None, lambda outcome: None, awaits_storing=ask)
+        return job.awaits() and job.awaits() and job.awaits()   # asked once, remembered
+
+    next_turn = turn + engine.tokenize(" Question two?")
+    assert engine.prefix_held(next_turn, "tenant-a") == len(turn)
+    assert decision(next_turn, "tenant-a") is False and len(asked) == 1
+    assert decision(turn + engine.tokenize(" " + texts[1] + " Question two?"), "tenant-a")   # it computes texts[1]
+    assert engine.prefix_held(next_turn, "tenant-b") == 0
+    assert decision(next_turn, "tenant-b")   # the prefix is tenant-a's: tenant-b's prompt computes the passage
+    assert decision(next_turn, "tenant-a", reads_tier=False)   # a named strategy reads no tier
+    assert {k: engine.prefix_info()[k] for k in counted} == counted   # the server's look-ups count no hit or miss
+
+
+def test_a_decision_that_fails_lets_the_storing_yield(engine):
+    def broken() -> bool:
+        raise ValueError("no prompt")
+
+    job = Job(lambda job: None, lambda outcome: None, awaits_storing=broken)
+    assert job.awaits() is False and job.awaits_storing is False
 
 
 # ---------------------------------------------------------------------------- the completion-token limit
