@@ -112,9 +112,25 @@ def replay_row(engine, llm, query_engine, row: dict, candidates: dict[str, Recor
            "gold_recomputed": None if gold_at is None or default.last is None else bool(default.last[gold_at]),
            "full_ttft_now": full.stats.ttft_s,
            **measured("default", row, answer, first_token_kl(full.logits, fused.logits), call.stats)}
+    out |= fallback_of(engine, layout, call.stats)
     for name, selection in candidates.items():
         gen = engine.generate(layout, strategy=selection, max_new_tokens=GREEDY_TOKENS)
         out |= measured(name, row, gen.text, first_token_kl(full.logits, gen.logits), gen.stats)
+    return out
+
+
+def fallback_of(engine, layout, stats) -> dict:
+    """Whether the default's answer fell back to the exact path (a loop began: core.decode.repeats), and
+    where it did, the answer it gave without that guard (greedy: what it gave before the guard existed)."""
+    out = {"default_fallback": stats.fusion_fallback, "default_fallback_tokens": stats.fallback_tokens,
+           "default_unguarded_answer": None, "default_unguarded_repeats": None}
+    if stats.fusion_fallback:
+        rule, engine.answers.repeat_rule = engine.answers.repeat_rule, None
+        try:
+            before = engine.generate(layout, max_new_tokens=GREEDY_TOKENS)
+        finally:
+            engine.answers.repeat_rule = rule
+        out["default_unguarded_answer"], out["default_unguarded_repeats"] = before.text, repeats(before.text)
     return out
 
 
@@ -155,6 +171,7 @@ def replay(args, lock) -> list[dict]:
         print(json.dumps({k: new[k] for k in ("tokens_now", "same_prompt", "reproduced", "chunk_tokens", "gold_chunk",
                                               "gold_at", "recomputed_per_chunk")}
                          | {f"{n}_right": new[f"{n}_right"] for n in ["default", *candidates]}
+                         | {"default_fallback": new["default_fallback"], "default_repeats": new["default_repeats"]}
                          | {"full_right": row["full_right"], "minutes": round((time.monotonic() - started) / 60, 2)}),
               flush=True)
         if args.json:
@@ -189,4 +206,17 @@ def replay_table(rows: list[dict], names: list[str], buckets) -> list[str]:
                 f"{sum(r[f'{name}_repeats'] and not r['full_repeats'] for r in bucket)} | "
                 f"{statistics.median(r['full_ttft_now'] / r[f'{name}_ttft'] for r in bucket):.2f}x | "
                 f"{statistics.median(r[f'{name}_recomputed'] / r['tokens'] for r in bucket):.1%} |")
-    return lines
+    return lines + fallback_lines(rows, buckets)
+
+
+def fallback_lines(rows: list[dict], buckets) -> list[str]:
+    """Per bucket: the default's answers that fell back to the exact path (a loop began), and how many of
+    them repeated (benchmarks.common.repeats) without the guard, with it, and in full prefill's answer."""
+    lines = []
+    for low, high in buckets:
+        fell = [r for r in rows if low <= r["tokens"] < high and r.get("default_fallback")]
+        if fell:
+            lines.append(f"{low}-{high}: {len(fell)} default answer(s) fell back to the exact path; repeating without "
+                         f"the guard {sum(bool(r['default_unguarded_repeats']) for r in fell)}, with it "
+                         f"{sum(r['default_repeats'] for r in fell)}, full prefill's {sum(r['full_repeats'] for r in fell)}")
+    return ["", *lines] if lines else []

@@ -25,6 +25,9 @@ def print_answer(label: str, answer) -> None:
     if s.fusion_skipped:   # say why nothing was reused
         print("  (a full prefill: too few of the prompt's tokens are in cached chunks for fusion to save work; "
               "stats.strategy_reason says more)")
+    if s.fusion_fallback:   # the answer's end came from the exact path: say so, and what it cost
+        print(f"  (the fused answer began to loop, so it went on from a full prefill of the prompt and the answer "
+              f"kept, {s.fallback_tokens} tokens: {s.fusion_fallback})")
     print(f"  {answer.text}\n")
 
 

@@ -128,6 +128,7 @@ class BlendEngine(ChunksMixin, GenerationMixin):
         # last one's reason: what the server's /metrics and a long-running app report.
         self.fusion_skips = 0
         self.last_skip_reason = ""
+        self.fusion_fallbacks = 0   # fused answers that began to loop and fell back to the exact path (.decode.repeats)
         settle(hf_model, self.kernel_plan, self.lock)   # kernels measured (or refined) off the answering thread
 
     @classmethod

@@ -31,12 +31,14 @@ class GenerationMixin:
         ``temperature=0.0``, ``top_p=1.0``, ``seed``, ``stop``), not both."""
         params = sampling_params(params, **sampling)
         pre = self.prefill(segments, system=system, strategy=strategy)
-        return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens)
+        return self.answers.start(pre, params, draft_tokens=self.prompt_lookup_num_tokens,
+                                  exact_prefill=self.runner.exact_prefill)
 
     def finish(self, decoding: Decoding) -> Stats:
         """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix
         tier, and its turns' text to the piece memory (PieceStore) as pieces of the conversation (in the background: see .pieces)."""
         self.last_stats = decoding.finish_stats(decoding.stats)
+        self.fusion_fallbacks += bool(decoding.fallback)
         if decoding.prefill is not None:
             adapter = self.decoding_adapter()
             self.runner.remember_answer(decoding, exact_decoding=adapter is self.decode_weights.adapter)

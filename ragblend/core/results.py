@@ -42,6 +42,8 @@ class Stats:
     fusion_skipped: bool = False   # the exact full prefill ran instead of the fusion: see skip_reason
     skip_reason: str = ""          # why, e.g. "predicted 1.1x: prompt 380 tokens, 60% recomputed"
     predicted_speedup: float | None = None   # the fusion's predicted speed-up over a full prefill, where predicted
+    fusion_fallback: str = ""      # why the fused answer fell back to the exact path mid-answer (a loop began), or ""
+    fallback_tokens: int = 0       # tokens that fallback's full prefill computed (the prompt and the answer kept)
     store_faults: int = 0          # KV store failures during this prefill, each served as a miss
     prefix_tokens: int = 0         # prompt tokens whose K/V came from the prefix tier (counted in reused_tokens too)
     history_tokens: int = 0        # prompt tokens found as stored pieces of earlier turns (core.store.pieces; in cache_hit_tokens too)
@@ -74,6 +76,9 @@ class Prefill:
     # how its K/V were kept in the prefix tier (core.decode.prefix_cache.KeptPrefix), its answer's to follow; None: not kept
     prefix_kept: object = field(default=None, repr=False)
     keeps_pieces: bool = field(default=False, repr=False)   # whether its turns are kept as pieces once answered
+    # whether its K/V and logits are a full prefill's (every token through every layer, here or when the prefix
+    # tier kept them): its answer is on the exact path; a fused one may fall back to it (.decode.repeats)
+    exact: bool = field(default=False, repr=False)
 
 
 @dataclass

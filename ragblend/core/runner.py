@@ -106,6 +106,7 @@ class PrefillRunner:
                           fused.recomputed, layout, decoding_bias)
         prefill.prefix_kept = self.prefixes.remember(layout, plan, fused, hit)
         prefill.keeps_pieces = pieces and write_back   # a store kept read-only gets no pieces either
+        prefill.exact = hit.scope.exact if hit is not None else all(len(p) == n for p in fused.layer_positions)
         release_thread_pool()   # the next thread to compute runs at full speed (see .omp)
         return prefill, trace
 
@@ -223,6 +224,13 @@ class PrefillRunner:
             sp.num_tokens for sp, reader in zip(found.spans, found.readers) if reader.tier == "disk")
         with self.lock:   # the first prompt on a host may measure the constants: model passes
             return self.fusion_cost.verdict(plan.selection, n, reused, disk_tokens, min_speedup, chunks)
+
+    def exact_prefill(self, token_ids: list[int]):
+        """The full prefill of ``token_ids`` (every token through every layer, nothing read from the
+        store): what a fused answer that starts to loop falls back to (.decode.repeats)."""
+        source = SequentialSource([], self.adapter.device, windows=[])
+        with self.lock:
+            return fused_prefill(self.adapter, list(token_ids), [], source, EveryToken())
 
     def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int,
                       verdict: FusionVerdict | None = None):

@@ -124,7 +124,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: dict[tuple[str, int], int] = {}
         self.reused_tokens = self.recomputed_tokens = self.prompt_tokens = self.generated_tokens = 0
-        self.fusion_skipped = self.history_tokens = 0
+        self.fusion_skipped = self.fusion_fallbacks = self.history_tokens = 0
         self.ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self.ttft_sum = 0.0
 
@@ -140,6 +140,7 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.generated_tokens += stats.generated_tokens
             self.fusion_skipped += bool(stats.fusion_skipped)
+            self.fusion_fallbacks += bool(stats.fusion_fallback)
             self.history_tokens += stats.history_tokens
             self.ttft_sum += stats.ttft_s
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))
@@ -177,7 +178,9 @@ class Metrics:
                     ("ragblend_history_tokens_total", self.history_tokens, "Prompt tokens found in a conversation's "
                      "stored turns (history pieces), fused like chunks."),
                     ("ragblend_fusion_skipped_total", self.fusion_skipped, "Answers whose prompt ran as the exact full "
-                     "prefill because fusing it was not predicted to pay (short prompts; stats.skip_reason says why).")):
+                     "prefill because fusing it was not predicted to pay (short prompts; stats.skip_reason says why)."),
+                    ("ragblend_fusion_fallbacks_total", self.fusion_fallbacks, "Fused answers that began to loop and "
+                     "went on from the exact K/V of prompt and answer (stats.fusion_fallback says where).")):
                 metric(name, "counter", help_text, [("", value)])
         tiers = _tiers(store)
         metric("ragblend_store_bytes", "gauge", "Bytes of KV held per store tier.",

@@ -15,6 +15,7 @@ from ..model.decode_weights import DecodeWeights
 from ..model.host_cache import measured_twice, remembered
 from ..model.kernels import MIN_GAIN, fastest_rounds, host_key
 from .generate import Decoding, DraftPolicy, KVDecoder, PromptLookup, SamplingParams
+from .repeats import RepeatGuard, RepeatRule
 
 log = logging.getLogger("ragblend")
 MEASURED_KEYS = 2048   # keys per layer of the attention timed: over all layers, more than a CPU's caches hold
@@ -139,13 +140,15 @@ def draft_row_cost(weights: DecodeWeights, kv_dtype: torch.dtype, measure=None) 
 class Answers:
     """Starts the decoding of answers for one engine: on ``weights``' adapter, over K/V in
     ``kv_dtype`` (see :func:`decode_kv_dtype`), ending at ``eos_ids`` or the ``context_window``;
-    model passes hold ``lock``."""
+    model passes hold ``lock``. A fused answer that starts to loop falls back to the exact path
+    where ``repeat_rule`` says (:mod:`.repeats`; None: never)."""
 
     def __init__(self, weights: DecodeWeights, tokenizer, eos_ids: frozenset[int], context_window: int, lock,
                  kv_dtype: torch.dtype = torch.float32):
         self.weights, self.tokenizer, self.eos_ids = weights, tokenizer, eos_ids
         self.context_window, self.lock, self.kv_dtype = context_window, lock, kv_dtype
         self.draft_row_cost = draft_row_cost(weights, kv_dtype)   # prices a drafted token (DraftPolicy)
+        self.repeat_rule: RepeatRule | None = RepeatRule()
 
     @property
     def can_draft(self) -> bool:
@@ -154,10 +157,12 @@ class Answers:
         0.69 and a changed answer, so only a float32 model drafts."""
         return self.weights.adapter.dtype == torch.float32
 
-    def start(self, pre, params: SamplingParams, *, draft_tokens: int) -> Decoding:
+    def start(self, pre, params: SamplingParams, *, draft_tokens: int, exact_prefill=None) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
         not yet stepped; ``pre.keys``/``values`` become views of the decoder's buffers. Greedy
-        float32 decoding drafts up to ``draft_tokens`` a pass from the prompt (0: none)."""
+        float32 decoding drafts up to ``draft_tokens`` a pass from the prompt (0: none).
+        ``exact_prefill`` (token ids -> the full prefill's K/V and logits): what a fused answer
+        that starts to loop falls back to; None, or a prefill that ran on the exact path, has none."""
         adapter = self.weights.decoding_adapter()
         n = len(pre.token_ids)
         # The buffers are made at the first decoding pass: the first token, from the prefill's
@@ -177,6 +182,10 @@ class Answers:
         # Low-bit decoding re-runs a near-tied greedy pick on the float32 weights (generate.NEAR_TIE).
         exact = self.weights.exact_adapter() if adapter is not self.weights.adapter else None
         exact = None if exact is adapter else exact   # decoding already runs on the float32 twin
+        guard = None
+        if exact_prefill is not None and self.repeat_rule is not None and not pre.exact:
+            guard = RepeatGuard(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.repeat_rule)
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
-                        draft_policy=policy, exact_adapter=exact, stats=pre.stats, prefill=pre)
+                        draft_policy=policy, exact_adapter=exact, repeat_guard=guard,
+                        exact_prefill=exact_prefill if guard is not None else None, stats=pre.stats, prefill=pre)

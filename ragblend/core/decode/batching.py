@@ -14,7 +14,8 @@ its own KV buffers, sampling settings and stop strings) and advances them all at
 * sequences join and leave between steps (continuous batching).
 
 A lone sequence keeps its single-sequence step, prompt-lookup drafts included; in a batch every
-sequence takes plain one-token steps (drafts would make the batch's rows uneven).
+sequence takes plain one-token steps (drafts would make the batch's rows uneven). A fused answer
+that starts to loop falls back to the exact path (.repeats) in a full prefill of its own, between steps.
 """
 
 from __future__ import annotations
@@ -215,16 +216,27 @@ class BatchDecoder:
         stepping = [m for m in self.members if m.decoding.needs_step]
         if stepping:
             with stepping[0].decoding.lock or contextlib.nullcontext():
+                stepping = self._fall_back([m for m in stepping if m.decoding.falls_back], stepping, events)
                 if len(stepping) == 1:   # alone: the single-sequence step, with its drafts
-                    decoding = stepping[0].decoding
                     try:
-                        decoding.pending.extend(decoding._step(decoding.token_ids[-1]))
+                        stepping[0].decoding.advance()
                         self._count_pass(1)
                     except Exception as err:
                         self._fail(stepping[0], err, events)
-                else:
+                elif stepping:
                     self._batched_pass(stepping, events)
         return events
+
+    def _fall_back(self, looping: list[Member], stepping: list[Member], events: list[Event]) -> list[Member]:
+        """Run the fallback of each member whose fused answer started to loop (a full prefill of its
+        prompt and kept answer, alone: .repeats); the members left to step."""
+        for member in looping:
+            try:
+                member.decoding.advance()
+                self._count_pass(1)
+            except Exception as err:
+                self._fail(member, err, events)
+        return [m for m in stepping if m not in looping]
 
     def _batched_pass(self, stepping: list[Member], events: list[Event]) -> None:
         decodings = [m.decoding for m in stepping]

@@ -26,6 +26,7 @@ from ..errors import InvalidInputError
 from ..model.layer_step import LayerPass, run_layers
 from ..model.masks import attention_plan, visible_keys
 from ..model.omp import release_thread_pool
+from .repeats import DroppedCopy, Repeat, RepeatGuard
 
 # A greedy pick on low-bit weights (4-bit or 8-bit, bfloat16 activations) whose top two logits
 # lie closer than this is made again on the float32 weights. Fed the same answers (SmolLM2, 54
@@ -356,12 +357,19 @@ class Decoding:
     draft_tokens: int = 0                # the most tokens drafted per step
     draft_policy: DraftPolicy | None = None   # how many of them a pass verifies (None: all it finds)
     exact_adapter: object = None         # float32 weights that re-run a low-bit pass at a near tie (greedy only)
+    # A fused answer's watch for a loop (.repeats), and the exact full prefill it falls back to
+    # (token ids -> FusedPrefill; the prompt's ids are prefill's); None for an answer on the exact path (a
+    # full prefill's, or after a fallback).
+    repeat_guard: RepeatGuard | None = None
+    exact_prefill: Callable[[list[int]], object] | None = None
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     decode_s: float = 0.0
     steps: int = 0                       # decoder passes, fewer than tokens when drafts are accepted
     rechecks: int = 0                    # of them, passes made again on exact_adapter at a near tie
+    fallback: str = ""                   # why the answer fell back to the exact path ("": it did not)
+    fallback_tokens: int = 0             # tokens the fallback's full prefill computed (prompt + kept answer)
     stats: object = None                 # the engine's Stats of this request, when it made the decoding
     prefill: object = None               # and its Prefill (results.Prefill)
 
@@ -370,6 +378,7 @@ class Decoding:
         stats.generated_tokens = len(self.token_ids)
         stats.decode_s, stats.decode_steps, stats.finish_reason = self.decode_s, self.steps, self.finish_reason
         stats.decode_rechecks = self.rechecks
+        stats.fusion_fallback, stats.fallback_tokens = self.fallback, self.fallback_tokens
         release_thread_pool()   # the answer is done: see .omp
         return stats
 
@@ -386,6 +395,8 @@ class Decoding:
         self.pending = collections.deque([self.first_logits])
         self.exact_until = self.prompt_len   # K/V before it are what float32 decoding writes (see _again_in_float32)
         self.emitted = 0   # characters of text handed out as deltas
+        self.repeat: Repeat | None = None   # a loop just found, the fallback not yet run (see needs_step)
+        self.dropped: DroppedCopy | None = None   # after the fallback: the copy it dropped, if written again
 
     def __iter__(self) -> Iterator[str]:
         t0 = time.perf_counter()
@@ -402,7 +413,7 @@ class Decoding:
             if not self.pending:   # the token is not in the cache yet
                 check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
                 with torch.inference_mode(), self.lock or contextlib.nullcontext():
-                    self.pending.extend(self._step(self.token_ids[-1]))
+                    self.advance()
         self.decode_s = time.perf_counter() - t0
         rest = self.rest()
         if rest:
@@ -411,18 +422,35 @@ class Decoding:
     # -- one token at a time, for a loop that steps many decodings together (core.decode.batching)
 
     @property
+    def falls_back(self) -> bool:
+        """Whether the next :meth:`advance` is the fallback (a full prefill, not a batchable step)."""
+        return self.repeat is not None
+
+    @property
     def needs_step(self) -> bool:
-        """Whether the next token's logits must be computed (by a model pass over the last token)."""
+        """Whether the next token's logits must be computed (:meth:`advance`: a model pass over the
+        last token, or the fallback to the exact path after a loop)."""
         return self.finish_reason is None and not self.pending
+
+    def advance(self) -> None:
+        """Compute the next token's logits (call when :attr:`needs_step`, holding the lock): a model
+        pass over the last token, or, after a loop was found, the fallback to the exact path."""
+        if self.repeat is not None:
+            self.fall_back()
+        else:
+            self.pending.extend(self._step(self.token_ids[-1]))
 
     def take(self, logits: torch.Tensor) -> str:
         """Pick the next token from ``logits``; return the text it releases (often "", when a
         stop string may be starting or a character is half decoded). Sets ``finish_reason``
-        at EOS, a stop string or the length limit."""
+        at EOS, a stop string or the length limit. A fused answer's token that completes a loop
+        (.repeats) is not kept: the answer rolls back and falls back at the next :meth:`advance`."""
         params = self.params
         token = pick_token(logits, params, self.generator)
         if token in self.eos_ids:
             self.finish_reason = "stop"
+            return ""
+        if self._repeats(token):
             return ""
         self.token_ids.append(token)
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
@@ -433,6 +461,9 @@ class Decoding:
         self.text = full
         delta = ""
         safe = len(full) - _stop_holdback(full, params.stop)
+        held = self.repeat_guard.held if self.repeat_guard is not None else self.dropped.held if self.dropped else 0
+        if held:   # a second copy may be in progress: shown only once it breaks off
+            safe = min(safe, len(self.tokenizer.decode(self.token_ids[:-held], skip_special_tokens=True)))
         while safe > self.emitted and full[safe - 1] == "\ufffd":  # half a UTF-8 character
             safe -= 1
         if safe > self.emitted:
@@ -445,6 +476,48 @@ class Decoding:
         elif self.lookup is not None:
             self.lookup.append(token)
         return delta
+
+    def _repeats(self, token: int) -> bool:
+        """Whether ``token`` completes a loop, and is dropped with the copy it completes: a fused
+        answer's first loop (then the answer falls back at the next :meth:`advance`), or the exact
+        path's writing that dropped copy again (then the answer ends before it: see .repeats)."""
+        if self.repeat_guard is not None:
+            self.repeat = self.repeat_guard.observe(token)
+            if self.repeat is None:
+                return False
+            start = self.repeat.start
+            self.dropped = DroppedCopy(self.token_ids[start:] + [token])
+            self.pending.clear()   # logits computed after the dropped tokens
+        elif self.dropped is not None and self.dropped.observe(token):
+            if not self.dropped.complete:
+                return False
+            start = len(self.token_ids) + 1 - len(self.dropped.tokens)
+            self.finish_reason, self.dropped = "stop", None
+            self.fallback += "; the exact path wrote it again, so the answer ends before it"
+        else:
+            self.dropped = None   # the exact path went its own way
+            return False
+        del self.token_ids[start:]
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return True
+
+    def fall_back(self) -> None:
+        """Go on from the kept answer as a full prefill would: the exact K/V of prompt + kept
+        answer (:attr:`exact_prefill`, a full prefill of those tokens) in a new decoder, the logits
+        after them pending. The answer is on the exact path from then on, never checked again."""
+        repeat, old = self.repeat, self.decoder
+        ids = list(self.prefill.token_ids) + self.token_ids
+        exact = self.exact_prefill(ids)
+        self.decoder = KVDecoder(old.adapter, exact.keys, exact.values, old.capacity, dtype=old.dtype)
+        self.exact_until = self.decoder.length
+        if self.lookup is not None:   # drafts from the kept tokens only
+            self.lookup = PromptLookup(ids)
+        self.pending.append(exact.logits.to(old.adapter.device))
+        self.steps += 1
+        self.fallback, self.fallback_tokens = repeat.describe(), len(ids)
+        self.repeat = self.repeat_guard = self.exact_prefill = None
+        if self.prefill is not None:   # its K/V are the fused prompt's, not those the answer now follows
+            self.prefill.prefix_kept = None
 
     def rest(self) -> str:
         """Once finished: the text not yet handed out (held back for a stop string that did not come)."""

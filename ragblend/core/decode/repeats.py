@@ -1,0 +1,131 @@
+"""Spotting a fused answer that starts to loop, so that it can fall back to the exact path.
+
+A fused prefill's K/V are close to a full prefill's, not equal to them, and on a small model a
+near tie can tip greedy decoding into a loop the full prefill's answer does not enter (issue 59:
+"It was a great product." three times; a whole paragraph again and again to the token limit).
+:class:`RepeatGuard` watches an answer's tokens as they are decoded and says when its tail is
+copies of one unit back to back; :meth:`~ragblend.core.decode.generate.Decoding.fall_back` then
+drops the copies after the first, recomputes the exact K/V of prompt + kept answer, and decoding
+goes on from there as a full prefill's would. The fused tokens already shown cannot be taken back, and the
+loop may have been set up by them (the trial's answer differed from the full prefill's inside the
+first copy: "follow-up" for "following up"), so the exact path, given them, may write the same copy
+again (:class:`DroppedCopy` watches for it): then the answer ends before it, one copy shown, as the
+full prefill's answer ended, instead of looping to the token limit.
+
+What counts as the start of a loop (:class:`RepeatRule`): a unit of at least 8 visible characters,
+not itself a run of a shorter unit, complete twice in a row if it has 4 tokens or more, three
+times if fewer. Legitimate answers practically never hold a 4-token, 8-character phrase twice back
+to back ("It was a great product. It was a great product." is already the loop) nor a shorter one
+three times ("removable removable removable", which a fused answer gave); the runs that real text
+does hold ("1,000,000,000", "| 0 | 0 | 0 |", "ha ha ha", "very, very, very") are of units under 8
+characters and never count, and a pair such as "New York, New York" is two copies of a 3-token unit.
+A false alarm costs time, not the answer: the answer goes on as the full prefill's would from the
+kept tokens (about one full prefill of prompt + answer, paid once; an answer on the exact path is
+never checked for new loops), and ends early only where the exact path repeats the copy too.
+
+Streaming must not show a copy that is then taken back, so the guard also says how many of the
+last tokens could be a second copy in progress (:attr:`RepeatGuard.held`): those are held back,
+as a stop string's first characters are, until the copy breaks (they are shown) or completes
+(they are dropped). That is often a token or two (a common word seen before), rarely more.
+After a fallback, the exact path's tokens that write the dropped copy again are held back alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class RepeatRule:
+    """When an answer's tail counts as the start of a loop: a unit whose text holds at least
+    ``min_unit_chars`` non-space characters, complete twice in a row if it has at least
+    ``min_unit_tokens`` tokens, else ``short_unit_copies`` times."""
+
+    min_unit_tokens: int = 4
+    min_unit_chars: int = 8
+    short_unit_copies: int = 3
+
+    def copies(self, unit: int) -> int:
+        """How many copies of a ``unit``-token unit in a row make a loop."""
+        return 2 if unit >= self.min_unit_tokens else self.short_unit_copies
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """A unit of ``unit`` tokens just completed ``copies`` times in a row; the copies after the first
+    start at answer token ``start``."""
+
+    unit: int
+    start: int
+    copies: int = 2
+
+    def describe(self) -> str:
+        times = "twice" if self.copies == 2 else f"{self.copies} times"
+        return (f"repeating answer: a {self.unit}-token unit {times} in a row, ending at token "
+                f"{self.start + (self.copies - 1) * self.unit}")
+
+
+class RepeatGuard:
+    """Follows one answer's tokens (:meth:`observe`, one at a time) and says when it starts to loop.
+
+    For every unit length L it keeps ``runs[L]``: how many of the last tokens equal the token L
+    before each, i.e. how far the copies after a first of the L tokens before them have got: k
+    copies are complete when the run reaches (k - 1) L; a shorter run is a copy in progress. Each token updates every L once, so an
+    answer of n tokens costs O(n) a token (plain integer compares: microseconds)."""
+
+    def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule()):
+        self.text_of, self.rule = text_of, rule
+        self.tokens: list[int] = []
+        self.runs: list[int] = [0]   # runs[L] for L = 1..len(tokens) - 1; runs[0] unused
+
+    def observe(self, token: int) -> Repeat | None:
+        """Take the answer's next token; the loop it completes, if any."""
+        tokens, runs = self.tokens, self.runs
+        tokens.append(token)
+        last = len(tokens) - 1
+        for unit in range(1, last + 1):
+            if unit == len(runs):
+                runs.append(0)
+            runs[unit] = runs[unit] + 1 if tokens[last - unit] == token else 0
+        for unit in range(1, (last + 1) // 2 + 1):   # two copies fit
+            copies = self.rule.copies(unit)
+            if runs[unit] == (copies - 1) * unit and self._is_loop(unit, copies):
+                return Repeat(unit, len(tokens) - (copies - 1) * unit, copies)
+        return None
+
+    @property
+    def held(self) -> int:
+        """How many of the last tokens could be a second copy in progress (to hold back from a stream)."""
+        runs, rule = self.runs, self.rule
+        return max((runs[unit] for unit in range(1, len(runs)) if runs[unit] < (rule.copies(unit) - 1) * unit),
+                   default=0)
+
+    def _is_loop(self, unit: int, copies: int) -> bool:
+        """Whether the ``copies`` of ``unit`` tokens just completed count: not a run of a shorter unit
+        (their span has no shorter period), and text enough in the unit."""
+        span = copies * unit
+        if any(self.runs[period] >= span - period for period in range(1, unit)):
+            return False
+        text = self.text_of(self.tokens[-unit:])
+        return sum(not c.isspace() for c in text) >= self.rule.min_unit_chars
+
+
+class DroppedCopy:
+    """The second copy a fallback dropped, watched for on the exact path that follows: :meth:`observe`
+    says whether the exact path's next token writes it again; once it has written it whole
+    (:attr:`complete`), the answer ends before it. Its tokens so far (:attr:`held`) are held back
+    from a stream until then; at the first token that differs the watch ends."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens, self.held = list(tokens), 0
+
+    def observe(self, token: int) -> bool:
+        if self.held < len(self.tokens) and self.tokens[self.held] == token:
+            self.held += 1
+            return True
+        return False
+
+    @property
+    def complete(self) -> bool:
+        return self.held == len(self.tokens)
