@@ -229,8 +229,11 @@ class PrefillRunner:
         """The full prefill of ``token_ids`` (every token through every layer, nothing read from the
         store): what a fused answer that starts to loop falls back to (.decode.repeats)."""
         source = SequentialSource([], self.adapter.device, windows=[])
-        with self.lock:
-            return fused_prefill(self.adapter, list(token_ids), [], source, EveryToken())
+        try:
+            with self.lock:
+                return fused_prefill(self.adapter, list(token_ids), [], source, EveryToken())
+        finally:
+            source.close()
 
     def _full_prefill(self, layout, plan: StrategyPlan, stats: Stats, cached: int,
                       verdict: FusionVerdict | None = None):

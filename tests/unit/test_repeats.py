@@ -1,8 +1,10 @@
 """A fused answer that starts to loop falls back to the exact path (core.decode.repeats): the detector on
 token lists, the fallback's continuation against a full prefill of prompt + kept answer, the answer
-that ends where the exact path writes the dropped copy again, streams that never show a dropped copy,
+that ends where the exact path writes the dropped copy twice more, streams that never show a dropped copy,
 and the batched decoding's fallback. Tiny random models; the rule is loosened (units of 1-2 tokens)
 where a tiny model's answers loop only in short units."""
+
+import dataclasses
 
 import pytest
 
@@ -76,7 +78,8 @@ def test_real_text_without_loops_is_not_flagged(tokenizer):
 def loosened_engine(arch, tokenizer, rule):
     engine = make_tiny_engine(arch, tokenizer)
     engine.precompute(PASSAGES)
-    engine.answers.repeat_rule = rule
+    # a tiny random model's tokens need not be words
+    engine.answers.repeat_rule = None if rule is None else dataclasses.replace(rule, needs_letter=False)
     return engine
 
 
@@ -100,19 +103,23 @@ def test_the_fallback_continues_as_a_full_prefill_of_prompt_and_kept_answer(toke
     assert "".join(stream) == fused.text   # the dropped token was held back, never sent
 
 
-def test_the_answer_ends_where_the_exact_path_writes_the_dropped_copy_again(tokenizer):
+def test_the_exact_path_may_write_the_dropped_copy_once_again(tokenizer):
+    """Mistral: the fused answer's 2-token unit twice makes it fall back; the exact path writes that
+    copy once more and goes its own way: the copy is shown (legitimate repeated text survives a
+    false alarm), and only twice more would end the answer (DroppedCopy)."""
     engine = loosened_engine("mistral", tokenizer, RepeatRule(2, 2))
     unguarded = loosened_engine("mistral", tokenizer, None)
     params = SamplingParams(max_new_tokens=64)
     looping = unguarded.generate(prompt((0, 1, 2)), strategy=QueryAware(0.3), params=params)
-    ended = engine.generate(prompt((0, 1, 2)), strategy=QueryAware(0.3), params=params)
-    assert ended.finish_reason == "stop" and len(ended.token_ids) < len(looping.token_ids)
-    assert looping.token_ids[:len(ended.token_ids)] == ended.token_ids
-    assert ended.stats.fusion_fallback.endswith("so the answer ends before it")
+    watched = engine.generate(prompt((0, 1, 2)), strategy=QueryAware(0.3), params=params)
+    kept = watched.stats.fallback_tokens - watched.stats.prompt_tokens
+    assert watched.stats.fusion_fallback.startswith("repeating answer") and watched.finish_reason == "length"
+    assert watched.token_ids[:kept + 2] == looping.token_ids[:kept + 2]   # the copy, written again
+    assert watched.token_ids[kept + 2:] != looping.token_ids[kept + 2:]
     assert engine.fusion_fallbacks == 1 and unguarded.fusion_fallbacks == 0
-    # a stream shows exactly that answer: nothing of a dropped copy was sent
+    # a stream shows exactly that answer: nothing of a dropped copy was sent twice
     stream = engine.stream(prompt((0, 1, 2)), strategy=QueryAware(0.3), params=params)
-    assert "".join(stream) == ended.text and stream.stats.fusion_fallback == ended.stats.fusion_fallback
+    assert "".join(stream) == watched.text and stream.stats.fusion_fallback == watched.stats.fusion_fallback
 
 
 def test_a_full_prefills_answer_is_never_checked(tokenizer):
@@ -159,3 +166,47 @@ def test_fallbacks_reach_the_servers_metrics_and_the_cli(capsys):
 
     print_answer("fused", Answer())
     assert "began to loop" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", [
+    "The zero matrix of shape 3x4 is:\n\n[[0, 0, 0, 0],\n [0, 0, 0, 0],\n [0, 0, 0, 0]]",
+    "| Plan | Basic | Pro |\n|----------|----------|----------|\n| Support | Not included | Not included |",
+    "rows = [\n    {\"qty\": 1}, {\"qty\": 1}, {\"qty\": 1},\n]",
+])
+def test_structured_text_is_no_loop_or_survives_the_fallback(tokenizer, text):
+    """Rows of digits and punctuation never count; a unit with words that repeats once (two equal
+    table cells) may make a fused answer fall back, but the answer goes on: only where the exact path
+    writes the copy twice more does it end (DroppedCopy)."""
+    from ragblend.core.decode.repeats import DroppedCopy
+
+    guard = RepeatGuard(tokenizer.decode)
+    found = [r for r in (guard.observe(t) for t in tokenizer.encode(text)) if r is not None]
+    assert all(any(c.isalpha() for c in tokenizer.decode(tokenizer.encode(text)[r.start:r.start + r.unit]))
+               for r in found)
+    copy = tokenizer.encode(" Not included |")
+    watch = DroppedCopy(copy)
+    assert all(watch.observe(t) for t in copy) and not watch.complete   # written once again: shown
+    assert all(watch.observe(t) for t in copy) and watch.complete       # twice more: the exact path loops
+
+
+def test_a_fallback_that_fails_keeps_the_answer_so_far(tokenizer, caplog):
+    """Out of memory in the fallback's full prefill: the answer ends at its kept text, in generate,
+    stream and the batched decoder alike, and the stats say why."""
+    engine = loosened_engine("qwen2", tokenizer, RepeatRule(1, 1))
+
+    def no_memory(token_ids):
+        raise MemoryError("no room for the exact K/V")
+
+    engine.runner.exact_prefill = no_memory
+    params, strategy = SamplingParams(max_new_tokens=48), QueryAware(0.3)
+    kept = engine.generate(prompt((2, 1, 0)), strategy=strategy, params=params)
+    assert kept.finish_reason == "stop" and kept.token_ids
+    assert "the fallback failed (MemoryError)" in kept.stats.fusion_fallback
+    assert "".join(engine.stream(prompt((2, 1, 0)), strategy=strategy, params=params)) == kept.text
+    batch = BatchDecoder()
+    member = batch.add(engine.begin(prompt((2, 1, 0)), strategy=strategy, params=params))
+    events = []
+    while batch.members:
+        events += batch.step()
+    assert all(e.error is None for e in events if e.member is member)
+    assert "".join(e.delta for e in events if e.member is member) == kept.text

@@ -199,7 +199,8 @@ class BatchDecoder:
         for member in list(self.members):
             decoding = member.decoding
             try:
-                delta = decoding.take(decoding.pending.popleft())
+                # no logits pending only where a failed fallback ended the answer (generate.Decoding.fall_back)
+                delta = decoding.take(decoding.pending.popleft()) if decoding.pending else ""
                 finished = decoding.finish_reason is not None
                 if finished:
                     delta += decoding.rest()

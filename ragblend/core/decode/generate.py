@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import math
 import struct
 import time
@@ -21,12 +22,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..cancel import check_cancelled
+from ..cancel import Cancelled, check_cancelled
 from ..errors import InvalidInputError
 from ..model.layer_step import LayerPass, run_layers
 from ..model.masks import attention_plan, visible_keys
 from ..model.omp import release_thread_pool
 from .repeats import DroppedCopy, Repeat, RepeatGuard
+
+log = logging.getLogger("ragblend")
 
 # A greedy pick on low-bit weights (4-bit or 8-bit, bfloat16 activations) whose top two logits
 # lie closer than this is made again on the float32 weights. Fed the same answers (SmolLM2, 54
@@ -414,6 +417,8 @@ class Decoding:
                 check_cancelled()   # a caller's fusion.cancellable() may stop us between steps
                 with torch.inference_mode(), self.lock or contextlib.nullcontext():
                     self.advance()
+                if self.finish_reason is not None:   # a fallback that failed ends the answer
+                    break
         self.decode_s = time.perf_counter() - t0
         rest = self.rest()
         if rest:
@@ -463,7 +468,8 @@ class Decoding:
         safe = len(full) - _stop_holdback(full, params.stop)
         held = self.repeat_guard.held if self.repeat_guard is not None else self.dropped.held if self.dropped else 0
         if held:   # a second copy may be in progress: shown only once it breaks off
-            safe = min(safe, len(self.tokenizer.decode(self.token_ids[:-held], skip_special_tokens=True)))
+            before = self.tokenizer.decode(self.token_ids[:-held], skip_special_tokens=True)
+            safe = min(safe, len(before.rstrip("\ufffd")))   # a character the held tokens complete is held too
         while safe > self.emitted and full[safe - 1] == "\ufffd":  # half a UTF-8 character
             safe -= 1
         if safe > self.emitted:
@@ -480,7 +486,7 @@ class Decoding:
     def _repeats(self, token: int) -> bool:
         """Whether ``token`` completes a loop, and is dropped with the copy it completes: a fused
         answer's first loop (then the answer falls back at the next :meth:`advance`), or the exact
-        path's writing that dropped copy again (then the answer ends before it: see .repeats)."""
+        path's writing that dropped copy twice more (then the answer ends before them: see .repeats)."""
         if self.repeat_guard is not None:
             self.repeat = self.repeat_guard.observe(token)
             if self.repeat is None:
@@ -491,9 +497,9 @@ class Decoding:
         elif self.dropped is not None and self.dropped.observe(token):
             if not self.dropped.complete:
                 return False
-            start = len(self.token_ids) + 1 - len(self.dropped.tokens)
+            start = len(self.token_ids) + 1 - self.dropped.held
             self.finish_reason, self.dropped = "stop", None
-            self.fallback += "; the exact path wrote it again, so the answer ends before it"
+            self.fallback += "; the exact path wrote it twice more, so the answer ends before them"
         else:
             self.dropped = None   # the exact path went its own way
             return False
@@ -507,7 +513,17 @@ class Decoding:
         after them pending. The answer is on the exact path from then on, never checked again."""
         repeat, old = self.repeat, self.decoder
         ids = list(self.prefill.token_ids) + self.token_ids
-        exact = self.exact_prefill(ids)
+        try:
+            exact = self.exact_prefill(ids)
+        except Cancelled:
+            raise
+        except Exception as err:   # e.g. out of memory: the answer so far stands, ended where it was kept
+            log.warning("a looping answer's fallback to the exact path failed (%s: %s); it ends at the kept text",
+                        type(err).__name__, err)
+            self.fallback = f"{repeat.describe()}; the fallback failed ({type(err).__name__}), so the answer ends there"
+            self.finish_reason, self.dropped = "stop", None
+            self.repeat = self.repeat_guard = self.exact_prefill = None
+            return
         self.decoder = KVDecoder(old.adapter, exact.keys, exact.values, old.capacity, dtype=old.dtype)
         self.exact_until = self.decoder.length
         if self.lookup is not None:   # drafts from the kept tokens only
@@ -518,6 +534,7 @@ class Decoding:
         self.repeat = self.repeat_guard = self.exact_prefill = None
         if self.prefill is not None:   # its K/V are the fused prompt's, not those the answer now follows
             self.prefill.prefix_kept = None
+            self.prefill.keys = self.prefill.values = None   # views of the old buffers: let them go
 
     def rest(self) -> str:
         """Once finished: the text not yet handed out (held back for a stop string that did not come)."""

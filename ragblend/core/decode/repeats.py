@@ -8,20 +8,20 @@ copies of one unit back to back; :meth:`~ragblend.core.decode.generate.Decoding.
 drops the copies after the first, recomputes the exact K/V of prompt + kept answer, and decoding
 goes on from there as a full prefill's would. The fused tokens already shown cannot be taken back, and the
 loop may have been set up by them (the trial's answer differed from the full prefill's inside the
-first copy: "follow-up" for "following up"), so the exact path, given them, may write the same copy
-again (:class:`DroppedCopy` watches for it): then the answer ends before it, one copy shown, as the
-full prefill's answer ended, instead of looping to the token limit.
+first copy: "follow-up" for "following up"), so the exact path, given them, may loop on (:class:`DroppedCopy` watches for it): where it writes
+the dropped copy twice more in a row, the answer ends before them, one copy shown, as the full
+prefill's answer ended, instead of looping to the token limit.
 
 What counts as the start of a loop (:class:`RepeatRule`): a unit of at least 8 visible characters,
-not itself a run of a shorter unit, complete twice in a row if it has 4 tokens or more, three
-times if fewer. Legitimate answers practically never hold a 4-token, 8-character phrase twice back
-to back ("It was a great product. It was a great product." is already the loop) nor a shorter one
-three times ("removable removable removable", which a fused answer gave); the runs that real text
-does hold ("1,000,000,000", "| 0 | 0 | 0 |", "ha ha ha", "very, very, very") are of units under 8
-characters and never count, and a pair such as "New York, New York" is two copies of a 3-token unit.
-A false alarm costs time, not the answer: the answer goes on as the full prefill's would from the
-kept tokens (about one full prefill of prompt + answer, paid once; an answer on the exact path is
-never checked for new loops), and ends early only where the exact path repeats the copy too.
+a letter among them, not itself a run of a shorter unit, complete twice in a row if it has 4 tokens or
+more, three times if fewer. Prose practically never holds a 4-token, 8-character phrase twice back to
+back ("It was a great product. It was a great product." is already the loop) nor a shorter one three
+times ("removable removable removable", which a fused answer gave). Structured text does ("[0, 0, 0,
+0]," rows, "| Not included | Not included |", a code line twice): units without a letter never count,
+and for the rest a false alarm costs time, not the answer: the answer goes on as the full prefill's
+would from the kept tokens (about one full prefill of prompt + answer, paid once; an answer on the
+exact path is never checked for new loops), the dropped copy is written again and shown, and the
+answer ends early only where the exact path writes it twice more (three equal rows in a row).
 
 Streaming must not show a copy that is then taken back, so the guard also says how many of the
 last tokens could be a second copy in progress (:attr:`RepeatGuard.held`): those are held back,
@@ -45,6 +45,10 @@ class RepeatRule:
     min_unit_tokens: int = 4
     min_unit_chars: int = 8
     short_unit_copies: int = 3
+    # Units longer than this are not watched: the loops seen were a sentence or a paragraph (up to
+    # ~20 tokens), and the cap keeps each token's cost flat however long the answer.
+    max_unit_tokens: int = 128
+    needs_letter: bool = True   # units of digits and punctuation alone (matrix rows, table rules) never count
 
     def copies(self, unit: int) -> int:
         """How many copies of a ``unit``-token unit in a row make a loop."""
@@ -84,11 +88,11 @@ class RepeatGuard:
         tokens, runs = self.tokens, self.runs
         tokens.append(token)
         last = len(tokens) - 1
-        for unit in range(1, last + 1):
+        for unit in range(1, min(last, self.rule.max_unit_tokens) + 1):
             if unit == len(runs):
                 runs.append(0)
             runs[unit] = runs[unit] + 1 if tokens[last - unit] == token else 0
-        for unit in range(1, (last + 1) // 2 + 1):   # two copies fit
+        for unit in range(1, min((last + 1) // 2, self.rule.max_unit_tokens) + 1):   # two copies fit
             copies = self.rule.copies(unit)
             if runs[unit] == (copies - 1) * unit and self._is_loop(unit, copies):
                 return Repeat(unit, len(tokens) - (copies - 1) * unit, copies)
@@ -108,24 +112,29 @@ class RepeatGuard:
         if any(self.runs[period] >= span - period for period in range(1, unit)):
             return False
         text = self.text_of(self.tokens[-unit:])
-        return sum(not c.isspace() for c in text) >= self.rule.min_unit_chars
+        return (sum(not c.isspace() for c in text) >= self.rule.min_unit_chars
+                and (not self.rule.needs_letter or any(c.isalpha() for c in text)))
 
 
 class DroppedCopy:
-    """The second copy a fallback dropped, watched for on the exact path that follows: :meth:`observe`
-    says whether the exact path's next token writes it again; once it has written it whole
-    (:attr:`complete`), the answer ends before it. Its tokens so far (:attr:`held`) are held back
-    from a stream until then; at the first token that differs the watch ends."""
+    """The copy a fallback dropped, watched for on the exact path that follows: :meth:`observe` says
+    whether the exact path's next token goes on writing it again. Only where the exact path writes it
+    twice more in a row (:attr:`complete`: it loops too, given the text already shown) does the answer
+    end, before those copies; a single copy again is legitimate repeated text (two equal table rows)
+    and is shown. Its tokens so far (:attr:`held`) are held back from a stream until then; at the first
+    token that differs the watch ends."""
+
+    COPIES = 2
 
     def __init__(self, tokens: list[int]):
         self.tokens, self.held = list(tokens), 0
 
     def observe(self, token: int) -> bool:
-        if self.held < len(self.tokens) and self.tokens[self.held] == token:
+        if not self.complete and self.tokens[self.held % len(self.tokens)] == token:
             self.held += 1
             return True
         return False
 
     @property
     def complete(self) -> bool:
-        return self.held == len(self.tokens)
+        return self.held == self.COPIES * len(self.tokens)
