@@ -38,7 +38,7 @@ class GenerationMixin:
         """The stats of a decoding from :meth:`begin`, completed with its answer's; its K/V go to the prefix
         tier, and its turns' text to the piece memory (PieceStore) as pieces of the conversation (in the background: see .pieces)."""
         self.last_stats = decoding.finish_stats(decoding.stats)
-        self.fusion_fallbacks += bool(decoding.fallback)
+        self.fusion_fallbacks += bool(decoding.fallback_tokens)   # fallbacks that ran (not those that failed)
         if decoding.prefill is not None:
             adapter = self.decoding_adapter()
             self.runner.remember_answer(decoding, exact_decoding=adapter is self.decode_weights.adapter)

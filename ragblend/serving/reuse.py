@@ -72,14 +72,11 @@ class PassageKeeper:
         while len(self.pending) > self.max_pending:
             self.pending.popitem(last=False)
 
-    def awaits(self, texts: Iterable[str], namespace: str = "", within: str | None = None) -> bool:
+    def awaits(self, texts: Iterable[str], namespace: str = "") -> bool:
         """Whether a prompt with these passages would read some that wait to be stored (or are
-        being stored) in ``namespace``: its request is better off letting the storing finish.
-        ``within``: the text of the part of the prompt its prefill will compute (the rest comes
-        from the prefix tier); only a passage wholly inside it would be read."""
+        being stored) in ``namespace``: its request is better off letting the storing finish."""
         with self.lock:
-            awaited = [text for text in texts if (namespace, text) in self.pending or (namespace, text) in self.storing]
-        return any(within is None or text in within for text in awaited)
+            return any((namespace, text) in self.pending or (namespace, text) in self.storing for text in texts)
 
     def awaited_by(self, texts: list[str], namespace: str, ids_of: Callable[[], list[int]], own: str,
                    reads_tier: bool = True) -> bool | Callable[[], bool]:
@@ -88,17 +85,17 @@ class PassageKeeper:
         function the worker asks while a storing job runs. It tokenizes the prompt (``ids_of``) and
         looks up the prefix tier in ``own``, the request's tenant's namespace (``reads_tier``
         False: its strategy does not read the tier): a passage inside the prefix the tier holds is
-        not read from the store (a conversation's next turn computes only its last tokens), so only
-        the passages in the rest of the prompt count."""
+        not read from the store (a conversation's next turn computes only its last tokens), and the
+        rest of a prompt the tier holds at least half of is computed in full: such a request never waits."""
         if not self.awaits(texts, namespace):
             return False
 
         def decide() -> bool:
             ids = ids_of()
             held = self.engine.prefix_held(ids, own) if reads_tier else 0
-            if 2 * held < len(ids):   # a prefix shorter than the rest may go unused (PrefixReuse.pays)
-                return self.awaits(texts, namespace)
-            return self.awaits(texts, namespace, within=self.engine.tokenizer.decode(ids[held:]))
+            # A prompt the tier holds at least half of extends the held prefix, the rest computed in
+            # full (PrefixReuse.extend): it reads no stored passage. A shorter prefix may go unused (.pays).
+            return 2 * held < len(ids) and self.awaits(texts, namespace)
         return decide
 
     def _request_waits(self) -> bool:

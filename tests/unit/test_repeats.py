@@ -210,3 +210,14 @@ def test_a_fallback_that_fails_keeps_the_answer_so_far(tokenizer, caplog):
         events += batch.step()
     assert all(e.error is None for e in events if e.member is member)
     assert "".join(e.delta for e in events if e.member is member) == kept.text
+
+
+def test_a_stream_does_not_hold_back_runs_that_can_never_count(tokenizer):
+    """A long zero matrix is runs of a short unit without words: no copy of it is held back."""
+    text = "[[" + ",\n ".join("[" + ", ".join(["0"] * 8) + "]" for _ in range(12)) + "]]"
+    guard = RepeatGuard(tokenizer.decode)
+    most = 0
+    for token in tokenizer.encode(text):
+        assert guard.observe(token) is None
+        most = max(most, guard.held)
+    assert most == 0

@@ -234,7 +234,8 @@ class BatchDecoder:
         for member in looping:
             try:
                 member.decoding.advance()
-                self._count_pass(1)
+                if member.decoding.fallback_tokens:   # a failed fallback ran no pass
+                    self._count_pass(1)
             except Exception as err:
                 self._fail(member, err, events)
         return [m for m in stepping if m not in looping]

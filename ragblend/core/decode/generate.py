@@ -492,7 +492,7 @@ class Decoding:
             if self.repeat is None:
                 return False
             start = self.repeat.start
-            self.dropped = DroppedCopy(self.token_ids[start:] + [token])
+            self.dropped = DroppedCopy((self.token_ids[start:] + [token])[-self.repeat.unit:])   # one copy
             self.pending.clear()   # logits computed after the dropped tokens
         elif self.dropped is not None and self.dropped.observe(token):
             if not self.dropped.complete:

@@ -100,18 +100,29 @@ class RepeatGuard:
 
     @property
     def held(self) -> int:
-        """How many of the last tokens could be a second copy in progress (to hold back from a stream)."""
-        runs, rule = self.runs, self.rule
-        return max((runs[unit] for unit in range(1, len(runs)) if runs[unit] < (rule.copies(unit) - 1) * unit),
-                   default=0)
+        """How many of the last tokens could be a further copy in progress of a unit that would count
+        (to hold back from a stream): the longest such run, 0 where there is none."""
+        runs, rule, n = self.runs, self.rule, len(self.tokens)
+        in_progress = [unit for unit in range(1, len(runs)) if 0 < runs[unit] < (rule.copies(unit) - 1) * unit]
+        for unit in sorted(in_progress, key=lambda unit: -runs[unit]):
+            run = runs[unit]
+            # a run of a shorter unit never counts ("| 0 | 0 | 0"), nor a unit without words
+            if not self._shorter_period(unit + run, unit) and self._counts(self.tokens[n - run - unit:n - run]):
+                return run
+        return 0
 
     def _is_loop(self, unit: int, copies: int) -> bool:
         """Whether the ``copies`` of ``unit`` tokens just completed count: not a run of a shorter unit
         (their span has no shorter period), and text enough in the unit."""
-        span = copies * unit
-        if any(self.runs[period] >= span - period for period in range(1, unit)):
-            return False
-        text = self.text_of(self.tokens[-unit:])
+        return not self._shorter_period(copies * unit, unit) and self._counts(self.tokens[-unit:])
+
+    def _shorter_period(self, span: int, unit: int) -> bool:
+        """Whether the last ``span`` tokens repeat with a period shorter than ``unit``."""
+        return any(self.runs[period] >= span - period for period in range(1, unit))
+
+    def _counts(self, unit_tokens: list[int]) -> bool:
+        """Whether a unit has text enough to count: ``min_unit_chars`` visible characters, a letter among them."""
+        text = self.text_of(unit_tokens)
         return (sum(not c.isspace() for c in text) >= self.rule.min_unit_chars
                 and (not self.rule.needs_letter or any(c.isalpha() for c in text)))
 
