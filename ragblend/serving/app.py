@@ -140,7 +140,7 @@ class Metrics:
             self.prompt_tokens += stats.prompt_tokens
             self.generated_tokens += stats.generated_tokens
             self.fusion_skipped += bool(stats.fusion_skipped)
-            self.fusion_fallbacks += bool(stats.fusion_fallback)
+            self.fusion_fallbacks += bool(stats.fallback_tokens)   # as engine.fusion_fallbacks: those that ran
             self.history_tokens += stats.history_tokens
             self.ttft_sum += stats.ttft_s
             bucket = next((i for i, edge in enumerate(TTFT_BUCKETS) if stats.ttft_s <= edge), len(TTFT_BUCKETS))

@@ -511,10 +511,11 @@ class Decoding:
         """Go on from the kept answer as a full prefill would: the exact K/V of prompt + kept
         answer (:attr:`exact_prefill`, a full prefill of those tokens) in a new decoder, the logits
         after them pending. The answer is on the exact path from then on, never checked again."""
-        repeat, old = self.repeat, self.decoder
+        repeat, old, exact_prefill = self.repeat, self.decoder, self.exact_prefill
+        self.repeat = self.repeat_guard = self.exact_prefill = None   # checked once: never again, whatever follows
         ids = list(self.prefill.token_ids) + self.token_ids
         try:
-            exact = self.exact_prefill(ids)
+            exact = exact_prefill(ids)
         except Cancelled:
             raise
         except Exception as err:   # e.g. out of memory: the answer so far stands, ended where it was kept
@@ -522,7 +523,6 @@ class Decoding:
                         type(err).__name__, err)
             self.fallback = f"{repeat.describe()}; the fallback failed ({type(err).__name__}), so the answer ends there"
             self.finish_reason, self.dropped = "stop", None
-            self.repeat = self.repeat_guard = self.exact_prefill = None
             return
         self.decoder = KVDecoder(old.adapter, exact.keys, exact.values, old.capacity, dtype=old.dtype)
         self.exact_until = self.decoder.length
@@ -531,7 +531,6 @@ class Decoding:
         self.pending.append(exact.logits.to(old.adapter.device))
         self.steps += 1
         self.fallback, self.fallback_tokens = repeat.describe(), len(ids)
-        self.repeat = self.repeat_guard = self.exact_prefill = None
         if self.prefill is not None:   # its K/V are the fused prompt's, not those the answer now follows
             self.prefill.prefix_kept = None
             self.prefill.keys = self.prefill.values = None   # views of the old buffers: let them go

@@ -75,8 +75,9 @@ class RepeatGuard:
 
     For every unit length L it keeps ``runs[L]``: how many of the last tokens equal the token L
     before each, i.e. how far the copies after a first of the L tokens before them have got: k
-    copies are complete when the run reaches (k - 1) L; a shorter run is a copy in progress. Each token updates every L once, so an
-    answer of n tokens costs O(n) a token (plain integer compares: microseconds)."""
+    copies are complete when the run reaches (k - 1) L; a shorter run is a copy in progress. Each token
+    updates every L up to ``max_unit_tokens`` once: at most 128 integer compares a token, however long
+    the answer (the text of a unit is decoded only for a candidate loop or a copy held back)."""
 
     def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule()):
         self.text_of, self.rule = text_of, rule
