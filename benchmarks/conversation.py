@@ -18,8 +18,10 @@
     client sees it (request to first content delta), default and full prefill (the request's
     ``ragblend.strategy``), each run in its own ``cache_salt``.
 
-  llama-cpp-python on the same GGUF with its RAM prompt cache (a fresh one per setting and path)
-  is sent the token ids of the default's answer prompts, in order: the same rendered prompts.
+  llama-cpp-python on the same GGUF with its RAM prompt cache (a fresh one per conversation)
+  is sent the token ids of the default's answer prompts, in order: the same rendered prompts; for
+  the served setting as ragblend is asked, ``--pause`` s after each turn and each turn the median
+  of ``--repeats`` conversations.
   Between turns, the engine's background work (storing the pieces of the turn just answered)
   finishes first, as while a user reads the answer: its time is reported (``bg s``), never hidden.
 
@@ -183,15 +185,25 @@ def served_warm_up(url: str) -> None:
     time.sleep(5)
 
 
-def llama_cpp_turns(prompts: list[list[int]], tokens: int) -> list[float] | None:
-    """llama-cpp-python's TTFT for each prompt in order, one Llama with its RAM prompt cache; None when absent."""
-    try:
-        from .peers import LlamaCppPeer, gguf_file
-        peer = LlamaCppPeer(gguf_file("smollm2"), tokens, n_ctx=8192)
-    except Exception as err:   # not installed, or no GGUF: reported as skipped
-        print(f"llama-cpp-python skipped: {type(err).__name__}: {err}", flush=True)
-        return None
-    return [peer.answer(ids)[0] for ids in prompts]
+def llama_cpp_turns(prompts: list[list[int]], tokens: int, pause: float = 0.0, repeats: int = 1) -> list[float] | None:
+    """llama-cpp-python's TTFT for each prompt in order, one Llama with its RAM prompt cache per
+    conversation, ``pause`` s after each turn (as the served conversations pause), each turn the
+    median of ``repeats`` conversations (as ragblend's served turns are); None when absent."""
+    runs = []
+    for _ in range(repeats):
+        try:
+            from .peers import LlamaCppPeer, gguf_file
+            peer = LlamaCppPeer(gguf_file("smollm2"), tokens, n_ctx=8192)
+        except Exception as err:   # not installed, or no GGUF: reported as skipped
+            print(f"llama-cpp-python skipped: {type(err).__name__}: {err}", flush=True)
+            return None
+        ttfts = []
+        for ids in prompts:
+            ttfts.append(peer.answer(ids)[0])
+            time.sleep(pause)
+        runs.append(ttfts)
+        del peer
+    return [statistics.median(turn) for turn in zip(*runs)]
 
 
 def table(title: str, results: dict, peer: list[float] | None, turns: int) -> list[str]:
@@ -288,7 +300,8 @@ def main(argv=None) -> None:
                     results = {mode: served_conversations(server.url, chunks, setting, args, mode)
                                for mode in ("full prefill", "default")}
                     prompts = [base.prompts.chat_ids(r["messages"]) for r in results["default"]]
-                    peer = llama_cpp_turns(prompts, args.tokens)
+                    # as ragblend's turns: a pause after each, the median of as many conversations
+                    peer = llama_cpp_turns(prompts, args.tokens, args.pause, args.repeats)
                     lines += table(f"`ragblend serve` + openai client, {setting}: client TTFT in s, median of "
                                    f"{args.repeats} conversations (prompt tokens / "
                                    "prefix-tier tokens / history-piece tokens)", results, peer, args.turns)

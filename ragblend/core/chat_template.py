@@ -141,6 +141,29 @@ class ChatTemplateMixin:
             return ids + self._plain_cue() if add_generation_prompt and turns[-1][0] != "assistant" else ids
         return self._encode(self._chat_pieces(turns, add_generation_prompt=add_generation_prompt))
 
+    def next_turn_opening(self) -> list[int]:
+        """Token ids the template writes between an assistant message's text and the next user
+        message's text (ChatML's ``<|im_end|>\n<|im_start|>user\n``): what the next turn of a
+        conversation starts with after an answer (computed ahead by the prefix tier, which reuses
+        them only where a next prompt holds the same ids). Empty where the template refuses such a
+        chat. Rendered once."""
+        cached = getattr(self, "_next_turn_opening", None)
+        if cached is None:
+            cached = self._next_turn_opening = self._opening_after_answer()
+        return list(cached)
+
+    def _opening_after_answer(self) -> list[int]:
+        if not self.use_chat_template:
+            return list(self._separator_ids)   # the plain layout joins every turn with the separator
+        try:
+            pieces = self._chat_pieces([("user", "Hello."), ("assistant", "Hi."), ("user", None)],
+                                       add_generation_prompt=True)
+        except InvalidInputError:   # a template that refuses such a chat: nothing to compute ahead
+            return []
+        answer = [k for k, piece in enumerate(pieces) if piece is not None and not piece[1]][-1]
+        between = pieces[answer + 1:pieces.index(None)]
+        return self.tokenize_template("".join(text for text, _ in between))
+
     def check_tool_turns(self, turns: Sequence[tuple[str, object]], who: str | None = None) -> None:
         """Refuse a tool turn unless the chat template has a tool role: written as any other
         role (ChatML's ``<|im_start|>tool``) or as the user's, a model trained without tool

@@ -71,10 +71,16 @@ class HistoryPieces:
         chunk or stored piece covers, for the next turn of its conversation."""
         pre = decoding.prefill
         if pre is not None and getattr(pre, "keeps_pieces", False):
-            self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
+            # Where the prefix tier served the prompt up to its question, no piece was marked in it, and
+            # its earlier turns were kept when they were answered: only this turn is new (cut into the
+            # unmarked history's runs, they would all be computed again, more each turn).
+            earlier = pre.stats.prefix_tokens < self.last_message_start(pre.token_ids)
+            self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens, earlier)
 
-    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int) -> None:
-        """Compute and keep the pieces of one answered turn (runs on the background thread)."""
+    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int,
+                     earlier: bool = True) -> None:
+        """Compute and keep the pieces of one answered turn (runs on the background thread), and with
+        ``earlier`` those of the earlier turns and system text not kept yet."""
         prompts = self.ingestion.prompts
         try:
             # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
@@ -82,7 +88,8 @@ class HistoryPieces:
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
             runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
                              prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
-                             history=layout.conversation, max_tokens=self.ingestion.max_chunk_tokens)
+                             history=layout.conversation, earlier=earlier,
+                             max_tokens=self.ingestion.max_chunk_tokens)
             namespace = piece_namespace(layout.namespace)
             keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
+from .background import Background
+from .decode.generate import KVDecoder
 from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .fusion.ingest import Ingestion
 from .fusion.pipeline import SequentialSource
 from .fusion.prefill import FusedPrefill
 from .model.adapter import ModelAdapter
+from .model.kernels import DRAFT_ROWS
 from .plan import StrategyPlan
 from .prompt import PromptLayout
 from .results import Stats
@@ -26,9 +30,14 @@ class PrefixReuse:
     passes hold ``lock``. Only the engine's own strategy reads the tier (a strategy the caller
     names runs as asked)."""
 
-    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, lock, prefix: PrefixCache | None):
+    def __init__(self, adapter: ModelAdapter, ingestion: Ingestion, lock, prefix: PrefixCache | None,
+                 background: Background | None = None):
         self.adapter, self.ingestion, self.lock = adapter, ingestion, lock
         self.prefix = prefix
+        self.background = background   # where an answer's next-turn opening is computed (None: not computed)
+        # The adapter decoding runs on (set by the engine once it is built; None: this one): a short
+        # rest over K/V that were fused or decoded runs on it, as decoding would run those tokens.
+        self.decoding_adapter: Callable[[], ModelAdapter] | None = None
         self.kv_dtype = adapter.dtype   # the dtype of the K/V this engine keeps in the tier
 
     def scope(self, exact: bool, namespace: str) -> PrefixScope:
@@ -77,7 +86,9 @@ class PrefixReuse:
         """The prefill of a prompt whose first tokens are ``hit``'s: the rest runs in full over them.
         Returns the fused prefill, its (empty) layer source and the mask of tokens from the tier."""
         n, p = len(layout.token_ids), hit.num_tokens
-        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full"
+        adapter, rows_per_pass = self.rest_adapter(hit, n - p)
+        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full" + (
+            " on the decoding weights" if adapter is not self.adapter else "")
         stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
                                  f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and {rest}; "
                                  f"the strategy was {plan.reason}")
@@ -87,10 +98,24 @@ class PrefixReuse:
                                  layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
         else:
             with self.lock:
-                fused = extend_prefix(self.adapter, hit, layout.token_ids)
+                fused = extend_prefix(adapter, hit, layout.token_ids, rows_per_pass)
         from_store = torch.zeros(n, dtype=torch.bool)
         from_store[:p] = True
         return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
+
+    def rest_adapter(self, hit: PrefixHit, rest: int) -> tuple[ModelAdapter, int | None]:
+        """The adapter a prompt's ``rest`` tokens after ``hit`` run on, and the most rows a pass takes
+        (None: one pass). A few tokens (a conversation's next question) over K/V that were fused or
+        decoded on low-bit weights (not exact) run as decoding runs tokens: on its low-bit kernels,
+        which take up to ``DRAFT_ROWS`` rows a pass, in ~60% of the float32 time at 8 rows; the
+        first-token change is measured within the order noise (docs/benchmarks.md, "Conversations").
+        Exact K/V stay exact: the rest then runs on the prefill's own weights."""
+        twin = self.decoding_adapter() if self.decoding_adapter is not None and not hit.scope.exact else None
+        if twin is None or twin is self.adapter or rest > self.TWIN_PASSES * DRAFT_ROWS:
+            return self.adapter, None
+        return twin, DRAFT_ROWS
+
+    TWIN_PASSES = 2   # more rows run faster in one float32 pass (4 low-bit passes of 8 rows tie it at 32)
 
     def remember(self, layout: PromptLayout, plan: StrategyPlan, fused, hit: PrefixHit | None) -> KeptPrefix | None:
         """Keep this prompt's K/V in the prefix tier; how they were kept (None: not kept).
@@ -112,7 +137,9 @@ class PrefixReuse:
     def remember_answer(self, decoding, exact_decoding: bool) -> None:
         """Keep the K/V of a finished answer's prompt and tokens in the prefix tier (the next turn of
         a conversation starts with them), where its prompt's were kept; as exact only where
-        ``exact_decoding`` (decoded on the prefill's weights, over K/V in its dtype)."""
+        ``exact_decoding`` (decoded on the prefill's weights, over K/V in its dtype). Then, in the
+        background, the tokens every next turn starts with (:meth:`opening_after`) are computed
+        over them and kept too: the next turn computes only its question."""
         pre, decoder = decoding.prefill, decoding.decoder
         kept: KeptPrefix | None = getattr(pre, "prefix_kept", None)
         prefix = self.prefix
@@ -121,17 +148,61 @@ class PrefixReuse:
         if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
             return
         length, dtype = decoder.length, self.kv_dtype
-        size = sum(2 * k.shape[0] * length * k.shape[2] for k in decoder.keys) * dtype.itemsize
+        opening = self.opening_after(decoding, answered)
+        size = sum(2 * k.shape[0] * (length + len(opening)) * k.shape[2] for k in decoder.keys) * dtype.itemsize
         if size > prefix.max_bytes:
             return   # the tier would refuse it: copy nothing
         try:
-            keys = [k[:, :length].to(dtype, copy=True) for k in decoder.keys]
-            values = [v[:, :length].to(dtype, copy=True) for v in decoder.values]
             # the prompt's own bias (decoding may have run without it), none on the answer's keys
             bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
+            # A copy (the answer's buffers are its decoder's), with room for the opening.
+            carried = KVDecoder(decoder.adapter, [k[:, :length] for k in decoder.keys],
+                                [v[:, :length] for v in decoder.values], length + len(opening), bias, dtype)
             scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
+            ids = list(pre.token_ids) + list(decoding.token_ids[:answered])
             # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
-            prefix.store(scope, list(pre.token_ids) + list(decoding.token_ids[:answered]), keys, values, bias,
-                         usable_from=0 if scope.exact else n - 1)
+            usable_from = 0 if scope.exact else n - 1
+            self._keep(prefix, scope, ids, carried, usable_from)
+            if opening and self.background is not None:   # the answer is out: off its path
+                self.background.submit(self._keep_opening, prefix, scope, ids, carried, opening, usable_from)
         except Exception as err:   # the tier never fails an answer that is done
             log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
+
+    def opening_after(self, decoding, answered: int) -> list[int]:
+        """The tokens the next turn of ``decoding``'s conversation starts with after its first
+        ``answered`` answer tokens: the rest of the answer as its text tokenizes (what the next
+        prompt holds) and the template's opening of the next user turn; [] for a prompt that is no
+        chat, where the answer's text does not tokenize to the tokens generated, or where that would
+        be more than a few tokens."""
+        layout, prompts = decoding.prefill.layout, self.ingestion.prompts
+        # Only a chat is likely to go on (a single-shot query would pay a pass for nothing).
+        opening = prompts.next_turn_opening() if layout.chat or layout.conversation else []
+        if not opening:
+            return []
+        ids = (prompts.tokenize(decoding.text) if decoding.text else []) + opening
+        if ids[:answered] != list(decoding.token_ids[:answered]) or len(ids) - answered > self.MAX_OPENING_TOKENS:
+            return []
+        return ids[answered:]
+
+    MAX_OPENING_TOKENS = 16   # an answer's last token and the template's opening of the next user turn
+
+    def _keep_opening(self, prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder,
+                      opening: list[int], usable_from: int) -> None:
+        """Compute ``opening`` over an answer's K/V (``carried``) and keep all of them (runs on
+        the background thread; the shorter entry it extends then goes, :meth:`PrefixCache.store`)."""
+        try:
+            with self.lock:
+                carried.extend(opening, with_logits=False)
+            self._keep(prefix, scope, ids + opening, carried, usable_from)
+        except Exception as err:   # a cache: the next turn computes the opening itself
+            log.warning("ragblend: could not keep a conversation's next-turn opening in the prefix tier (%s: %s)",
+                        type(err).__name__, err)
+
+    @staticmethod
+    def _keep(prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder, usable_from: int) -> None:
+        """Keep the first ``len(ids)`` positions of ``carried``'s buffers (views: later positions
+        may still be written, these never are)."""
+        m = len(ids)
+        bias = None if carried.key_bias is None else carried.key_bias[:m]
+        prefix.store(scope, ids, [k[:, :m] for k in carried.keys], [v[:, :m] for v in carried.values], bias,
+                     usable_from=usable_from)

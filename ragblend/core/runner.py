@@ -51,7 +51,7 @@ class PrefillRunner:
         self.adapter, self.ingestion, self.index, self.lock, self.loading = adapter, ingestion, index, lock, loading
         self.sentence_end_ids, self.fusion_cost = sentence_end_ids, fusion_cost
         self.background = Background()
-        self.prefixes = PrefixReuse(adapter, ingestion, lock, prefix)
+        self.prefixes = PrefixReuse(adapter, ingestion, lock, prefix, self.background)
         self.history = HistoryPieces(adapter, ingestion, index, self.background, self.prefixes, pieces, piece_bytes)
         self.reads = ChunkReads(ingestion, index, self.background, self.history.piece_store)
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragblend-prefetch")  # disk read-ahead

@@ -414,3 +414,24 @@ def test_describe_reports_the_history_pieces(tokenizer, capsys):
     _print_history_pieces(pieces)
     assert f"{pieces['entries']} entries" in capsys.readouterr().out
     assert make_tiny_engine("llama", tokenizer, history_pieces=True, history_pieces_bytes=0).describe().history_pieces == {}
+
+
+def test_a_turn_the_prefix_tier_served_keeps_only_its_own_piece(tokenizer):
+    """Where the prefix tier serves a turn up to its question (the context stayed), no piece is
+    marked in it and its earlier turns were kept when answered: only the new turn is computed,
+    not the unmarked history cut into new runs (more of them every turn)."""
+    engine = pieces_engine(tokenizer, "qwen3", prefix_cache_bytes=64 << 20)   # its answers are text it can read back
+    computed = []
+    compute = engine.ingestion.compute_entries
+    engine.ingestion.compute_entries = lambda runs, *args: computed.append(sum(map(len, runs))) or compute(runs, *args)
+    system, history = "Context:\n\n" + PASSAGES[0], []
+    for turn in range(3):
+        layout = engine.find_chunks(QUESTIONS[turn], system=system, history=history)
+        layout = layout if history else dataclasses.replace(layout, chat=True)
+        out = engine.generate(layout, max_new_tokens=4, stop=None)
+        engine.flush()
+        assert engine.prompts.tokenize(out.text) == out.token_ids   # what the next prompt holds
+        history += [("user", QUESTIONS[turn]), ("assistant", out.text)]
+    assert out.stats.prefix_tokens >= engine.runner.last_message_start(layout.token_ids)   # the tier served the history
+    question_and_answer = len(layout.token_ids) - out.stats.prefix_tokens + len(out.token_ids)
+    assert 0 < computed[-1] <= question_and_answer + 8, computed   # + a few template tokens

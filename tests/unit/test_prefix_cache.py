@@ -2,6 +2,7 @@
 computed before, exactly; the tier is bounded, namespaced and keyed by what makes K/V differ."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -254,3 +255,53 @@ def test_a_whole_prompt_is_served_with_its_kept_logits_also_once_its_answer_is_s
     cache.store(SCOPE, list(range(40)), *kv(40), logits=logits + 1)   # held by the longer entry: only its logits kept
     assert len(cache) == 1 and torch.equal(cache.lookup([SCOPE], list(range(40))).logits, logits + 1)
     assert cache.nbytes == sum(entry.nbytes for entry in cache._entries.values())
+
+
+def test_the_next_turn_of_a_chat_computes_only_its_question(tokenizer):
+    """Once a chat's answer is out, the tokens its next turn starts with (the answer's last token,
+    the template's closing of it and opening of the user turn) are computed over it in the
+    background: the next turn finds all of them in the tier, exactly as a prefill computes them.
+    A completion (no chat) leaves its answer as it was."""
+    engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    system = "Context:\n\n" + PASSAGES[0]
+    first = dataclasses.replace(engine.find_chunks("Who ran the ferry?", system=system), chat=True)
+    answer = engine.generate(first, max_new_tokens=6, stop=None)
+    assert engine.prompts.tokenize(answer.text) == answer.token_ids   # its text is what it generated
+    engine.flush()   # the opening is computed in the background
+    history = [("user", "Who ran the ferry?"), ("assistant", answer.text)]
+    second = engine.find_chunks("And when did it stop?", system=system, history=history)
+    nxt = engine.prefill(second)
+    opening = engine.prompts.next_turn_opening()
+    assert nxt.stats.prefix_tokens == len(first.token_ids) + len(answer.token_ids) + len(opening)
+    assert second.token_ids[:nxt.stats.prefix_tokens][-len(opening):] == opening   # up to the question
+    assert (nxt.logits - forward_logits(engine, second.token_ids)).abs().max() <= 1e-4
+
+    ids = text_ids(engine, 60)
+    done = engine.generate(PromptLayout(ids, []), max_new_tokens=6, stop=None)
+    engine.flush()
+    after = ids + done.token_ids + engine.prompts.next_turn_opening() + text_ids(engine, 30, seed=1)[8:]
+    assert engine.prefill(PromptLayout(after, [])).stats.prefix_tokens == len(ids) + 5
+
+
+def test_a_few_tokens_over_decoded_k_v_run_on_the_decoding_weights(tokenizer):
+    """A next turn's question over an answer decoded on low-bit weights (K/V that are not exact
+    anyway) runs as decoding runs tokens: on those weights, a few rows a pass; its first token
+    stays that of a full prefill. A longer rest, or exact K/V, run on the prefill's weights."""
+    from ragblend.core.calibration.metrics import first_token_kl
+
+    engine = BlendEngine(copy.deepcopy(tiny_model("qwen2")), tokenizer, decode_dtype="int8",
+                         prefix_cache_bytes=TIER, min_fusion_speedup=0, history_pieces=False)
+    ids = text_ids(engine, 60)
+    for namespace, new_tokens in (("short", 12), ("long", 40)):
+        answer = engine.generate(PromptLayout(ids, [], namespace=namespace), max_new_tokens=6, stop=None)
+        turn = ids + answer.token_ids + text_ids(engine, 8 + new_tokens, seed=1)[8:]
+        nxt = engine.prefill(PromptLayout(turn, [], namespace=namespace))
+        assert nxt.stats.prefix_tokens == len(ids) + 5   # the answer's K/V, decoded on 8-bit weights
+        on_twin = "on the decoding weights" in nxt.stats.strategy_reason
+        assert on_twin == (namespace == "short")   # 13 rows in passes of 8; 41 in one float32 pass
+        assert first_token_kl(forward_logits(engine, turn), nxt.logits) < 1e-2
+        assert nxt.logits.argmax() == forward_logits(engine, turn).argmax()
+    exact = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    answer = exact.generate(PromptLayout(ids, []), max_new_tokens=6, stop=None)
+    nxt = exact.prefill(PromptLayout(ids + answer.token_ids + [11, 12, 13], []))
+    assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason

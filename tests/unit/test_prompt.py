@@ -196,3 +196,22 @@ def test_a_template_that_refuses_the_turns_is_a_clear_error(tokenizer):
     with pytest.raises(InvalidInputError, match=r"refused these turns \(user, assistant, system, user\)"):
         builder.template_parts(None, [("user", "Hi"), ("assistant", "Hello."), ("system", "In French.")])
     assert builder.template_parts("Be brief.", [("user", "Hi")])   # a first system message is fine
+
+
+def test_the_next_turn_opening_is_what_the_template_writes_after_an_answer(tokenizer):
+    """What every next turn of a chat starts with after an answer's text (computed ahead by the
+    prefix tier): ChatML's closing of the answer and opening of the user turn; the plain layout's
+    separator; nothing where the template refuses a chat with an answer."""
+    builder = PromptBuilder(tokenizer)
+    opening = builder.next_turn_opening()
+    assert opening == builder.tokenize_template("<|im_end|>\n<|im_start|>user\n")
+    ids = builder.chat_ids([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."},
+                            {"role": "user", "content": "When does it leave?"}])
+    answer_end = len(builder.chat_ids([{"role": "user", "content": "Hi"}])) + len(builder.tokenize("Hello there."))
+    assert ids[answer_end:answer_end + len(opening)] == opening
+    assert PromptBuilder(tokenizer, use_chat_template=False).next_turn_opening() == builder.tokenize("\n\n")
+    refusing = copy.deepcopy(tokenizer)
+    refusing.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                              "{{ raise_exception('no assistant turns') }}{% endif %}"
+                              "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    assert PromptBuilder(refusing).next_turn_opening() == []

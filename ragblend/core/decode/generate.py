@@ -153,12 +153,14 @@ class KVDecoder:
         return self.extend([token])[0]
 
     @torch.inference_mode()
-    def extend(self, tokens: list[int], adapter=None, *, last_only: bool = False) -> torch.Tensor:
+    def extend(self, tokens: list[int], adapter=None, *, last_only: bool = False,
+               with_logits: bool = True) -> torch.Tensor | None:
         """Append ``tokens`` at the next positions in one pass; return the logits after each
-        ``[len(tokens), vocab]`` (``last_only``: after the last, ``[1, vocab]``: a prompt's rest). One pass reads every weight once, whatever the number of
-        tokens, which is what makes verifying drafted tokens (:class:`PromptLookup`) cheap.
-        ``adapter``: another adapter of the same model to run this pass on (the float32 one
-        that re-runs a low-bit pass, see :attr:`Decoding.exact_adapter`)."""
+        ``[len(tokens), vocab]`` (``last_only``: after the last, ``[1, vocab]``: a prompt's rest;
+        ``with_logits=False``: none, only their K/V are wanted). One pass reads every weight once,
+        whatever the number of tokens, which is what makes verifying drafted tokens
+        (:class:`PromptLookup`) cheap. ``adapter``: another adapter of the same model to run this
+        pass on (the float32 one that re-runs a low-bit pass, see :attr:`Decoding.exact_adapter`)."""
         adapter, start, n = adapter or self.adapter, self.length, len(tokens)
         end = start + n
         if n == 0 or end > self.capacity:
@@ -166,7 +168,7 @@ class KVDecoder:
                                     f"{start} are used, no room for {n} more.")
         hidden = run_layers(adapter, torch.tensor(tokens, device=adapter.device), self.rope.rows(slice(start, end)),
                             DecoderLayers(self, adapter, start, end))
-        logits = adapter.logits(hidden[-1:] if last_only else hidden)
+        logits = None if not with_logits else adapter.logits(hidden[-1:] if last_only else hidden)
         self.length = end   # only once the pass completed: a failed one leaves the decoder as it was
         return logits
 

@@ -299,16 +299,21 @@ def is_bypassed() -> bool:
 
 
 @torch.inference_mode()
-def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int]) -> FusedPrefill:
+def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int], rows_per_pass: int | None = None) -> FusedPrefill:
     """The prefill of ``token_ids`` whose first ``hit.num_tokens`` tokens are ``hit``'s: the others
-    run through every layer over the hit's K/V, as a causal prefill of them would (one pass)."""
+    run through every layer over the hit's K/V, as a causal prefill of them would (one pass, or
+    passes of at most ``rows_per_pass`` rows: a decoding twin's low-bit kernels take a few rows)."""
     t0 = time.perf_counter()
     n, start = len(token_ids), hit.num_tokens
     decoder = KVDecoder(adapter, hit.keys, hit.values, n, hit.key_bias, dtype=hit.keys[0].dtype)
-    logits = decoder.extend(token_ids[start:], last_only=True)[-1]
+    rest = token_ids[start:]
+    size = rows_per_pass or len(rest)
+    for first in range(0, len(rest), size):
+        last = first + size >= len(rest)
+        logits = decoder.extend(rest[first:first + size], last_only=True, with_logits=last)
     recomputed = torch.zeros(n, dtype=torch.bool)
     recomputed[start:] = True
     key_bias = None if decoder.key_bias is None else decoder.key_bias[:n]
     computed = [torch.arange(start, n)] * adapter.shape.num_layers
-    return FusedPrefill(logits=logits.float(), keys=decoder.keys, values=decoder.values, recomputed=recomputed,
+    return FusedPrefill(logits=logits[-1].float(), keys=decoder.keys, values=decoder.values, recomputed=recomputed,
                         compute_s=time.perf_counter() - t0, layer_positions=computed, key_bias=key_bias)
