@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from .model.omp import release_thread_pool
+
 
 class Background:
     """Store writes off the TTFT path, one at a time; a failure is kept for :meth:`flush`."""
@@ -19,7 +21,7 @@ class Background:
         with self._lock:
             # keep unfinished and failed writes; finished good ones need no more attention
             self._pending = [f for f in self._pending if not f.done() or f.exception()]
-            self._pending.append(self._writer.submit(fn, *args))
+            self._pending.append(self._writer.submit(_released, fn, *args))
 
     def flush(self) -> None:
         """Wait for every write submitted so far, then re-raise the first one that failed."""
@@ -29,3 +31,12 @@ class Background:
         first = next((err for err in failures if err is not None), None)
         if first is not None:
             raise first
+
+
+def _released(fn, *args):
+    """``fn(*args)``, then this thread's OpenMP workers handed back (.model.omp): a kept idle team
+    makes the next thread's passes slower on a host with few cores."""
+    try:
+        return fn(*args)
+    finally:
+        release_thread_pool()

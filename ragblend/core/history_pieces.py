@@ -13,7 +13,7 @@ from .model.adapter import ModelAdapter
 from .plan import StrategyPlan
 from .prefix_reuse import PrefixReuse
 from .prompt import PromptLayout
-from .store.pieces import PieceStore, last_message_start, piece_namespace, turn_runs, with_pieces
+from .store.pieces import PieceStore, is_piece, last_message_start, piece_namespace, turn_runs, with_pieces
 
 log = logging.getLogger("ragblend")
 
@@ -71,25 +71,25 @@ class HistoryPieces:
         chunk or stored piece covers, for the next turn of its conversation."""
         pre = decoding.prefill
         if pre is not None and getattr(pre, "keeps_pieces", False):
-            # Where the prefix tier served the prompt up to its question, no piece was marked in it, and
-            # its earlier turns were kept when they were answered: only this turn is new (cut into the
-            # unmarked history's runs, they would all be computed again, more each turn).
-            earlier = pre.stats.prefix_tokens < self.last_message_start(pre.token_ids)
-            self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens, earlier)
+            self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
 
-    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int,
-                     earlier: bool = True) -> None:
-        """Compute and keep the pieces of one answered turn (runs on the background thread), and with
-        ``earlier`` those of the earlier turns and system text not kept yet."""
+    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int) -> None:
+        """Compute and keep the pieces of one answered turn (runs on the background thread)."""
         prompts = self.ingestion.prompts
         try:
+            if layout.conversation and not any(is_piece(span) for span in layout.chunk_spans):
+                # The prefix tier served its history (no piece was marked for the prefill): the pieces kept
+                # before are marked now, so that only what none covers is computed (unmarked, the whole
+                # history was cut into new runs and computed again, more every turn).
+                layout = with_pieces(layout, self.index.finder, start=prompts.opening_length(prompt_ids),
+                                     end=self.last_message_start(prompt_ids),
+                                     control_ids=prompts.text_encoder.control_ids)
             # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
             # be the ids of their own text).
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
             runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
                              prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
-                             history=layout.conversation, earlier=earlier,
-                             max_tokens=self.ingestion.max_chunk_tokens)
+                             history=layout.conversation, max_tokens=self.ingestion.max_chunk_tokens)
             namespace = piece_namespace(layout.namespace)
             keys = {self.ingestion.key_for(run, namespace=namespace): run for run in runs}
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]

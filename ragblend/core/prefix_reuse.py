@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from .background import Background
-from .decode.generate import KVDecoder
+from .decode.generate import NEAR_TIE, KVDecoder
 from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .fusion.ingest import Ingestion
 from .fusion.pipeline import SequentialSource
@@ -23,6 +23,12 @@ from .prompt import PromptLayout
 from .results import Stats
 
 log = logging.getLogger("ragblend")
+
+
+def _near_tie(logits: torch.Tensor) -> bool:
+    """Whether the greedy pick from ``logits`` has its top two within :data:`.generate.NEAR_TIE`."""
+    top = logits.topk(2).values
+    return bool(top[0] - top[1] < NEAR_TIE)
 
 
 class PrefixReuse:
@@ -86,19 +92,24 @@ class PrefixReuse:
         """The prefill of a prompt whose first tokens are ``hit``'s: the rest runs in full over them.
         Returns the fused prefill, its (empty) layer source and the mask of tokens from the tier."""
         n, p = len(layout.token_ids), hit.num_tokens
-        adapter, rows_per_pass = self.rest_adapter(hit, n - p)
-        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full" + (
-            " on the decoding weights" if adapter is not self.adapter else "")
-        stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
-                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and {rest}; "
-                                 f"the strategy was {plan.reason}")
+        adapter = self.adapter
         if hit.logits is not None:   # an exact repeat: nothing to compute
             fused = FusedPrefill(logits=hit.logits, keys=hit.keys, values=hit.values,
                                  recomputed=torch.zeros(n, dtype=torch.bool), key_bias=hit.key_bias,
                                  layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
         else:
+            adapter, rows_per_pass = self.rest_adapter(hit, n - p)
             with self.lock:
                 fused = extend_prefix(adapter, hit, layout.token_ids, rows_per_pass)
+                if adapter is not self.adapter and _near_tie(fused.logits):
+                    # as decoding does: a near tie on the low-bit weights is picked as float32 picks it
+                    adapter = self.adapter
+                    fused = extend_prefix(adapter, hit, layout.token_ids)
+        rest = "its logits too (an exact repeat)" if hit.logits is not None else "the rest computed in full" + (
+            " on the decoding weights" if adapter is not self.adapter else "")
+        stats.strategy_reason = (f"the first {p} of its {n} tokens were a recent prompt's, their K/V reused from the "
+                                 f"prefix tier{'' if hit.scope.exact else ' (as fused or decoded then)'} and {rest}; "
+                                 f"the strategy was {plan.reason}")
         from_store = torch.zeros(n, dtype=torch.bool)
         from_store[:p] = True
         return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
@@ -148,11 +159,11 @@ class PrefixReuse:
         if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
             return
         length, dtype = decoder.length, self.kv_dtype
-        opening = self.opening_after(decoding, answered)
-        size = sum(2 * k.shape[0] * (length + len(opening)) * k.shape[2] for k in decoder.keys) * dtype.itemsize
-        if size > prefix.max_bytes:
-            return   # the tier would refuse it: copy nothing
         try:
+            opening = self.opening_after(decoding, answered)
+            size = sum(2 * k.shape[0] * (length + len(opening)) * k.shape[2] for k in decoder.keys) * dtype.itemsize
+            if size > prefix.max_bytes:
+                return   # the tier would refuse it: copy nothing
             # the prompt's own bias (decoding may have run without it), none on the answer's keys
             bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
             # A copy (the answer's buffers are its decoder's), with room for the opening.
@@ -191,18 +202,23 @@ class PrefixReuse:
         """Compute ``opening`` over an answer's K/V (``carried``) and keep all of them (runs on
         the background thread; the shorter entry it extends then goes, :meth:`PrefixCache.store`)."""
         try:
+            # Only over the answer's entry as it was kept: not after the tier was cleared (calibration),
+            # evicted it or was switched off, where it would come back.
+            if self.prefix is not prefix or not prefix.holds(scope, ids):
+                return
             with self.lock:
                 carried.extend(opening, with_logits=False)
-            self._keep(prefix, scope, ids + opening, carried, usable_from)
+            self._keep(prefix, scope, ids + opening, carried, usable_from, extends=len(ids))
         except Exception as err:   # a cache: the next turn computes the opening itself
             log.warning("ragblend: could not keep a conversation's next-turn opening in the prefix tier (%s: %s)",
                         type(err).__name__, err)
 
     @staticmethod
-    def _keep(prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder, usable_from: int) -> None:
+    def _keep(prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder, usable_from: int,
+              extends: int | None = None) -> None:
         """Keep the first ``len(ids)`` positions of ``carried``'s buffers (views: later positions
-        may still be written, these never are)."""
+        may still be written, these never are); ``extends``: see :meth:`PrefixCache.store`."""
         m = len(ids)
         bias = None if carried.key_bias is None else carried.key_bias[:m]
         prefix.store(scope, ids, [k[:, :m] for k in carried.keys], [v[:, :m] for v in carried.values], bias,
-                     usable_from=usable_from)
+                     usable_from=usable_from, extends=extends)

@@ -305,3 +305,56 @@ def test_a_few_tokens_over_decoded_k_v_run_on_the_decoding_weights(tokenizer):
     answer = exact.generate(PromptLayout(ids, []), max_new_tokens=6, stop=None)
     nxt = exact.prefill(PromptLayout(ids + answer.token_ids + [11, 12, 13], []))
     assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason
+
+
+def test_a_next_turn_opening_never_brings_back_what_the_tier_let_go(tokenizer):
+    """The opening is computed on the background thread after the answer: where the tier was cleared
+    meanwhile (calibration), evicted the answer or was switched off, nothing comes back."""
+    import threading
+
+    system = "Context:\n\n" + PASSAGES[0]
+    for change in ("clear", "evict", "off"):
+        engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+        tier, gate = engine.prefix, threading.Event()
+        engine.runner.background.submit(gate.wait)   # the background thread busy: the opening waits
+        first = dataclasses.replace(engine.find_chunks("Who ran the ferry?", system=system, namespace="a"), chat=True)
+        engine.generate(first, max_new_tokens=6, stop=None)
+        if change == "clear":
+            tier.clear()
+        elif change == "evict":   # room for one conversation; another namespace's prompt takes it
+            tier.max_bytes = int(next(iter(tier._entries.values())).nbytes * 1.5)
+            engine.generate(engine.find_chunks("Who ran the ferry?", system=system, namespace="b"), max_new_tokens=6,
+                            stop=None)
+        else:
+            engine.runner.prefix = None
+        held = [(e.scope.namespace, len(e.token_ids)) for e in tier._entries.values()]
+        gate.set()
+        engine.flush()
+        assert [(e.scope.namespace, len(e.token_ids)) for e in tier._entries.values()] == held, change
+
+
+def test_a_near_tie_after_a_rest_on_the_decoding_weights_is_picked_in_float32(tokenizer):
+    """As decoding re-picks a near tie on the float32 weights, a rest on the decoding weights whose
+    top two logits are within NEAR_TIE is computed again on the prefill's weights."""
+    from ragblend.core.decode.generate import NEAR_TIE
+
+    engine = BlendEngine(copy.deepcopy(tiny_model("qwen2")), tokenizer, decode_dtype="int8",
+                         prefix_cache_bytes=TIER, min_fusion_speedup=0, history_pieces=False)
+    ids, twin = text_ids(engine, 60), engine.runner.prefixes.decoding_adapter
+
+    def next_turn(rest: list[int], namespace: str, on_twin: bool):
+        """A 6-token answer (decoded on 8-bit weights), then a next turn of ``rest`` over it."""
+        engine.runner.prefixes.decoding_adapter = twin if on_twin else None   # None: every rest in float32
+        answer = engine.generate(PromptLayout(ids, [], namespace=namespace), max_new_tokens=6, stop=None)
+        return engine.prefill(PromptLayout(ids + answer.token_ids + rest, [], namespace=namespace))
+
+    for seed in range(2, 200):   # a rest whose float32 logits are near-tied
+        rest = text_ids(engine, 20, seed=seed)[8:]
+        exact = next_turn(rest, f"f{seed}", on_twin=False)
+        top = exact.logits.topk(2).values
+        if top[0] - top[1] < NEAR_TIE / 4:
+            break
+    assert top[0] - top[1] < NEAR_TIE / 4
+    nxt = next_turn(rest, f"t{seed}", on_twin=True)
+    assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason
+    assert (nxt.logits - exact.logits).abs().max() <= 1e-5

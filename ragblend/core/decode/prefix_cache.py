@@ -194,15 +194,26 @@ class PrefixCache:
             log.warning("ragblend: a prefix entry's K/V do not match its %d tokens; dropped", n)
         return ok
 
+    def holds(self, scope: PrefixScope, token_ids: Sequence[int]) -> bool:
+        """Whether an entry of exactly ``token_ids`` is held under ``scope`` (not a longer one)."""
+        with self._lock:
+            return self._holds(scope, list(token_ids))
+
+    def _holds(self, scope: PrefixScope, token_ids: list[int]) -> bool:
+        match = self._match(scope, token_ids, len(token_ids))
+        return match is not None and match[1] == len(token_ids) == len(match[0].token_ids)
+
     def store(self, scope: PrefixScope, token_ids: Sequence[int], keys: list[torch.Tensor],
               values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0,
-              logits: torch.Tensor | None = None) -> bool:
+              logits: torch.Tensor | None = None, extends: int | None = None) -> bool:
         """Keep the K/V of ``token_ids`` (held as given: nothing may write to them later). Entries
         it makes redundant (a prefix of it in its scope) go; the least recently used go while the
         total is over the budget. Returns whether it was kept (not when shorter than a block, larger
         than the budget, or already held by a longer entry). ``usable_from``: the shortest prefix of
         it a lookup may be served (for fused K/V, their whole prompt's); ``logits``: the next-token
-        logits after all of ``token_ids`` (kept as given), which an exact repeat is served."""
+        logits after all of ``token_ids`` (kept as given), which an exact repeat is served; ``extends``:
+        kept only while the entry of the first ``extends`` ids is held as it was stored (an entry
+        extended after the tier was cleared or evicted it does not come back)."""
         token_ids = tuple(token_ids)
         kept_logits = {} if logits is None else {len(token_ids): logits}
         nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values, *kept_logits.values()))
@@ -212,6 +223,8 @@ class PrefixCache:
         blocks = self.chain(scope, token_ids)
         entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from, logits=kept_logits)
         with self._lock:
+            if extends is not None and not self._holds(scope, list(token_ids[:extends])):
+                return False
             covered = self._match(scope, list(token_ids), len(token_ids))
             if covered is not None and covered[1] == len(token_ids):   # a longer entry holds these tokens
                 holder = covered[0]

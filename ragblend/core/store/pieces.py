@@ -108,7 +108,7 @@ FIRST_TURN_QUESTION_TOKENS = 256
 
 
 def turn_runs(token_ids: Sequence[int], spans: Sequence[ChunkSpan], *, question: int, prompt_tokens: int,
-              start: int, history: bool, earlier: bool = True, min_tokens: int = ChunkFinder.MIN_RUN,
+              start: int, history: bool, min_tokens: int = ChunkFinder.MIN_RUN,
               max_tokens: int | None = None) -> list[list[int]]:
     """The pieces of a turn just answered: ``token_ids`` its prompt's (the first ``prompt_tokens``)
     and its answer's ids, ``spans`` the chunks and known pieces in it, ``question`` where its last
@@ -120,8 +120,7 @@ def turn_runs(token_ids: Sequence[int], spans: Sequence[ChunkSpan], *, question:
     the control tokens, it was no piece and computed again every turn). With ``history`` (earlier
     turns in the prompt), the other stretches before the question are kept too (system text,
     earlier turns not kept yet); without, only the turn, and only where the question holds at most
-    :data:`FIRST_TURN_QUESTION_TOKENS` tokens no chunk covers. ``earlier=False``: the stretches before
-    the turn are not kept (the prefix tier served them, so they were kept when they were answered)."""
+    :data:`FIRST_TURN_QUESTION_TOKENS` tokens no chunk covers."""
     if question <= start:   # no message boundary after the opening (the plain layout): none
         return []
     before = [s.end for s in spans if s.end <= question]
@@ -131,7 +130,7 @@ def turn_runs(token_ids: Sequence[int], spans: Sequence[ChunkSpan], *, question:
     if not history and prompt_tokens - turn - sum(covered[turn:]) > FIRST_TURN_QUESTION_TOKENS:
         return []
     runs = piece_runs(token_ids, spans, start=start, end=turn, min_tokens=min_tokens,
-                      max_tokens=max_tokens) if history and earlier else []
+                      max_tokens=max_tokens) if history else []
     return runs + piece_runs(token_ids, spans, start=turn, min_tokens=min_tokens, max_tokens=max_tokens)
 
 
