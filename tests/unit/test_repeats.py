@@ -221,3 +221,25 @@ def test_a_stream_does_not_hold_back_runs_that_can_never_count(tokenizer):
         assert guard.observe(token) is None
         most = max(most, guard.held)
     assert most == 0
+
+
+def test_repetition_the_question_asked_for_is_left_to_the_exact_path(tokenizer):
+    """A loop whose unit (any turn of it: a chorus's second half first) is text of the question is
+    repetition asked for: after the fallback the exact path writes it as often as it does (no
+    DroppedCopy watch, which would end the answer after one copy). Other loops are watched."""
+    from ragblend.core.decode.repeats import RepeatGuard
+
+    def ids(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)   # noqa: E731
+    guard = RepeatGuard(decode, asked="Write a poem whose chorus 'Oh Aberfinn, my home by the sea' follows each verse.")
+    chorus = ids(" my home by the sea,\nOh Aberfinn,")   # found where two copies met: a turn of the chorus
+    assert guard.asked_for(chorus) and guard.asked_for(ids("Oh Aberfinn, my home by the sea\n"))
+    assert not guard.asked_for(ids(" It was a great product."))
+    assert not RepeatGuard(decode).asked_for(chorus)   # no question, nothing asked for
+    engine = make_tiny_engine("qwen2", tokenizer)
+    engine.precompute(PASSAGES)
+    decoding = engine.begin(prompt((0, 1, 2)), strategy=QueryAware(0.3), max_new_tokens=4)
+    assert decoding.repeat_guard.asked.startswith("question: who ran the ferry")   # the text after the last chunk
+    engine.finish(decoding)

@@ -157,6 +157,15 @@ class Answers:
         0.69 and a changed answer, so only a float32 model drafts."""
         return self.weights.adapter.dtype == torch.float32
 
+    QUESTION_TOKENS = 1024   # the most prompt tokens after its last chunk read as its question
+
+    def _question_text(self, pre) -> str:
+        """The prompt's text after its last chunk (its question, in a RAG prompt), for the repeat guard."""
+        spans = getattr(getattr(pre, "layout", None), "chunk_spans", None) or []
+        start = max([0, *(span.end for span in spans)], default=0)
+        tail = list(pre.token_ids[max(start, len(pre.token_ids) - self.QUESTION_TOKENS):])
+        return self.tokenizer.decode(tail, skip_special_tokens=True)
+
     def start(self, pre, params: SamplingParams, *, draft_tokens: int, exact_prefill=None) -> Decoding:
         """The decoding of an answer after the prefill ``pre`` (a :class:`~ragblend.core.results.Prefill`),
         not yet stepped; ``pre.keys``/``values`` become views of the decoder's buffers. Greedy
@@ -184,7 +193,8 @@ class Answers:
         exact = None if exact is adapter else exact   # decoding already runs on the float32 twin
         guard = None
         if exact_prefill is not None and self.repeat_rule is not None and not pre.exact:
-            guard = RepeatGuard(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.repeat_rule)
+            guard = RepeatGuard(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.repeat_rule,
+                                asked=self._question_text(pre))
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
                         draft_policy=policy, exact_adapter=exact, repeat_guard=guard,

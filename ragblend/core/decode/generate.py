@@ -494,7 +494,9 @@ class Decoding:
             if self.repeat is None:
                 return False
             start = self.repeat.start
-            self.dropped = DroppedCopy((self.token_ids[start:] + [token])[-self.repeat.unit:])   # one copy
+            copy = (self.token_ids[start:] + [token])[-self.repeat.unit:]
+            # Repetition the question asked for is the exact path's to write as often as it does: not watched.
+            self.dropped = None if self.repeat_guard.asked_for(copy) else DroppedCopy(copy)
             self.pending.clear()   # logits computed after the dropped tokens
         elif self.dropped is not None and self.dropped.observe(token):
             if not self.dropped.complete:

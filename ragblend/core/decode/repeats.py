@@ -79,10 +79,23 @@ class RepeatGuard:
     updates every L up to ``max_unit_tokens`` once: at most 128 integer compares a token, however long
     the answer (the text of a unit is decoded only for a candidate loop or a copy held back)."""
 
-    def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule()):
+    def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule(), asked: str = ""):
         self.text_of, self.rule = text_of, rule
+        self.asked = _plain(asked)   # the prompt's text after its chunks: the question (see asked_for)
         self.tokens: list[int] = []
         self.runs: list[int] = [0]   # runs[L] for L = 1..len(tokens) - 1; runs[0] unused
+
+    def asked_for(self, copy: list[int]) -> bool:
+        """Whether the prompt's question holds the text of ``copy`` (a loop's unit): repetition the
+        user asked for ("say lighthouse ten times", a chorus after each verse), which the exact
+        path then writes as often as it does, not a loop to end the answer at. The unit was found
+        where its copies met, so any turn of it may be the text asked for (a chorus's second half
+        first): each is looked for, only when a loop was found."""
+        for turn in range(len(copy)):
+            text = _plain(self.text_of(copy[turn:] + copy[:turn]))
+            if len(text) >= 4 and text in self.asked:
+                return True
+        return False
 
     def observe(self, token: int) -> Repeat | None:
         """Take the answer's next token; the loop it completes, if any."""
@@ -150,3 +163,8 @@ class DroppedCopy:
     @property
     def complete(self) -> bool:
         return self.held == self.COPIES * len(self.tokens)
+
+
+def _plain(text: str) -> str:
+    """``text`` lowercased, its whitespace runs as one space, without punctuation at either end."""
+    return " ".join(text.lower().split()).strip(" .,;:!?'\"")
