@@ -11,6 +11,7 @@ builder's tokenizing, which it calls, stays the builder's.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from typing import Sequence, TypeVar
@@ -147,22 +148,20 @@ class ChatTemplateMixin:
         conversation starts with after an answer (computed ahead by the prefix tier, which reuses
         them only where a next prompt holds the same ids). Empty where the template refuses such a
         chat. Rendered once."""
-        cached = getattr(self, "_next_turn_opening", None)
-        if cached is None:
-            cached = self._next_turn_opening = self._opening_after_answer()
-        return list(cached)
+        return list(self._opening_after_answer)
 
-    def _opening_after_answer(self) -> list[int]:
+    @functools.cached_property
+    def _opening_after_answer(self) -> tuple[int, ...]:
         if not self.use_chat_template:
-            return list(self._separator_ids)   # the plain layout joins every turn with the separator
+            return tuple(self._separator_ids)   # the plain layout joins every turn with the separator
         try:
             pieces = self._chat_pieces([("user", "Hello."), ("assistant", "Hi."), ("user", None)],
                                        add_generation_prompt=True)
         except InvalidInputError:   # a template that refuses such a chat: nothing to compute ahead
-            return []
+            return ()
         answer = [k for k, piece in enumerate(pieces) if piece is not None and not piece[1]][-1]
         between = pieces[answer + 1:pieces.index(None)]
-        return self.tokenize_template("".join(text for text, _ in between))
+        return tuple(self.tokenize_template("".join(text for text, _ in between)))
 
     def check_tool_turns(self, turns: Sequence[tuple[str, object]], who: str | None = None) -> None:
         """Refuse a tool turn unless the chat template has a tool role: written as any other

@@ -77,17 +77,17 @@ class HistoryPieces:
         """Compute and keep the pieces of one answered turn (runs on the background thread)."""
         prompts = self.ingestion.prompts
         try:
+            question = self.last_message_start(prompt_ids)
             if layout.conversation and not any(is_piece(span) for span in layout.chunk_spans):
                 # The prefix tier served its history (no piece was marked for the prefill): the pieces kept
                 # before are marked now, so that only what none covers is computed (unmarked, the whole
                 # history was cut into new runs and computed again, more every turn).
                 layout = with_pieces(layout, self.index.finder, start=prompts.opening_length(prompt_ids),
-                                     end=self.last_message_start(prompt_ids),
-                                     control_ids=prompts.text_encoder.control_ids)
+                                     end=question, control_ids=prompts.text_encoder.control_ids)
             # The answer as the next prompt will hold it: its text tokenized (the ids generated need not
             # be the ids of their own text).
             ids = list(prompt_ids) + (prompts.tokenize(answer) if answer else [])
-            runs = turn_runs(ids, layout.chunk_spans, question=self.last_message_start(prompt_ids),
+            runs = turn_runs(ids, layout.chunk_spans, question=question,
                              prompt_tokens=len(prompt_ids), start=prompts.opening_length(ids),
                              history=layout.conversation, max_tokens=self.ingestion.max_chunk_tokens)
             namespace = piece_namespace(layout.namespace)

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from .background import Background
-from .decode.generate import NEAR_TIE, KVDecoder
+from .decode.generate import KVDecoder, near_tie
 from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
 from .fusion.ingest import Ingestion
 from .fusion.pipeline import SequentialSource
@@ -23,12 +23,6 @@ from .prompt import PromptLayout
 from .results import Stats
 
 log = logging.getLogger("ragblend")
-
-
-def _near_tie(logits: torch.Tensor) -> bool:
-    """Whether the greedy pick from ``logits`` has its top two within :data:`.generate.NEAR_TIE`."""
-    top = logits.topk(2).values
-    return bool(top[0] - top[1] < NEAR_TIE)
 
 
 class PrefixReuse:
@@ -101,7 +95,7 @@ class PrefixReuse:
             adapter, rows_per_pass = self.rest_adapter(hit, n - p)
             with self.lock:
                 fused = extend_prefix(adapter, hit, layout.token_ids, rows_per_pass)
-                if adapter is not self.adapter and _near_tie(fused.logits):
+                if adapter is not self.adapter and near_tie(fused.logits):
                     # as decoding does: a near tie on the low-bit weights is picked as float32 picks it
                     adapter = self.adapter
                     fused = extend_prefix(adapter, hit, layout.token_ids)

@@ -194,7 +194,7 @@ class Answers:
         guard = None
         if exact_prefill is not None and self.repeat_rule is not None and not pre.exact:
             guard = RepeatGuard(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), self.repeat_rule,
-                                asked=self._question_text(pre))
+                                asked=lambda: self._question_text(pre))
         return Decoding(decoder, self.tokenizer, pre.logits.to(adapter.device), n, params, self.eos_ids,
                         self.context_window, lock=self.lock, lookup=lookup, draft_tokens=draft_tokens,
                         draft_policy=policy, exact_adapter=exact, repeat_guard=guard,

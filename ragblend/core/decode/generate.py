@@ -40,6 +40,13 @@ log = logging.getLogger("ragblend")
 # low-bit pass takes ~50). docs/notes/near-ties.md.
 NEAR_TIE = 0.03
 
+def near_tie(logits: torch.Tensor) -> bool:
+    """Whether a greedy pick from ``logits`` (``[vocab]``, or ``[rows, vocab]``: any row) has its top
+    two logits within :data:`NEAR_TIE`: where low-bit rounding may have made the pick."""
+    top = logits.topk(2, dim=-1).values
+    return bool((top[..., 0] - top[..., 1] < NEAR_TIE).any())
+
+
 # Sampling computes in float32, where a positive temperature or top_p below ~7e-46 is zero: a
 # temperature of 1e-300 divides by zero (the probabilities turn to NaN), a top_p of 1e-300 keeps
 # no token at all, and the draw fails. Such values are refused. Subnormal ones (below float32's
@@ -574,10 +581,7 @@ class Decoding:
     def _near_tie(self, logits: torch.Tensor) -> bool:
         """Whether a greedy pick from a row of ``logits`` (``[rows, vocab]``) has its top two
         logits within :data:`NEAR_TIE`. False when decoding runs on float32 weights already."""
-        if self.exact_adapter is None:
-            return False
-        top = logits.topk(2, dim=-1).values
-        return bool((top[:, 0] - top[:, 1] < NEAR_TIE).any())
+        return self.exact_adapter is not None and near_tie(logits)
 
     def _again_in_float32(self, draft: list[int]) -> torch.Tensor:
         """The pass that just ran the last answer token and ``draft``, run again on the float32

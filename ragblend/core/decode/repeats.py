@@ -32,6 +32,7 @@ After a fallback, the exact path's tokens that write the dropped copy again are 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -79,11 +80,18 @@ class RepeatGuard:
     updates every L up to ``max_unit_tokens`` once: at most 128 integer compares a token, however long
     the answer (the text of a unit is decoded only for a candidate loop or a copy held back)."""
 
-    def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule(), asked: str = ""):
+    def __init__(self, text_of: Callable[[list[int]], str], rule: RepeatRule = RepeatRule(),
+                 asked: str | Callable[[], str] = ""):
         self.text_of, self.rule = text_of, rule
-        self.asked = _plain(asked)   # the prompt's text after its chunks: the question (see asked_for)
+        self._asked = asked   # the prompt's text after its chunks, its question (see asked_for); or what makes it
         self.tokens: list[int] = []
         self.runs: list[int] = [0]   # runs[L] for L = 1..len(tokens) - 1; runs[0] unused
+
+    @functools.cached_property
+    def asked(self) -> str:
+        """The question's text as :meth:`asked_for` compares it: made at the first loop found, not
+        before the answer's first token."""
+        return _plain(self._asked() if callable(self._asked) else self._asked)
 
     def asked_for(self, copy: list[int]) -> bool:
         """Whether the prompt's question holds the text of ``copy`` (a loop's unit): repetition the
