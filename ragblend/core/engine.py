@@ -113,7 +113,7 @@ class BlendEngine(ChunksMixin, GenerationMixin):
         self.decode_dtype = options.decode_dtype
         self.decode_weights = DecodeWeights(hf_model, self.adapter, self.kernel_plan, options.decode_dtype, self.lock)
         self.decoding_adapter()   # built now (seconds for 4-bit weights), not in the first answer's TTFT
-        self.runner.prefixes.decoding_adapter = self.decoding_adapter
+        self.runner.prefixes.decode_weights = self.decode_weights
         self.answers = Answers(self.decode_weights, tokenizer, eos_ids_of(hf_model, tokenizer), self.context_window,
                                self.lock, decode_kv_dtype(self.decode_weights, options.decode_kv_dtype))
         self.prefetch, self.write_back = options.prefetch, options.write_back   # these five may be changed later

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Callable
 
 import torch
 
@@ -17,7 +16,8 @@ from .fusion.ingest import Ingestion
 from .fusion.pipeline import SequentialSource
 from .fusion.prefill import FusedPrefill
 from .model.adapter import ModelAdapter
-from .model.kernels import DRAFT_ROWS
+from .model.decode_weights import DecodeWeights
+from .model.kernels import SHORT_PASS_ROWS
 from .plan import StrategyPlan
 from .prompt import PromptLayout
 from .results import Stats
@@ -35,9 +35,9 @@ class PrefixReuse:
         self.adapter, self.ingestion, self.lock = adapter, ingestion, lock
         self.prefix = prefix
         self.background = background   # where an answer's next-turn opening is computed (None: not computed)
-        # The adapter decoding runs on (set by the engine once it is built; None: this one): a short
-        # rest over K/V that were fused or decoded runs on it, as decoding would run those tokens.
-        self.decoding_adapter: Callable[[], ModelAdapter] | None = None
+        # The weights decoding runs on (set by the engine once they are built; None: this adapter's):
+        # a short rest over K/V that were fused or decoded runs on them, as decoding would run those tokens.
+        self.decode_weights: DecodeWeights | None = None
         self.kv_dtype = adapter.dtype   # the dtype of the K/V this engine keeps in the tier
 
     def scope(self, exact: bool, namespace: str) -> PrefixScope:
@@ -92,9 +92,9 @@ class PrefixReuse:
                                  recomputed=torch.zeros(n, dtype=torch.bool), key_bias=hit.key_bias,
                                  layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
         else:
-            adapter, rows_per_pass = self.rest_adapter(hit, n - p)
+            adapter = self.rest_adapter(hit, n - p)
             with self.lock:
-                fused = extend_prefix(adapter, hit, layout.token_ids, rows_per_pass)
+                fused = extend_prefix(adapter, hit, layout.token_ids)
                 if adapter is not self.adapter and near_tie(fused.logits):
                     # as decoding does: a near tie on the low-bit weights is picked as float32 picks it
                     adapter = self.adapter
@@ -108,19 +108,18 @@ class PrefixReuse:
         from_store[:p] = True
         return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
 
-    def rest_adapter(self, hit: PrefixHit, rest: int) -> tuple[ModelAdapter, int | None]:
-        """The adapter a prompt's ``rest`` tokens after ``hit`` run on, and the most rows a pass takes
-        (None: one pass). A few tokens (a conversation's next question) over K/V that were fused or
-        decoded on low-bit weights (not exact) run as decoding runs tokens: on its low-bit kernels,
-        which take up to ``DRAFT_ROWS`` rows a pass, in ~60% of the float32 time at 8 rows; the
-        first-token change is measured within the order noise (docs/benchmarks.md, "Conversations").
-        Exact K/V stay exact: the rest then runs on the prefill's own weights."""
-        twin = self.decoding_adapter() if self.decoding_adapter is not None and not hit.scope.exact else None
-        if twin is None or twin is self.adapter or rest > self.TWIN_PASSES * DRAFT_ROWS:
-            return self.adapter, None
-        return twin, DRAFT_ROWS
-
-    TWIN_PASSES = 2   # more rows run faster in one float32 pass (4 low-bit passes of 8 rows tie it at 32)
+    def rest_adapter(self, hit: PrefixHit, rest: int) -> ModelAdapter:
+        """The adapter a prompt's ``rest`` tokens after ``hit`` run on. A few tokens (a
+        conversation's next question) over K/V that were fused or decoded on low-bit weights (not
+        exact) run as decoding runs tokens: on its low-bit kernels, in one pass where they take
+        that many rows (``SHORT_PASS_ROWS`` where this host measures them faster than float32 at
+        that many, else ``DRAFT_ROWS``); the first-token change is measured within the order
+        noise (docs/benchmarks.md, "Conversations"). Exact K/V stay exact: the rest then runs on
+        the prefill's own weights, as does a longer rest."""
+        weights = self.decode_weights
+        if weights is None or hit.scope.exact or rest > min(weights.short_pass_rows(), SHORT_PASS_ROWS):
+            return self.adapter
+        return weights.decoding_adapter()
 
     def remember(self, layout: PromptLayout, plan: StrategyPlan, fused, hit: PrefixHit | None) -> KeptPrefix | None:
         """Keep this prompt's K/V in the prefix tier; how they were kept (None: not kept).

@@ -172,6 +172,27 @@ def test_auto_decodes_on_4_bit_weights_only_where_they_already_are(tokenizer, mo
     assert plain.generate(segments(), max_new_tokens=3, temperature=0).token_ids
 
 
+def test_short_passes_run_on_the_kernel_only_where_that_many_rows_measure_faster(tokenizer, monkeypatch):
+    """A low-bit kind kept for decoding runs passes of up to SHORT_PASS_ROWS rows (a conversation's
+    next question) on its kernel only where that many rows measure faster than float32 on this
+    host, else only a decoding pass's DRAFT_ROWS; the prefix tier's short rests follow."""
+    from ragblend import BlendEngine
+    from ragblend.core.model import decode_weights as weights_module
+    from ragblend.core.model.kernels import DRAFT_ROWS, SHORT_PASS_ROWS
+
+    monkeypatch.setattr(weights_module, "remembered", lambda name, key, measure, valid: measure()[0])
+    for faster_at, rows in (({1}, DRAFT_ROWS), ({1, SHORT_PASS_ROWS}, SHORT_PASS_ROWS)):
+        monkeypatch.setattr(weights_module, "_low_bit_faster", lambda kind, group, n, at=faster_at: n in at)
+        engine = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)
+        assert engine.decode_weights.short_pass_rows() == rows
+        down = engine.decoding_adapter().hf_model.model.layers[0].mlp.down_proj
+        x = torch.randn(12, down.weight.shape[1])
+        assert down.rows(x).equal(down.kernel(x)) == (rows == SHORT_PASS_ROWS)   # else float32
+    # One pass of 16 rows is the same math as two of 8 (the kernel works row by row).
+    x = torch.randn(SHORT_PASS_ROWS, down.weight.shape[1])
+    torch.testing.assert_close(down.kernel(x), torch.cat([down.kernel(x[:8]), down.kernel(x[8:])]))
+
+
 def test_int8_decoding_answers_like_float32_with_every_layer_8_bit(tokenizer):
     import copy
 
@@ -218,7 +239,8 @@ def test_auto_uses_8_bit_weights_for_a_gguf_model_only_where_they_measure_faster
     assert engine.decode_weights.layer_counts() == {"4-bit": 4 * gguf.config.num_hidden_layers + 3 * gguf.config.num_hidden_layers,
                                         "8-bit": 1}
     assert isinstance(engine.decoding_adapter().hf_model.lm_head, Int8Linear)
-    assert seen == [["float32", "low-bit"]] * 4   # 4-bit and 8-bit layers, each measured twice
+    # 4-bit and 8-bit layers each measured twice at 1 row, the 4-bit ones twice at SHORT_PASS_ROWS too
+    assert seen == [["float32", "low-bit"]] * 6
 
     low_bit_measures(monkeypatch, faster=False)               # a host where the low-bit kernels lose
     slower = copy.deepcopy(gguf)
@@ -280,9 +302,9 @@ def test_fused_projections_compute_what_their_parts_compute():
             x = torch.randn(3, model.config.hidden_size)
             for part, out in zip(parts, fused(x)):
                 assert torch.allclose(out, kind(part).rows(x), atol=1e-5, rtol=0)
-            long = torch.randn(2, 6, model.config.hidden_size)    # 12 rows: past a decoding pass
+            long = torch.randn(3, 6, model.config.hidden_size)    # 18 rows: past a short pass
             for part, out in zip(parts, fused(long)):
-                assert out.shape == (2, 6, part.out_features)
+                assert out.shape == (3, 6, part.out_features)
                 assert torch.allclose(out, part(long), atol=1e-5, rtol=0)   # the parts' float32 weights
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from benchmarks.kernels import compare_kernels
 from ragblend.core.errors import InvalidInputError
 from ragblend.core.model import kernels
-from ragblend.core.model.kernels import BUCKETS, KERNELS, KernelPlan, plan_for
+from ragblend.core.model.kernels import BUCKETS, KERNELS, SHORT_PASS_ROWS, KernelPlan, plan_for
 from ragblend.core.model.linear import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
 
 from ..conftest import make_tiny_engine
@@ -221,7 +221,7 @@ def test_a_q4_1_weight_comes_back_as_its_own_blocks():
     assert (rebuilt - weight).abs().max() < 1e-7
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17, 40])
 def test_int4_linear_is_close_to_the_float_layer(rows):
     weight, _ = q4_1_weight()
     linear = torch.nn.Linear(64, 96)
@@ -232,7 +232,7 @@ def test_int4_linear_is_close_to_the_float_layer(rows):
         layer = Int4Linear(linear)
         out, ref = layer(x), linear(x)
     assert layer.quantization_error < 1e-7 and out.dtype == torch.float32
-    if rows > 8:
+    if rows > SHORT_PASS_ROWS:
         assert (out - ref).abs().max() < 1e-5      # prefill-sized passes keep the float32 weight
     else:
         assert ((out - ref).abs().max() / ref.abs().max()) < 2e-2   # bfloat16 activations

@@ -298,7 +298,7 @@ def test_a_few_tokens_over_decoded_k_v_run_on_the_decoding_weights(tokenizer):
         nxt = engine.prefill(PromptLayout(turn, [], namespace=namespace))
         assert nxt.stats.prefix_tokens == len(ids) + 5   # the answer's K/V, decoded on 8-bit weights
         on_twin = "on the decoding weights" in nxt.stats.strategy_reason
-        assert on_twin == (namespace == "short")   # 13 rows in passes of 8; 41 in one float32 pass
+        assert on_twin == (namespace == "short")   # 13 rows in one 8-bit pass; 41 in one float32 pass
         assert first_token_kl(forward_logits(engine, turn), nxt.logits) < 1e-2
         assert nxt.logits.argmax() == forward_logits(engine, turn).argmax()
     exact = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
@@ -340,11 +340,11 @@ def test_a_near_tie_after_a_rest_on_the_decoding_weights_is_picked_in_float32(to
 
     engine = BlendEngine(copy.deepcopy(tiny_model("qwen2")), tokenizer, decode_dtype="int8",
                          prefix_cache_bytes=TIER, min_fusion_speedup=0, history_pieces=False)
-    ids, twin = text_ids(engine, 60), engine.runner.prefixes.decoding_adapter
+    ids, weights = text_ids(engine, 60), engine.runner.prefixes.decode_weights
 
     def next_turn(rest: list[int], namespace: str, on_twin: bool):
         """A 6-token answer (decoded on 8-bit weights), then a next turn of ``rest`` over it."""
-        engine.runner.prefixes.decoding_adapter = twin if on_twin else None   # None: every rest in float32
+        engine.runner.prefixes.decode_weights = weights if on_twin else None   # None: every rest in float32
         answer = engine.generate(PromptLayout(ids, [], namespace=namespace), max_new_tokens=6, stop=None)
         return engine.prefill(PromptLayout(ids + answer.token_ids + rest, [], namespace=namespace))
 

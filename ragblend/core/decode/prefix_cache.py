@@ -312,18 +312,13 @@ def is_bypassed() -> bool:
 
 
 @torch.inference_mode()
-def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int], rows_per_pass: int | None = None) -> FusedPrefill:
+def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int]) -> FusedPrefill:
     """The prefill of ``token_ids`` whose first ``hit.num_tokens`` tokens are ``hit``'s: the others
-    run through every layer over the hit's K/V, as a causal prefill of them would (one pass, or
-    passes of at most ``rows_per_pass`` rows: a decoding twin's low-bit kernels take a few rows)."""
+    run through every layer over the hit's K/V in one pass, as a causal prefill of them would."""
     t0 = time.perf_counter()
     n, start = len(token_ids), hit.num_tokens
     decoder = KVDecoder(adapter, hit.keys, hit.values, n, hit.key_bias, dtype=hit.keys[0].dtype)
-    rest = token_ids[start:]
-    size = rows_per_pass or len(rest)
-    for first in range(0, len(rest), size):
-        last = first + size >= len(rest)
-        logits = decoder.extend(rest[first:first + size], last_only=True, with_logits=last)
+    logits = decoder.extend(token_ids[start:], last_only=True)
     recomputed = torch.zeros(n, dtype=torch.bool)
     recomputed[start:] = True
     key_bias = None if decoder.key_bias is None else decoder.key_bias[:n]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from .decoder import RMSNorm
-from .kernels import DRAFT_ROWS
+from .kernels import SHORT_PASS_ROWS
 from .linear import weight_samples
 
 # Decoder-only families whose layers have the Llama shape: pre-norm, Q/K/V/O projections
@@ -324,8 +324,9 @@ class ModelAdapter:
 
     def _folds_heads(self, mask: torch.Tensor | None, rows: int) -> bool:
         """Whether :meth:`attention` folds the query heads sharing a K/V head into rows: on a
-        masked decoding pass (at most ``DRAFT_ROWS`` rows) of a model with grouped heads."""
-        return mask is not None and self.shape.num_heads > self.shape.num_kv_heads and rows <= DRAFT_ROWS
+        masked short pass (at most ``SHORT_PASS_ROWS`` rows: decoding, a conversation's next question)
+        of a model with grouped heads."""
+        return mask is not None and self.shape.num_heads > self.shape.num_kv_heads and rows <= SHORT_PASS_ROWS
 
     def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
         """``mask [n, N]`` for a decoding pass's folded queries (:meth:`attention`): one copy

@@ -22,6 +22,7 @@ from .linear import (
     Int4Linear,
     Int8Head,
     Int8Linear,
+    LowBitLinear,
     int4_available,
     int8_available,
     on_int4_grid,
@@ -237,7 +238,9 @@ class DecodeWeights:
     def keep_faster(self, layers: dict[int, CpuLinear]) -> dict[int, CpuLinear]:
         """``layers`` less each kind (4-bit, 8-bit) whose decoding step -- one row through all
         its layers, as a step runs them -- is not faster than the same layers in float32 on this
-        host beyond the noise (a 4-bit or 8-bit kernel can lose to float32 on some CPUs).
+        host beyond the noise (a 4-bit or 8-bit kernel can lose to float32 on some CPUs). A kind
+        kept runs passes of up to its ``kernel_rows`` (``SHORT_PASS_ROWS``) on its kernel where that
+        many rows measure faster than float32 too, else up to ``DRAFT_ROWS``.
         ``RAGBLEND_KERNELS=linear`` keeps float32 everywhere."""
         if os.environ.get("RAGBLEND_KERNELS", "").strip().lower() == "linear":
             return {}
@@ -245,29 +248,48 @@ class DecodeWeights:
         with torch.inference_mode():
             for kind in (Int4Linear, Int8Linear, Int8Head):
                 group = {key: layer for key, layer in layers.items() if type(layer) is kind}
-                if not group:
-                    continue
-                # Later processes on this host read the verdict (.host_cache), so that they decode alike.
-                shapes = [list(layer.weight.shape) for layer in group.values()]
-                if remembered("low-bit-faster", host_key([]) | {"kind": kind.__name__, "layers": shapes},
-                              lambda g=group, k=kind: measured_twice(lambda: _low_bit_faster(k, g), False),
-                              lambda value: isinstance(value, bool)):
+                if group and _faster_here(kind, group, 1):
                     kept.update(group)
+                    if kind.kernel_rows > DRAFT_ROWS and not _faster_here(kind, group, kind.kernel_rows):
+                        for layer in group.values():
+                            layer.kernel_rows = DRAFT_ROWS
         return kept
 
+    def short_pass_rows(self) -> int:
+        """The most rows a pass on the decoding weights runs on their low-bit kernels throughout,
+        the LM head aside (a prompt's rest needs the logits of its last row only); 0: decoding
+        runs on no low-bit kernel."""
+        adapter = self.decoding_adapter()
+        if adapter is self.adapter:
+            return 0
+        model = adapter.hf_model
+        head = getattr(model, "lm_head", None)   # the head every supported model has (core.model.decoder)
+        return min((module.kernel_rows for module in model.modules()
+                    if isinstance(module, (LowBitLinear, QuantLinear)) and module is not head), default=0)
 
-def _low_bit_faster(kind: type[CpuLinear], group: dict[int, CpuLinear]) -> bool:
-    """Whether one row through ``group``'s layers is faster in their low-bit form than in float32."""
-    inputs = {n: torch.randn(1, n) for n in {layer.weight.shape[1] for layer in group.values()}}
+
+def _faster_here(kind: type[LowBitLinear], group: dict[int, LowBitLinear], rows: int) -> bool:
+    """Whether ``rows`` rows through ``group``'s layers run faster on their low-bit kernel than in
+    float32 on this host: measured once per host, kind, shapes and rows; later processes read the
+    verdict (:mod:`.host_cache`), so that they decode alike."""
+    shapes = [list(layer.weight.shape) for layer in group.values()]
+    key = host_key([]) | {"kind": kind.__name__, "layers": shapes} | ({"rows": rows} if rows > 1 else {})
+    return remembered("low-bit-faster", key, lambda: measured_twice(lambda: _low_bit_faster(kind, group, rows), False),
+                      lambda value: isinstance(value, bool))
+
+
+def _low_bit_faster(kind: type[LowBitLinear], group: dict[int, LowBitLinear], rows: int) -> bool:
+    """Whether ``rows`` rows through ``group``'s layers are faster in their low-bit form than in float32."""
+    inputs = {n: torch.randn(rows, n) for n in {layer.weight.shape[1] for layer in group.values()}}
     seconds = fastest_rounds({
         "float32": lambda: [layer.plan.run(inputs[layer.weight.shape[1]], layer.weight, layer.bias)
                             for layer in group.values()],
-        "low-bit": lambda: [layer.rows(inputs[layer.weight.shape[1]]) for layer in group.values()],
+        "low-bit": lambda: [layer.kernel(inputs[layer.weight.shape[1]]) for layer in group.values()],
     })
     faster = seconds["low-bit"] * MIN_GAIN < seconds["float32"]
-    log.info("ragblend: %s decoding step over %d layers: %.2f ms against %.2f ms in float32: %s",
-             kind.__name__, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
-             "used" if faster else "not faster here, float32 kept")
+    log.info("ragblend: %s pass of %d row(s) over %d layers: %.2f ms against %.2f ms in float32: %s",
+             kind.__name__, rows, len(group), seconds["low-bit"] * 1e3, seconds["float32"] * 1e3,
+             "used" if faster else "not faster here, float32 taken")
     return faster
 
 
@@ -307,13 +329,15 @@ class FusedRows(torch.nn.Module):
                 if bias is not None:
                     stacked.bias.copy_(bias)
             self.low_bit = kind(stacked, plan)
-        self.low_bit.weight = None   # the stacked float32 copy: a decoding pass never reads it
+        self.low_bit.weight = None   # the stacked float32 copy: a short pass never reads it
+        if low_bit_parts:   # the most rows the parts' kernels take (measured on this host)
+            self.low_bit.kernel_rows = min(part.kernel_rows for part in low_bit_parts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= DRAFT_ROWS:
-            outputs = self.low_bit.rows(flat).split(self.sizes, dim=-1)
-        else:   # past a decoding pass a low-bit layer runs on float32 weights: here the parts'
+        if flat.shape[0] <= self.low_bit.kernel_rows:
+            outputs = self.low_bit.kernel(flat).split(self.sizes, dim=-1)
+        else:   # past a short pass a low-bit layer runs on float32 weights: here the parts'
             outputs = [self.low_bit.plan.run(flat, weight, bias) for weight, bias in zip(self.weights, self.biases)]
         return tuple(out.reshape(*x.shape[:-1], out.shape[-1]) for out in outputs)
 

@@ -118,6 +118,10 @@ BUCKETS = (
     Bucket(">1024", math.inf, 1536),   # a full prefill
 )
 DRAFT_ROWS = 8   # the most rows a decoding pass has (BUCKETS' second bucket)
+# The most rows a decoding twin's low-bit kernels take in one pass: a decoding pass's, and a
+# conversation's next question over the K/V the prefix tier kept (core.prefix_reuse), where this
+# host measures them faster than float32 at this many rows (core.model.decode_weights).
+SHORT_PASS_ROWS = 16
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import DRAFT_ROWS, KernelPlan, plan_for
+from .kernels import DRAFT_ROWS, SHORT_PASS_ROWS, KernelPlan, plan_for
 
 
 class HalfLinear(torch.nn.Module):
@@ -47,6 +47,23 @@ class CpuLinear(torch.nn.Module):
     def rows(self, flat: torch.Tensor) -> torch.Tensor:
         """``[tokens, out]`` for ``[tokens, in]``."""
         return self.plan.run(flat, self.weight, self.bias)
+
+
+class LowBitLinear(CpuLinear):
+    """A :class:`CpuLinear` that also holds its weight in a low-bit form, for short passes: up
+    to ``kernel_rows`` rows (a decoding pass; a conversation's next question) run on the low-bit
+    kernel (:meth:`kernel`), longer ones on the float32 weight through the host's kernel plan.
+    ``kernel_rows`` is lowered to ``kernels.DRAFT_ROWS`` where this host measures the kernel no
+    faster than float32 at ``SHORT_PASS_ROWS`` rows (:mod:`.decode_weights`)."""
+
+    kernel_rows = SHORT_PASS_ROWS
+
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[tokens, out]`` in float32 for ``[tokens, in]``, on the low-bit weights."""
+        raise NotImplementedError
+
+    def rows(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.kernel(flat) if flat.shape[0] <= self.kernel_rows else super().rows(flat)
 
 
 INT4_GROUP = 32   # weights per scale and minimum: a GGUF Q4_0/Q4_1 block
@@ -117,9 +134,8 @@ def low_bit_from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, pa
     return layer
 
 
-class Int4Linear(CpuLinear):
-    """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 4-bit
-    weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
+class Int4Linear(LowBitLinear):
+    """A linear layer whose short passes (:class:`LowBitLinear`) read 4-bit weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
     which runs on bfloat16 activations, so a step reads ~1/8 of the float32 weight bytes and
     rounds activations and scales to bfloat16. Longer passes use the float32 weight through
     the host's kernel plan, unchanged. The output is float32 either way.
@@ -152,9 +168,7 @@ class Int4Linear(CpuLinear):
             "packed": (torch.uint8, (out_features, in_features // 2)),
             "scales_and_zeros": (torch.bfloat16, (in_features // INT4_GROUP, out_features, 2))})
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] > DRAFT_ROWS:
-            return super().rows(flat)
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat.to(torch.bfloat16), self.packed, INT4_GROUP,
                                                          self.scales_and_zeros)
         return out.float() if self.bias is None else out.float() + self.bias
@@ -186,9 +200,8 @@ def _round_up_bfloat16(x: torch.Tensor) -> torch.Tensor:
     return rounded
 
 
-class Int8Linear(CpuLinear):
-    """A linear layer whose decoding passes (up to ``kernels.DRAFT_ROWS`` rows) read 8-bit
-    weights, one scale per output row: PyTorch's own CPU kernel (``aten._weight_int8pack_mm``)
+class Int8Linear(LowBitLinear):
+    """A linear layer whose short passes (:class:`LowBitLinear`) read 8-bit weights, one scale per output row: PyTorch's own CPU kernel (``aten._weight_int8pack_mm``)
     on bfloat16 activations, so a step reads 1/4 of the float32 weight bytes. For the weights of a
     5-, 6- or 8-bit GGUF (Qwen2.5's Q5_0/Q6_K/Q8_0 blocks) the rounding is a fraction of the
     file's own step. Longer passes use the float32 weight through the host's kernel plan.
@@ -214,9 +227,7 @@ class Int8Linear(CpuLinear):
         return low_bit_from_parts(cls, linear, plan, parts, {"codes": (torch.int8, tuple(linear.weight.shape)),
                                                              "scales": (torch.bfloat16, (linear.out_features,))})
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.shape[0] > DRAFT_ROWS:
-            return super().rows(flat)
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int8pack_mm(flat.to(torch.bfloat16), self.codes, self.scales)
         return out.float() if self.bias is None else out.float() + self.bias
 
@@ -232,11 +243,12 @@ class Int8Head(Int8Linear):
     """
 
     EXACT_TOP = 64
+    # A decoding pass's rows only: the rescoring makes more rows slower than float32 (16 rows:
+    # ~16 ms against ~12 on an AVX-512 EPYC), and a prompt's rest wants its last row's logits.
+    kernel_rows = DRAFT_ROWS
 
-    def rows(self, flat: torch.Tensor) -> torch.Tensor:
-        logits = super().rows(flat)
-        if flat.shape[0] > DRAFT_ROWS:
-            return logits   # computed in float32 already
+    def kernel(self, flat: torch.Tensor) -> torch.Tensor:
+        logits = super().kernel(flat)
         top = logits.topk(min(self.EXACT_TOP, logits.shape[-1]), dim=-1).indices   # [rows, k]
         exact = torch.einsum("rd,rkd->rk", flat, self.weight[top])
         if self.bias is not None:
