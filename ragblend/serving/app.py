@@ -64,6 +64,7 @@ from ragblend.core.prompt import PromptLayout, TooLong, check_text, is_conversat
 from .options import SERVER_DEFAULTS
 from .protocol import (
     BLEND_SPECIAL_STR,
+    CLIENT_CLOSED,
     MAX_JSON_VALUES,
     ApiError,
     ChatPrompt,
@@ -160,8 +161,10 @@ class Metrics:
         with self.lock:
             metric("ragblend_requests_total", "counter", "HTTP requests by route and status.",
                    [(f'{{path="{_label(p)}",status="{_label(s)}"}}', n) for (p, s), n in sorted(self.requests.items())])
-            metric("ragblend_errors_total", "counter", "HTTP requests answered with an error status.",
-                   [("", sum(n for (_, s), n in self.requests.items() if s >= 400))])
+            # A client that hung up (499) got no answer, erroneous or not: it is counted under requests only.
+            metric("ragblend_errors_total", "counter", "HTTP requests answered with an error status (not "
+                   "the 499s of clients that disconnected).",
+                   [("", sum(n for (_, s), n in self.requests.items() if s >= 400 and s != CLIENT_CLOSED))])
             metric("ragblend_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
             cumulative, samples = 0, []
             for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
@@ -537,7 +540,7 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
         call.close()
         if not call.finished:
             log.info("client disconnected from %s during its stream; its generation was stopped", route_label(path))
-            server.metrics.request(path, 499)
+            server.metrics.request(path, CLIENT_CLOSED)
 
     return Stream(_events(server, call, reply, path, include_usage, texts, namespace), ended)
 

@@ -77,11 +77,14 @@ class ApiError(RagblendError):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+CLIENT_CLOSED = 499   # nginx's status for a client that disconnected before its answer
+
+
 class ClientGone(ApiError):
-    """The client disconnected before its answer was ready (nginx's 499; nobody reads it)."""
+    """The client disconnected before its answer was ready (:data:`CLIENT_CLOSED`; nobody reads it)."""
 
     def __init__(self):
-        super().__init__(499, "The client closed the connection.", kind="client_closed_request")
+        super().__init__(CLIENT_CLOSED, "The client closed the connection.", kind="client_closed_request")
 
 
 # ---------------------------------------------------------------------------- request bodies

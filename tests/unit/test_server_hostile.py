@@ -250,8 +250,12 @@ def test_a_streaming_client_that_leaves_is_logged_as_a_disconnect(slow_engine, c
                     break   # the first token arrived; hang up
         wait_idle(running.url, within_s=1.5)
         time.sleep(0.1)
+        metrics = httpx.get(f"{running.url}/metrics").text
     finally:
         running.stop()
+    # counted as a request the client closed, not as an error the server answered with
+    assert 'ragblend_requests_total{path="/v1/chat/completions",status="499"} 1' in metrics
+    assert "ragblend_errors_total 0" in metrics
     ours = [r for r in caplog.records if r.name == "ragblend.server"]
     assert [r.levelno for r in ours] == [logging.INFO] and "disconnected" in ours[0].getMessage()
     assert "CancelledError" not in caplog.text and "Traceback" not in caplog.text
