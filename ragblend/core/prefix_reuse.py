@@ -11,7 +11,7 @@ import torch
 
 from .background import Background
 from .decode.generate import KVDecoder, near_tie
-from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, extend_prefix, is_bypassed
+from .decode.prefix_cache import KeptPrefix, PrefixCache, PrefixHit, PrefixScope, Room, extend_prefix, is_bypassed
 from .fusion.ingest import Ingestion
 from .fusion.pipeline import SequentialSource
 from .fusion.prefill import FusedPrefill
@@ -154,14 +154,15 @@ class PrefixReuse:
         length, dtype = decoder.length, self.kv_dtype
         try:
             opening = self.opening_after(decoding, answered)
-            size = sum(2 * k.shape[0] * (length + len(opening)) * k.shape[2] for k in decoder.keys) * dtype.itemsize
+            capacity = length + len(opening) + (self.QUESTION_ROOM if opening else 0)
+            size = sum(2 * k.shape[0] * capacity * k.shape[2] for k in decoder.keys) * dtype.itemsize
             if size > prefix.max_bytes:
                 return   # the tier would refuse it: copy nothing
             # the prompt's own bias (decoding may have run without it), none on the answer's keys
             bias = None if kept.key_bias is None else torch.cat([kept.key_bias, kept.key_bias.new_zeros(answered)])
-            # A copy (the answer's buffers are its decoder's), with room for the opening.
+            # A copy (the answer's buffers are its decoder's), with room for the opening and the next question.
             carried = KVDecoder(decoder.adapter, [k[:, :length] for k in decoder.keys],
-                                [v[:, :length] for v in decoder.values], length + len(opening), bias, dtype)
+                                [v[:, :length] for v in decoder.values], capacity, bias, dtype)
             scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
             ids = list(pre.token_ids) + list(decoding.token_ids[:answered])
             # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
@@ -189,6 +190,7 @@ class PrefixReuse:
         return ids[answered:]
 
     MAX_OPENING_TOKENS = 16   # an answer's last token and the template's opening of the next user turn
+    QUESTION_ROOM = 32   # positions kept free after a conversation's opening for its next question (Room)
 
     def _keep_opening(self, prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder,
                       opening: list[int], usable_from: int) -> None:
@@ -201,17 +203,18 @@ class PrefixReuse:
                 return
             with self.lock:
                 carried.extend(opening, with_logits=False)
-            self._keep(prefix, scope, ids + opening, carried, usable_from, extends=len(ids))
+            room = Room(carried.keys, carried.values)   # the next turn's question goes there, not into a copy
+            self._keep(prefix, scope, ids + opening, carried, usable_from, extends=len(ids), room=room)
         except Exception as err:   # a cache: the next turn computes the opening itself
             log.warning("ragblend: could not keep a conversation's next-turn opening in the prefix tier (%s: %s)",
                         type(err).__name__, err)
 
     @staticmethod
     def _keep(prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder, usable_from: int,
-              extends: int | None = None) -> None:
+              extends: int | None = None, room: Room | None = None) -> None:
         """Keep the first ``len(ids)`` positions of ``carried``'s buffers (views: later positions
-        may still be written, these never are); ``extends``: see :meth:`PrefixCache.store`."""
+        may still be written, these never are); ``extends``, ``room``: see :meth:`PrefixCache.store`."""
         m = len(ids)
         bias = None if carried.key_bias is None else carried.key_bias[:m]
         prefix.store(scope, ids, [k[:, :m] for k in carried.keys], [v[:, :m] for v in carried.values], bias,
-                     usable_from=usable_from, extends=extends)
+                     usable_from=usable_from, extends=extends, room=room)

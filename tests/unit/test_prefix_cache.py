@@ -307,6 +307,30 @@ def test_a_few_tokens_over_decoded_k_v_run_on_the_decoding_weights(tokenizer):
     assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason
 
 
+def test_a_next_question_goes_into_the_room_after_the_opening_once(tokenizer):
+    """The K/V of a chat's next question are written into the free positions kept after its
+    opening (no copy of the conversation's K/V); only one prompt ever takes that room: a second
+    question over the same turn copies, and leaves the first one's K/V as they were."""
+    engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    system = "Context:\n\n" + PASSAGES[0]
+    first = dataclasses.replace(engine.find_chunks("Who ran the ferry?", system=system), chat=True)
+    answer = engine.generate(first, max_new_tokens=6, stop=None)
+    engine.flush()   # the opening, and the room after it, are kept in the background
+    (entry,) = engine.prefix._entries.values()
+    assert entry.room is not None and entry.room.capacity == len(entry.token_ids) + engine.runner.prefixes.QUESTION_ROOM
+    history = [("user", "Who ran the ferry?"), ("assistant", answer.text)]
+    prompts = [engine.find_chunks(q, system=system, history=history) for q in ("And when did it stop?", "Why?")]
+    taken = engine.prefill(prompts[0])
+    assert taken.keys[0].untyped_storage().data_ptr() == entry.keys[0].untyped_storage().data_ptr()   # in the room
+    kept = [k.clone() for k in taken.keys]
+    copied = engine.prefill(prompts[1])
+    assert copied.keys[0].untyped_storage().data_ptr() != entry.keys[0].untyped_storage().data_ptr()
+    assert all(torch.equal(k, before) for k, before in zip(taken.keys, kept))   # the first question's K/V stand
+    for prompt, result in zip(prompts, (taken, copied)):
+        assert result.stats.prefix_tokens == len(entry.token_ids)
+        assert (result.logits - forward_logits(engine, prompt.token_ids)).abs().max() <= 1e-4
+
+
 def test_a_next_turn_opening_never_brings_back_what_the_tier_let_go(tokenizer):
     """The opening is computed on the background thread after the answer: where the tier was cleared
     meanwhile (calibration), evicted the answer or was switched off, nothing comes back."""

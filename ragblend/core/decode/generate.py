@@ -123,6 +123,19 @@ class KVDecoder:
             self._fill()
         self.rope = adapter.rope_tables(capacity)   # per layer: Gemma 3's local and global layers differ
 
+    @classmethod
+    def over(cls, adapter, keys: list[torch.Tensor], values: list[torch.Tensor], length: int,
+             key_bias: torch.Tensor | None = None) -> KVDecoder:
+        """A decoder whose buffers are ``keys`` and ``values`` themselves (per layer ``[kv_heads,
+        capacity, head_dim]``, their first ``length`` positions held), not copies: it writes the
+        positions after ``length`` (a :class:`~ragblend.core.decode.prefix_cache.Room`)."""
+        decoder = cls(adapter, [k[:, :0] for k in keys], [v[:, :0] for v in values], keys[0].shape[1],
+                      None if key_bias is None else key_bias[:0], lazy=True)
+        decoder._keys, decoder._values, decoder._prompt, decoder.length = list(keys), list(values), None, length
+        if key_bias is not None:
+            decoder.key_bias[:length] = key_bias
+        return decoder
+
     def _fill(self) -> None:
         """Make the buffers and copy the prompt's K/V into them."""
         keys, values = self._prompt

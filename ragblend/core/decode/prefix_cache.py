@@ -64,6 +64,30 @@ class KeptPrefix:
     key_bias: torch.Tensor | None
 
 
+class Room:
+    """Free positions after an entry's K/V in the buffers that hold them (``keys``, ``values``: per
+    layer ``[kv_heads, capacity, head_dim]``, the entry's tokens first). The first prompt that
+    extends the whole entry may write its own tokens' K/V there instead of copying the entry's into
+    new buffers (tens of MB over a long conversation, ~10% of a next turn's prefill): taken once,
+    for good, since the K/V written there are then that prompt's (and kept in the tier with it)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        self.keys, self.values = keys, values
+        self._free = threading.Lock()   # held for good by the one prompt that takes the room
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+    def take(self) -> bool:
+        """Whether the room is this caller's (never again anyone else's)."""
+        return self._free.acquire(blocking=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
 @dataclass
 class PrefixEntry:
     """The K/V of one token sequence: per layer ``[kv_heads, tokens, head_dim]``, K after RoPE."""
@@ -79,6 +103,7 @@ class PrefixEntry:
     key: int = -1                   # what the cache holds it under
     # the next-token logits after its first p tokens, by p (its prompt's: an exact repeat computes nothing)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    room: Room | None = None        # free positions after its K/V, for the first prompt that extends all of it
 
 
 @dataclass
@@ -91,6 +116,7 @@ class PrefixHit:
     key_bias: torch.Tensor | None
     scope: PrefixScope
     logits: torch.Tensor | None = None   # the logits after all ``num_tokens`` (a whole prompt stored with its logits)
+    room: Room | None = None   # its entry's room (a hit of the whole entry): see :func:`extend_prefix`
 
     def first(self, num_tokens: int) -> PrefixHit:
         """The hit of its first ``num_tokens`` tokens only (views), without logits."""
@@ -179,8 +205,9 @@ class PrefixCache:
             return None
         self._entries.move_to_end(entry.key)
         bias = None if entry.key_bias is None else entry.key_bias[:length]
+        room = entry.room if length == len(entry.token_ids) else None   # the positions after a shorter hit are taken
         return PrefixHit(length, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values], bias,
-                         entry.scope, None if logits is None else logits.clone())
+                         entry.scope, None if logits is None else logits.clone(), room)
 
     @staticmethod
     def _sound(entry: PrefixEntry) -> bool:
@@ -205,7 +232,7 @@ class PrefixCache:
 
     def store(self, scope: PrefixScope, token_ids: Sequence[int], keys: list[torch.Tensor],
               values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0,
-              logits: torch.Tensor | None = None, extends: int | None = None) -> bool:
+              logits: torch.Tensor | None = None, extends: int | None = None, room: Room | None = None) -> bool:
         """Keep the K/V of ``token_ids`` (held as given: nothing may write to them later). Entries
         it makes redundant (a prefix of it in its scope) go; the least recently used go while the
         total is over the budget. Returns whether it was kept (not when shorter than a block, larger
@@ -213,15 +240,20 @@ class PrefixCache:
         it a lookup may be served (for fused K/V, their whole prompt's); ``logits``: the next-token
         logits after all of ``token_ids`` (kept as given), which an exact repeat is served; ``extends``:
         kept only while the entry of the first ``extends`` ids is held as it was stored (an entry
-        extended after the tier was cleared or evicted it does not come back)."""
+        extended after the tier was cleared or evicted it does not come back); ``room``: the buffers
+        ``keys`` and ``values`` are the first positions of (:class:`Room`), counted in its bytes."""
         token_ids = tuple(token_ids)
         kept_logits = {} if logits is None else {len(token_ids): logits}
-        nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values, *kept_logits.values()))
+        if room is not None:
+            nbytes = room.nbytes + sum(t.numel() * t.element_size() for t in kept_logits.values())
+        else:
+            nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values, *kept_logits.values()))
         nbytes += 0 if key_bias is None else key_bias.numel() * key_bias.element_size()
         if len(token_ids) < self.block_tokens or nbytes > self.max_bytes:
             return False
         blocks = self.chain(scope, token_ids)
-        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from, logits=kept_logits)
+        entry = PrefixEntry(scope, token_ids, keys, values, key_bias, nbytes, blocks, usable_from, logits=kept_logits,
+                            room=room)
         with self._lock:
             if extends is not None and not self._holds(scope, list(token_ids[:extends])):
                 return False
@@ -314,14 +346,21 @@ def is_bypassed() -> bool:
 @torch.inference_mode()
 def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int]) -> FusedPrefill:
     """The prefill of ``token_ids`` whose first ``hit.num_tokens`` tokens are ``hit``'s: the others
-    run through every layer over the hit's K/V in one pass, as a causal prefill of them would."""
+    run through every layer over the hit's K/V in one pass, as a causal prefill of them would.
+    Their K/V go into the room after the hit's (:class:`Room`) where it fits them and is free,
+    else into new buffers the hit's K/V are copied into first."""
     t0 = time.perf_counter()
     n, start = len(token_ids), hit.num_tokens
-    decoder = KVDecoder(adapter, hit.keys, hit.values, n, hit.key_bias, dtype=hit.keys[0].dtype)
+    room = hit.room
+    if room is not None and room.capacity >= n and room.take():
+        decoder = KVDecoder.over(adapter, room.keys, room.values, start, hit.key_bias)
+    else:
+        decoder = KVDecoder(adapter, hit.keys, hit.values, n, hit.key_bias, dtype=hit.keys[0].dtype)
     logits = decoder.extend(token_ids[start:], last_only=True)
     recomputed = torch.zeros(n, dtype=torch.bool)
     recomputed[start:] = True
     key_bias = None if decoder.key_bias is None else decoder.key_bias[:n]
     computed = [torch.arange(start, n)] * adapter.shape.num_layers
-    return FusedPrefill(logits=logits[-1].float(), keys=decoder.keys, values=decoder.values, recomputed=recomputed,
+    return FusedPrefill(logits=logits[-1].float(), keys=[k[:, :n] for k in decoder.keys],
+                        values=[v[:, :n] for v in decoder.values], recomputed=recomputed,
                         compute_s=time.perf_counter() - t0, layer_positions=computed, key_bias=key_bias)
