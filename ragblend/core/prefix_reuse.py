@@ -92,9 +92,9 @@ class PrefixReuse:
                                  recomputed=torch.zeros(n, dtype=torch.bool), key_bias=hit.key_bias,
                                  layer_positions=[torch.arange(0)] * self.adapter.shape.num_layers)
         else:
-            adapter = self.rest_adapter(hit, n - p)
+            adapter, rows_per_pass = self.rest_adapter(hit, n - p)
             with self.lock:
-                fused = extend_prefix(adapter, hit, layout.token_ids)
+                fused = extend_prefix(adapter, hit, layout.token_ids, rows_per_pass)
                 if adapter is not self.adapter and near_tie(fused.logits):
                     # as decoding does: a near tie on the low-bit weights is picked as float32 picks it
                     adapter = self.adapter
@@ -108,18 +108,21 @@ class PrefixReuse:
         from_store[:p] = True
         return fused, SequentialSource([], self.adapter.device, windows=[]), from_store
 
-    def rest_adapter(self, hit: PrefixHit, rest: int) -> ModelAdapter:
-        """The adapter a prompt's ``rest`` tokens after ``hit`` run on. A few tokens (a
-        conversation's next question) over K/V that were fused or decoded on low-bit weights (not
-        exact) run as decoding runs tokens: on its low-bit kernels, in one pass where they take
-        that many rows (``SHORT_PASS_ROWS`` where this host measures them faster than float32 at
-        that many, else ``DRAFT_ROWS``); the first-token change is measured within the order
-        noise (docs/benchmarks.md, "Conversations"). Exact K/V stay exact: the rest then runs on
-        the prefill's own weights, as does a longer rest."""
+    def rest_adapter(self, hit: PrefixHit, rest: int) -> tuple[ModelAdapter, int | None]:
+        """The adapter a prompt's ``rest`` tokens after ``hit`` run on, and the most rows a pass
+        takes (None: one pass). A few tokens (at most ``SHORT_PASS_ROWS``: a conversation's next
+        question) over K/V that were fused or decoded on low-bit weights (not exact) run as decoding
+        runs tokens: on its low-bit kernels, in passes of as many rows as they take throughout
+        (:meth:`DecodeWeights.short_pass_rows`: 16 where this host measured them faster than
+        float32 at 16, or where the decode dtype was named; 8 for a model held quantized or where
+        16 measured slower); the first-token change is measured within the order noise
+        (docs/benchmarks.md, "Conversations"). Exact K/V stay exact: the rest then runs on the
+        prefill's own weights, as does a longer rest, or any where decoding has no low-bit kernel."""
         weights = self.decode_weights
-        if weights is None or hit.scope.exact or rest > min(weights.short_pass_rows(), SHORT_PASS_ROWS):
-            return self.adapter
-        return weights.decoding_adapter()
+        rows = 0 if weights is None or hit.scope.exact or rest > SHORT_PASS_ROWS else weights.short_pass_rows()
+        if rows <= 0:
+            return self.adapter, None
+        return weights.decoding_adapter(), rows
 
     def remember(self, layout: PromptLayout, plan: StrategyPlan, fused, hit: PrefixHit | None) -> KeptPrefix | None:
         """Keep this prompt's K/V in the prefix tier; how they were kept (None: not kept).
@@ -148,8 +151,10 @@ class PrefixReuse:
         kept: KeptPrefix | None = getattr(pre, "prefix_kept", None)
         prefix = self.prefix
         n = len(pre.token_ids)
-        answered = decoder.length - n   # the last token's K/V are never computed
-        if prefix is None or kept is None or not 0 < answered <= len(decoding.token_ids):
+        # The last token's K/V are never computed, unless drafts verified past it (an end-of-sequence
+        # token accepted in a draft): the answer's own tokens are kept either way.
+        answered = min(decoder.length - n, len(decoding.token_ids))
+        if prefix is None or kept is None or answered <= 0:
             return
         length, dtype = decoder.length, self.kv_dtype
         try:

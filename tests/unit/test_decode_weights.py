@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ragblend.core.decode.generate import KVDecoder
+from ragblend.core.decode.prefix_cache import PrefixHit, PrefixScope
 from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.model.decode_weights import DecodeWeights
 from ragblend.core.model.linear import INT4_GROUP, CpuLinear, Int4Linear, quantize_int4
@@ -185,6 +186,9 @@ def test_short_passes_run_on_the_kernel_only_where_that_many_rows_measure_faster
         monkeypatch.setattr(weights_module, "_low_bit_faster", lambda kind, group, n, at=faster_at: n in at)
         engine = BlendEngine(snapped_to_int4(tiny_model("llama")), tokenizer)
         assert engine.decode_weights.short_pass_rows() == rows
+        # a 12-token rest over K/V that are not exact runs on the decoding weights, in passes of that many rows
+        hit = PrefixHit(40, [], [], None, PrefixScope("model", "torch.float32", exact=False))
+        assert engine.runner.prefixes.rest_adapter(hit, 12) == (engine.decoding_adapter(), rows)
         down = engine.decoding_adapter().hf_model.model.layers[0].mlp.down_proj
         x = torch.randn(12, down.weight.shape[1])
         assert down.rows(x).equal(down.kernel(x)) == (rows == SHORT_PASS_ROWS)   # else float32

@@ -344,9 +344,10 @@ def is_bypassed() -> bool:
 
 
 @torch.inference_mode()
-def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int]) -> FusedPrefill:
+def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int], rows_per_pass: int | None = None) -> FusedPrefill:
     """The prefill of ``token_ids`` whose first ``hit.num_tokens`` tokens are ``hit``'s: the others
-    run through every layer over the hit's K/V in one pass, as a causal prefill of them would.
+    run through every layer over the hit's K/V, as a causal prefill of them would (in one pass, or
+    passes of at most ``rows_per_pass`` rows: the most a decoding twin's low-bit kernels take).
     Their K/V go into the room after the hit's (:class:`Room`) where it fits them and is free,
     else into new buffers the hit's K/V are copied into first."""
     t0 = time.perf_counter()
@@ -356,7 +357,10 @@ def extend_prefix(adapter, hit: PrefixHit, token_ids: list[int]) -> FusedPrefill
         decoder = KVDecoder.over(adapter, room.keys, room.values, start, hit.key_bias)
     else:
         decoder = KVDecoder(adapter, hit.keys, hit.values, n, hit.key_bias, dtype=hit.keys[0].dtype)
-    logits = decoder.extend(token_ids[start:], last_only=True)
+    rest = token_ids[start:]
+    size = rows_per_pass or len(rest)
+    for first in range(0, len(rest), size):
+        logits = decoder.extend(rest[first:first + size], last_only=True, with_logits=first + size >= len(rest))
     recomputed = torch.zeros(n, dtype=torch.bool)
     recomputed[start:] = True
     key_bias = None if decoder.key_bias is None else decoder.key_bias[:n]
