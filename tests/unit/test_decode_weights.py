@@ -354,10 +354,11 @@ def test_a_fused_twin_decodes_like_an_unfused_one(arch, tokenizer, monkeypatch):
     pre = fused_engine.prefill(segments())
 
     def decoder(engine):
-        return KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 16, pre.key_bias)
+        return KVDecoder(engine.decoding_adapter(), pre.keys, pre.values, len(pre.token_ids) + 40, pre.key_bias)
 
     fused, separate = decoder(fused_engine), decoder(separate_engine)
-    for tokens in ([5, 9, 11], list(range(20, 32))):              # a drafted pass, then one past DRAFT_ROWS
+    # a drafted pass, a short pass past DRAFT_ROWS, one past SHORT_PASS_ROWS (float32 weights)
+    for tokens in ([5, 9, 11], list(range(20, 32)), list(range(40, 60))):
         assert torch.allclose(fused.extend(tokens), separate.extend(tokens), atol=1e-4, rtol=0)
     others = [decoder(fused_engine), decoder(separate_engine)]
     assert torch.allclose(batch_extend([fused, others[0]], [7, 8]), batch_extend([separate, others[1]], [7, 8]),

@@ -248,8 +248,8 @@ class ModelAdapter:
     def qkv(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q, K (before RoPE) and V, as :meth:`q` and :meth:`kv` give them. A decoding twin
         whose layer holds them fused (``fused_qkv``, see :mod:`.decode_weights`) computes all
-        three in one low-bit matmul for the few rows of a decoding pass (a longer pass runs them
-        on their float32 weights, as the separate layers would)."""
+        three in one low-bit matmul for the few rows of a short pass (decoding, a next question;
+        a longer pass runs them on their float32 weights, as the separate layers would)."""
         steps = self._steps[layer]
         if steps.fused_qkv is None:
             return (self.q(layer, x), *self.kv(layer, x))
@@ -287,13 +287,13 @@ class ModelAdapter:
 
         ``mask`` is ``[n, N]``, boolean (True = may attend) or additive float, or None for the plain causal
         case where the queries are exactly the last ``n == N`` keys. Returns ``[n, H*D]``.
-        ``folded_mask``: :meth:`fold_mask` of ``mask``, for a decoding pass that made it once
+        ``folded_mask``: :meth:`fold_mask` of ``mask``, for a short pass that made it once
         for all its layers.
         """
         heads, n, dim = q.shape
         group = heads // k.shape[0]   # query heads per K/V head
         if self._folds_heads(mask, n):
-            # A decoding pass: the heads that share a K/V head become rows of one query, so K/V
+            # A short pass: the heads that share a K/V head become rows of one query, so K/V
             # are read once. (Masked SDPA with enable_gqa copies K/V once per query head on CPU,
             # which made it several times slower over a long prompt.) Same math.
             folded = q.reshape(k.shape[0], group * n, dim)
@@ -329,7 +329,7 @@ class ModelAdapter:
         return mask is not None and self.shape.num_heads > self.shape.num_kv_heads and rows <= SHORT_PASS_ROWS
 
     def fold_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
-        """``mask [n, N]`` for a decoding pass's folded queries (:meth:`attention`): one copy
+        """``mask [n, N]`` for a short pass's folded queries (:meth:`attention`): one copy
         per query head sharing a K/V head; None where the attention does not fold."""
         if not self._folds_heads(mask, 0 if mask is None else mask.shape[0]):
             return None
@@ -351,7 +351,7 @@ class ModelAdapter:
         """The gated MLP, ``down(act(gate(x)) * up(x))`` (the MLP of every supported
         architecture, SUPPORTED_ARCHITECTURES), its gate and up projections in one low-bit
         matmul where a decoding twin fused them (``fused_gate_up``; a pass longer than a
-        decoding pass runs them on their float32 weights)."""
+        short pass runs them on their float32 weights)."""
         if steps.fused_gate_up is None:
             gate, up = steps.gate_proj(x), steps.up_proj(x)
         else:

@@ -127,7 +127,7 @@ class DecodeWeights:
         count, kinds = len(low_bit), sorted({type(layer).__name__ for layer in low_bit.values()})
         fused = fused_groups(self.hf_model, low_bit, self.kernel_plan)   # takes the fused parts out of low_bit
         # A fused layer's parts keep only their float32 weights (shared, not copied), for passes
-        # longer than a decoding pass: their low-bit form lives once, in the fused matmul.
+        # longer than a short pass: their low-bit form lives once, in the fused matmul.
         twin = with_linears(self.hf_model, lambda layer: low_bit.get(id(layer.weight)) or
                             CpuLinear(layer, self.kernel_plan))
         for owner, attribute, group in fused:
@@ -295,8 +295,8 @@ def _low_bit_faster(kind: type[LowBitLinear], group: dict[int, LowBitLinear], ro
 
 class FusedRows(torch.nn.Module):
     """Linear layers that read the same input -- a layer's Q, K and V projections, its MLP's
-    gate and up -- as one low-bit matmul over their stacked weights, for decoding passes (at
-    most ``max_rows`` rows). Same weights, same math, row for row; one kernel call and one
+    gate and up -- as one low-bit matmul over their stacked weights, for short passes (at
+    most its low-bit layer's ``kernel_rows``, its parts' least). Same weights, same math, row for row; one kernel call and one
     bfloat16 rounding of the input instead of one per layer, which is most of what such small
     matmuls cost on a decoding pass. Returns the layers' outputs in order.
 

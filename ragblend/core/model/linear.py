@@ -54,7 +54,8 @@ class LowBitLinear(CpuLinear):
     to ``kernel_rows`` rows (a decoding pass; a conversation's next question) run on the low-bit
     kernel (:meth:`kernel`), longer ones on the float32 weight through the host's kernel plan.
     ``kernel_rows`` is lowered to ``kernels.DRAFT_ROWS`` where this host measures the kernel no
-    faster than float32 at ``SHORT_PASS_ROWS`` rows (:mod:`.decode_weights`)."""
+    faster than float32 at ``SHORT_PASS_ROWS`` rows (``decode_dtype="auto"``; a named decode dtype
+    is not measured: :mod:`.decode_weights`)."""
 
     kernel_rows = SHORT_PASS_ROWS
 
@@ -135,7 +136,8 @@ def low_bit_from_parts(cls, linear: torch.nn.Linear, plan: KernelPlan | None, pa
 
 
 class Int4Linear(LowBitLinear):
-    """A linear layer whose short passes (:class:`LowBitLinear`) read 4-bit weights: PyTorch's own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
+    """A linear layer whose short passes (:class:`LowBitLinear`) read 4-bit weights: PyTorch's
+    own CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group size 32),
     which runs on bfloat16 activations, so a step reads ~1/8 of the float32 weight bytes and
     rounds activations and scales to bfloat16. Longer passes use the float32 weight through
     the host's kernel plan, unchanged. The output is float32 either way.
@@ -201,7 +203,8 @@ def _round_up_bfloat16(x: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(LowBitLinear):
-    """A linear layer whose short passes (:class:`LowBitLinear`) read 8-bit weights, one scale per output row: PyTorch's own CPU kernel (``aten._weight_int8pack_mm``)
+    """A linear layer whose short passes (:class:`LowBitLinear`) read 8-bit weights, one scale
+    per output row: PyTorch's own CPU kernel (``aten._weight_int8pack_mm``)
     on bfloat16 activations, so a step reads 1/4 of the float32 weight bytes. For the weights of a
     5-, 6- or 8-bit GGUF (Qwen2.5's Q5_0/Q6_K/Q8_0 blocks) the rounding is a fraction of the
     file's own step. Longer passes use the float32 weight through the host's kernel plan.
