@@ -55,6 +55,7 @@ class DecodeWeights:
         self.decode_dtype, self.lock = decode_dtype, lock
         self._adapter: ModelAdapter | None = None
         self._exact: ModelAdapter | None = None
+        self._short_pass_rows: int | None = None   # fixed once the twin is built (:meth:`short_pass_rows`)
 
     def decoding_adapter(self) -> ModelAdapter:
         """The adapter decoding runs on: the engine's own, or a twin (built with the engine) whose
@@ -258,14 +259,15 @@ class DecodeWeights:
     def short_pass_rows(self) -> int:
         """The most rows a pass on the decoding weights runs on their low-bit kernels throughout,
         the LM head aside (a prompt's rest needs the logits of its last row only); 0: decoding
-        runs on no low-bit kernel."""
-        adapter = self.decoding_adapter()
-        if adapter is self.adapter:
-            return 0
-        model = adapter.hf_model
-        head = getattr(model, "lm_head", None)   # the head every supported model has (core.model.decoder)
-        return min((module.kernel_rows for module in model.modules()
-                    if isinstance(module, (LowBitLinear, QuantLinear)) and module is not head), default=0)
+        runs on no low-bit kernel. Found once (every next question over a conversation asks)."""
+        if self._short_pass_rows is None:
+            adapter = self.decoding_adapter()
+            model = adapter.hf_model
+            head = getattr(model, "lm_head", None)   # the head every supported model has (core.model.decoder)
+            self._short_pass_rows = 0 if adapter is self.adapter else min(
+                (module.kernel_rows for module in model.modules()
+                 if isinstance(module, (LowBitLinear, QuantLinear)) and module is not head), default=0)
+        return self._short_pass_rows
 
 
 def _faster_here(kind: type[LowBitLinear], group: dict[int, LowBitLinear], rows: int) -> bool:
@@ -296,9 +298,10 @@ def _low_bit_faster(kind: type[LowBitLinear], group: dict[int, LowBitLinear], ro
 class FusedRows(torch.nn.Module):
     """Linear layers that read the same input -- a layer's Q, K and V projections, its MLP's
     gate and up -- as one low-bit matmul over their stacked weights, for short passes (at
-    most its low-bit layer's ``kernel_rows``, its parts' least). Same weights, same math, row for row; one kernel call and one
-    bfloat16 rounding of the input instead of one per layer, which is most of what such small
-    matmuls cost on a decoding pass. Returns the layers' outputs in order.
+    most its low-bit layer's ``kernel_rows``, its parts' least). Same weights, same math, row
+    for row; one kernel call and one bfloat16 rounding of the input instead of one per layer,
+    which is most of what such small matmuls cost on a decoding pass. Returns the layers'
+    outputs in order.
 
     ``weights``, ``biases``: the parts' own float32 tensors (the same, not copies), which a
     longer pass runs on through the host's kernel plan, as the parts themselves would."""
