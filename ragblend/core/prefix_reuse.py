@@ -156,7 +156,7 @@ class PrefixReuse:
         answered = min(decoder.length - n, len(decoding.token_ids))
         if prefix is None or kept is None or answered <= 0:
             return
-        length, dtype = decoder.length, self.kv_dtype
+        length, dtype = n + answered, self.kv_dtype   # not past the answer's last kept token
         try:
             opening = self.opening_after(decoding, answered)
             capacity = length + len(opening) + (self.QUESTION_ROOM if opening else 0)

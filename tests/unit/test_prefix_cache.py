@@ -307,9 +307,11 @@ def test_a_few_tokens_over_decoded_k_v_run_on_the_decoding_weights(tokenizer):
     assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason
 
 
-def test_an_answer_whose_draft_ran_past_its_end_is_kept_too(tokenizer):
+@pytest.mark.parametrize("biased", [False, True])
+def test_an_answer_whose_draft_ran_past_its_end_is_kept_too(tokenizer, biased):
     """A draft verified past an answer's end (an end-of-sequence token accepted in it) leaves the
-    decoder one position longer than the answer: the answer's own K/V are kept all the same."""
+    decoder one position longer than the answer: the answer's own K/V are kept all the same, also
+    with the score bias of a fused prompt (QueryAware's cached-attention scale), one per kept key."""
     engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
     layout = PromptLayout(text_ids(engine, 60), [])
     decoding = engine.begin(layout, max_new_tokens=6, stop=None)
@@ -317,6 +319,9 @@ def test_an_answer_whose_draft_ran_past_its_end_is_kept_too(tokenizer):
     assert decoding.decoder.length == len(layout.token_ids) + 5   # the last token's K/V are not computed
     # As where a verified draft ended in EOS: the decoder holds K/V past the tokens the answer keeps.
     del decoding.token_ids[-2:]
+    if biased:   # as a fused prompt's: a bias on each of the prompt's keys
+        kept = decoding.prefill.prefix_kept
+        decoding.prefill.prefix_kept = dataclasses.replace(kept, key_bias=torch.zeros(len(layout.token_ids)))
     engine.finish(decoding)
     assert engine.prefix_held(layout.token_ids + decoding.token_ids) == len(layout.token_ids) + 4
 
