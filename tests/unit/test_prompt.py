@@ -142,6 +142,20 @@ def test_a_long_chat_is_rendered_twice_and_a_trimming_template_still_gives_its_o
     assert len(renders) > 2   # each message's own render: the template trims
 
 
+def test_text_that_looks_like_a_placeholder_is_laid_out_as_text(tokenizer):
+    """Each message is rendered as a random placeholder ("ragblend" and 32 hex digits) to find
+    where its text goes; the same shape written by the template itself, or sent in a message,
+    is ordinary text."""
+    look_alike = "ragblend" + "0123456789abcdef" * 2
+    odd = copy.deepcopy(tokenizer)
+    odd.chat_template = tokenizer.chat_template.replace("message['content']", f"'{look_alike} ' + message['content']")
+    assert look_alike in odd.chat_template
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Is {look_alike} a name?"},
+             {"role": "assistant", "content": look_alike}, {"role": "user", "content": "When?"}]
+    for tok in (tokenizer, odd):
+        assert PromptBuilder(tok).chat_ids(turns) == templated(tok, turns)
+
+
 def test_a_repeated_prompt_is_laid_out_without_templating_or_tokenizing_again(tokenizer, monkeypatch):
     builder = PromptBuilder(tokenizer, max_tokens=2048)
     history = [("user", "Where does the ferry leave from?"), ("assistant", "From the north pier.")]
