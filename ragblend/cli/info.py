@@ -70,7 +70,8 @@ def _print_memory_tier(title: str, what: str, off: str, info: dict, counts: str)
 
 def _print_prefix_tier(tier: dict) -> None:
     _print_memory_tier("Prefix tier", "recent prompts' and answers' K/V, reused by exact prefix", "prefix_cache_bytes=0",
-                       tier, tier and f"{tier['hits']} hits, {tier['hit_tokens']} tokens served")
+                       tier, tier and f"{tier['hits']} hits, {tier['hit_tokens']} tokens served"
+                       + (f", {tier['faults']} not kept (see the log)" if tier.get("faults") else ""))
 
 
 def _print_history_pieces(pieces: dict) -> None:

@@ -136,9 +136,14 @@ class PrefixReuse:
             return KeptPrefix(hit.scope, hit.key_bias)
         self.kv_dtype = fused.keys[0].dtype
         scope = self.scope(exact, layout.namespace)
-        # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
-        prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
-                     usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
+        try:
+            # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
+            prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
+                         usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
+        except Exception as err:   # a cache: the answer goes on without it
+            log.warning("ragblend: could not keep a prompt's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
+            prefix.fault()
+            return None
         return KeptPrefix(scope, fused.key_bias)
 
     def remember_answer(self, decoding, exact_decoding: bool) -> None:
@@ -177,6 +182,7 @@ class PrefixReuse:
                 self.background.submit(self._keep_opening, prefix, scope, ids, carried, opening, usable_from)
         except Exception as err:   # the tier never fails an answer that is done
             log.warning("ragblend: could not keep an answer's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
+            prefix.fault()
 
     def opening_after(self, decoding, answered: int) -> list[int]:
         """The tokens the next turn of ``decoding``'s conversation starts with after its first
@@ -213,6 +219,7 @@ class PrefixReuse:
         except Exception as err:   # a cache: the next turn computes the opening itself
             log.warning("ragblend: could not keep a conversation's next-turn opening in the prefix tier (%s: %s)",
                         type(err).__name__, err)
+            prefix.fault()
 
     @staticmethod
     def _keep(prefix: PrefixCache, scope: PrefixScope, ids: list[int], carried: KVDecoder, usable_from: int,

@@ -211,7 +211,8 @@ PREFIX_METRICS = (
     ("ragblend_prefix_misses_total", "counter", "misses", "Prompts the prefix tier had no prefix for."),
     ("ragblend_prefix_hit_tokens_total", "counter", "hit_tokens", "Prompt tokens served by the prefix tier."),
     ("ragblend_prefix_bytes", "gauge", "bytes", "Bytes of K/V the prefix tier holds."),
-    ("ragblend_prefix_evictions_total", "counter", "evictions", "Prefix tier entries evicted (LRU)."))
+    ("ragblend_prefix_evictions_total", "counter", "evictions", "Prefix tier entries evicted (LRU)."),
+    ("ragblend_prefix_faults_total", "counter", "faults", "K/V the prefix tier could not keep (logged)."))
 PIECE_METRICS = (
     ("ragblend_history_pieces_entries", "gauge", "entries", "Conversation turns kept as history pieces."),
     ("ragblend_history_pieces_bytes", "gauge", "bytes", "Bytes of K/V the history pieces' memory holds."),

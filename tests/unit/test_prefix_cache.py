@@ -326,6 +326,24 @@ def test_an_answer_whose_draft_ran_past_its_end_is_kept_too(tokenizer, biased):
     assert engine.prefix_held(layout.token_ids + decoding.token_ids) == len(layout.token_ids) + 4
 
 
+def test_an_answer_the_tier_cannot_keep_is_served_logged_and_counted(tokenizer, monkeypatch, caplog):
+    """Keeping an answer's K/V fails (here: the tier refuses every store): the answer is served
+    all the same, the failure is logged and counted (``prefix_info()["faults"]``, /metrics)."""
+    engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    layout = PromptLayout(text_ids(engine, 60), [])
+    expected = engine.generate(layout, max_new_tokens=6, stop=None, strategy=FullRecompute()).text
+    engine.prefix.clear()
+
+    def refuse(*args, **kwargs):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(engine.prefix, "store", refuse)
+    with caplog.at_level("WARNING", logger="ragblend"):
+        answer = engine.generate(layout, max_new_tokens=6, stop=None)
+    assert answer.text == expected
+    assert engine.prefix_info()["faults"] >= 1 and "could not keep" in caplog.text
+
+
 def test_a_next_question_goes_into_the_room_after_the_opening_once(tokenizer):
     """The K/V of a chat's next question are written into the free positions kept after its
     opening (no copy of the conversation's K/V); only one prompt ever takes that room: a second

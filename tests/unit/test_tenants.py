@@ -395,5 +395,6 @@ def test_the_prefix_tier_serves_a_tenants_repeat_and_never_another_tenants(token
         metrics = httpx.get(f"{server.url}/metrics", timeout=30, headers={"Authorization": f"Bearer {OPERATOR_KEY}"}).text
         assert "ragblend_prefix_hits_total 2" in metrics and f"ragblend_prefix_hit_tokens_total {2 * n}" in metrics
         assert "ragblend_prefix_misses_total" in metrics and "ragblend_prefix_evictions_total 0" in metrics
+        assert "ragblend_prefix_faults_total 0" in metrics
     finally:
         server.stop()

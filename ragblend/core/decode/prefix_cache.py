@@ -137,6 +137,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.hits = self.misses = self.hit_tokens = self.evictions = 0
+        self.faults = 0   # K/V that could not be kept (an answer's, an opening's): logged, and counted here
 
     def chain(self, scope: PrefixScope, token_ids: Sequence[int]) -> list[int]:
         """The chain hashes of the whole blocks of ``token_ids`` under ``scope``."""
@@ -168,6 +169,11 @@ class PrefixCache:
             else:
                 self.hits += 1
                 self.hit_tokens += hit.num_tokens
+
+    def fault(self) -> None:
+        """Count K/V that could not be kept (the caller logged why): a cache fails quietly, not unseen."""
+        with self._lock:
+            self.faults += 1
 
     def _match(self, scope: PrefixScope, token_ids: list[int], limit: int) -> tuple[PrefixEntry, int] | None:
         """The entry holding the longest prefix of ``token_ids[:limit]`` under ``scope``, and its length."""
@@ -318,7 +324,7 @@ class PrefixCache:
         with self._lock:
             return {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
                     "hits": self.hits, "misses": self.misses, "hit_tokens": self.hit_tokens,
-                    "evictions": self.evictions}
+                    "evictions": self.evictions, "faults": self.faults}
 
     def __len__(self) -> int:
         return len(self._entries)
