@@ -20,8 +20,8 @@
 
   llama-cpp-python on the same GGUF with its RAM prompt cache (a fresh one per conversation)
   is sent the token ids of the default's answer prompts, in order: the same rendered prompts; for
-  the served setting as ragblend is asked, ``--pause`` s after each turn and each turn the median
-  of ``--repeats`` conversations.
+  the served setting as ragblend is asked, ``--pause`` s after each turn, one conversation after
+  each round of ragblend's (interleaved), each turn the median of ``--repeats`` conversations.
   Between turns, the engine's background work (storing the pieces of the turn just answered)
   finishes first, as while a user reads the answer: its time is reported (``bg s``), never hidden.
 
@@ -139,11 +139,23 @@ def fidelity(engine: BlendEngine, rows: list[dict], tokens: int) -> list[dict]:
     return out
 
 
-def served_conversations(url: str, chunks, setting: str, args, mode: str) -> list[dict]:
-    """``args.repeats`` conversations (each its own cache salt: nothing of another's reused), each turn's
-    TTFT their median: one conversation's turn 1 is a single timing on a shared host."""
-    runs = [served_conversation(url, chunks, setting, args, mode, salt=str(rep)) for rep in range(args.repeats)]
-    return [{**turns[0], "ttft": statistics.median(r["ttft"] for r in turns)} for turns in zip(*runs)]
+def served_setting(url: str, chunks, setting: str, args, prompts) -> tuple[dict, list[float] | None]:
+    """``args.repeats`` rounds, each of one conversation per mode through the server (its own cache
+    salt: nothing of another's reused) and then llama-cpp-python over the default's prompts: interleaved,
+    so that a shared host that slows down or speeds up over the minutes favours none of them. Each
+    turn's TTFT is the median over the rounds (one conversation's turn is a single timing)."""
+    runs: dict[str, list[list[dict]]] = {"full prefill": [], "default": []}
+    peer_runs = []
+    for rep in range(args.repeats):
+        for mode, done in runs.items():
+            done.append(served_conversation(url, chunks, setting, args, mode, salt=str(rep)))
+        # as ragblend's turns: a pause after each
+        peer = llama_cpp_turns([prompts.chat_ids(r["messages"]) for r in runs["default"][-1]], args.tokens, args.pause)
+        if peer is not None:
+            peer_runs.append(peer)
+    results = {mode: [{**turns[0], "ttft": statistics.median(r["ttft"] for r in turns)} for turns in zip(*done)]
+               for mode, done in runs.items()}
+    return results, [statistics.median(turn) for turn in zip(*peer_runs)] if peer_runs else None
 
 
 def served_conversation(url: str, chunks, setting: str, args, mode: str, salt: str = "") -> list[dict]:
@@ -185,25 +197,20 @@ def served_warm_up(url: str) -> None:
     time.sleep(5)
 
 
-def llama_cpp_turns(prompts: list[list[int]], tokens: int, pause: float = 0.0, repeats: int = 1) -> list[float] | None:
-    """llama-cpp-python's TTFT for each prompt in order, one Llama with its RAM prompt cache per
-    conversation, ``pause`` s after each turn (as the served conversations pause), each turn the
-    median of ``repeats`` conversations (as ragblend's served turns are); None when absent."""
-    runs = []
-    for _ in range(repeats):
-        try:
-            from .peers import LlamaCppPeer, gguf_file
-            peer = LlamaCppPeer(gguf_file("smollm2"), tokens, n_ctx=8192)
-        except Exception as err:   # not installed, or no GGUF: reported as skipped
-            print(f"llama-cpp-python skipped: {type(err).__name__}: {err}", flush=True)
-            return None
-        ttfts = []
-        for ids in prompts:
-            ttfts.append(peer.answer(ids)[0])
-            time.sleep(pause)
-        runs.append(ttfts)
-        del peer
-    return [statistics.median(turn) for turn in zip(*runs)]
+def llama_cpp_turns(prompts: list[list[int]], tokens: int, pause: float = 0.0) -> list[float] | None:
+    """llama-cpp-python's TTFT for each prompt in order, one Llama with its RAM prompt cache for the
+    conversation, ``pause`` s after each turn (as the served conversations pause); None when absent."""
+    try:
+        from .peers import LlamaCppPeer, gguf_file
+        peer = LlamaCppPeer(gguf_file("smollm2"), tokens, n_ctx=8192)
+    except Exception as err:   # not installed, or no GGUF: reported as skipped
+        print(f"llama-cpp-python skipped: {type(err).__name__}: {err}", flush=True)
+        return None
+    ttfts = []
+    for ids in prompts:
+        ttfts.append(peer.answer(ids)[0])
+        time.sleep(pause)
+    return ttfts
 
 
 def table(title: str, results: dict, peer: list[float] | None, turns: int) -> list[str]:
@@ -297,11 +304,7 @@ def main(argv=None) -> None:
             try:
                 served_warm_up(server.url)
                 for setting in SETTINGS:
-                    results = {mode: served_conversations(server.url, chunks, setting, args, mode)
-                               for mode in ("full prefill", "default")}
-                    prompts = [base.prompts.chat_ids(r["messages"]) for r in results["default"]]
-                    # as ragblend's turns: a pause after each, the median of as many conversations
-                    peer = llama_cpp_turns(prompts, args.tokens, args.pause, args.repeats)
+                    results, peer = served_setting(server.url, chunks, setting, args, base.prompts)
                     lines += table(f"`ragblend serve` + openai client, {setting}: client TTFT in s, median of "
                                    f"{args.repeats} conversations (prompt tokens / "
                                    "prefix-tier tokens / history-piece tokens)", results, peer, args.turns)
