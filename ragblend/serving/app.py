@@ -59,13 +59,19 @@ from ragblend.core.decode.batching import kv_bytes_for
 from ragblend.core.engine import BlendEngine, Stats
 from ragblend.core.errors import InvalidInputError, PromptTooLongError, RagblendError
 from ragblend.core.net import is_loopback
-from ragblend.core.prompt import PromptLayout, TooLong, check_text, is_conversation
+from ragblend.core.prompt import PromptLayout, TooLong, is_conversation
 
 from .options import SERVER_DEFAULTS
 from .protocol import (
     BLEND_SPECIAL_STR,
     CLIENT_CLOSED,
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_TYPE,
+    INVALID_VALUE,
     MAX_JSON_VALUES,
+    MISSING_PARAMETER,
+    REQUEST_TOO_LARGE,
+    UNSUPPORTED_PARAMETER,
     ApiError,
     ChatPrompt,
     ClientGone,
@@ -77,6 +83,7 @@ from .protocol import (
     parse_json,
     passages,
     usage,
+    valid_text,
 )
 from .requests import ChunksRequest, TokenizeRequest, check_options, requested_strategy, sampling
 from .reuse import PassageKeeper
@@ -276,7 +283,8 @@ class Guard:
                              kind="authentication_error", code="invalid_api_key")
         length = headers.get(b"content-length")
         if error is None and length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            error = ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+            error = ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
+                             code=REQUEST_TOO_LARGE)
         if error is None:
             return await self.app(scope, receive, send)
         await self.refuse(error, path)(scope, receive, send)
@@ -323,9 +331,9 @@ class Server:
         """``err`` as an OpenAI-shaped error response, logged and counted."""
         if not isinstance(err, ApiError):
             if isinstance(err, PromptTooLongError):
-                err = ApiError(400, str(err), code="context_length_exceeded")
-            elif isinstance(err, (InvalidInputError, RagblendError)):
-                err = ApiError(400, str(err))
+                err = ApiError(400, str(err), code=CONTEXT_LENGTH_EXCEEDED)
+            elif isinstance(err, (InvalidInputError, RagblendError)):   # the engine's refusal of what was sent
+                err = ApiError(400, str(err), code=INVALID_VALUE)
             else:
                 log.error("internal error on %s", route_label(path), exc_info=err)
                 err = ApiError(500, "Internal server error; see the server's log.", kind="server_error")
@@ -351,13 +359,14 @@ class Server:
         async for piece in request.stream():   # also bounds bodies sent without a Content-Length
             body += piece
             if len(body) > self.max_body_bytes:
-                raise ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.")
+                raise ApiError(413, f"The request body is larger than {self.max_body_bytes} bytes.",
+                               code=REQUEST_TOO_LARGE)
         data = await run_in_threadpool(parse_json, bytes(body), MAX_JSON_VALUES + self.engine.context_window)
         if not isinstance(data, dict):
-            raise ApiError(400, "The request body must be a JSON object.")
+            raise ApiError(400, "The request body must be a JSON object.", code=INVALID_TYPE)
         model = data.get("model")
         if model is not None and not isinstance(model, str):
-            raise ApiError(400, "model must be a string.", param="model")
+            raise ApiError(400, "model must be a string.", param="model", code=INVALID_TYPE)
         # Any name is served by the one model (ChatOpenAI sends "gpt-3.5-turbo" unless told
         # otherwise), but /v1/models lists only the served name: a name one tenant sent is no
         # other tenant's business.
@@ -707,15 +716,16 @@ def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
         if body.get("add_generation_prompt") is False:
             raise ApiError(400, "add_generation_prompt=false is not supported: messages are tokenized as "
                                 "the chat endpoint's prompt, which ends with the assistant's turn.",
-                           param="add_generation_prompt", code="unsupported_parameter")
+                           param="add_generation_prompt", code=UNSUPPORTED_PARAMETER)
         # The very prompt the chat endpoint would build (the engine's PromptBuilder).
         prompt = ChatPrompt.parse(body["messages"], server.limit)
         return lambda job: prompt.layout(engine, find_chunks=False).token_ids
     text = body.get("prompt")
     if not isinstance(text, str):
-        raise ApiError(400, "prompt must be a string (or send messages).", param="prompt")
+        raise ApiError(400, "prompt must be a string (or send messages).", param="prompt",
+                       code=MISSING_PARAMETER if text is None else INVALID_TYPE)
     server.limit.check(len(text), "prompt", "prompt")
-    check_text(text, "prompt")
+    valid_text(text, "prompt")
     specials = body.get("add_special_tokens", True)
 
     def run(job: Job) -> list[int]:

@@ -65,12 +65,29 @@ UNSUPPORTED = {
 }
 
 
+# The ``code`` of every 400 this server answers, as the OpenAI API names them (a client tells
+# failures apart by code, never by message; ``param`` names the field at fault where there is one).
+INVALID_TYPE = "invalid_type"                    # a field of the wrong JSON type
+INVALID_VALUE = "invalid_value"                  # the right type, but a value outside what the field takes
+MISSING_PARAMETER = "missing_required_parameter"  # a required field left out (or null)
+UNKNOWN_PARAMETER = "unknown_parameter"          # a field no request takes (a setting a strategy lacks)
+UNSUPPORTED_PARAMETER = "unsupported_parameter"  # an OpenAI feature this server does not implement (n > 1, images)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"   # a prompt that cannot fit the model's window
+INVALID_JSON = "invalid_json"                    # a body that is not JSON (or nests it too deeply)
+REQUEST_TOO_LARGE = "request_too_large"          # a body over the size limit (413), or with too many JSON values
+ERROR_CODES = (INVALID_TYPE, INVALID_VALUE, MISSING_PARAMETER, UNKNOWN_PARAMETER, UNSUPPORTED_PARAMETER,
+               CONTEXT_LENGTH_EXCEEDED, INVALID_JSON, REQUEST_TOO_LARGE)
+
+
 class ApiError(RagblendError):
-    """An error answered to the client with ``status`` in the OpenAI error shape."""
+    """An error answered to the client with ``status`` in the OpenAI error shape. A 400 always
+    carries a ``code`` (:data:`ERROR_CODES`): one that names none is :data:`INVALID_VALUE`."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
+        if code is None and status == 400:
+            code = INVALID_VALUE
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict:
@@ -109,13 +126,13 @@ def parse_json(body: bytes, max_values: int):
     values = json_values(body)
     if values > max_values:
         raise ApiError(400, f"The request body holds about {values} JSON values; a request here needs at most "
-                            f"{max_values}.")
+                            f"{max_values}.", code=REQUEST_TOO_LARGE)
     try:
         return json.loads(body)
     except RecursionError:
-        raise ApiError(400, "The request body nests JSON too deeply.") from None
+        raise ApiError(400, "The request body nests JSON too deeply.", code=INVALID_JSON) from None
     except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "The request body is not valid JSON.") from None
+        raise ApiError(400, "The request body is not valid JSON.", code=INVALID_JSON) from None
 
 
 def check_unsupported(body: dict) -> None:
@@ -125,7 +142,7 @@ def check_unsupported(body: dict) -> None:
         # compared with the type too, so that True is not taken for 1, nor 0 for False
         if not any(value == u and type(value) is type(u) for u in unused):
             raise ApiError(400, f"{name} is not supported: this server does not implement {feature}. "
-                                "Leave the field out.", param=name, code="unsupported_parameter")
+                                "Leave the field out.", param=name, code=UNSUPPORTED_PARAMETER)
 
 
 def check_window(engine: BlendEngine, prompt_tokens: int) -> None:
@@ -163,7 +180,8 @@ def strategy_from_json(options: dict):
     ``scale_in_decoding``). A setting the strategy does not have is a 400, never ignored."""
     name = options.get("strategy") or "default"
     if not isinstance(name, str):
-        raise ApiError(400, "ragblend.strategy must be a strategy name.", param="ragblend.strategy")
+        raise ApiError(400, "ragblend.strategy must be a strategy name.", param="ragblend.strategy",
+                       code=INVALID_TYPE)
     settings = {k: v for k, v in options.items() if k != "strategy"}
     if "legolink_k" in settings:   # the integrations' and the CLI's name for LegoLink's k
         settings["k"] = settings.pop("legolink_k")
@@ -172,24 +190,27 @@ def strategy_from_json(options: dict):
             return strategy_from_name(name, settings.get("ratio"))
         except InvalidInputError as err:   # an unknown name, or a ratio the strategy does not take
             known = name == "default" or any(c.name == name for c in STRATEGIES)
-            raise ApiError(400, str(err), param="ragblend.ratio" if known else "ragblend.strategy") from None
+            raise ApiError(400, str(err), param="ragblend.ratio" if known else "ragblend.strategy",
+                           code=INVALID_VALUE) from None
     cls = next((c for c in STRATEGIES if c.name == name), None)
     if cls is None:
         raise ApiError(400, f"ragblend.strategy {name!r} takes no settings but a ratio; choose one of "
-                            f"{', '.join(STRATEGY_NAMES)}.", param="ragblend.strategy")
+                            f"{', '.join(STRATEGY_NAMES)}.", param="ragblend.strategy", code=INVALID_VALUE)
     unknown = sorted(set(settings) - set(_settings(cls)))
     if unknown:
         raise ApiError(400, f"ragblend.{unknown[0]} is not a setting of strategy {name!r}; its settings are "
-                            f"{', '.join(_settings(cls)) or 'none'}.", param=f"ragblend.{unknown[0]}")
+                            f"{', '.join(_settings(cls)) or 'none'}.", param=f"ragblend.{unknown[0]}",
+                       code=UNKNOWN_PARAMETER)
     if "gradual" in settings:
         gradual = settings["gradual"]
         if not isinstance(gradual, list) or not all(isinstance(g, list) and len(g) == 2 for g in gradual):
-            raise ApiError(400, "ragblend.gradual must be a list of [layer, ratio] pairs.", param="ragblend.gradual")
+            raise ApiError(400, "ragblend.gradual must be a list of [layer, ratio] pairs.", param="ragblend.gradual",
+                           code=INVALID_TYPE)
         settings["gradual"] = tuple(tuple(step) for step in gradual)
     try:
         return cls(**settings)
     except (TypeError, ValueError) as err:   # InvalidInputError (the strategy's own checks) included
-        raise ApiError(400, f"ragblend: {err}", param="ragblend") from None
+        raise ApiError(400, f"ragblend: {err}", param="ragblend", code=INVALID_VALUE) from None
 
 
 class TextLimit:
@@ -207,7 +228,7 @@ class TextLimit:
         if chars > self.max_chars:
             raise ApiError(400, f"{what}: {chars} characters, more than fit the model's context window "
                                 f"({self.window} tokens, at most {self.max_chars} characters); shorten it.",
-                           param=param, code="context_length_exceeded")
+                           param=param, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 # ---------------------------------------------------------------------------- requests → prompts
@@ -246,31 +267,40 @@ def _text_of(content, where: str) -> tuple[str | None, list]:
     """``(plain text, [])`` for a string content, or ``(None, segments)`` for content blocks
     (blocks marked with cache_control become Chunks), strictly: a request's."""
     if isinstance(content, str):
-        return _valid_text(content, f"{where}.content"), []
+        return valid_text(content, f"{where}.content"), []
     if not isinstance(content, list) or not content:
         raise ApiError(400, f"{where}.content must be a string or a non-empty list of text blocks.",
-                       param=f"{where}.content")
+                       param=f"{where}.content",
+                       code=_missing_or(content, INVALID_VALUE if content == [] else INVALID_TYPE))
     segments: list = []
     for i, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            # a block of another type (an image) is OpenAI's but not served here; anything else is malformed
+            other = isinstance(block, dict) and isinstance(kind, str) and kind != "text"
             raise ApiError(400, f"{where}.content[{i}] is a {kind!r} block; this server reads text blocks only "
-                                "({\"type\": \"text\", \"text\": \"...\"}).", param=f"{where}.content[{i}]")
+                                "({\"type\": \"text\", \"text\": \"...\"}).", param=f"{where}.content[{i}]",
+                           code=UNSUPPORTED_PARAMETER if other else INVALID_TYPE)
         mark = block.get("cache_control")
         if mark is not None and not (isinstance(mark, dict) and mark.get("type") == CACHE_CONTROL["type"]):
             raise ApiError(400, f"{where}.content[{i}].cache_control must be {{\"type\": \"ephemeral\"}}.",
-                           param=f"{where}.content[{i}].cache_control")
-        text = _valid_text(block["text"], f"{where}.content[{i}].text")
+                           param=f"{where}.content[{i}].cache_control", code=INVALID_VALUE)
+        text = valid_text(block["text"], f"{where}.content[{i}].text")
         segments.append(Chunk(text) if mark is not None and text else text)
     return None, [s for s in segments if s != ""]
 
 
-def _valid_text(text: str, where: str) -> str:
+def valid_text(text: str, where: str) -> str:
     """``text`` if UTF-8 can encode it; else a 400 naming the field the client sent it in."""
     try:
         return check_text(text, where)
     except InvalidInputError as err:
-        raise ApiError(400, str(err), param=where) from None
+        raise ApiError(400, str(err), param=where, code=INVALID_VALUE) from None
+
+
+def _missing_or(value, code: str) -> str:
+    """:data:`MISSING_PARAMETER` for a required field left out (or sent as null), else ``code``."""
+    return MISSING_PARAMETER if value is None else code
 
 
 def _joined(text: str | None, segments: list) -> str:
@@ -305,14 +335,15 @@ def _pieces(text: str) -> list[str]:
 def _checked_role(message, i: int) -> str:
     """The role of ``messages[i]``, a message this server answers (no tool calls)."""
     if not isinstance(message, dict):
-        raise ApiError(400, f"messages[{i}] must be an object with a role and a content.", param=f"messages[{i}]")
+        raise ApiError(400, f"messages[{i}] must be an object with a role and a content.", param=f"messages[{i}]",
+                       code=INVALID_TYPE)
     role = message.get("role")
     if role in ("tool", "function") or message.get("tool_calls") or message.get("function_call"):
         raise ApiError(400, f"messages[{i}] is a tool call or result; this server does not implement "
-                            "tool calling.", param=f"messages[{i}]", code="unsupported_parameter")
+                            "tool calling.", param=f"messages[{i}]", code=UNSUPPORTED_PARAMETER)
     if role not in ("system", "developer", "user", "assistant"):
         raise ApiError(400, f"messages[{i}].role must be system, developer, user or assistant, "
-                            f"got {role!r}.", param=f"messages[{i}].role")
+                            f"got {role!r}.", param=f"messages[{i}].role", code=_missing_or(role, INVALID_VALUE))
     return role
 
 
@@ -334,10 +365,11 @@ class ChatPrompt:
     def parse(cls, messages, limit: TextLimit) -> "ChatPrompt":
         """Structure, counts and characters only: nothing here tokenizes."""
         if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list.", param="messages")
+            raise ApiError(400, "messages must be a non-empty list.", param="messages",
+                           code=_missing_or(messages, INVALID_VALUE if messages == [] else INVALID_TYPE))
         if len(messages) > MAX_MESSAGES:
             raise ApiError(400, f"messages has {len(messages)} messages; at most {MAX_MESSAGES} are accepted.",
-                           param="messages")
+                           param="messages", code=INVALID_VALUE)
         parts, chars, said = 0, 0, []
         for i, message in enumerate(messages):
             role = _checked_role(message, i)
@@ -346,7 +378,7 @@ class ChatPrompt:
                 parts += len(content)
                 if parts > MAX_PARTS:
                     raise ApiError(400, f"The messages hold more than {MAX_PARTS} content blocks; merge them.",
-                                   param=f"messages[{i}].content")
+                                   param=f"messages[{i}].content", code=INVALID_VALUE)
             text, segments = _text_of(content, f"messages[{i}]")
             chars += len(_joined(text, segments))
             limit.check(chars, "The messages", "messages")
@@ -358,7 +390,7 @@ class ChatPrompt:
             raise ApiError(400, "The last message must be the user's: end `messages` with a "
                                 "{\"role\": \"user\", \"content\": ...} message (this server answers a user "
                                 "turn; it does not continue an assistant's or answer a system message alone).",
-                           param="messages") from None
+                           param="messages", code=INVALID_VALUE) from None
         unmarked = [t for _, (_, _, plain) in said[:-1] for t in plain]
         turns = [t for _, (_, _, plain) in history for t in plain]
         history = [(role, _joined(text, segments)) for role, (text, segments, _) in history]
@@ -394,21 +426,21 @@ def check_prompt(prompt, limit: TextLimit, vocab: int, window: int):
         prompt = prompt[0]
     if isinstance(prompt, str):
         limit.check(len(prompt), "prompt", "prompt")
-        check_text(prompt, "prompt")
+        valid_text(prompt, "prompt")
         if not prompt:
-            raise ApiError(400, "prompt is empty.", param="prompt")
+            raise ApiError(400, "prompt is empty.", param="prompt", code=INVALID_VALUE)
         return prompt
     if not isinstance(prompt, list) or not prompt:
         raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request).",
-                       param="prompt")
+                       param="prompt", code=_missing_or(prompt, INVALID_VALUE if prompt == [] else INVALID_TYPE))
     if len(prompt) >= window:
         raise ApiError(400, f"The prompt has {len(prompt)} tokens and fills the model's context window ({window}); "
-                            "shorten it.", param="prompt", code="context_length_exceeded")
+                            "shorten it.", param="prompt", code=CONTEXT_LENGTH_EXCEEDED)
     if not all(type(t) is int for t in prompt):
         raise ApiError(400, "prompt must be a string, or a list of token ids (one prompt per request).",
-                       param="prompt")
+                       param="prompt", code=INVALID_TYPE)
     if any(not 0 <= t < vocab for t in prompt):
-        raise ApiError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt")
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab}).", param="prompt", code=INVALID_VALUE)
     return prompt
 
 
@@ -432,7 +464,7 @@ def completion_layout(engine: BlendEngine, prompt, separator_ids: list[int], nam
         return PromptLayout(list(prompt), [])
     if any(not s for s in segments):
         raise ApiError(400, "The token-id prompt has an empty segment: two separators in a row, or one at "
-                            "the start or end.", param="prompt")
+                            "the start or end.", param="prompt", code=INVALID_VALUE)
     ids, spans = list(segments[0]), []
     for segment in segments[1:-1]:
         ids += separator_ids

@@ -21,7 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ragblend.core.decode.generate import MIN_SAMPLING_VALUE, SamplingParams
 from ragblend.core.engine import BlendEngine
 
-from .protocol import MAX_STOPS, MAX_TEXTS, ApiError, check_unsupported, check_window, strategy_from_json
+from .protocol import (
+    INVALID_TYPE,
+    INVALID_VALUE,
+    MAX_STOPS,
+    MAX_TEXTS,
+    MISSING_PARAMETER,
+    UNSUPPORTED_PARAMETER,
+    ApiError,
+    check_unsupported,
+    check_window,
+    strategy_from_json,
+)
 
 MAX_SALT_CHARS = 1024
 
@@ -48,6 +59,8 @@ MESSAGES = {
     ("seed",): "seed must be an integer in [0, 2**63), got {value!r}.",
     ("stop",): f"stop must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings.",
 }
+# A field whose value of the right type can be an OpenAI feature this server does not implement.
+FEATURES = {("n",)}
 
 
 class RequestModel(BaseModel):
@@ -67,14 +80,26 @@ class RequestModel(BaseModel):
 
 
 def _api_error(err: ValidationError, messages: dict) -> ApiError:
-    first = err.errors(include_url=False)[0]
+    errors = err.errors(include_url=False)
+    first = errors[0]
     loc = tuple(str(part) for part in first["loc"])
     place = max((key for key in messages if loc[:len(key)] == key), key=len, default=loc[:1])
     param = ".".join(place)
+    code = _code_of([e for e in errors if tuple(map(str, e["loc"]))[:len(place)] == place], place)
     if first["type"] == "value_error":   # one of the validators' own checks, worded there
-        return ApiError(400, str(first["ctx"]["error"]), param=param)
+        return ApiError(400, str(first["ctx"]["error"]), param=param, code=code)
     template = messages.get(place, f"{param} is not valid: {first['msg']}.")
-    return ApiError(400, template.format(value=first["input"]), param=param)
+    return ApiError(400, template.format(value=first["input"]), param=param, code=code)
+
+
+def _code_of(errors: list[dict], place: tuple[str, ...]) -> str:
+    """The OpenAI error code of one field's failures (a union field fails once per type it takes):
+    missing (or null where a value is required), every failure of a type, or of a value."""
+    if any(e["type"] == "missing" or e["input"] is None for e in errors):
+        return MISSING_PARAMETER
+    if all(e["type"].endswith(("_type", "_parsing")) or e["type"] == "int_from_float" for e in errors):
+        return INVALID_TYPE
+    return UNSUPPORTED_PARAMETER if place in FEATURES else INVALID_VALUE
 
 
 class CacheSalted(RequestModel):
@@ -102,8 +127,8 @@ class CompletionOptions(CacheSalted):
     stream: Optional[Flag] = None
     stream_options: Optional[StreamOptions] = None
     user: Optional[Annotated[str, Field(strict=True)]] = None
-    max_completion_tokens: Optional[PositiveInt] = None   # OpenAI's newer name, over max_tokens
-    max_tokens: Optional[PositiveInt] = None
+    max_completion_tokens: Optional[PositiveInt] = None   # OpenAI's newer name (chat deprecates max_tokens)
+    max_tokens: Optional[PositiveInt] = None   # the legacy /v1/completions' name; either, or both alike
     n: Optional[Annotated[int, Field(strict=True, ge=1, le=1)]] = None
     temperature: Optional[Annotated[Unit, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[Unit, Field(gt=0, le=1)]] = None
@@ -114,9 +139,13 @@ class CompletionOptions(CacheSalted):
     @classmethod
     def of(cls, body: dict) -> "CompletionOptions":
         check_unsupported(body)   # a feature not implemented: its own 400, before any other field
-        if body.get("max_completion_tokens") is not None:   # the one read; max_tokens is then ignored
-            body = {name: value for name, value in body.items() if name != "max_tokens"}
-        return super().of(body)
+        options = super().of(body)
+        both = (options.max_tokens, options.max_completion_tokens)
+        if None not in both and both[0] != both[1]:   # never one of them silently dropped
+            raise ApiError(400, f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) differ; send one of "
+                                "them (max_completion_tokens: OpenAI's chat API deprecates max_tokens for it) or "
+                                "the same value in both.", param="max_tokens", code=INVALID_VALUE)
+        return options
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -143,7 +172,7 @@ class CompletionOptions(CacheSalted):
             name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
             raise ApiError(400, f"{name} is too large: {requested}. This server generates at most {limit} "
                                 f"tokens an answer (ragblend serve --max-completion-tokens); ask for at most {limit}.",
-                           param=name, code="invalid_value")
+                           param=name, code=INVALID_VALUE)
 
     def to_sampling_params(self, room: int) -> SamplingParams:
         """The engine's sampling settings; ``max_tokens`` capped by ``room``, what the model's
@@ -158,7 +187,7 @@ class CompletionOptions(CacheSalted):
         options = self.ragblend or {}
         if not isinstance(options, dict):
             raise ApiError(400, "ragblend must be an object such as {\"strategy\": \"cacheblend\", \"ratio\": 0.3}.",
-                           param="ragblend")
+                           param="ragblend", code=INVALID_TYPE)
         return strategy_from_json(options)
 
 
@@ -225,5 +254,5 @@ class TokenizeRequest(CacheSalted):
         for name in cls.UNSUPPORTED:
             if body.get(name) not in (None, False, []):
                 raise ApiError(400, f"{name} is not supported by this server's /tokenize; leave it out.",
-                               param=name, code="unsupported_parameter")
+                               param=name, code=UNSUPPORTED_PARAMETER)
         return super().of(body)

@@ -197,26 +197,75 @@ def post(server, path, body=None, raw=None, headers=None, timeout=60):
                       headers={"content-type": "application/json", **(headers or {})})
 
 
-@pytest.mark.parametrize("path, body, status, words", [
-    ("/v1/chat/completions", b"{not json", 400, "not valid JSON"),
-    ("/v1/chat/completions", {"model": ["gpt-4"], "messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
-    ("/v1/chat/completions", {"messages": []}, 400, "non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context window"),
+@pytest.mark.parametrize("path, body, status, words, param, code", [
+    ("/v1/chat/completions", b"{not json", 400, "not valid JSON", None, "invalid_json"),
+    ("/v1/chat/completions", b"[1, 2]", 400, "JSON object", None, "invalid_type"),
+    ("/v1/chat/completions", {"model": ["gpt-4"], "messages": [{"role": "user", "content": "hi"}]}, 400, "model",
+     "model", "invalid_type"),
+    ("/v1/chat/completions", {"model": "m"}, 400, "non-empty list", "messages", "missing_required_parameter"),
+    ("/v1/chat/completions", {"messages": []}, 400, "non-empty list", "messages", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context window",
+     None, "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, 400, "text blocks only"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ragblend": {"strategy": "magic"}}, 400, "strategy"),
-    ("/v1/completions", {"prompt": [1, 2, "x"]}, 400, "token ids"),
-    ("/v1/completions", {"prompt": [10**9]}, 400, "token ids must be in"),
-    ("/v1/chunks", {"texts": "one text"}, 400, "texts"),
+        {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, 400, "text blocks only",
+     "messages[0].content[0]", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400,
+     "temperature", "temperature", "invalid_type"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p", "top_p",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "ragblend": {"strategy": "magic"}},
+     400, "strategy", "ragblend.strategy", "invalid_value"),
+    ("/v1/completions", {"max_tokens": 2}, 400, "prompt must be", "prompt", "missing_required_parameter"),
+    ("/v1/completions", {"prompt": [1, 2, "x"]}, 400, "token ids", "prompt", "invalid_type"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "token ids must be in", "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "max_completion_tokens": 8}, 400, "differ",
+     "max_tokens", "invalid_value"),
+    ("/v1/chunks", {"texts": "one text"}, 400, "texts", "texts", "invalid_type"),
+    ("/tokenize", {"add_special_tokens": True}, 400, "prompt must be", "prompt", "missing_required_parameter"),
 ])
-def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, path, body, status, words):
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, path, body, status, words, param, code):
     response = post(server, path, raw=body) if isinstance(body, bytes) else post(server, path, body)
     assert response.status_code == status
     error = response.json()["error"]
     assert words in error["message"] and error["type"] and "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param
+    assert error["code"] == code   # never null: a client tells failures apart by code
     ok = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_openai_sdk_sees_each_400s_code_and_param(server, smol_engine):
+    from openai import BadRequestError
+
+    client = openai_client(server)
+    user = [{"role": "user", "content": "Say hi."}]
+    for kwargs, param, code in [
+            (dict(messages=[]), "messages", "invalid_value"),
+            (dict(messages=user, temperature=3), "temperature", "invalid_value"),
+            (dict(messages=user, n=2), "n", "unsupported_parameter"),
+            (dict(messages=user, logprobs=True), "logprobs", "unsupported_parameter"),
+            (dict(messages=user, max_tokens=4, max_completion_tokens=8), "max_tokens", "invalid_value")]:
+        with pytest.raises(BadRequestError) as caught:
+            client.chat.completions.create(model=smol_engine.name, **kwargs)
+        assert (caught.value.status_code, caught.value.param, caught.value.code) == (400, param, code), kwargs
+    assert "send one of them" in caught.value.message   # says which to send
+
+
+def test_max_tokens_and_max_completion_tokens_alike_or_alone(server, smol_engine):
+    """Both sent with one value is fine; sent alone, either is read (max_tokens is the legacy
+    completions' name, max_completion_tokens the chat API's newer one)."""
+    client = openai_client(server)
+    user = [{"role": "user", "content": "Count from one to twenty: one, two,"}]
+    both = client.chat.completions.create(model=smol_engine.name, messages=user, max_tokens=3,
+                                          max_completion_tokens=3, temperature=0)
+    newer = client.chat.completions.create(model=smol_engine.name, messages=user, max_completion_tokens=3,
+                                           temperature=0)
+    older = client.chat.completions.create(model=smol_engine.name, messages=user, max_tokens=3, temperature=0)
+    assert both.choices[0].message.content == newer.choices[0].message.content == older.choices[0].message.content
+    assert both.usage.completion_tokens == newer.usage.completion_tokens == older.usage.completion_tokens <= 3
+    legacy = client.completions.create(model=smol_engine.name, prompt="One, two, three,", max_tokens=3, temperature=0)
+    assert 1 <= legacy.usage.completion_tokens <= 3
 
 
 def test_separator_prompt_with_an_empty_segment(server, smol_engine):

@@ -10,37 +10,61 @@ from ragblend.core.decode.generate import SamplingParams, sampling_params  # noq
 from ragblend.core.errors import InvalidInputError  # noqa: E402
 from ragblend.core.fusion.strategies import STRATEGY_NAMES, strategy_from_name, takes_ratio  # noqa: E402
 from ragblend.serving.options import SERVER_DEFAULTS  # noqa: E402
-from ragblend.serving.protocol import ApiError  # noqa: E402
+from ragblend.serving.protocol import ERROR_CODES, ApiError  # noqa: E402
 from ragblend.serving.requests import ChunksRequest, CompletionOptions, TokenizeRequest, cache_salt  # noqa: E402
 
 BAD = [
-    ({"stream": 1}, "stream", "stream must be true or false."),
-    ({"stream_options": 3}, "stream_options", "stream_options must be an object such as {\"include_usage\": true}."),
-    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage",
+    ({"stream": 1}, "stream", "invalid_type", "stream must be true or false."),
+    ({"stream_options": 3}, "stream_options", "invalid_type",
+     "stream_options must be an object such as {\"include_usage\": true}."),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "invalid_type",
      "stream_options.include_usage must be true or false."),
-    ({"user": 7}, "user", "user must be a string."),
-    ({"cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string of at most 1024 characters."),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0."),
-    ({"max_tokens": True}, "max_tokens", "max_tokens must be an integer >= 1, got True."),
-    ({"max_completion_tokens": 2.5}, "max_completion_tokens", "max_completion_tokens must be an integer >= 1, got 2.5."),
-    ({"n": 2}, "n", "n must be 1: this server answers one choice per request (got 2)."),
-    ({"temperature": float("inf")}, "temperature", "temperature must be a number from 0 to 2, got inf."),
-    ({"temperature": "1"}, "temperature", "temperature must be a number from 0 to 2, got '1'."),
-    ({"top_p": 0}, "top_p", "top_p must be a number in (0, 1], got 0."),
-    ({"seed": 2**63}, "seed", f"seed must be an integer in [0, 2**63), got {2**63}."),
-    ({"stop": ["a", ""]}, "stop", "stop must be a non-empty string or a list of at most 16 non-empty strings."),
-    ({"stop": ["a"] * 17}, "stop", "stop must be a non-empty string or a list of at most 16 non-empty strings."),
-    ({"logprobs": True}, "logprobs", "logprobs is not supported: this server does not implement log probabilities. "
-                                     "Leave the field out."),
+    ({"user": 7}, "user", "invalid_type", "user must be a string."),
+    ({"cache_salt": ""}, "cache_salt", "invalid_value",
+     "cache_salt must be a non-empty string of at most 1024 characters."),
+    ({"max_tokens": 0}, "max_tokens", "invalid_value", "max_tokens must be an integer >= 1, got 0."),
+    ({"max_tokens": True}, "max_tokens", "invalid_type", "max_tokens must be an integer >= 1, got True."),
+    ({"max_completion_tokens": 2.5}, "max_completion_tokens", "invalid_type",
+     "max_completion_tokens must be an integer >= 1, got 2.5."),
+    ({"n": 2}, "n", "unsupported_parameter", "n must be 1: this server answers one choice per request (got 2)."),
+    ({"n": "2"}, "n", "invalid_type", "n must be 1: this server answers one choice per request (got '2')."),
+    ({"temperature": float("inf")}, "temperature", "invalid_value",
+     "temperature must be a number from 0 to 2, got inf."),
+    ({"temperature": "1"}, "temperature", "invalid_type", "temperature must be a number from 0 to 2, got '1'."),
+    ({"top_p": 0}, "top_p", "invalid_value", "top_p must be a number in (0, 1], got 0."),
+    ({"seed": 2**63}, "seed", "invalid_value", f"seed must be an integer in [0, 2**63), got {2**63}."),
+    ({"stop": 5}, "stop", "invalid_type",
+     "stop must be a non-empty string or a list of at most 16 non-empty strings."),
+    ({"stop": ["a", ""]}, "stop", "invalid_value",
+     "stop must be a non-empty string or a list of at most 16 non-empty strings."),
+    ({"stop": ["a"] * 17}, "stop", "invalid_value",
+     "stop must be a non-empty string or a list of at most 16 non-empty strings."),
+    ({"logprobs": True}, "logprobs", "unsupported_parameter",
+     "logprobs is not supported: this server does not implement log probabilities. Leave the field out."),
+    ({"max_tokens": 8, "max_completion_tokens": 16}, "max_tokens", "invalid_value",
+     "max_tokens (8) and max_completion_tokens (16) differ; send one of them (max_completion_tokens: OpenAI's chat "
+     "API deprecates max_tokens for it) or the same value in both."),
 ]
 
 
-@pytest.mark.parametrize("body, param, message", BAD, ids=[param for _, param, _ in BAD])
-def test_each_bad_field_is_a_400_naming_it_in_the_words_of_before(body, param, message):
+@pytest.mark.parametrize("body, param, code, message", BAD, ids=[f"{param}-{code}" for _, param, code, _ in BAD])
+def test_each_bad_field_is_a_400_naming_it_and_its_openai_code(body, param, code, message):
     with pytest.raises(ApiError) as caught:
         CompletionOptions.of({"model": "x", "messages": [], **body})   # fields read elsewhere are left to their readers
-    assert (caught.value.status, caught.value.param, caught.value.message) == (400, param, message)
-    assert caught.value.body()["error"]["type"] == "invalid_request_error"
+    assert (caught.value.status, caught.value.param, caught.value.code, caught.value.message) == \
+        (400, param, code, message)
+    assert caught.value.body()["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                            "code": code}
+    assert code in ERROR_CODES
+
+
+def test_max_tokens_and_max_completion_tokens_alike_or_alone():
+    assert CompletionOptions.of({"max_tokens": 7, "max_completion_tokens": 7}).requested_tokens == 7
+    assert CompletionOptions.of({"max_tokens": 7}).requested_tokens == 7            # the legacy name, alone
+    assert CompletionOptions.of({"max_completion_tokens": 7}).requested_tokens == 7
+    assert CompletionOptions.of({"max_tokens": None, "max_completion_tokens": 7}).requested_tokens == 7
+    with pytest.raises(ApiError, match="max_tokens must be an integer"):   # checked even beside the newer name
+        CompletionOptions.of({"max_tokens": "ignored", "max_completion_tokens": 5})
 
 
 def test_a_value_that_rounds_to_zero_in_float32_is_refused_by_its_own_check():
@@ -50,7 +74,7 @@ def test_a_value_that_rounds_to_zero_in_float32_is_refused_by_its_own_check():
 
 
 def test_to_sampling_params_is_the_one_conversion():
-    options = CompletionOptions.of({"max_completion_tokens": 5, "max_tokens": "ignored", "stop": "END", "seed": 3})
+    options = CompletionOptions.of({"max_completion_tokens": 5, "stop": "END", "seed": 3})
     assert options.to_sampling_params(room=100) == SamplingParams(max_new_tokens=5, temperature=1.0, top_p=1.0,
                                                                   seed=3, stop=("END",))
     assert CompletionOptions.of({}).to_sampling_params(room=40).max_new_tokens == 40   # the window's room
@@ -58,17 +82,23 @@ def test_to_sampling_params_is_the_one_conversion():
     assert CompletionOptions.of({"stream_options": {"include_usage": True}}).include_usage
     assert CompletionOptions.of({"ragblend": {"strategy": "cacheblend", "ratio": 0.4}}).strategy() == \
         strategy_from_name("cacheblend", 0.4)
-    with pytest.raises(ApiError, match="ragblend must be an object"):
+    with pytest.raises(ApiError, match="ragblend must be an object") as caught:
         CompletionOptions.of({"ragblend": 3}).strategy()
+    assert caught.value.code == "invalid_type"
 
 
 def test_chunks_and_tokenize_bodies():
     assert ChunksRequest.of({"texts": ["a", "b"], "cache_salt": "s"}).texts == ["a", "b"]
-    for body, message in (({"texts": []}, "texts must be a non-empty list"), ({"texts": ["a", 3]}, "texts must be"),
-                          ({"texts": ["a"] * 1025}, "texts has 1025 texts; send at most 1024"),
-                          ({"texts": ["a"], "skip_unusable": 1}, "skip_unusable must be true or false.")):
-        with pytest.raises(ApiError, match=message):
+    for body, code, message in (
+            ({}, "missing_required_parameter", "texts must be a non-empty list"),
+            ({"texts": None}, "missing_required_parameter", "texts must be a non-empty list"),
+            ({"texts": []}, "invalid_value", "texts must be a non-empty list"),
+            ({"texts": ["a", 3]}, "invalid_type", "texts must be"),
+            ({"texts": ["a"] * 1025}, "invalid_value", "texts has 1025 texts; send at most 1024"),
+            ({"texts": ["a"], "skip_unusable": 1}, "invalid_type", "skip_unusable must be true or false.")):
+        with pytest.raises(ApiError, match=message) as caught:
             ChunksRequest.of(body)
+        assert (caught.value.param, caught.value.code) == ("texts" if "texts" in message else "skip_unusable", code)
     with pytest.raises(ApiError, match="tools is not supported by this server's /tokenize") as caught:
         TokenizeRequest.of({"prompt": "x", "tools": [{"type": "function"}]})
     assert caught.value.code == "unsupported_parameter"

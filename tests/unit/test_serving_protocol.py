@@ -12,10 +12,12 @@ pytest.importorskip("fastapi")
 
 from ragblend import CacheBlend, Chunk, FullRecompute, FullReuse, LegoLink, QueryAware  # noqa: E402
 from ragblend.serving.protocol import (  # noqa: E402
+    ERROR_CODES,
     ApiError,
     ChatPrompt,
     TextLimit,
     blocks_of,
+    check_prompt,
     passages,
     segments_of,
     strategy_from_json,
@@ -61,6 +63,14 @@ def test_strategy_settings_are_checked():
         with pytest.raises(ApiError) as caught:
             strategy_from_json(bad)
         assert caught.value.status == 400 and caught.value.param == param, bad
+    for bad, param, code in [({"strategy": 3}, "ragblend.strategy", "invalid_type"),
+                             ({"strategy": "no_such", "k": 3}, "ragblend.strategy", "invalid_value"),
+                             ({"strategy": "legolink", "check_layer": 2}, "ragblend.check_layer", "unknown_parameter"),
+                             ({"strategy": "cacheblend", "gradual": 3}, "ragblend.gradual", "invalid_type"),
+                             ({"strategy": "cacheblend", "check_layer": 0}, "ragblend", "invalid_value")]:
+        with pytest.raises(ApiError) as caught:
+            strategy_from_json(bad)
+        assert (caught.value.param, caught.value.code) == (param, code), bad
 
 
 def test_blocks_segments_and_passages():
@@ -122,6 +132,49 @@ def test_a_bad_message_is_refused_naming_the_field_and_what_to_do(engine):
     with pytest.raises(ApiError, match="end `messages` with a") as caught:
         ChatPrompt.parse([{"role": "system", "content": "Be brief."}], TextLimit(engine))
     assert caught.value.param == "messages"
+
+
+USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("messages, param, code", [
+    (None, "messages", "missing_required_parameter"),
+    ("Hi", "messages", "invalid_type"),
+    ([], "messages", "invalid_value"),
+    ([USER] * 1025, "messages", "invalid_value"),
+    (["Hi"], "messages[0]", "invalid_type"),
+    ([{"content": "Hi"}], "messages[0].role", "missing_required_parameter"),
+    ([{"role": "robot", "content": "Hi"}], "messages[0].role", "invalid_value"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "c1"}], "messages[0]", "unsupported_parameter"),
+    ([{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "invalid_type"),
+    ([{"role": "user", "content": []}], "messages[0].content", "invalid_value"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}],
+     "messages[0].content[0]", "unsupported_parameter"),
+    ([{"role": "user", "content": ["Hi"]}], "messages[0].content[0]", "invalid_type"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0]", "invalid_type"),
+    ([{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "forever"}}]}],
+     "messages[0].content[0].cache_control", "invalid_value"),
+    ([{"role": "user", "content": "caf\udce9"}], "messages[0].content", "invalid_value"),
+    ([{"role": "user", "content": "word " * 200_000}], "messages", "context_length_exceeded"),
+    ([USER, {"role": "assistant", "content": "Hello."}], "messages", "invalid_value"),
+])
+def test_every_bad_message_has_an_openai_code_and_names_its_field(engine, messages, param, code):
+    with pytest.raises(ApiError) as caught:
+        ChatPrompt.parse(messages, TextLimit(engine))
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, param, code)
+    assert code in ERROR_CODES
+
+
+@pytest.mark.parametrize("prompt, code", [
+    (None, "missing_required_parameter"), (5, "invalid_type"), ("", "invalid_value"), ([], "invalid_value"),
+    ([1, "x"], "invalid_type"), ([10**9], "invalid_value"), ("caf\udce9", "invalid_value"),
+    ([1] * 100_000, "context_length_exceeded"),
+])
+def test_every_bad_completions_prompt_has_an_openai_code(engine, prompt, code):
+    with pytest.raises(ApiError) as caught:
+        check_prompt(prompt, TextLimit(engine), engine.entry_spec.vocab_size, engine.context_window)
+    assert (caught.value.status, caught.value.param, caught.value.code) == (400, "prompt", code)
 
 
 @pytest.fixture(scope="module")
