@@ -86,7 +86,7 @@ def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None
     """Answer ``question`` with ``strategy`` and with a full prefill, each path warmed up first
     (untimed, see ragblend.integrations.compare), and print both and how they compare; returns
     full prefill's TTFT over the fused one (None when either answer had no model call)."""
-    from ragblend.integrations.compare import FULL_PREFILL, compare, compare_line, fusion_only, warm_up, warm_up_note
+    from ragblend.integrations.compare import FULL_PREFILL, fusion_only, warm_up, warm_up_note
 
     with fusion_only():
         note = warm_up_note(warm_up(rag, question, (strategy, FULL_PREFILL), ratio=ratio, **options))
@@ -96,12 +96,40 @@ def compare_answers(rag, question: str, label: str, strategy: str, *, ratio=None
         print_answer(label, fused)
         full = rag.ask(question, strategy=FULL_PREFILL, ratio=None, **options)   # --ratio is not a full prefill's
         print_answer("full prefill", full)
-    speed = compare(fused.stats, full.stats)
-    if speed is not None:
-        print(compare_line(speed) + "\n")
+    speed = print_comparison(fused.stats, full.stats)
     if sources:   # both answers were given the same retrieved chunks
         print_sources(fused.sources)
     return speed.ratio if speed is not None else None
+
+
+def print_comparison(fused, full):
+    """The line under the two answers: their TTFTs compared, and what a fused answer's fallback
+    cost after its first token (:func:`fallback_line`). The comparison (None: no line, when
+    either answer made no model call)."""
+    from ragblend.integrations.compare import compare, compare_line
+
+    speed = compare(fused, full)
+    if speed is not None:
+        cost = fallback_line(fused, full)
+        print(compare_line(speed) + (f"\n   {cost}" if cost else "") + "\n")
+    return speed
+
+
+def fallback_line(fused, full) -> str:
+    """What the TTFT comparison leaves out when the fused answer fell back to the exact path (it
+    began to loop): the full prefill of prompt and kept answer it then ran, after its first token.
+    Compared instead: the whole answers' times, TTFT and decoding (where that prefill ran). ""
+    when the fused answer did not fall back (or its fallback failed, and computed nothing)."""
+    from ragblend.integrations.compare import speed_ratio
+
+    if fused is None or full is None or not fused.fallback_tokens:
+        return ""
+    fused_s, full_s = fused.ttft_s + fused.decode_s, full.ttft_s + full.decode_s
+    whole = speed_ratio(fused_s, full_s)   # worded as the TTFT's: never a slowdown called a gain
+    return (f"but the fused answer began to loop and fell back to a full prefill of {fused.fallback_tokens} tokens "
+            f"after its first token, which its TTFT leaves out; whole answers: {whole.text + ' ' if whole else ''}"
+            f"({fused_s:.2f} s against {full_s:.2f} s, {fused.generated_tokens} and {full.generated_tokens} "
+            "tokens generated)")
 
 
 def add_parser(sub) -> None:
