@@ -28,7 +28,6 @@ are :class:`~.generation.GenerationMixin`'s; its KV budget warnings are
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import replace
 from typing import Sequence
@@ -37,6 +36,7 @@ import torch
 
 from .calibration.record import Calibration, load_calibration
 from .calibration.search import calibrate_and_save
+from .cancel import EngineLock
 from .chunks import ChunksMixin
 from .decode.answers import Answers, decode_kv_dtype, eos_ids_of
 from .decode.prefix_cache import PrefixCache
@@ -75,7 +75,7 @@ class BlendEngine(ChunksMixin, GenerationMixin):
                  options: EngineOptions | None = None, **keywords):
         """``options`` (:class:`~ragblend.core.options.EngineOptions`) and/or its engine fields as keywords."""
         self.options = options = EngineOptions.merged(options, keywords, engine_only=True)
-        self.hf_model, self.tokenizer, self.lock = hf_model, tokenizer, threading.RLock()
+        self.hf_model, self.tokenizer, self.lock = hf_model, tokenizer, EngineLock()
         self.adapter, self.kernel_plan = fast_adapter(hf_model)
         shape = self.adapter.shape
         if options.storage_dtype == torch.uint4:

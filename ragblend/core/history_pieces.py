@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 from .background import Background
+from .cancel import Cancelled, cancellable
 from .decode.prefix_cache import PrefixHit, is_bypassed
 from .fusion.ingest import Ingestion, packs
 from .model.adapter import ModelAdapter
@@ -95,10 +96,16 @@ class HistoryPieces:
             new = [(key, run) for key, run in keys.items() if key not in self.piece_store]
             # Each piece's own entry only (no lead entry: a piece is never fused from one, see
             # ChunkReads.lead_spans), in the pieces' memory; the finder learns it once stored.
-            for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
-                entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
-                for (key, run), entry in zip(pack, entries):
-                    if self.piece_store.put(entry):
-                        self.index.add(key, run, namespace)
+            # A request that wants the model meanwhile stops the pass before its next layer (pieces
+            # are a cache): the engine's lock is not fair, and these passes would keep it for seconds.
+            waited_for = getattr(self.ingestion.lock, "waited_for", lambda: False)
+            with cancellable(waited_for):
+                for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
+                    entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
+                    for (key, run), entry in zip(pack, entries):
+                        if self.piece_store.put(entry):
+                            self.index.add(key, run, namespace)
+        except Cancelled:
+            log.debug("storing a conversation's pieces yielded to a request; the next turn computes the rest")
         except Exception as err:   # pieces are a cache: the next turn computes their text instead
             log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)

@@ -3,6 +3,8 @@ answered and fused like chunks in its later turns, even where the prompt's front
 across namespaces, models or K/V dtypes."""
 
 import dataclasses
+import threading
+import time
 
 import pytest
 
@@ -197,6 +199,35 @@ def test_turn_runs_keep_control_tokens_that_fusion_never_reuses():
     assert [(s.start, s.end, s.offset) for s in layout.chunk_spans] == [(200, 216, 0), (218, 238, 18)]
     assert all(layout.token_ids[s.start:s.end] == list(s.token_ids[s.offset:s.offset + s.end - s.start])
                for s in layout.chunk_spans)
+
+
+def test_storing_pieces_yields_to_a_request_waiting_for_the_model(tokenizer, monkeypatch, caplog):
+    """The pieces of a long turn take seconds to compute on a real model, holding the engine's lock
+    pass after pass: a request waiting for the model (a server's next answer) stops them before their
+    next layer instead; nothing is stored then, nothing is logged as a failure, and once nobody waits
+    the same pieces are stored."""
+    engine = pieces_engine(tokenizer)
+    history: list = []
+    chat(engine, 1, history=history)
+    submitted = []
+    monkeypatch.setattr(engine.runner.history.background, "submit", lambda fn, *args: submitted.append((fn, args)))
+    chat(engine, 1, history=history)   # turn 2: its pieces are handed to the background, here kept aside
+    (store, args), = submitted
+    before = len(engine.runner.history.piece_store)
+    engine.lock.acquire()
+    waiter = threading.Thread(target=lambda: (engine.lock.acquire(), engine.lock.release()))
+    waiter.start()
+    while not engine.lock.waited_for():
+        time.sleep(0.001)
+    with caplog.at_level("DEBUG", logger="ragblend"):
+        store(*args)   # as the background thread would, while a request waits
+    engine.lock.release()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and not engine.lock.waited_for()
+    assert len(engine.runner.history.piece_store) == before and "yielded" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    store(*args)
+    assert len(engine.runner.history.piece_store) > before
 
 
 def test_a_question_is_never_a_piece_so_a_repeat_is_fused_as_the_first_time(tokenizer):
