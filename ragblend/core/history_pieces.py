@@ -5,6 +5,7 @@ in the background, the pieces of a finished answer's prompt and answer for the n
 from __future__ import annotations
 
 import logging
+import threading
 
 from .background import Background
 from .cancel import Cancelled, cancellable
@@ -74,7 +75,11 @@ class HistoryPieces:
         if pre is not None and getattr(pre, "keeps_pieces", False):
             self.background.submit(self.store_pieces, pre.token_ids, pre.layout, decoding.text, batch_tokens)
 
-    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int) -> None:
+    RETRIES = 3            # a storing that yielded to requests is tried again this many times,
+    RETRY_AFTER_S = 1.0    # after this long (twice as long the second time...): requests come in bursts
+
+    def store_pieces(self, prompt_ids: list[int], layout: PromptLayout, answer: str, batch_tokens: int,
+                     attempt: int = 0) -> None:
         """Compute and keep the pieces of one answered turn (runs on the background thread)."""
         prompts = self.ingestion.prompts
         try:
@@ -105,7 +110,12 @@ class HistoryPieces:
                     for (key, run), entry in zip(pack, entries):
                         if self.piece_store.put(entry):
                             self.index.add(key, run, namespace)
-        except Cancelled:
-            log.debug("storing a conversation's pieces yielded to a request; the next turn computes the rest")
+        except Cancelled:   # the pieces stored so far stay; the rest is tried again a little later
+            log.debug("storing a conversation's pieces yielded to a request (attempt %d)", attempt + 1)
+            if attempt < self.RETRIES:
+                retry = threading.Timer(self.RETRY_AFTER_S * (attempt + 1), self.background.submit,
+                                        (self.store_pieces, prompt_ids, layout, answer, batch_tokens, attempt + 1))
+                retry.daemon = True
+                retry.start()
         except Exception as err:   # pieces are a cache: the next turn computes their text instead
             log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)

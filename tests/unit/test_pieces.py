@@ -205,9 +205,10 @@ def test_turn_runs_keep_control_tokens_that_fusion_never_reuses():
 def test_storing_pieces_yields_to_a_request_waiting_for_the_model(tokenizer, monkeypatch, caplog):
     """The pieces of a long turn take seconds to compute on a real model, holding the engine's lock
     pass after pass: a request waiting for the model (a server's next answer) stops them before their
-    next layer instead; nothing is stored then, nothing is logged as a failure, and once nobody waits
-    the same pieces are stored."""
+    next layer instead; nothing is stored then, nothing is logged as a failure, and the storing is
+    tried again a little later, when nobody waits: the same pieces are stored."""
     engine = pieces_engine(tokenizer)
+    monkeypatch.setattr(engine.runner.history, "RETRY_AFTER_S", 0.05)
     history: list = []
     chat(engine, 1, history=history)
     submitted = []
@@ -227,7 +228,12 @@ def test_storing_pieces_yields_to_a_request_waiting_for_the_model(tokenizer, mon
     assert not waiter.is_alive() and not engine.lock.waited_for()
     assert len(engine.runner.history.piece_store) == before and "yielded" in caplog.text
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
-    store(*args)
+    deadline = time.monotonic() + 30
+    while len(submitted) < 2 and time.monotonic() < deadline:   # the retry, handed to the background
+        time.sleep(0.01)
+    retry, retry_args = submitted[1]
+    assert retry_args[-1] == 1
+    retry(*retry_args)
     assert len(engine.runner.history.piece_store) > before
 
 
