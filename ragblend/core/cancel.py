@@ -53,19 +53,34 @@ class EngineLock:
         self._lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._waiting = 0
+        self._background = threading.local()
+
+    @contextlib.contextmanager
+    def background(self):
+        """Within this block, on this thread, waiting for the lock is not counted: background
+        work (a server storing passages, the pieces) does not make other background work yield."""
+        previous = getattr(self._background, "on", False)
+        self._background.on = True
+        try:
+            yield
+        finally:
+            self._background.on = previous
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if self._lock.acquire(blocking=False):
             return True
         if not blocking:
             return False
-        with self._count_lock:
-            self._waiting += 1
+        counted = not getattr(self._background, "on", False)
+        if counted:
+            with self._count_lock:
+                self._waiting += 1
         try:
             return self._lock.acquire(timeout=timeout)
         finally:
-            with self._count_lock:
-                self._waiting -= 1
+            if counted:
+                with self._count_lock:
+                    self._waiting -= 1
 
     def release(self) -> None:
         self._lock.release()
@@ -77,5 +92,5 @@ class EngineLock:
         self.release()
 
     def waited_for(self) -> bool:
-        """Whether another thread waits to take the lock now."""
+        """Whether another thread waits to take the lock now (background work aside)."""
         return self._waiting > 0

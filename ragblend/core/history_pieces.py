@@ -4,6 +4,7 @@ in the background, the pieces of a finished answer's prompt and answer for the n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -103,8 +104,10 @@ class HistoryPieces:
             # ChunkReads.lead_spans), in the pieces' memory; the finder learns it once stored.
             # A request that wants the model meanwhile stops the pass before its next layer (pieces
             # are a cache): the engine's lock is not fair, and these passes would keep it for seconds.
-            waited_for = getattr(self.ingestion.lock, "waited_for", lambda: False)
-            with cancellable(waited_for):
+            lock = self.ingestion.lock
+            waited_for = getattr(lock, "waited_for", lambda: False)
+            quiet = lock.background() if hasattr(lock, "background") else contextlib.nullcontext()
+            with cancellable(waited_for), quiet:
                 for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
                     entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
                     for (key, run), entry in zip(pack, entries):

@@ -165,7 +165,8 @@ class PassageKeeper:
         with self.lock:
             self.storing = {(namespace, text) for text in texts}
         try:
-            with cancellable(lambda: job.cancelled.is_set() or self._request_waits()):
+            # background work itself: its waits for the model stop no other background work (core.cancel.EngineLock)
+            with cancellable(lambda: job.cancelled.is_set() or self._request_waits()), self.engine.lock.background():
                 refs = self.engine.precompute(texts, skip_unusable=True, namespace=namespace)
         except Cancelled:
             self._put_back(texts, namespace)

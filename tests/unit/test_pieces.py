@@ -2,6 +2,7 @@
 answered and fused like chunks in its later turns, even where the prompt's front changed; never
 across namespaces, models or K/V dtypes."""
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -235,6 +236,31 @@ def test_storing_pieces_yields_to_a_request_waiting_for_the_model(tokenizer, mon
     assert retry_args[-1] == 1
     retry(*retry_args)
     assert len(engine.runner.history.piece_store) > before
+
+
+def test_background_work_waiting_for_the_model_stops_no_other():
+    """Only a request's wait counts (EngineLock.waited_for): a server storing passages, or the KV
+    filler, waiting for the model inside ``background()`` does not stop a conversation's pieces
+    (else the two starved each other and the pieces were dropped)."""
+    from ragblend.core.cancel import EngineLock
+
+    lock = EngineLock()
+    lock.acquire()
+    for quiet in (True, False):
+        def wait():
+            with lock.background() if quiet else contextlib.nullcontext():
+                with lock:
+                    pass
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)   # the waiter blocks on the lock
+        assert lock.waited_for() is not quiet
+        lock.release()
+        waiter.join(timeout=30)
+        lock.acquire()
+    lock.release()
+    assert not lock.waited_for()
 
 
 def test_a_question_is_never_a_piece_so_a_repeat_is_fused_as_the_first_time(tokenizer):
