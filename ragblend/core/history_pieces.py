@@ -4,7 +4,6 @@ in the background, the pieces of a finished answer's prompt and answer for the n
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 
@@ -105,9 +104,7 @@ class HistoryPieces:
             # A request that wants the model meanwhile stops the pass before its next layer (pieces
             # are a cache): the engine's lock is not fair, and these passes would keep it for seconds.
             lock = self.ingestion.lock
-            waited_for = getattr(lock, "waited_for", lambda: False)
-            quiet = lock.background() if hasattr(lock, "background") else contextlib.nullcontext()
-            with cancellable(waited_for), quiet:
+            with cancellable(lock.waited_for), lock.background():
                 for pack in packs(new, max(batch_tokens, 1), size=lambda item: len(item[1])):
                     entries = self.ingestion.compute_entries([run for _, run in pack], False, namespace)
                     for (key, run), entry in zip(pack, entries):

@@ -433,8 +433,7 @@ class KVFiller:
                 missing = {key: self.engine.missing_entries(key) for _, key, _ in group}
                 stored_before = {key for key, entries in missing.items() if not entries}
                 t0 = time.perf_counter()
-                lock = getattr(self.engine, "lock", None)   # background work: stops no other (core.cancel.EngineLock)
-                with lock.background() if hasattr(lock, "background") else contextlib.nullcontext():
+                with self.engine.lock.background():   # background work: stops no other (core.cancel.EngineLock)
                     refs = self.engine.precompute([text for _, _, text in group], skip_unusable=True) if group else []
                 self.compute_s += time.perf_counter() - t0
             for (_, key, _), ref in zip(group, refs):

@@ -1,12 +1,12 @@
 """core.fusion.ingest: computing chunks' isolated KV (alone, or packed several to a pass), the keys they
 are stored under, and precompute's checks (everything is validated before anything is stored)."""
 
-import threading
 
 import pytest
 import torch
 
 from ragblend import InvalidInputError, PromptTooLongError
+from ragblend.core.cancel import EngineLock
 from ragblend.core.fusion.ingest import Ingestion, isolated_kv, packed_isolated_kv, packs
 from ragblend.core.model.adapter import ModelAdapter
 from ragblend.core.prompt import PromptBuilder
@@ -25,7 +25,7 @@ def ingestion_alone(tokenizer, kv_dtype=torch.float32):
     """An Ingestion over the tiny llama, with its own chunk index, wired without an engine."""
     adapter, prompts = ModelAdapter(tiny_model("llama")), PromptBuilder(tokenizer)
     return Ingestion(adapter, prompts, prompts.chunk_sink(None, ""), adapter.fingerprint(tokenizer), kv_dtype,
-                     threading.RLock(), ChunkIndex())
+                     EngineLock(), ChunkIndex())
 
 
 def test_precompute_skips_existing_and_keys_depend_on_model(tokenizer, tiny_engine):

@@ -3,13 +3,13 @@ back), fuses the prompt and counts what it reused; Background runs store writes 
 path. The engine's parts wired by hand prefill as BlendEngine does, and the runner's own parts
 (core.chunk_reads, core.prefix_reuse) work alone."""
 
-import threading
 import time
 
 import pytest
 import torch
 
 from ragblend import Chunk, FullRecompute, FullReuse
+from ragblend.core.cancel import EngineLock
 from ragblend.core.chunk_reads import ChunkReads
 from ragblend.core.fusion.ingest import Ingestion
 from ragblend.core.fusion.strategies import CacheBlend
@@ -38,7 +38,7 @@ PASSAGE = ("The lighthouse on the northern cape was first lit in 1871 and guided
 
 
 def test_parts_wired_by_hand_prefill_as_the_engine_does(tokenizer):
-    adapter, prompts, lock = ModelAdapter(tiny_model("llama")), PromptBuilder(tokenizer), threading.RLock()
+    adapter, prompts, lock = ModelAdapter(tiny_model("llama")), PromptBuilder(tokenizer), EngineLock()
     index, store = ChunkIndex(), MemoryStore()
     sink = prompts.chunk_sink(None, "")
     ingestion = Ingestion(adapter, prompts, sink, adapter.fingerprint(tokenizer), torch.float32, lock, index)

@@ -18,11 +18,11 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
-import threading
 from typing import Iterable, Sequence
 
 import torch
 
+from ..cancel import EngineLock
 from ..errors import InvalidInputError, PromptTooLongError
 from ..model.adapter import ModelAdapter
 from ..model.layer_step import LayerPass, run_layers
@@ -45,12 +45,12 @@ class Ingestion:
     """
 
     def __init__(self, adapter: ModelAdapter, prompts: PromptBuilder, sink_ids: list[int], fingerprint: str,
-                 kv_dtype: torch.dtype, lock: threading.RLock | None = None, index=None,
+                 kv_dtype: torch.dtype, lock: EngineLock | None = None, index=None,
                  lead_sink_ids: list[int] | None = None):
         self.adapter, self.prompts, self.sink_ids = adapter, prompts, sink_ids
         self.lead_sink_ids = lead_sink_ids
         self.fingerprint, self.kv_dtype = fingerprint, kv_dtype
-        self.lock = lock or threading.RLock()
+        self.lock = lock or EngineLock()
         self.index = index
         self._sink_kv: dict[bool, list] = {}   # the sinks' K/V, computed once each (see compute_entries)
         self._warned_unstored = False
