@@ -133,18 +133,21 @@ class PrefixReuse:
         if prefix is None or is_bypassed() or not (exact or plan.engine_default):
             return None
         if hit is not None and hit.logits is not None:   # an exact repeat: the tier holds it, logits and all
-            return KeptPrefix(hit.scope, hit.key_bias)
+            return KeptPrefix(hit.scope, hit.key_bias, hit.usable_from)
         self.kv_dtype = fused.keys[0].dtype
         scope = self.scope(exact, layout.namespace)
+        # Fused K/V serve only their own prompt again (a repeat is served the logits kept with them);
+        # K/V computed over a hit serve what the hit did: the rest ran causally over it, as another
+        # prompt holding its tokens would run them (a conversation's branches share its earlier turns).
+        usable_from = 0 if exact else (min(hit.usable_from, n - 1) if hit is not None else n - 1)
         try:
-            # fused K/V serve only their own prompt again (a repeat is served the logits kept with them)
             prefix.store(scope, layout.token_ids, fused.keys, fused.values, fused.key_bias,
-                         usable_from=0 if exact else n - 1, logits=fused.logits.detach().clone())
+                         usable_from=usable_from, logits=fused.logits.detach().clone())
         except Exception as err:   # a cache: the answer goes on without it
             log.warning("ragblend: could not keep a prompt's K/V in the prefix tier (%s: %s)", type(err).__name__, err)
             prefix.fault()
             return None
-        return KeptPrefix(scope, fused.key_bias)
+        return KeptPrefix(scope, fused.key_bias, usable_from)
 
     def remember_answer(self, decoding, exact_decoding: bool) -> None:
         """Keep the K/V of a finished answer's prompt and tokens in the prefix tier (the next turn of
@@ -176,7 +179,8 @@ class PrefixReuse:
             scope = replace(kept.scope, exact=kept.scope.exact and exact_decoding and decoder.dtype == dtype)
             ids = list(pre.token_ids) + list(decoding.token_ids[:answered])
             # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
-            usable_from = 0 if scope.exact else n - 1
+            # (or what the prompt's K/V served: the answer ran causally over them)
+            usable_from = 0 if scope.exact else kept.usable_from if not kept.scope.exact else n - 1
             self._keep(prefix, scope, ids, carried, usable_from)
             if opening and self.background is not None:   # the answer is out: off its path
                 self.background.submit(self._keep_opening, prefix, scope, ids, carried, opening, usable_from)

@@ -419,3 +419,48 @@ def test_a_near_tie_after_a_rest_on_the_decoding_weights_is_picked_in_float32(to
     nxt = next_turn(rest, f"t{seed}", on_twin=True)
     assert nxt.stats.prefix_tokens == len(ids) + 5 and "decoding weights" not in nxt.stats.strategy_reason
     assert (nxt.logits - exact.logits).abs().max() <= 1e-5
+
+
+def test_a_conversations_branches_share_its_earlier_turns():
+    """K/V fused for a prompt serve only prompts holding all of it (``usable_from``); a turn computed
+    over them serves what they did, so it never drops them for a prompt it cannot serve, and a
+    second branch of the conversation still finds the turns the branches share."""
+    cache = PrefixCache(1 << 20)
+    fused = dataclasses.replace(SCOPE, exact=False)
+    assert cache.store(fused, list(range(40)), *kv(40), usable_from=39)     # a fused first turn
+    assert cache.store(fused, list(range(70)), *kv(70), usable_from=39)     # a turn over it (branch A)
+    assert len(cache) == 1                                                 # it serves all the first did
+    branch_b = list(range(60)) + [999] * 10
+    assert cache.lookup([fused], branch_b).num_tokens == 60                # the shared turns, past the first
+    assert cache.lookup([fused], list(range(30)) + [999] * 10) is None      # less than the fused prompt: none
+    # A new prompt fused over the same front serves only itself: the shorter entry stays, and serves.
+    assert cache.store(fused, list(range(50)) + [7] * 30, *kv(80), usable_from=79)
+    assert len(cache) == 2
+    assert cache.lookup([fused], list(range(50)) + [8] * 10).num_tokens == 50
+    assert cache.lookup([fused], list(range(50)) + [7] * 30).num_tokens == 80
+    # a shorter entry held by a longer one that does not serve it is kept, not refused
+    cache = PrefixCache(1 << 20)
+    assert cache.store(fused, list(range(70)), *kv(70), usable_from=69)
+    assert cache.store(fused, list(range(40)), *kv(40), usable_from=39)
+    assert cache.lookup([fused], list(range(45)) + [999]).num_tokens == 40   # the shorter one serves it
+
+
+def test_a_second_branch_of_a_fused_conversation_reuses_the_turns_it_shares(tokenizer):
+    engine = make_tiny_engine("qwen2", tokenizer, prefix_cache_bytes=TIER)
+    engine.precompute(PASSAGES[:3])
+    system = "Context:\n\n" + "\n\n".join(PASSAGES[:3])
+    history = []
+    for question in ("Who ran the ferry?", "And when did it stop?"):
+        layout = engine.find_chunks(question, system=system, history=history)
+        answer = engine.generate(dataclasses.replace(layout, chat=True), max_new_tokens=6, stop=None)
+        engine.flush()
+        history += [("user", question), ("assistant", answer.text)]
+    assert not engine.last_stats.prefix_tokens or engine.last_stats.prefix_tokens < len(layout.token_ids)
+    shared = []
+    for question in ("Who built the lighthouse?", "What did the bakery sell?"):   # two branches of turn 3
+        layout = engine.find_chunks(question, system=system, history=history)
+        engine.generate(layout, max_new_tokens=4, stop=None)
+        engine.flush()
+        shared.append(engine.last_stats.prefix_tokens)
+    assert shared[0] > len(engine.find_chunks("x", system=system).token_ids)   # past the first turn
+    assert shared[1] >= shared[0]   # (and any token the questions share)

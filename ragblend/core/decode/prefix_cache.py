@@ -62,6 +62,7 @@ class KeptPrefix:
 
     scope: PrefixScope
     key_bias: torch.Tensor | None
+    usable_from: int = 0   # the shortest hit its K/V serve (:attr:`PrefixEntry.usable_from`)
 
 
 class Room:
@@ -117,12 +118,15 @@ class PrefixHit:
     scope: PrefixScope
     logits: torch.Tensor | None = None   # the logits after all ``num_tokens`` (a whole prompt stored with its logits)
     room: Room | None = None   # its entry's room (a hit of the whole entry): see :func:`extend_prefix`
+    # The shortest hit its entry serves: a prompt computed over this hit serves, in turn, any prompt
+    # holding these first ``usable_from`` tokens (its other tokens ran causally over them).
+    usable_from: int = 0
 
     def first(self, num_tokens: int) -> PrefixHit:
         """The hit of its first ``num_tokens`` tokens only (views), without logits."""
         bias = None if self.key_bias is None else self.key_bias[:num_tokens]
         return PrefixHit(num_tokens, [k[:, :num_tokens] for k in self.keys], [v[:, :num_tokens] for v in self.values],
-                         bias, self.scope)
+                         bias, self.scope, usable_from=min(self.usable_from, num_tokens))
 
 
 class PrefixCache:
@@ -175,45 +179,54 @@ class PrefixCache:
         with self._lock:
             self.faults += 1
 
-    def _match(self, scope: PrefixScope, token_ids: list[int], limit: int) -> tuple[PrefixEntry, int] | None:
-        """The entry holding the longest prefix of ``token_ids[:limit]`` under ``scope``, and its length."""
-        entry = None
+    def _matches(self, scope: PrefixScope, token_ids: list[int], limit: int) -> list[tuple[PrefixEntry, int]]:
+        """The entries holding a prefix of ``token_ids[:limit]`` under ``scope``, each with the length
+        it holds, longest first (the most recent first among equals)."""
+        depths: list[dict[int, None]] = []   # the holders of each whole block matched, in order
         for h in self.chain(scope, token_ids[:limit]):
             holders = self._blocks.get(h)
             if not holders:
                 break
-            entry = self._entries[next(reversed(holders))]
-        if entry is None or entry.scope != scope:   # another scope's blocks: a hash collision, a miss
-            return None
-        # Past the last whole block, token by token; every token compared, so that a hash collision
-        # (or an entry that is not what its blocks say) is a miss.
-        length = 0
-        for a, b in zip(entry.token_ids[:limit], token_ids[:limit]):
-            if a != b:
-                break
-            length += 1
-        if length < self.block_tokens or not self._sound(entry):
-            if length < self.block_tokens:
-                log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
-            self._drop(entry)
-            return None
-        return entry, length
+            depths.append(holders)
+        found, seen = [], set()
+        for holders in reversed(depths):   # an entry of a deeper block holds more of the prompt
+            for key in reversed(list(holders)):
+                entry = self._entries.get(key)
+                if entry is None or key in seen:
+                    continue
+                seen.add(key)
+                if entry.scope != scope:   # another scope's blocks: a hash collision, a miss
+                    continue
+                # Past the last whole block, token by token; every token compared, so that a hash
+                # collision (or an entry that is not what its blocks say) is a miss.
+                length = 0
+                for a, b in zip(entry.token_ids[:limit], token_ids[:limit]):
+                    if a != b:
+                        break
+                    length += 1
+                if length < self.block_tokens or not self._sound(entry):
+                    if length < self.block_tokens:
+                        log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
+                    self._drop(entry)
+                    continue
+                found.append((entry, length))
+        return sorted(found, key=lambda match: -match[1])   # stable: the most recent first among equals
 
     def _longest(self, scope: PrefixScope, token_ids: list[int], limit: int) -> PrefixHit | None:
-        match = self._match(scope, token_ids, limit)
+        # Fused K/V were selected for their whole prompt (QueryAware: by its question): an entry serves
+        # no hit shorter than its usable_from, and a prompt that shares only their front (the chunks,
+        # not the question) fuses anew, unless a shorter entry serves it.
+        match = next(((entry, length) for entry, length in self._matches(scope, token_ids, limit)
+                      if length >= entry.usable_from), None)
         if match is None:
             return None
         entry, length = match
         logits = entry.logits.get(length) if length == len(token_ids) else None
-        if length < entry.usable_from:
-            # Fused K/V were selected for their whole prompt (QueryAware: by its question): a prompt
-            # that shares only their front (the chunks, not the question) fuses anew.
-            return None
         self._entries.move_to_end(entry.key)
         bias = None if entry.key_bias is None else entry.key_bias[:length]
         room = entry.room if length == len(entry.token_ids) else None   # the positions after a shorter hit are taken
         return PrefixHit(length, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values], bias,
-                         entry.scope, None if logits is None else logits.clone(), room)
+                         entry.scope, None if logits is None else logits.clone(), room, entry.usable_from)
 
     @staticmethod
     def _sound(entry: PrefixEntry) -> bool:
@@ -233,16 +246,17 @@ class PrefixCache:
             return self._holds(scope, list(token_ids))
 
     def _holds(self, scope: PrefixScope, token_ids: list[int]) -> bool:
-        match = self._match(scope, token_ids, len(token_ids))
-        return match is not None and match[1] == len(token_ids) == len(match[0].token_ids)
+        n = len(token_ids)
+        return any(length == n == len(entry.token_ids) for entry, length in self._matches(scope, token_ids, n))
 
     def store(self, scope: PrefixScope, token_ids: Sequence[int], keys: list[torch.Tensor],
               values: list[torch.Tensor], key_bias: torch.Tensor | None = None, usable_from: int = 0,
               logits: torch.Tensor | None = None, extends: int | None = None, room: Room | None = None) -> bool:
         """Keep the K/V of ``token_ids`` (held as given: nothing may write to them later). Entries
-        it makes redundant (a prefix of it in its scope) go; the least recently used go while the
-        total is over the budget. Returns whether it was kept (not when shorter than a block, larger
-        than the budget, or already held by a longer entry). ``usable_from``: the shortest prefix of
+        it makes redundant (a prefix of it in its scope that serves no shorter hit than it does) go;
+        the least recently used go while the total is over the budget. Returns whether it was kept
+        (not when shorter than a block, larger than the budget, or already held by a longer entry
+        that serves all it would). ``usable_from``: the shortest prefix of
         it a lookup may be served (for fused K/V, their whole prompt's); ``logits``: the next-token
         logits after all of ``token_ids`` (kept as given), which an exact repeat is served; ``extends``:
         kept only while the entry of the first ``extends`` ids is held as it was stored (an entry
@@ -263,18 +277,21 @@ class PrefixCache:
         with self._lock:
             if extends is not None and not self._holds(scope, list(token_ids[:extends])):
                 return False
-            covered = self._match(scope, list(token_ids), len(token_ids))
-            if covered is not None and covered[1] == len(token_ids):   # a longer entry holds these tokens
-                holder = covered[0]
+            holder = next((held for held, length in self._matches(scope, list(token_ids), len(token_ids))
+                           if length == len(token_ids) and held.usable_from <= usable_from), None)
+            if holder is not None:   # a longer entry holds these tokens, and serves every hit of them
                 self._entries.move_to_end(holder.key)
                 if logits is not None:
                     self.nbytes += self._keep_logits(holder, len(token_ids), logits)
                     self._evict()
                 return False
-            for h in blocks:   # a stored prefix of this one serves nothing this one does not
+            # A stored prefix of this one serves nothing this one does not, unless it serves shorter
+            # hits (a fused prompt's entry, which another prompt sharing only its front extended:
+            # a conversation's turn before it branched, see :attr:`PrefixHit.usable_from`).
+            for h in blocks:
                 for older in [self._entries[i] for i in self._blocks.get(h, ())]:
                     if older.scope == scope and len(older.token_ids) <= len(token_ids) and \
-                            token_ids[:len(older.token_ids)] == older.token_ids:
+                            usable_from <= older.usable_from and token_ids[:len(older.token_ids)] == older.token_ids:
                         self._drop(older)
                         for p, kept in older.logits.items():   # its prompt's logits still serve a repeat
                             self._keep_logits(entry, p, kept)
