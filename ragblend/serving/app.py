@@ -69,7 +69,9 @@ from .protocol import (
     INVALID_TYPE,
     INVALID_VALUE,
     MAX_JSON_VALUES,
+    METHOD_NOT_ALLOWED,
     MISSING_PARAMETER,
+    NOT_FOUND,
     REQUEST_TOO_LARGE,
     UNSUPPORTED_PARAMETER,
     ApiError,
@@ -737,8 +739,35 @@ def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
     return run
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
-    return request.app.state.server.error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
+def _endpoints() -> str:
+    """The server's endpoints, ``"GET /health, ..., POST /tokenize"`` (a 404 lists them)."""
+    return ", ".join(f"{method} {route.path}" for route in router.routes for method in sorted(route.methods - {"HEAD"}))
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """A client's path or method as a message may quote it: escaped unless plain printable ASCII
+    (a decoded ``%0a`` would otherwise start a line of its own in the server's log), and bounded."""
+    text = text[:limit]
+    return text if text.isascii() and text.isprintable() else ascii(text)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Starlette's own refusals (a path no route has: 404; a method its route lacks: 405) in the
+    OpenAI error shape, with a code and what to send instead."""
+    path, method = request.scope["path"], request.method   # as sent (request.url strips tabs and newlines)
+    if exc.status_code == 404:
+        # The usual slip: a client's base_url without /v1 (the openai SDK adds only /chat/completions).
+        hint = f" An OpenAI client's base_url ends in /v1: did you mean /v1{path}?" if f"/v1{path}" in ROUTES else ""
+        err = ApiError(404, f"No endpoint at {_shown(path)}.{hint} This server has: {_endpoints()}.", code=NOT_FOUND)
+    elif exc.status_code == 405:
+        allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip() not in ("", "HEAD")]
+        err = ApiError(405, f"{path} does not take {_shown(method, 20)}; send {' or '.join(allowed)}.",
+                       code=METHOD_NOT_ALLOWED)
+    else:
+        err = ApiError(exc.status_code, str(exc.detail))
+    response = request.app.state.server.error_response(err, path)
+    response.headers.update(exc.headers or {})   # a 405's Allow
+    return response
 
 
 def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict[str, str] | None = None,
