@@ -157,8 +157,9 @@ class Metrics:
             self.ttft_counts[bucket] += 1
 
     def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None,
-             pieces: dict | None = None) -> str:
-        """The Prometheus text of the counters, the queue, the store, the background KV fill, the
+             pieces: dict | None = None, background_jobs: int = 0) -> str:
+        """The Prometheus text of the counters, the queue (``queue_depth``: requests;
+        ``background_jobs``: the worker's own jobs), the store, the background KV fill, the
         prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`) and the history pieces'
         memory (``pieces``: :meth:`~ragblend.core.store.pieces.PieceStore.info`)."""
         lines: list[str] = []
@@ -175,6 +176,8 @@ class Metrics:
                    "the 499s of clients that disconnected).",
                    [("", sum(n for (_, s), n in self.requests.items() if s >= 400 and s != CLIENT_CLOSED))])
             metric("ragblend_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
+            metric("ragblend_background_jobs", "gauge", "The server's own jobs (storing passages' KV) waiting "
+                   "or running in the worker, between requests.", [("", background_jobs)])
             cumulative, samples = 0, []
             for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
                 cumulative += count
@@ -324,7 +327,7 @@ class Server:
         # The most tokens one answer may ask for (OpenAI's limit per model): never past the window.
         self.max_completion_tokens = min(max_completion_tokens, engine.context_window)
         # Passages of the requests' plain text, stored between requests (serving.reuse).
-        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.depth, queued=self.worker.queued)
+        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.load, queued=self.worker.queued)
         self.separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
         self.limit = TextLimit(engine)
         self.special_head, self.special_tail = _special_tokens(engine)
@@ -610,7 +613,9 @@ def endpoint(path: str):
 @router.get("/health")
 async def health(request: Request):
     server = request.app.state.server
-    return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth}
+    # queue_depth: the clients' requests only; the server's own storing of passages is background_jobs.
+    return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth,
+            "background_jobs": server.worker.background_jobs}
 
 
 @router.get("/v1/models")
@@ -628,7 +633,8 @@ async def models(request: Request):
 async def prometheus(request: Request):
     server = request.app.state.server
     return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
-                                                   server.engine.prefix_info(), server.engine.pieces_info()),
+                                                   server.engine.prefix_info(), server.engine.pieces_info(),
+                                                   background_jobs=server.worker.background_jobs),
                              media_type="text/plain; version=0.0.4")
 
 

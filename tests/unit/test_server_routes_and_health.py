@@ -1,13 +1,17 @@
 """What no route answers (a path the server lacks: 404; a method its route lacks: 405) has the
-OpenAI error shape with a code and says what to send instead. A tiny model behind a real server
-on 127.0.0.1, asked with httpx and the openai SDK."""
+OpenAI error shape with a code and says what to send instead; /health's queue_depth counts the
+clients' requests only, the passages the server stores after its answers apart (background_jobs).
+Tiny models behind a real server on 127.0.0.1, asked with httpx and the openai SDK."""
+
+import threading
+import time
 
 import httpx
 import pytest
 
 pytest.importorskip("fastapi")
 
-from tests.servers import RunningServer  # noqa: E402
+from tests.servers import RunningServer, wait_idle  # noqa: E402
 
 from ..conftest import make_tiny_engine  # noqa: E402
 
@@ -64,3 +68,54 @@ def test_a_path_quoted_in_a_404_cannot_start_a_log_line(server, caplog):
         assert response.status_code == 404 and f"No endpoint at {shown}." in message
     logged = [record.getMessage() for record in caplog.records if "other 404" in record.getMessage()]
     assert len(logged) == 2 and not any(c in line for line in logged for c in "\n\x1b")
+
+
+# ---------------------------------------------------------------------------- queue_depth
+
+
+def test_queue_depth_counts_requests_not_the_passages_stored_after_them(tokenizer, monkeypatch):
+    """After an answer the server stores its passages' KV as a job of its worker. That job is
+    background_jobs on /health and /metrics, never queue_depth; a request waiting behind it is."""
+    engine = make_tiny_engine("llama", tokenizer)
+    storing, go_on = threading.Event(), threading.Event()
+    precompute = engine.precompute
+
+    def held_precompute(*args, **kwargs):   # the storing job waits here, running, until the test has looked
+        storing.set()
+        assert go_on.wait(60)
+        return precompute(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "precompute", held_precompute)
+    documents = [" ".join(f"alpha{i}" for i in range(40)), " ".join(f"beta{i}" for i in range(40))]
+    body = {"messages": [{"role": "user", "content": "\n\n".join(documents) + "\n\nWhich list comes first?"}],
+            "max_tokens": 2}
+    with RunningServer(engine) as running:
+        def health() -> dict:
+            return httpx.get(f"{running.url}/health", timeout=10).json()
+
+        def gauges() -> tuple[str, str]:
+            lines = httpx.get(f"{running.url}/metrics", timeout=10).text.splitlines()
+            return tuple(next(line for line in lines if line.startswith(f"{name} "))
+                         for name in ("ragblend_queue_depth", "ragblend_background_jobs"))
+
+        assert httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert storing.wait(30)   # the answer is back and its passages are being stored
+        assert health()["queue_depth"] == 0 and health()["background_jobs"] == 1
+        assert gauges() == ("ragblend_queue_depth 0", "ragblend_background_jobs 1")
+
+        other = dict(body, messages=[{"role": "user", "content": "Say one word."}])
+        answered: list[int] = []
+        asking = threading.Thread(target=lambda: answered.append(
+            httpx.post(f"{running.url}/v1/chat/completions", json=other, timeout=60).status_code))
+        asking.start()   # waits in the queue behind the held storing job: a request, so counted
+        deadline = time.monotonic() + 30
+        while health()["queue_depth"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        now = health()
+        assert (now["queue_depth"], now["background_jobs"]) == (1, 1)
+        go_on.set()
+        asking.join(60)
+        assert answered == [200]
+        wait_idle(running.url)
+        assert health()["queue_depth"] == health()["background_jobs"] == 0
+        assert running.server.config.app.state.keeper.stored == 2   # both documents, stored after all
