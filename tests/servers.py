@@ -71,9 +71,11 @@ def wait_until_up(ready: Callable[[], bool], what: str, timeout_s: float,
 
 
 def wait_idle(url: str, within_s: float = 60, headers: dict | None = None) -> float:
-    """Seconds until the ragblend server at ``url`` has an empty queue; fails past ``within_s``."""
+    """Seconds until the ragblend server at ``url`` has an empty queue, its background jobs (the
+    passages it stores after answers) done too; fails past ``within_s``."""
     t0 = time.monotonic()
-    while httpx.get(f"{url}/health", timeout=10, headers=headers).json()["queue_depth"]:
+    while (health := httpx.get(f"{url}/health", timeout=10, headers=headers).json())["queue_depth"] or \
+            health["background_jobs"]:
         if time.monotonic() - t0 > within_s:
             raise AssertionError(f"the server was still computing {within_s} s after the request ended")
         time.sleep(0.05)

@@ -69,7 +69,9 @@ from .protocol import (
     INVALID_TYPE,
     INVALID_VALUE,
     MAX_JSON_VALUES,
+    METHOD_NOT_ALLOWED,
     MISSING_PARAMETER,
+    NOT_FOUND,
     REQUEST_TOO_LARGE,
     UNSUPPORTED_PARAMETER,
     ApiError,
@@ -155,8 +157,9 @@ class Metrics:
             self.ttft_counts[bucket] += 1
 
     def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None,
-             pieces: dict | None = None) -> str:
-        """The Prometheus text of the counters, the queue, the store, the background KV fill, the
+             pieces: dict | None = None, background_jobs: int = 0) -> str:
+        """The Prometheus text of the counters, the queue (``queue_depth``: requests;
+        ``background_jobs``: the worker's own jobs), the store, the background KV fill, the
         prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`) and the history pieces'
         memory (``pieces``: :meth:`~ragblend.core.store.pieces.PieceStore.info`)."""
         lines: list[str] = []
@@ -173,6 +176,8 @@ class Metrics:
                    "the 499s of clients that disconnected).",
                    [("", sum(n for (_, s), n in self.requests.items() if s >= 400 and s != CLIENT_CLOSED))])
             metric("ragblend_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
+            metric("ragblend_background_jobs", "gauge", "The server's own jobs (storing passages' KV) waiting "
+                   "or running in the worker, between requests.", [("", background_jobs)])
             cumulative, samples = 0, []
             for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
                 cumulative += count
@@ -322,7 +327,7 @@ class Server:
         # The most tokens one answer may ask for (OpenAI's limit per model): never past the window.
         self.max_completion_tokens = min(max_completion_tokens, engine.context_window)
         # Passages of the requests' plain text, stored between requests (serving.reuse).
-        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.depth, queued=self.worker.queued)
+        self.keeper = PassageKeeper(engine, self.worker.submit, lambda: self.worker.load, queued=self.worker.queued)
         self.separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
         self.limit = TextLimit(engine)
         self.special_head, self.special_tail = _special_tokens(engine)
@@ -608,7 +613,9 @@ def endpoint(path: str):
 @router.get("/health")
 async def health(request: Request):
     server = request.app.state.server
-    return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth}
+    # queue_depth: the clients' requests only; the server's own storing of passages is background_jobs.
+    return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth,
+            "background_jobs": server.worker.background_jobs}
 
 
 @router.get("/v1/models")
@@ -626,7 +633,8 @@ async def models(request: Request):
 async def prometheus(request: Request):
     server = request.app.state.server
     return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
-                                                   server.engine.prefix_info(), server.engine.pieces_info()),
+                                                   server.engine.prefix_info(), server.engine.pieces_info(),
+                                                   background_jobs=server.worker.background_jobs),
                              media_type="text/plain; version=0.0.4")
 
 
@@ -737,8 +745,35 @@ def _tokenize_job(server: Server, body: dict) -> Callable[[Job], list[int]]:
     return run
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException):   # unknown path, wrong method
-    return request.app.state.server.error_response(ApiError(exc.status_code, str(exc.detail)), request.url.path)
+def _endpoints() -> str:
+    """The server's endpoints, ``"GET /health, ..., POST /tokenize"`` (a 404 lists them)."""
+    return ", ".join(f"{method} {route.path}" for route in router.routes for method in sorted(route.methods - {"HEAD"}))
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """A client's path or method as a message may quote it: escaped unless plain printable ASCII
+    (a decoded ``%0a`` would otherwise start a line of its own in the server's log), and bounded."""
+    text = text[:limit]
+    return text if text.isascii() and text.isprintable() else ascii(text)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    """Starlette's own refusals (a path no route has: 404; a method its route lacks: 405) in the
+    OpenAI error shape, with a code and what to send instead."""
+    path, method = request.scope["path"], request.method   # as sent (request.url strips tabs and newlines)
+    if exc.status_code == 404:
+        # The usual slip: a client's base_url without /v1 (the openai SDK adds only /chat/completions).
+        hint = f" An OpenAI client's base_url ends in /v1: did you mean /v1{path}?" if f"/v1{path}" in ROUTES else ""
+        err = ApiError(404, f"No endpoint at {_shown(path)}.{hint} This server has: {_endpoints()}.", code=NOT_FOUND)
+    elif exc.status_code == 405:
+        allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip() not in ("", "HEAD")]
+        err = ApiError(405, f"{path} does not take {_shown(method, 20)}; send {' or '.join(allowed)}.",
+                       code=METHOD_NOT_ALLOWED)
+    else:
+        err = ApiError(exc.status_code, str(exc.detail))
+    response = request.app.state.server.error_response(err, path)
+    response.headers.update(exc.headers or {})   # a 405's Allow
+    return response
 
 
 def create_app(engine: BlendEngine, *, api_key: str | None = None, tenants: dict[str, str] | None = None,

@@ -77,6 +77,9 @@ INVALID_JSON = "invalid_json"                    # a body that is not JSON (or n
 REQUEST_TOO_LARGE = "request_too_large"          # a body over the size limit (413), or with too many JSON values
 ERROR_CODES = (INVALID_TYPE, INVALID_VALUE, MISSING_PARAMETER, UNKNOWN_PARAMETER, UNSUPPORTED_PARAMETER,
                CONTEXT_LENGTH_EXCEEDED, INVALID_JSON, REQUEST_TOO_LARGE)
+# The codes of the other client errors that no route answers: a path the server lacks, a method its route lacks.
+NOT_FOUND = "not_found"                          # 404
+METHOD_NOT_ALLOWED = "method_not_allowed"        # 405
 
 
 class ApiError(RagblendError):

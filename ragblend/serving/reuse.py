@@ -40,9 +40,9 @@ MAX_PENDING = 512   # passages waiting to be stored; beyond it the oldest are dr
 class PassageKeeper:
     """Stores the KV of passages from requests, in the worker, between requests.
 
-    ``submit`` queues a :class:`Job` on the worker; ``load()`` counts the jobs waiting or
-    running there (the worker's ``depth``): storing starts only at 0, when no request is
-    waiting, prefilling or decoding.
+    ``submit`` queues a :class:`Job` on the worker (a background one); ``load()`` counts the
+    jobs waiting or running there, its own included (the worker's ``load``): storing starts only
+    at 0, when no request is waiting, prefilling or decoding.
     ``batch_tokens`` bounds one job's work (the tokens it computes); a request arriving during
     it makes it yield at the next layer (its passages wait for the next idle moment).
     """
@@ -118,7 +118,7 @@ class PassageKeeper:
                 return
             self.scheduled = True
         try:
-            self.submit(Job(self._run, lambda outcome: None))
+            self.submit(Job(self._run, lambda outcome: None, background=True))
         except ApiError:   # the queue filled meanwhile: the next answer schedules it again
             with self.lock:
                 self.scheduled = False

@@ -54,6 +54,9 @@ class Job:
     # thread, the first time a storing job runs while this job waits (what it reads may take
     # tokenizing its prompt to know: that cost is paid only then).
     awaits_storing: bool | Callable[[], bool] = False
+    # The server's own work (storing passages' KV between requests: serving.reuse), not a client's
+    # request: counted apart, so that /health's queue_depth counts requests only.
+    background: bool = False
 
     def awaits(self) -> bool:
         """Whether this job lets a storing job finish (:attr:`awaits_storing`, asked once)."""
@@ -86,7 +89,8 @@ class Worker:
                  max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(max_batch, max_kv_bytes)
-        self.running = 0   # jobs taken from the queue and not done: the one at hand, and those decoding
+        # jobs taken from the queue and not done (the one at hand, and those decoding), by kind
+        self.running_requests = self.running_background = 0
         threading.Thread(target=self._loop, name="ragblend-serve-worker", daemon=True).start()
 
     def submit(self, job: Job) -> None:
@@ -101,9 +105,26 @@ class Worker:
         with self.jobs.mutex:
             return list(self.jobs.queue)
 
+    def _waiting(self) -> tuple[int, int]:
+        """The jobs waiting in the queue: (requests, background jobs)."""
+        with self.jobs.mutex:
+            background = sum(job.background for job in self.jobs.queue)
+            return len(self.jobs.queue) - background, background
+
     @property
     def depth(self) -> int:
-        return self.jobs.qsize() + self.running
+        """Client requests waiting or running (background jobs aside): /health's ``queue_depth``."""
+        return self._waiting()[0] + self.running_requests
+
+    @property
+    def background_jobs(self) -> int:
+        """Background jobs (:attr:`Job.background`) waiting or running."""
+        return self._waiting()[1] + self.running_background
+
+    @property
+    def load(self) -> int:
+        """Every job waiting or running, requests and background jobs."""
+        return self.jobs.qsize() + self.running_requests + self.running_background
 
     def _loop(self) -> None:
         waiting: tuple[Job, Decode] | None = None   # a prefill waiting for room in the batch
@@ -128,7 +149,10 @@ class Worker:
 
     def _run(self, job: Job) -> tuple[Job, Decode] | None:
         """Run ``job``; its Decode if it has an answer to decode, else None (it is done)."""
-        self.running += 1
+        if job.background:
+            self.running_background += 1
+        else:
+            self.running_requests += 1
         try:
             # Every model pass in this block checks the flag per layer and raises
             # fusion.Cancelled once the request has timed out or its client left.
@@ -191,7 +215,10 @@ class Worker:
         self._end(job, outcome)
 
     def _end(self, job: Job, outcome) -> None:
-        self.running -= 1
+        if job.background:
+            self.running_background -= 1
+        else:
+            self.running_requests -= 1
         self._emit(job, outcome)
 
     @staticmethod
