@@ -113,9 +113,16 @@ class HistoryPieces:
         except Cancelled:   # the pieces stored so far stay; the rest is tried again a little later
             log.debug("storing a conversation's pieces yielded to a request (attempt %d)", attempt + 1)
             if attempt < self.RETRIES:
-                retry = threading.Timer(self.RETRY_AFTER_S * (attempt + 1), self.background.submit,
-                                        (self.store_pieces, prompt_ids, layout, answer, batch_tokens, attempt + 1))
+                retry = threading.Timer(self.RETRY_AFTER_S * (attempt + 1), self._retry,
+                                        (prompt_ids, layout, answer, batch_tokens, attempt + 1))
                 retry.daemon = True
                 retry.start()
         except Exception as err:   # pieces are a cache: the next turn computes their text instead
             log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)
+
+    def _retry(self, *args) -> None:
+        """Submit a storing that yielded again (on a timer's thread)."""
+        try:
+            self.background.submit(self.store_pieces, *args)
+        except RuntimeError:   # the background thread is shut down (the interpreter is exiting): a cache, dropped
+            log.debug("a conversation's pieces were not stored again: the background thread has shut down")
