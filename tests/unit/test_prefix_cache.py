@@ -455,7 +455,7 @@ def test_a_second_branch_of_a_fused_conversation_reuses_the_turns_it_shares(toke
         answer = engine.generate(dataclasses.replace(layout, chat=True), max_new_tokens=6, stop=None)
         engine.flush()
         history += [("user", question), ("assistant", answer.text)]
-    assert not engine.last_stats.prefix_tokens or engine.last_stats.prefix_tokens < len(layout.token_ids)
+    turn_2 = len(layout.token_ids)
     shared = []
     for question in ("Who built the lighthouse?", "What did the bakery sell?"):   # two branches of turn 3
         layout = engine.find_chunks(question, system=system, history=history)
@@ -463,4 +463,17 @@ def test_a_second_branch_of_a_fused_conversation_reuses_the_turns_it_shares(toke
         engine.flush()
         shared.append(engine.last_stats.prefix_tokens)
     assert shared[0] > len(engine.find_chunks("x", system=system).token_ids)   # past the first turn
-    assert shared[1] >= shared[0]   # (and any token the questions share)
+    assert shared[1] >= shared[0] >= turn_2 - 1   # both past the turns they share
+    # a new first question over the same context shares less than the fused first turn: fused for itself
+    engine.generate(engine.find_chunks("Where did the ferry go?", system=system), max_new_tokens=2, stop=None)
+    assert engine.last_stats.prefix_tokens == 0
+
+
+def test_a_repeat_is_served_the_entry_that_kept_its_logits_among_equally_long_ones():
+    cache, logits = PrefixCache(1 << 20), torch.randn(50)
+    fused = dataclasses.replace(SCOPE, exact=False)
+    assert cache.store(fused, list(range(40)), *kv(40), usable_from=20, logits=logits)
+    assert cache.store(fused, list(range(70)), *kv(70), usable_from=39)   # serves less: both kept
+    hit = cache.lookup([fused], list(range(40)))
+    assert hit.num_tokens == 40 and torch.equal(hit.logits, logits)      # the repeat computes nothing
+    assert cache.lookup([fused], list(range(50))).num_tokens == 50

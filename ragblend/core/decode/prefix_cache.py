@@ -62,7 +62,7 @@ class KeptPrefix:
 
     scope: PrefixScope
     key_bias: torch.Tensor | None
-    usable_from: int = 0   # the shortest hit its K/V serve (:attr:`PrefixEntry.usable_from`)
+    usable_from: int   # the shortest hit its K/V serve (:attr:`PrefixEntry.usable_from`; 0: any)
 
 
 class Room:
@@ -188,36 +188,40 @@ class PrefixCache:
             if not holders:
                 break
             depths.append(holders)
-        found, seen = [], set()
-        for holders in reversed(depths):   # an entry of a deeper block holds more of the prompt
-            for key in reversed(list(holders)):
-                entry = self._entries.get(key)
-                if entry is None or key in seen:
-                    continue
-                seen.add(key)
-                if entry.scope != scope:   # another scope's blocks: a hash collision, a miss
-                    continue
-                # Past the last whole block, token by token; every token compared, so that a hash
-                # collision (or an entry that is not what its blocks say) is a miss.
-                length = 0
-                for a, b in zip(entry.token_ids[:limit], token_ids[:limit]):
-                    if a != b:
-                        break
-                    length += 1
-                if length < self.block_tokens or not self._sound(entry):
-                    if length < self.block_tokens:
-                        log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
-                    self._drop(entry)
-                    continue
-                found.append((entry, length))
+        found, prompt = [], tuple(token_ids[:limit])
+        for key in reversed(list(depths[0]) if depths else []):   # each holds the first block (most recent first)
+            entry = self._entries.get(key)
+            if entry is None or entry.scope != scope:   # another scope's blocks: a hash collision, a miss
+                continue
+            # its deepest block matched (holding a block's hash means holding those before it)
+            lo, hi = 0, len(depths) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if key in depths[mid] else (lo, mid - 1)
+            # Every token compared, so that a hash collision (or an entry that is not what its
+            # blocks say) is a miss: the blocks its hashes matched at once, then token by token.
+            held = (lo + 1) * self.block_tokens
+            length = held if entry.token_ids[:held] == prompt[:held] else 0
+            for a, b in zip(entry.token_ids[length:limit], prompt[length:]):
+                if a != b:
+                    break
+                length += 1
+            if length < self.block_tokens:
+                log.warning("ragblend: a prefix entry's ids differ from its blocks'; dropped")
+                self._drop(entry)
+                continue
+            found.append((entry, length))
         return sorted(found, key=lambda match: -match[1])   # stable: the most recent first among equals
 
     def _longest(self, scope: PrefixScope, token_ids: list[int], limit: int) -> PrefixHit | None:
         # Fused K/V were selected for their whole prompt (QueryAware: by its question): an entry serves
         # no hit shorter than its usable_from, and a prompt that shares only their front (the chunks,
         # not the question) fuses anew, unless a shorter entry serves it.
-        match = next(((entry, length) for entry, length in self._matches(scope, token_ids, limit)
-                      if length >= entry.usable_from), None)
+        # Among the longest, one keeping the logits after the whole prompt (a repeat computes nothing).
+        servable = sorted(((entry, length) for entry, length in self._matches(scope, token_ids, limit)
+                           if length >= entry.usable_from),
+                          key=lambda match: (-match[1], match[1] not in match[0].logits or match[1] < len(token_ids)))
+        match = next((match for match in servable if self._sound_or_dropped(match[0])), None)
         if match is None:
             return None
         entry, length = match
@@ -227,6 +231,14 @@ class PrefixCache:
         room = entry.room if length == len(entry.token_ids) else None   # the positions after a shorter hit are taken
         return PrefixHit(length, [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values], bias,
                          entry.scope, None if logits is None else logits.clone(), room, entry.usable_from)
+
+    def _sound_or_dropped(self, entry: PrefixEntry) -> bool:
+        """Whether ``entry`` is sound; dropped where it is not (checked only for the entry a lookup
+        serves or a store keeps: checking every candidate cost ~50 us each, per lookup)."""
+        if self._sound(entry):
+            return True
+        self._drop(entry)
+        return False
 
     @staticmethod
     def _sound(entry: PrefixEntry) -> bool:
@@ -278,23 +290,23 @@ class PrefixCache:
             if extends is not None and not self._holds(scope, list(token_ids[:extends])):
                 return False
             holder = next((held for held, length in self._matches(scope, list(token_ids), len(token_ids))
-                           if length == len(token_ids) and held.usable_from <= usable_from), None)
+                           if length == len(token_ids) and held.usable_from <= usable_from
+                           and self._sound_or_dropped(held)), None)
             if holder is not None:   # a longer entry holds these tokens, and serves every hit of them
                 self._entries.move_to_end(holder.key)
-                if logits is not None:
+                if logits is not None and holder.usable_from == usable_from:   # computed over it (a race's fresh fusion was not)
                     self.nbytes += self._keep_logits(holder, len(token_ids), logits)
                     self._evict()
                 return False
             # A stored prefix of this one serves nothing this one does not, unless it serves shorter
             # hits (a fused prompt's entry, which another prompt sharing only its front extended:
             # a conversation's turn before it branched, see :attr:`PrefixHit.usable_from`).
-            for h in blocks:
-                for older in [self._entries[i] for i in self._blocks.get(h, ())]:
-                    if older.scope == scope and len(older.token_ids) <= len(token_ids) and \
-                            usable_from <= older.usable_from and token_ids[:len(older.token_ids)] == older.token_ids:
-                        self._drop(older)
-                        for p, kept in older.logits.items():   # its prompt's logits still serve a repeat
-                            self._keep_logits(entry, p, kept)
+            for older in [self._entries[i] for i in self._blocks.get(blocks[0], ())]:   # every prefix holds it
+                if older.scope == scope and len(older.token_ids) <= len(token_ids) and \
+                        usable_from <= older.usable_from and token_ids[:len(older.token_ids)] == older.token_ids:
+                    self._drop(older)
+                    for p, kept in older.logits.items():   # its prompt's logits still serve a repeat
+                        self._keep_logits(entry, p, kept)
             entry.key = next(self._ids)
             self._entries[entry.key] = entry
             for h in blocks:
