@@ -259,10 +259,13 @@ def settled_kernels(engine: BlendEngine) -> str:
     background (none cached yet, or one taken on a busy machine) takes a workload whenever the
     model is idle, which would land in some turns' TTFT, and the server started later would
     measure again. One still unsettled after it is measured again now (the benchmark holds the host)."""
-    settle_kernels(engine, False, say=lambda line: print(line, flush=True))
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    settle_kernels(engine, False, say=say)
     plan = engine.kernel_plan
     if plan is not None and plan.measured is not None and not plan.measured.settled:
-        settle_kernels(engine, True, say=lambda line: print(line, flush=True))
+        settle_kernels(engine, True, say=say)
     return "none (fixed)" if plan is None else plan.state()
 
 

@@ -180,7 +180,7 @@ class PrefixReuse:
             ids = list(pre.token_ids) + list(decoding.token_ids[:answered])
             # fused or low-bit-decoded K/V serve a repeat or a next turn, which hold this whole prompt
             # (or what the prompt's K/V served: the answer ran causally over them)
-            usable_from = 0 if scope.exact else kept.usable_from if not kept.scope.exact else n - 1
+            usable_from = 0 if scope.exact else (kept.usable_from if not kept.scope.exact else n - 1)
             self._keep(prefix, scope, ids, carried, usable_from)
             if opening and self.background is not None:   # the answer is out: off its path
                 self.background.submit(self._keep_opening, prefix, scope, ids, carried, opening, usable_from)

@@ -89,8 +89,8 @@ class Worker:
                  max_kv_bytes: int | None = DEFAULT_MAX_KV_BYTES):
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self.batch = BatchDecoder(max_batch, max_kv_bytes)
-        # jobs taken from the queue and not done (the one at hand, and those decoding), by kind
-        self.running_requests = self.running_background = 0
+        # jobs taken from the queue and not done (the one at hand, and those decoding), by Job.background
+        self.running = {False: 0, True: 0}
         threading.Thread(target=self._loop, name="ragblend-serve-worker", daemon=True).start()
 
     def submit(self, job: Job) -> None:
@@ -114,17 +114,17 @@ class Worker:
     @property
     def depth(self) -> int:
         """Client requests waiting or running (background jobs aside): /health's ``queue_depth``."""
-        return self._waiting()[0] + self.running_requests
+        return self._waiting()[0] + self.running[False]
 
     @property
     def background_jobs(self) -> int:
         """Background jobs (:attr:`Job.background`) waiting or running."""
-        return self._waiting()[1] + self.running_background
+        return self._waiting()[1] + self.running[True]
 
     @property
     def load(self) -> int:
         """Every job waiting or running, requests and background jobs."""
-        return self.jobs.qsize() + self.running_requests + self.running_background
+        return self.jobs.qsize() + sum(self.running.values())
 
     def _loop(self) -> None:
         waiting: tuple[Job, Decode] | None = None   # a prefill waiting for room in the batch
@@ -149,10 +149,7 @@ class Worker:
 
     def _run(self, job: Job) -> tuple[Job, Decode] | None:
         """Run ``job``; its Decode if it has an answer to decode, else None (it is done)."""
-        if job.background:
-            self.running_background += 1
-        else:
-            self.running_requests += 1
+        self.running[job.background] += 1
         try:
             # Every model pass in this block checks the flag per layer and raises
             # fusion.Cancelled once the request has timed out or its client left.
@@ -215,10 +212,7 @@ class Worker:
         self._end(job, outcome)
 
     def _end(self, job: Job, outcome) -> None:
-        if job.background:
-            self.running_background -= 1
-        else:
-            self.running_requests -= 1
+        self.running[job.background] -= 1
         self._emit(job, outcome)
 
     @staticmethod

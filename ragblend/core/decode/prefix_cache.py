@@ -181,7 +181,7 @@ class PrefixCache:
 
     def _matches(self, scope: PrefixScope, token_ids: list[int], limit: int) -> list[tuple[PrefixEntry, int]]:
         """The entries holding a prefix of ``token_ids[:limit]`` under ``scope``, each with the length
-        it holds, longest first (the most recent first among equals)."""
+        it holds, the most recent first."""
         depths: list[dict[int, None]] = []   # the holders of each whole block matched, in order
         for h in self.chain(scope, token_ids[:limit]):
             holders = self._blocks.get(h)
@@ -211,13 +211,14 @@ class PrefixCache:
                 self._drop(entry)
                 continue
             found.append((entry, length))
-        return sorted(found, key=lambda match: -match[1])   # stable: the most recent first among equals
+        return found
 
     def _longest(self, scope: PrefixScope, token_ids: list[int], limit: int) -> PrefixHit | None:
         # Fused K/V were selected for their whole prompt (QueryAware: by its question): an entry serves
         # no hit shorter than its usable_from, and a prompt that shares only their front (the chunks,
         # not the question) fuses anew, unless a shorter entry serves it.
-        # Among the longest, one keeping the logits after the whole prompt (a repeat computes nothing).
+        # Among the longest (the most recent first), one keeping the logits after the whole prompt (a
+        # repeat computes nothing).
         servable = sorted(((entry, length) for entry, length in self._matches(scope, token_ids, limit)
                            if length >= entry.usable_from),
                           key=lambda match: (-match[1], match[1] not in match[0].logits or match[1] < len(token_ids)))
