@@ -523,8 +523,12 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
     # Whatever route laid the prompt out, its K/V are its tenant's in the prefix tier (core.decode.prefix_cache),
     # even where --shared-cache shares passages: prompts and answers are never shared.
     own = server.tenants.namespace(getattr(request.state, "tenant", None) or OPERATOR, body, own=True)
-    run = _decode_job(server, body, lambda: dataclasses.replace(layout_of(), namespace=own),
-                      getattr(request.state, "arrived", None))
+    laid_out: list[PromptLayout] = []   # the prompt as the worker laid it out: which passages it read stored
+
+    def own_layout() -> PromptLayout:
+        laid_out.append(dataclasses.replace(layout_of(), namespace=own))
+        return laid_out[-1]
+    run = _decode_job(server, body, own_layout, getattr(request.state, "arrived", None))
     reply = Reply(server.model_id, chat)
     # A prompt that will read passages still being stored lets the storing finish; any other (one
     # whose passages lie in the prefix its tenant's prefix tier holds too) makes it yield (serving.reuse).
@@ -538,7 +542,7 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
         finally:
             call.close()
         server.record(path, stats)
-        server.keeper.add(texts, namespace)
+        server.keeper.add(texts, namespace, laid_out[-1] if laid_out else None)
         return JSONResponse(reply.whole("".join(pieces), stats))
 
     # Streaming: wait until the prompt is tokenized and checked, so that a bad prompt is a
@@ -557,11 +561,11 @@ async def answer(server: Server, request: Request, path: str, body: dict, layout
             log.info("client disconnected from %s during its stream; its generation was stopped", route_label(path))
             server.metrics.request(path, CLIENT_CLOSED)
 
-    return Stream(_events(server, call, reply, path, include_usage, texts, namespace), ended)
+    return Stream(_events(server, call, reply, path, include_usage, texts, namespace, laid_out), ended)
 
 
 async def _events(server: Server, call: Call, reply: Reply, path: str, include_usage: bool,
-                  texts: list[str], namespace: str) -> AsyncIterator[bytes]:
+                  texts: list[str], namespace: str, laid_out: list[PromptLayout]) -> AsyncIterator[bytes]:
     """A streamed completion's SSE events, through ``[DONE]``."""
     if reply.chat:
         yield reply.event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -586,7 +590,7 @@ async def _events(server: Server, call: Call, reply: Reply, path: str, include_u
         if include_usage:   # the OpenAI way: a chunk of its own, with no choices
             yield reply.event({"choices": [], "usage": usage(value)})
         server.record(path, value)
-        server.keeper.add(texts, namespace)
+        server.keeper.add(texts, namespace, laid_out[-1] if laid_out else None)
     yield b"data: [DONE]\n\n"
 
 

@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 
 from ragblend.core.cancel import Cancelled, cancellable
 from ragblend.core.engine import BlendEngine
+from ragblend.core.prompt import PromptLayout
 
 from .protocol import ApiError
 from .worker import Job
@@ -35,6 +36,17 @@ from .worker import Job
 log = logging.getLogger("ragblend.server")
 
 MAX_PENDING = 512   # passages waiting to be stored; beyond it the oldest are dropped (misses)
+
+
+def outside_read_chunks(texts: Iterable[str], layout: PromptLayout, decode: Callable[[list[int]], str]) -> list[str]:
+    """The passages of ``texts`` that lie inside no chunk ``layout`` read from the store.
+
+    A document of several paragraphs splits into several passages (at its paragraph breaks); where
+    the prompt found the whole document stored (ingested, or stored by an earlier request), its
+    paragraphs need no entries of their own: storing them would hold the worker for seconds, and the
+    conversation's next turn, which holds them too, would wait for that storing to end."""
+    read = [decode(list(span.token_ids[span.offset:span.offset + span.end - span.start])) for span in layout.chunk_spans]
+    return [text for text in texts if not any(text in chunk for chunk in read)]
 
 
 class PassageKeeper:
@@ -58,8 +70,12 @@ class PassageKeeper:
         self.scheduled = False   # a storing job is queued or running
         self.stored = self.failed = 0
 
-    def add(self, texts: Iterable[str], namespace: str = "") -> None:
-        """Remember passages to store in ``namespace`` once the worker is free (call after the answer)."""
+    def add(self, texts: Iterable[str], namespace: str = "", layout: PromptLayout | None = None) -> None:
+        """Remember passages to store in ``namespace`` once the worker is free (call after the answer).
+        ``layout``: the answered prompt's; a passage inside a chunk it read from the store is left out
+        (:func:`outside_read_chunks`)."""
+        if layout is not None:
+            texts = outside_read_chunks(texts, layout, self.engine.tokenizer.decode)
         with self.lock:
             for text in texts:
                 self.pending[namespace, text] = None

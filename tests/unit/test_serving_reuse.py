@@ -103,3 +103,25 @@ def test_a_passage_with_only_its_own_entry_stored_is_still_taken_for_its_lead_en
     engine.precompute([text])
     keeper.add([text])
     assert keeper._take() == []   # both entries stored: nothing to do
+
+
+def test_paragraphs_of_a_document_found_whole_are_not_stored_again(tokenizer):
+    # A stored document of two paragraphs, sent with a new one: the new one is stored after the answer;
+    # the stored one's paragraphs (passages of the split text) are not computed again one by one.
+    engine = make_tiny_engine("llama", tokenizer)
+    paragraphs = [" ".join(f"alpha{i}" for i in range(40)), " ".join(f"beta{i}" for i in range(40))]
+    stored_doc, new_doc = "\n\n".join(paragraphs), " ".join(f"gamma{i}" for i in range(40))
+    engine.precompute([stored_doc])
+    running = RunningServer(engine)
+    try:
+        body = {"messages": [{"role": "system", "content": f"Context:\n\n{stored_doc}\n\n{new_doc}"},
+                             {"role": "user", "content": QUESTION}], "max_tokens": 2}
+        answer = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).json()
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= engine.count_tokens(stored_doc) - 2
+        wait_idle(running.url)
+        assert all(engine.count_tokens(p) >= engine.min_chunk_tokens for p in paragraphs)   # else never stored anyway
+        assert engine.key_of(new_doc) in engine.store
+        assert not any(engine.key_of(p) in engine.store for p in paragraphs)
+        assert running.server.config.app.state.keeper.stored == 1
+    finally:
+        running.stop()
