@@ -477,3 +477,18 @@ def test_a_repeat_is_served_the_entry_that_kept_its_logits_among_equally_long_on
     hit = cache.lookup([fused], list(range(40)))
     assert hit.num_tokens == 40 and torch.equal(hit.logits, logits)      # the repeat computes nothing
     assert cache.lookup([fused], list(range(50))).num_tokens == 50
+
+
+def test_a_long_conversations_entry_keeps_the_logits_of_its_latest_prompts_only():
+    from ragblend.core.decode.prefix_cache import MAX_KEPT_LOGITS
+
+    cache = PrefixCache(1 << 20)
+    turns = [32 + 16 * t for t in range(MAX_KEPT_LOGITS + 3)]   # each turn's prompt, then its answer stored
+    for t, length in enumerate(turns):
+        cache.store(SCOPE, list(range(length)), *kv(length), logits=torch.full((50,), float(t)))
+        cache.store(SCOPE, list(range(length + 8)), *kv(length + 8))
+    (entry,) = cache._entries.values()
+    assert sorted(entry.logits) == turns[-MAX_KEPT_LOGITS:]
+    assert cache.lookup([SCOPE], list(range(turns[-1]))).logits[0] == len(turns) - 1   # the latest repeat: computes nothing
+    assert cache.lookup([SCOPE], list(range(turns[0]))).logits is None                # the first: its last token computed
+    assert cache.nbytes == sum(entry.nbytes for entry in cache._entries.values())

@@ -43,6 +43,7 @@ from .generate import KVDecoder
 
 log = logging.getLogger("ragblend")
 BLOCK_TOKENS = 16   # vLLM's default block size
+MAX_KEPT_LOGITS = 4   # next-token logits kept per entry (its longest prompts'): see PrefixCache._keep_logits
 
 
 @dataclass(frozen=True)
@@ -319,11 +320,16 @@ class PrefixCache:
     @staticmethod
     def _keep_logits(entry: PrefixEntry, num_tokens: int, logits: torch.Tensor) -> int:
         """Keep in ``entry`` the logits after its first ``num_tokens`` tokens, where it serves a hit
-        of that length and has none yet; the bytes it grew by."""
+        of that length and has none yet; the bytes it grew by. An entry keeps the logits of its
+        ``MAX_KEPT_LOGITS`` longest prompts: a conversation's entry holds every turn, and a repeat is
+        most often of the latest (a retry, a regenerated answer)."""
         if num_tokens in entry.logits or num_tokens < entry.usable_from:
             return 0
         entry.logits[num_tokens] = logits
         added = logits.numel() * logits.element_size()
+        while len(entry.logits) > MAX_KEPT_LOGITS:
+            dropped = entry.logits.pop(min(entry.logits))
+            added -= dropped.numel() * dropped.element_size()
         entry.nbytes += added
         return added
 
