@@ -23,6 +23,11 @@ class Background:
             self._pending = [f for f in self._pending if not f.done() or f.exception()]
             self._pending.append(self._writer.submit(_released, fn, *args))
 
+    def pending(self) -> int:
+        """The writes submitted and not finished (waiting or running)."""
+        with self._lock:
+            return sum(not future.done() for future in self._pending)
+
     def flush(self) -> None:
         """Wait for every write submitted so far, then re-raise the first one that failed."""
         with self._lock:

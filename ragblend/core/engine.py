@@ -213,6 +213,11 @@ class BlendEngine(ChunksMixin, GenerationMixin):
         """Wait for background KV writes to finish; re-raises the first one that failed."""
         self.runner.background.flush()
 
+    def background_jobs(self) -> int:
+        """The engine's own work off the TTFT path, waiting or running: KV write-backs, promotions,
+        a conversation's pieces (and their storings due again after yielding to a request)."""
+        return self.runner.background.pending() + self.runner.history.retries_due
+
     # Strategy (.plan, .calibration)
 
     def calibrate(self, prompts=None, *, save: bool = True, progress: bool = True, **options) -> Calibration:

@@ -34,6 +34,7 @@ class HistoryPieces:
         # an evicted piece is no longer looked for: a prompt holding its text computes it as text
         self.piece_store = PieceStore(max_bytes, lambda entry: index.forget(entry.key, entry.token_ids, entry.namespace))
         self._question_bounds: tuple | None = None   # the template's closing and user-turn opening, made once
+        self._retries: list[threading.Timer] = []   # storings that yielded to a request, due again (their timers)
 
     @property
     def keeps(self) -> bool:
@@ -116,6 +117,7 @@ class HistoryPieces:
                 retry = threading.Timer(self.RETRY_AFTER_S * (attempt + 1), self._retry,
                                         (prompt_ids, layout, answer, batch_tokens, attempt + 1))
                 retry.daemon = True
+                self._retries = [*(timer for timer in self._retries if timer.is_alive()), retry]
                 retry.start()
         except Exception as err:   # pieces are a cache: the next turn computes their text instead
             log.warning("ragblend: could not store a conversation's pieces (%s: %s)", type(err).__name__, err)
@@ -126,3 +128,8 @@ class HistoryPieces:
             self.background.submit(self.store_pieces, *args)
         except RuntimeError:   # the background thread is shut down (the interpreter is exiting): a cache, dropped
             log.debug("a conversation's pieces were not stored again: the background thread has shut down")
+
+    @property
+    def retries_due(self) -> int:
+        """Storings that yielded to a request and will be submitted again (their timers running)."""
+        return sum(timer.is_alive() for timer in self._retries)

@@ -159,7 +159,7 @@ class Metrics:
     def text(self, queue_depth: int, store, keeper: PassageKeeper | None = None, prefix: dict | None = None,
              pieces: dict | None = None, background_jobs: int = 0) -> str:
         """The Prometheus text of the counters, the queue (``queue_depth``: requests;
-        ``background_jobs``: the worker's own jobs), the store, the background KV fill, the
+        ``background_jobs``: the server's own work), the store, the background KV fill, the
         prefix tier (``prefix``: :meth:`~ragblend.BlendEngine.prefix_info`) and the history pieces'
         memory (``pieces``: :meth:`~ragblend.core.store.pieces.PieceStore.info`)."""
         lines: list[str] = []
@@ -176,8 +176,8 @@ class Metrics:
                    "the 499s of clients that disconnected).",
                    [("", sum(n for (_, s), n in self.requests.items() if s >= 400 and s != CLIENT_CLOSED))])
             metric("ragblend_queue_depth", "gauge", "Requests waiting or running.", [("", queue_depth)])
-            metric("ragblend_background_jobs", "gauge", "The server's own jobs (storing passages' KV) waiting "
-                   "or running in the worker, between requests.", [("", background_jobs)])
+            metric("ragblend_background_jobs", "gauge", "The server's own jobs (storing passages' KV, KV "
+                   "write-backs, a conversation's history pieces) waiting or running.", [("", background_jobs)])
             cumulative, samples = 0, []
             for edge, count in zip((*TTFT_BUCKETS, "+Inf"), self.ttft_counts):
                 cumulative += count
@@ -331,6 +331,12 @@ class Server:
         self.separator_ids = engine.tokenize(BLEND_SPECIAL_STR)
         self.limit = TextLimit(engine)
         self.special_head, self.special_tail = _special_tokens(engine)
+
+    @property
+    def background_jobs(self) -> int:
+        """The server's own work, waiting or running: the worker's passage storing and the engine's
+        (KV write-backs, a conversation's history pieces); /health's ``background_jobs``."""
+        return self.worker.background_jobs + self.engine.background_jobs()
 
     def error_response(self, err: BaseException, path: str) -> JSONResponse:
         """``err`` as an OpenAI-shaped error response, logged and counted."""
@@ -619,7 +625,7 @@ async def health(request: Request):
     server = request.app.state.server
     # queue_depth: the clients' requests only; the server's own storing of passages is background_jobs.
     return {"status": "ok", "model": server.model_id, "queue_depth": server.worker.depth,
-            "background_jobs": server.worker.background_jobs}
+            "background_jobs": server.background_jobs}
 
 
 @router.get("/v1/models")
@@ -638,7 +644,7 @@ async def prometheus(request: Request):
     server = request.app.state.server
     return PlainTextResponse(server.metrics.text(server.worker.depth, server.engine.store, server.keeper,
                                                    server.engine.prefix_info(), server.engine.pieces_info(),
-                                                   background_jobs=server.worker.background_jobs),
+                                                   background_jobs=server.background_jobs),
                              media_type="text/plain; version=0.0.4")
 
 

@@ -119,3 +119,33 @@ def test_queue_depth_counts_requests_not_the_passages_stored_after_them(tokenize
         wait_idle(running.url)
         assert health()["queue_depth"] == health()["background_jobs"] == 0
         assert running.server.config.app.state.keeper.stored == 2   # both documents, stored after all
+
+
+def test_background_jobs_count_a_conversations_pieces_being_stored(tokenizer, monkeypatch):
+    """A chat's turn is kept as history pieces by the engine's own background thread, outside the
+    worker's queue: /health's background_jobs counts it until it is stored, and a test (or an operator)
+    waiting for an idle server waits for it too."""
+    engine = make_tiny_engine("qwen2", tokenizer, history_pieces=True)   # a chat template: a turn to keep
+    storing, go_on = threading.Event(), threading.Event()
+    store_pieces = engine.runner.history.store_pieces
+
+    def held_store_pieces(*args, **kwargs):   # the pieces' storing waits here, running, until the test has looked
+        storing.set()
+        assert go_on.wait(60)
+        return store_pieces(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.history, "store_pieces", held_store_pieces)
+    document = " ".join(f"river{i}" for i in range(40))
+    engine.precompute([document])   # found whole: nothing for the worker to store after the answer
+    body = {"messages": [{"role": "system", "content": f"Context:\n\n{document}"},
+                         {"role": "user", "content": "Which river comes first?"}], "max_tokens": 8}
+    with RunningServer(engine) as running:
+        def health() -> dict:
+            return httpx.get(f"{running.url}/health", timeout=10).json()
+
+        assert httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert storing.wait(30)
+        assert (health()["queue_depth"], health()["background_jobs"]) == (0, 1)
+        go_on.set()
+        wait_idle(running.url)
+        assert health()["background_jobs"] == 0 and engine.pieces_info()["entries"] >= 1
