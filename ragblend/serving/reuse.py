@@ -44,8 +44,12 @@ def outside_read_chunks(texts: Iterable[str], layout: PromptLayout, decode: Call
     A document of several paragraphs splits into several passages (at its paragraph breaks); where
     the prompt found the whole document stored (ingested, or stored by an earlier request), its
     paragraphs need no entries of their own: storing them would hold the worker for seconds, and the
-    conversation's next turn, which holds them too, would wait for that storing to end."""
-    read = [decode(list(span.token_ids[span.offset:span.offset + span.end - span.start])) for span in layout.chunk_spans]
+    conversation's next turn, which holds them too, would wait for that storing to end. A span may
+    stop a token short of its chunk's edge, where the prompt's token there merged with the break
+    beside it (Qwen2's and Llama 3's ``".\n\n"`` is one token): the text compared reaches one token
+    past each end of the span, so that the document's last (or first) paragraph counts as inside it too."""
+    read = [decode(list(span.token_ids[max(span.offset - 1, 0):span.offset + span.end - span.start + 1]))
+            for span in layout.chunk_spans]
     return [text for text in texts if not any(text in chunk for chunk in read)]
 
 

@@ -125,3 +125,35 @@ def test_paragraphs_of_a_document_found_whole_are_not_stored_again(tokenizer):
         assert running.server.config.app.state.keeper.stored == 1
     finally:
         running.stop()
+
+
+def test_a_documents_last_paragraph_counts_as_found_where_its_last_token_merged_with_the_break():
+    # Qwen2's and Llama 3's pre-tokenizers keep ".\n\n" as one token: in the prompt, the stored document's
+    # last "." merges with the break after it, so the chunk is found a token short of its end. Its last
+    # paragraph is still inside the chunk read, and is not stored again on its own.
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ragblend.core.prompt import ChunkFinder, PromptLayout
+    from ragblend.serving.protocol import passages
+    from ragblend.serving.reuse import outside_read_chunks
+
+    qwen2_split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(qwen2_split), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    paragraphs = [" ".join(f"alpha{i}" for i in range(30)) + ".", " ".join(f"beta{i}" for i in range(30)) + "."]
+    document, new = "\n\n".join(paragraphs), " ".join(f"gamma{i}" for i in range(30)) + "."
+    prompt = f"Context:\n\n{document}\n\n{new}\n\nWhich list comes first?"
+    bpe.train_from_iterator([prompt] * 4, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    finder = ChunkFinder()
+    finder.add(tokenizer(document)["input_ids"])
+    ids = tokenizer(prompt)["input_ids"]
+    (span,) = finder.find(ids)
+    assert span.end - span.start == len(span.token_ids) - 1   # the "." before the break is the prompt's own
+    texts = passages([prompt.rsplit("\n\n", 1)[0]])
+    assert outside_read_chunks(texts, PromptLayout(ids, [span]), tokenizer.decode) == ["Context:", new]
