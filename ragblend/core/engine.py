@@ -215,7 +215,8 @@ class BlendEngine(ChunksMixin, GenerationMixin):
 
     def background_jobs(self) -> int:
         """The engine's own work off the TTFT path, waiting or running: KV write-backs, promotions,
-        a conversation's pieces (and their storings due again after yielding to a request)."""
+        the prefix tier's next-turn openings, a conversation's pieces (and their storings due again
+        after yielding to a request)."""
         return self.runner.background.pending() + self.runner.history.retries_due
 
     # Strategy (.plan, .calibration)
