@@ -38,8 +38,9 @@ log = logging.getLogger("ragblend.server")
 MAX_PENDING = 512   # passages waiting to be stored; beyond it the oldest are dropped (misses)
 
 
-def outside_read_chunks(texts: Iterable[str], layout: PromptLayout, decode: Callable[[list[int]], str]) -> list[str]:
-    """The passages of ``texts`` that lie inside no chunk ``layout`` read from the store.
+def outside_found_chunks(texts: Iterable[str], layout: PromptLayout, decode: Callable[[list[int]], str]) -> list[str]:
+    """The passages of ``texts`` that lie inside no chunk ``layout`` found (one the store holds, or held
+    and the prefill computes again and writes back).
 
     A document of several paragraphs splits into several passages (at its paragraph breaks); where
     the prompt found the whole document stored (ingested, or stored by an earlier request), its
@@ -76,10 +77,10 @@ class PassageKeeper:
 
     def add(self, texts: Iterable[str], namespace: str = "", layout: PromptLayout | None = None) -> None:
         """Remember passages to store in ``namespace`` once the worker is free (call after the answer).
-        ``layout``: the answered prompt's; a passage inside a chunk it read from the store is left out
-        (:func:`outside_read_chunks`)."""
+        ``layout``: the answered prompt's; a passage inside a chunk found in it is left out
+        (:func:`outside_found_chunks`)."""
         if layout is not None:
-            texts = outside_read_chunks(texts, layout, self.engine.tokenizer.decode)
+            texts = outside_found_chunks(texts, layout, self.engine.tokenizer.decode)
         with self.lock:
             for text in texts:
                 self.pending[namespace, text] = None

@@ -137,7 +137,7 @@ def test_background_jobs_count_a_conversations_pieces_being_stored(tokenizer, mo
     monkeypatch.setattr(engine.runner.history, "store_pieces", held_store_pieces)
     document = " ".join(f"river{i}" for i in range(40))
     engine.precompute([document])   # found whole: nothing for the worker to store after the answer
-    body = {"messages": [{"role": "system", "content": f"Context:\n\n{document}"},
+    body = {"messages": [{"role": "system", "content": document},
                          {"role": "user", "content": "Which river comes first?"}], "max_tokens": 8}
     with RunningServer(engine) as running:
         def health() -> dict:

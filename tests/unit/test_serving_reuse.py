@@ -136,7 +136,7 @@ def test_a_documents_last_paragraph_counts_as_found_where_its_last_token_merged_
 
     from ragblend.core.prompt import ChunkFinder, PromptLayout
     from ragblend.serving.protocol import passages
-    from ragblend.serving.reuse import outside_read_chunks
+    from ragblend.serving.reuse import outside_found_chunks
 
     qwen2_split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                    r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -156,4 +156,4 @@ def test_a_documents_last_paragraph_counts_as_found_where_its_last_token_merged_
     (span,) = finder.find(ids)
     assert span.end - span.start == len(span.token_ids) - 1   # the "." before the break is the prompt's own
     texts = passages([prompt.rsplit("\n\n", 1)[0]])
-    assert outside_read_chunks(texts, PromptLayout(ids, [span]), tokenizer.decode) == ["Context:", new]
+    assert outside_found_chunks(texts, PromptLayout(ids, [span]), tokenizer.decode) == ["Context:", new]
