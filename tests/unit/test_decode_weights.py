@@ -461,7 +461,8 @@ def test_the_decoding_weights_cache_is_keyed_by_cpu_and_file(tmp_path, monkeypat
     model.ragblend_source = source_stamp(weights)
     here = low_bit_cache.cache_path(model, "auto")
     assert here is not None and here.parent == tmp_path / "decoding"
-    monkeypatch.setattr(kernels, "_torch_capability", lambda: "AVX2")
+    other = "AVX512" if kernels._torch_capability() == "AVX2" else "AVX2"   # whichever this host is not
+    monkeypatch.setattr(kernels, "_torch_capability", lambda: other)
     assert low_bit_cache.cache_path(model, "auto") != here
     monkeypatch.undo()
     monkeypatch.setenv("RAGBLEND_CACHE_DIR", str(tmp_path))
