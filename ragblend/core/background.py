@@ -31,8 +31,10 @@ class Background:
     def flush(self) -> None:
         """Wait for every write submitted so far, then re-raise the first one that failed."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = list(self._pending)
         failures = [future.exception() for future in pending]   # exception() waits for each
+        with self._lock:   # counted by pending() until done; a failure is raised once
+            self._pending = [future for future in self._pending if future not in pending]
         first = next((err for err in failures if err is not None), None)
         if first is not None:
             raise first

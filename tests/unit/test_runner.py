@@ -3,6 +3,7 @@ back), fuses the prompt and counts what it reused; Background runs store writes 
 path. The engine's parts wired by hand prefill as BlendEngine does, and the runner's own parts
 (core.chunk_reads, core.prefix_reuse) work alone."""
 
+import threading
 import time
 
 import pytest
@@ -139,6 +140,19 @@ def test_background_flush_re_raises_a_failed_write_once():
         background.flush()
     assert done == ["before", "after"]          # every write was waited for, those after the failure too
     background.flush()                          # reported once: the next flush has nothing to raise
+
+
+def test_background_writes_count_as_pending_until_done_also_while_a_flush_waits():
+    background, release = Background(), threading.Event()
+    background.submit(release.wait, 30)
+    assert background.pending() == 1
+    flushing = threading.Thread(target=background.flush)
+    flushing.start()
+    time.sleep(0.1)
+    assert background.pending() == 1   # /health's background_jobs reads it while a flush waits
+    release.set()
+    flushing.join(30)
+    assert background.pending() == 0
 
 
 def test_chunk_reads_alone_find_stored_chunks_and_compute_or_leave_out_missing_ones(tokenizer):
