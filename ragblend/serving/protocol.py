@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -26,8 +27,10 @@ BLEND_SPECIAL_STR = " # # "
 # What marks a content block as a chunk whose KV is reused (Anthropic's prompt-caching mark).
 CACHE_CONTROL = {"type": "ephemeral"}
 # Where frameworks join the texts they retrieve (LangChain's stuff chain and LlamaIndex's
-# synthesizers put "\n\n" between documents): unmarked text is split into passages here.
-PASSAGE_BREAK = "\n\n"
+# synthesizers put "\n\n" between documents): unmarked text is split into passages here. A
+# blank line with Windows line endings ("\r\n\r\n", as read from a CRLF file) is a break too:
+# else a CRLF prompt is one passage, and its documents are never stored on their own.
+PASSAGE_BREAK = re.compile(r"\r?\n\r?\n")
 
 # Counts checked before anything is tokenized. Every message and every non-empty block costs
 # at least one token, so more than these never fit a small model's window anyway; the caps keep
@@ -332,7 +335,7 @@ def passages(texts: Iterable[str], question: Iterable[str] = ()) -> list[str]:
 
 
 def _pieces(text: str) -> list[str]:
-    return [piece for piece in map(str.strip, text.split(PASSAGE_BREAK)) if piece]
+    return [piece for piece in map(str.strip, PASSAGE_BREAK.split(text)) if piece]
 
 
 def _checked_role(message, i: int) -> str:

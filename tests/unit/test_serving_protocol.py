@@ -82,6 +82,8 @@ def test_blocks_segments_and_passages():
     assert segments_of([{"type": "text", "text": "x", "extras": {"cache_control": {"type": "ephemeral"}}}]) == [Chunk("x")]
     text = "Use the context.\n\nFirst doc.\nStill first.\n\n\n  Second doc.  \n\nFirst doc.\nStill first."
     assert passages([text]) == ["Use the context.", "First doc.\nStill first.", "Second doc."]
+    # Windows line endings: the same passages (a CRLF prompt was one passage, its documents never stored)
+    assert passages([text.replace("\n", "\r\n")]) == ["Use the context.", "First doc.\r\nStill first.", "Second doc."]
     # The last passage of the question's turn (where RAG templates put the question) is not kept.
     assert passages(["Sys."], question=["Doc one.\n\nDoc two.", "\n\nQuestion: why?"]) == ["Sys.", "Doc one.",
                                                                                               "Doc two."]
