@@ -203,7 +203,7 @@ class Metrics:
         metric("ragblend_store_entries", "gauge", "KV entries (chunks) held per store tier.",
                [(f'{{tier="{_label(tier)}"}}', _entries(s)) for tier, s in tiers.items()])
         if keeper is not None:   # serving.reuse: the passages' KV stored after the answers, off the request path
-            metric("ragblend_kv_fill_pending", "gauge", "Passages from requests waiting to have their KV stored.",
+            metric("ragblend_kv_fill_pending", "gauge", "Passages from requests whose KV is not stored yet (waiting or being stored).",
                    [("", keeper.pending_count())])
             metric("ragblend_kv_fill_stored_total", "counter", "Passages whose KV the server stored after an answer.",
                    [("", keeper.stored)])

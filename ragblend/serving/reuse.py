@@ -127,9 +127,10 @@ class PassageKeeper:
         return any(not job.awaits() for job in self.queued())
 
     def pending_count(self) -> int:
-        """Passages waiting to be stored (``ragblend_kv_fill_pending`` on /metrics)."""
+        """Passages not stored yet (``ragblend_kv_fill_pending`` on /metrics): waiting, or in the
+        storing job under way, so the gauge reads 0 only once ``_stored_total`` has counted them."""
         with self.lock:
-            return len(self.pending)
+            return len(self.pending.keys() | self.storing)
 
     def schedule(self, own: int = 0) -> None:
         """Queue a storing job if passages wait, none is queued, and the worker has no other

@@ -96,12 +96,13 @@ def test_queue_depth_counts_requests_not_the_passages_stored_after_them(tokenize
         def gauges() -> tuple[str, str]:
             lines = httpx.get(f"{running.url}/metrics", timeout=10).text.splitlines()
             return tuple(next(line for line in lines if line.startswith(f"{name} "))
-                         for name in ("ragblend_queue_depth", "ragblend_background_jobs"))
+                         for name in ("ragblend_queue_depth", "ragblend_background_jobs", "ragblend_kv_fill_pending"))
 
         assert httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60).status_code == 200
         assert storing.wait(30)   # the answer is back and its passages are being stored
         assert health()["queue_depth"] == 0 and health()["background_jobs"] == 1
-        assert gauges() == ("ragblend_queue_depth 0", "ragblend_background_jobs 1")
+        # the passages being stored are still pending: a gauge at 0 means stored (it read 0 here)
+        assert gauges() == ("ragblend_queue_depth 0", "ragblend_background_jobs 1", "ragblend_kv_fill_pending 2")
 
         other = dict(body, messages=[{"role": "user", "content": "Say one word."}])
         answered: list[int] = []
@@ -119,6 +120,7 @@ def test_queue_depth_counts_requests_not_the_passages_stored_after_them(tokenize
         wait_idle(running.url)
         assert health()["queue_depth"] == health()["background_jobs"] == 0
         assert running.server.config.app.state.keeper.stored == 2   # both documents, stored after all
+        assert gauges()[2] == "ragblend_kv_fill_pending 0"
 
 
 def test_background_jobs_count_a_conversations_pieces_being_stored(tokenizer, monkeypatch):
