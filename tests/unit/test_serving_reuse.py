@@ -61,6 +61,23 @@ def test_stored_passages_are_reused_and_storing_waits_for_requests(tokenizer):
         running.stop()
 
 
+def test_documents_with_windows_line_endings_are_stored_and_reused_in_another_order(tokenizer):
+    """A prompt read from a CRLF file has "\r\n\r\n" between its documents, no "\n\n": each is
+    still a passage of its own, so the same documents in another order find their KV."""
+    engine = make_tiny_engine("llama", tokenizer)
+    docs = [" ".join(f"alpha{i}" for i in range(40)), " ".join(f"beta{i}" for i in range(40))]
+    with RunningServer(engine) as running:
+        cached = []
+        for order in (docs, docs[::-1]):
+            content = "\r\n\r\n".join(["Context:", *order, QUESTION])
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+            cached.append(httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+                          .json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            wait_idle(running.url)
+        assert cached[0] == 0
+        assert cached[1] >= 0.8 * sum(engine.count_tokens(d) for d in docs)   # was 0: one passage, the question's
+
+
 def metric_values(running) -> dict[str, float]:
     """The samples of the server's /metrics, by name with labels."""
     text = httpx.get(f"{running.url}/metrics", timeout=10).text
