@@ -453,3 +453,16 @@ def test_a_long_pass_and_a_lookup_read_q5_0_and_q8_0_weights_exactly_from_the_fi
     assert checked == {"Q5_0", "Q8_0"}
     ids = torch.tensor([[5, 900, 5, 64, 1023]])
     assert torch.equal(quantized.model.embed_tokens(ids), exact.model.embed_tokens(ids))
+
+
+def test_int4_packing_is_this_torchs_layout_and_unpacks_back():
+    """PyTorch packs 4-bit weights in blocks of 64 rows where its kernel was built for AVX-512 and
+    32 for AVX2: ragblend's own packing and unpacking follow the block this host's op uses (on an
+    AVX2 host they assumed 64, and every long pass over a 4-bit GGUF weight read permuted rows)."""
+    from ragblend.core.model.quantized import int4_block_rows, pack_int4, unpack_int4
+
+    codes = np.random.default_rng(1).integers(0, 16, (192, 96), dtype=np.uint8)
+    assert int4_block_rows() in (64, 32)
+    packed = pack_int4(codes)
+    assert torch.equal(packed, torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2))
+    assert torch.equal(unpack_int4(packed, 192, 96, 64, 192), torch.from_numpy(codes[64:192]))

@@ -107,29 +107,35 @@ def q4_k_scales(heads: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack_int4(codes: np.ndarray) -> torch.Tensor:
     """``codes [rows, cols]`` (uint8 0..15, rows in 64s) in the layout of
-    ``aten._convert_weight_to_int4pack_for_cpu``: per 64-row block, ``cols`` runs of 32 bytes,
-    byte ``i`` holding row ``i``'s code in its low nibble and row ``i + 32``'s in its high
+    ``aten._convert_weight_to_int4pack_for_cpu``: per block of ``B`` rows (:func:`int4_block_rows`:
+    64 where PyTorch's kernel was built for AVX-512, 32 for AVX2), ``cols`` runs of ``B / 2`` bytes,
+    byte ``i`` holding row ``i``'s code in its low nibble and row ``i + B / 2``'s in its high
     (:func:`unpack_int4` reverses it). Made here from uint8 codes, without the op's int32 copy;
-    where this torch's op packs otherwise (:func:`_packs_alike`), the op packs."""
+    where this torch's op packs in neither layout, the op packs."""
     rows, cols = codes.shape
-    if not _packs_alike():
+    block = int4_block_rows()
+    if not block:
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2)
-    halves = codes.reshape(rows // 64, 2, 32, cols)
-    packed = (halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)   # [blocks, cols, 32]
-    return torch.from_numpy(np.ascontiguousarray(packed).reshape(rows, cols // 2))
+    return torch.from_numpy(_packed(codes, block))
 
 
-_LAYOUT: list[bool] = []
+def _packed(codes: np.ndarray, block: int) -> np.ndarray:
+    rows, cols = codes.shape
+    halves = codes.reshape(rows // block, 2, block // 2, cols)
+    return np.ascontiguousarray((halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)).reshape(rows, cols // 2)
 
 
-def _packs_alike() -> bool:
-    """Whether this torch's int4 packing is the layout :func:`pack_int4` writes (checked once)."""
+_LAYOUT: list[int] = []
+
+
+def int4_block_rows() -> int:
+    """The rows of one block of this torch's int4 packing (64: AVX-512 kernels; 32: AVX2), checked
+    once against the op; 0 where it is neither layout (4-bit weights then stay unused here:
+    :func:`int4_packable`)."""
     if not _LAYOUT:
         codes = np.random.default_rng(0).integers(0, 16, (128, 64), dtype=np.uint8)
         expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2)
-        halves = codes.reshape(2, 2, 32, 64)
-        mine = np.ascontiguousarray((halves[:, 0] | (halves[:, 1] << 4)).transpose(0, 2, 1)).reshape(128, 32)
-        _LAYOUT.append(torch.equal(expected, torch.from_numpy(mine)))
+        _LAYOUT.append(next((block for block in (64, 32) if torch.equal(expected, torch.from_numpy(_packed(codes, block)))), 0))
     return _LAYOUT[0]
 
 
@@ -356,11 +362,12 @@ class QuantLinear(torch.nn.Module):
             return out
         if self.kind == "int8":
             return torch.mul(self.codes[start:stop], self.scales[start:stop, None].to(dtype), out=out)
-        # The codes go straight into the buffer (each nibble half of a 64-row block, converted in one
+        # The codes go straight into the buffer (each nibble half of a packed block, converted in one
         # copy), then weight = code * scale + (zero - 8 * scale) in one fused pass: three passes over
         # the buffer in all, where unpacking first took ten.
-        blocks = self.packed[start:stop].view(count // 64, self.in_features, 32)
-        halves = out.view(count // 64, 2, 32, self.in_features)
+        block = int4_block_rows()   # 64 or 32 rows, dividing the 64-row-aligned slices asked for
+        blocks = self.packed[start:stop].view(count // block, self.in_features, block // 2)
+        halves = out.view(count // block, 2, block // 2, self.in_features)
         halves[:, 0].copy_((blocks & 15).transpose(1, 2))
         halves[:, 1].copy_((blocks >> 4).transpose(1, 2))
         scales, minimums = self.file_scales(start, stop)   # [rows, groups] each
@@ -408,14 +415,15 @@ def exact_from_residuals(kernel_scales: torch.Tensor, residuals: torch.Tensor) -
 def int4_packable(rows: int, cols: int) -> bool:
     """Whether a weight's 4-bit form fits the CPU kernel and :func:`unpack_int4`: inputs in groups
     of 32, outputs in whole 64-row blocks (every real model's shapes; a tiny test model's may not)."""
-    return cols % GROUP == 0 and rows % 64 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return cols % GROUP == 0 and rows % 64 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") \
+        and int4_block_rows() > 0
 
 
 def unpack_int4(packed: torch.Tensor, rows: int, cols: int, start: int, stop: int) -> torch.Tensor:
     """Codes ``[stop - start, cols]`` (uint8) of rows ``start:stop`` (64-row aligned) of a weight
-    packed by ``_convert_weight_to_int4pack_for_cpu``: per 64-row block, ``cols`` runs of 32
-    bytes, byte ``i`` holding row ``i``'s code in its low nibble and row ``i + 32``'s in its high."""
-    blocks = packed[start:stop].reshape((stop - start) // 64, cols, 32)
+    packed by ``_convert_weight_to_int4pack_for_cpu`` (:func:`pack_int4`'s layout)."""
+    block = int4_block_rows()
+    blocks = packed[start:stop].reshape((stop - start) // block, cols, block // 2)
     return torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(stop - start, cols)
 
 
