@@ -774,6 +774,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     if exc.status_code == 404:
         # The usual slip: a client's base_url without /v1 (the openai SDK adds only /chat/completions).
         hint = f" An OpenAI client's base_url ends in /v1: did you mean /v1{path}?" if f"/v1{path}" in ROUTES else ""
+        bare = path.removeprefix("/v1")
+        if path.startswith("/v1/") and bare in ROUTES:   # the other slip: a route outside /v1 asked under a /v1 base_url
+            hint = f" {bare} has no /v1 prefix: send it to the server's root ({bare})."
         err = ApiError(404, f"No endpoint at {_shown(path)}.{hint} This server has: {_endpoints()}.", code=NOT_FOUND)
     elif exc.status_code == 405:
         allowed = [m.strip() for m in (exc.headers or {}).get("Allow", "").split(",") if m.strip() not in ("", "HEAD")]

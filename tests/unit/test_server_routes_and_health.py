@@ -50,6 +50,16 @@ def test_a_base_url_without_v1_is_told_to_add_it(server):
     assert "base_url ends in /v1: did you mean /v1/chat/completions?" in err.value.message
 
 
+def test_a_route_outside_v1_asked_under_v1_is_told_where_it_is(server):
+    """/tokenize (vLLM's, outside /v1) asked through a client whose base_url ends in /v1."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.post("/tokenize", body={"prompt": "Hi"}, cast_to=dict)
+    assert err.value.code == "not_found" and "/tokenize has no /v1 prefix" in err.value.message
+
+
 def test_a_wrong_method_is_a_405_naming_the_one_to_send(server):
     for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("POST", "/health", "GET"),
                                   ("DELETE", "/v1/models", "GET")):
