@@ -36,6 +36,7 @@ from .worker import Job
 log = logging.getLogger("ragblend.server")
 
 MAX_PENDING = 512   # passages waiting to be stored; beyond it the oldest are dropped (misses)
+MAX_LABEL_CHARS = 40   # a first line this short, before a found document, is a label ("Context:"), not text
 
 
 def outside_found_chunks(texts: Iterable[str], layout: PromptLayout, decode: Callable[[list[int]], str]) -> list[str]:
@@ -48,10 +49,17 @@ def outside_found_chunks(texts: Iterable[str], layout: PromptLayout, decode: Cal
     conversation's next turn, which holds them too, would wait for that storing to end. A span may
     stop a token short of its chunk's edge, where the prompt's token there merged with the break
     beside it (Qwen2's and Llama 3's ``".\n\n"`` is one token): the text compared reaches one token
-    past each end of the span, so that the document's last (or first) paragraph counts as inside it too."""
+    past each end of the span, so that the document's last (or first) paragraph counts as inside it too.
+    A passage whose first line is a short label glued to a found document (``"Context:\n" + document``,
+    as many RAG prompts put it) counts as inside it too: the label alone is no passage worth storing."""
     read = [decode(list(span.token_ids[max(span.offset - 1, 0):span.offset + span.end - span.start + 1]))
             for span in layout.chunk_spans]
-    return [text for text in texts if not any(text in chunk for chunk in read)]
+
+    def inside(text: str) -> bool:
+        label, _, rest = text.partition("\n")
+        return any(text in chunk for chunk in read) or \
+            (len(label) <= MAX_LABEL_CHARS and bool(rest.strip()) and any(rest.strip() in chunk for chunk in read))
+    return [text for text in texts if not inside(text)]
 
 
 class PassageKeeper:
