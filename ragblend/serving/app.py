@@ -110,6 +110,8 @@ MAX_HEADERS = 100
 
 # The paths /metrics counts by name; any other path is counted as "other", so that a client
 # cannot add series (or forge labels) by requesting made-up paths.
+# The field a text over the model's window came in, by route (OpenAI names "messages" for a chat).
+TOO_LONG_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/chunks": "texts"}
 ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
                     "/v1/chunks", "/tokenize"})
 
@@ -341,8 +343,8 @@ class Server:
     def error_response(self, err: BaseException, path: str) -> JSONResponse:
         """``err`` as an OpenAI-shaped error response, logged and counted."""
         if not isinstance(err, ApiError):
-            if isinstance(err, PromptTooLongError):
-                err = ApiError(400, str(err), code=CONTEXT_LENGTH_EXCEEDED)
+            if isinstance(err, PromptTooLongError):   # found once tokenized: the field that holds the text is named
+                err = ApiError(400, str(err), param=TOO_LONG_PARAM.get(path), code=CONTEXT_LENGTH_EXCEEDED)
             elif isinstance(err, (InvalidInputError, RagblendError)):   # the engine's refusal of what was sent
                 err = ApiError(400, str(err), code=INVALID_VALUE)
             else:

@@ -205,7 +205,7 @@ def post(server, path, body=None, raw=None, headers=None, timeout=60):
     ("/v1/chat/completions", {"model": "m"}, 400, "non-empty list", "messages", "missing_required_parameter"),
     ("/v1/chat/completions", {"messages": []}, 400, "non-empty list", "messages", "invalid_value"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]}, 400, "context window",
-     None, "context_length_exceeded"),
+     "messages", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]}]}, 400, "text blocks only",
      "messages[0].content[0]", "unsupported_parameter"),
