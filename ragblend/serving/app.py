@@ -110,10 +110,10 @@ MAX_HEADERS = 100
 
 # The paths /metrics counts by name; any other path is counted as "other", so that a client
 # cannot add series (or forge labels) by requesting made-up paths.
-# The field a text over the model's window came in, by route (OpenAI names "messages" for a chat).
-TOO_LONG_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/chunks": "texts"}
 ROUTES = frozenset({"/health", "/v1/models", "/metrics", "/v1/chat/completions", "/v1/completions",
                     "/v1/chunks", "/tokenize"})
+# The field a text over the model's window came in, by route (OpenAI names "messages" for a chat).
+TOO_LONG_PARAM = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/chunks": "texts"}
 
 
 # ---------------------------------------------------------------------------- metrics

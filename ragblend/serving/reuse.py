@@ -57,8 +57,8 @@ def outside_found_chunks(texts: Iterable[str], layout: PromptLayout, decode: Cal
 
     def inside(text: str) -> bool:
         label, _, rest = text.partition("\n")
-        return any(text in chunk for chunk in read) or \
-            (len(label) <= MAX_LABEL_CHARS and bool(rest.strip()) and any(rest.strip() in chunk for chunk in read))
+        rest = rest.strip() if len(label) <= MAX_LABEL_CHARS else ""
+        return any(text in chunk or (rest and rest in chunk) for chunk in read)
     return [text for text in texts if not inside(text)]
 
 

@@ -111,12 +111,8 @@ def pack_int4(codes: np.ndarray) -> torch.Tensor:
     64 where PyTorch's kernel was built for AVX-512, 32 for AVX2), ``cols`` runs of ``B / 2`` bytes,
     byte ``i`` holding row ``i``'s code in its low nibble and row ``i + B / 2``'s in its high
     (:func:`unpack_int4` reverses it). Made here from uint8 codes, without the op's int32 copy;
-    where this torch's op packs in neither layout, the op packs."""
-    rows, cols = codes.shape
-    block = int4_block_rows()
-    if not block:
-        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes).int(), 2)
-    return torch.from_numpy(_packed(codes, block))
+    called only where the layout is known (:func:`int4_packable`)."""
+    return torch.from_numpy(_packed(codes, int4_block_rows()))
 
 
 def _packed(codes: np.ndarray, block: int) -> np.ndarray:
